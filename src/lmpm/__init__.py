@@ -1,0 +1,48 @@
+"""LMPM: a language and runtime for consensual programming over PyTorch.
+
+>>> import lmpm
+>>> front = lmpm.check_source("value Txt : Token[Byte] shape Seq(8)\\nvisible Txt[t] <- Txt[0..t-1] when t > 0\\n")
+>>> [v.name for v in front.ir.values]
+['Txt']
+"""
+
+from __future__ import annotations
+
+from lmpm.bindings import bind as bind
+from lmpm.errors import (
+    BindError as BindError,
+)
+from lmpm.errors import (
+    CheckError as CheckError,
+)
+from lmpm.errors import (
+    LmpmError as LmpmError,
+)
+from lmpm.errors import (
+    ModelError as ModelError,
+)
+from lmpm.errors import (
+    ParseError as ParseError,
+)
+from lmpm.errors import (
+    RuntimeFault as RuntimeFault,
+)
+from lmpm.ir import Frontend as Frontend
+from lmpm.ir import compile_file as check_file
+from lmpm.ir import compile_source as check_source
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BindError",
+    "CheckError",
+    "Frontend",
+    "LmpmError",
+    "ModelError",
+    "ParseError",
+    "RuntimeFault",
+    "__version__",
+    "bind",
+    "check_file",
+    "check_source",
+]

@@ -1,0 +1,141 @@
+"""Binding call names in a program (Model, Palette, region, SampleTiles, ...) to Python objects.
+
+Three sources, later ones win: the built-in registry (lazy: a built-in is imported only when a
+program uses it), modules passed with ``--bind`` (a dotted module name or a ``.py`` path), and the
+``bindings=`` mapping of the Python API. A user module binds names either with the decorator::
+
+    import lmpm
+
+    @lmpm.bind("Palette")
+    def palette(name: str) -> list[int]:
+        return [0, 1, 2]
+
+or with a module-level dict ``LMPM_BINDINGS = {"Palette": palette}``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from lmpm.errors import BindError, UsageError
+
+# Built-in names -> "module:attribute", imported on first use. Policies and schedules are resolved
+# by the runtime's own registries; they are listed so `check --strict` knows them without torch.
+BUILTINS: dict[str, str] = {
+    "satisfy": "lmpm.resolve.policies:satisfy",
+    "winner_takes_all": "lmpm.resolve.policies:winner_takes_all",
+    "average": "lmpm.resolve.policies:average",
+    "quorum": "lmpm.resolve.policies:quorum",
+    "Set": "lmpm.runtime.constraints:set_literal",
+    "SampleTiles": "lmpm.resolve.schedules:sample_tiles",
+}
+
+_DECORATED: dict[str, Any] = {}  # filled by @bind while a --bind module is imported
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def bind(name: str) -> Callable[[F], F]:
+    """Decorator: bind ``name`` in LMPM programs to the decorated callable or class."""
+
+    def deco(obj: F) -> F:
+        _DECORATED[name] = obj
+        return obj
+
+    return deco
+
+
+def register_builtin(name: str, target: str) -> None:
+    """Add a built-in name (``"package.module:attr"``), e.g. from a plugin package."""
+    BUILTINS[name] = target
+
+
+def load_module(spec: str) -> dict[str, Any]:
+    """Import a ``--bind`` module (dotted name or .py path) and return the names it binds."""
+    _DECORATED.clear()
+    path = Path(spec)
+    try:
+        if spec.endswith(".py") or path.exists():
+            if not path.is_file():
+                raise UsageError(f"--bind {spec}: no such file", code="U004")
+            mod_name = f"lmpm_user_bindings_{abs(hash(str(path.resolve())))}"
+            loader_spec = importlib.util.spec_from_file_location(mod_name, path)
+            if loader_spec is None or loader_spec.loader is None:
+                raise UsageError(f"--bind {spec}: cannot load this file as Python", code="U004")
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[mod_name] = module
+            loader_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(spec)
+    except UsageError:
+        raise
+    except ModuleNotFoundError as e:
+        raise UsageError(f"--bind {spec}: module not found ({e.name})", code="U004") from None
+    except Exception as e:
+        raise BindError(
+            f"--bind {spec}: importing it raised {type(e).__name__}: {e}", code="B010"
+        ) from e
+    names = dict(_DECORATED)
+    table = getattr(module, "LMPM_BINDINGS", None)
+    if table is not None:
+        if not isinstance(table, dict):
+            raise BindError(
+                f"--bind {spec}: LMPM_BINDINGS must be a dict of name -> object", code="B011"
+            )
+        names.update(table)
+    if not names:
+        raise BindError(
+            f"--bind {spec}: the module binds no names",
+            code="B012",
+            hint='decorate functions with @lmpm.bind("Name") or define LMPM_BINDINGS',
+        )
+    _DECORATED.clear()
+    return names
+
+
+def known_names(modules: Iterable[str] = ()) -> set[str]:
+    names = set(BUILTINS)
+    for m in modules:
+        names.update(load_module(m))
+    return names
+
+
+def resolve_builtin(name: str) -> Any:
+    target = BUILTINS.get(name)
+    if target is None:
+        raise KeyError(name)
+    mod, _, attr = target.partition(":")
+    return getattr(importlib.import_module(mod), attr)
+
+
+class Bindings:
+    """Name -> object for one run: user mappings over --bind modules over built-ins."""
+
+    def __init__(self, modules: Iterable[str] = (), mapping: dict[str, Any] | None = None) -> None:
+        self._user: dict[str, Any] = {}
+        for m in modules:
+            self._user.update(load_module(m))
+        self._user.update(mapping or {})
+
+    def names(self) -> set[str]:
+        return set(BUILTINS) | set(self._user)
+
+    def get(self, name: str, role: str = "name") -> Any:
+        if name in self._user:
+            return self._user[name]
+        try:
+            return resolve_builtin(name)
+        except KeyError:
+            pass
+        known = ", ".join(sorted(self.names()))
+        raise BindError(
+            f"{role} `{name}` is not bound",
+            code="B020",
+            hint=f'bind it with --bind MODULE (decorate with @lmpm.bind("{name}")); '
+            f"bound names: {known}",
+        )

@@ -1,0 +1,1 @@
+"""Subcommands of `lmpm`, one module each; see :mod:`lmpm.cli`."""

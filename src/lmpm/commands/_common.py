@@ -1,0 +1,60 @@
+"""Argument helpers shared by subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from lmpm.errors import Diagnostic, LmpmError, UsageError
+
+
+def parse_sets(items: list[str] | None) -> dict[str, int]:
+    """`--set K=V` pairs (V an integer)."""
+    out: dict[str, int] = {}
+    for item in items or []:
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set expects NAME=INTEGER, got {item!r}", code="U002")
+        try:
+            out[key.strip()] = int(val.strip(), 0)
+        except ValueError:
+            raise UsageError(
+                f"--set {key.strip()}: {val.strip()!r} is not an integer", code="U002"
+            ) from None
+    return out
+
+
+def add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="NAME=VALUE",
+        default=[],
+        help="bind a parameter (repeatable), e.g. --set N=64",
+    )
+
+
+def program_path(path: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"no such file: {path}", code="U003")
+    if p.is_dir():
+        raise UsageError(f"{path} is a directory, not a .lmpm program", code="U003")
+    return p
+
+
+def print_diagnostics(diags: list[Diagnostic] | tuple[Diagnostic, ...], as_json: bool) -> None:
+    if as_json:
+        for d in diags:
+            sys.stdout.write(json.dumps(d.to_json()) + "\n")
+        return
+    for d in diags:
+        sys.stderr.write(d.render() + "\n")
+
+
+def fail_json(e: LmpmError) -> int:
+    for d in e.diagnostics:
+        sys.stdout.write(json.dumps(d.to_json()) + "\n")
+    return 1

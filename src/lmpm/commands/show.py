@@ -1,0 +1,74 @@
+"""`lmpm show FILE`: the program as a graph (text, DOT, SVG, Mermaid) or its IR."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+
+from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
+from lmpm.errors import LmpmError
+
+HELP = "show a program as a graph: values, visibility, rules, constraints, commits"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", help="the .lmpm program")
+    add_set(p)
+    p.add_argument(
+        "--format",
+        choices=["text", "dot", "svg", "mermaid", "ir"],
+        default="text",
+        help="text outline (default), Graphviz dot, svg (needs graphviz), mermaid, or IR text",
+    )
+    p.add_argument("--plan", action="store_true", help="show the resolved execution plan")
+    p.add_argument("-o", "--output", help="write to this file instead of stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from lmpm.ir import compile_file
+    from lmpm.ir import graph as g
+
+    path = program_path(args.file)
+    overrides = parse_sets(args.set)
+    front = compile_file(path, overrides=overrides, raise_errors=False)
+    print_diagnostics(front.diagnostics, False)
+    if front.errors:
+        return 1
+    if args.plan:
+        from lmpm.resolve.plan import plan_text
+
+        out = plan_text(front.ir, overrides)
+    elif args.format == "ir":
+        from lmpm.ir.printer import print_ir
+
+        out = print_ir(front.ir)
+    elif args.format == "dot":
+        out = g.to_dot(front.ir)
+    elif args.format == "mermaid":
+        out = g.to_mermaid(front.ir)
+    elif args.format == "svg":
+        dot = g.to_dot(front.ir)
+        exe = shutil.which("dot")
+        if exe is None:
+            sys.stderr.write(
+                "svg needs Graphviz's `dot` program, which is not installed "
+                "(apt-get install graphviz); printing DOT instead\n"
+            )
+            out = dot
+        else:
+            res = subprocess.run(
+                [exe, "-Tsvg"], input=dot, capture_output=True, text=True, check=False
+            )
+            if res.returncode != 0:
+                raise LmpmError(f"graphviz failed: {res.stderr.strip()}", code="U010")
+            out = res.stdout
+    else:
+        out = g.to_text(front.ir)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(out)
+    else:
+        sys.stdout.write(out)
+    return 0

@@ -1,0 +1,878 @@
+"""AST → Lamport IR. Resolves names and gives each expression its meaning in its position.
+
+Structural faults (unknown names, rank mismatches, misplaced constructs) are collected as diagnostics;
+semantic checks over the finished IR live in :mod:`lmpm.ir.check`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lmpm.errors import DiagnosticSink, Span
+from lmpm.ir.eval import EvalError, evaluate
+from lmpm.ir.nodes import (
+    BINARY_OPS,
+    IR_VERSION,
+    NEIGHBORHOODS,
+    RANK,
+    TRUE,
+    Access,
+    Arg,
+    ArgKind,
+    Axis,
+    AxisKind,
+    Binder,
+    Call,
+    Commit,
+    Constraint,
+    DType,
+    Expr,
+    Op,
+    Param,
+    PredKind,
+    Program,
+    Read,
+    ReadKind,
+    Rule,
+    RuleKind,
+    ShapeKind,
+    Status,
+    Stencil,
+    Value,
+)
+from lmpm.lang import ast
+
+VOCABS = {"Byte": 256}  # built-in vocabularies
+EPOCH_VAR = "e"  # the epoch number, usable in every rule's call arguments
+PREV_READ = "prev_frame"  # the target's own value one step back on the first axis
+AXIS_NAMES = {
+    ShapeKind.SEQ: ("t",),
+    ShapeKind.GRID2D: ("x", "y"),
+    ShapeKind.GRID3D: ("t", "x", "y"),
+    ShapeKind.SET: (),
+}
+TYPES = {
+    "Token": DType.TOKEN,
+    "Event": DType.EVENT,
+    "Rule": DType.RULE,
+    "Float": DType.FLOAT,
+    "Tensor": DType.TENSOR,
+}
+BUILTIN_PREDICATES = {"change": PredKind.CHANGE, "read_future": PredKind.READ_FUTURE}
+
+
+class _Skip(Exception):
+    """Abandon the current statement after a diagnostic was recorded."""
+
+
+@dataclass
+class _Scope:
+    """Names an expression may use, and what each one means."""
+
+    vars: set[str] = field(default_factory=set)  # index / binder / pattern variables
+    allow_epoch: bool = False
+    free_params: bool = False  # unknown names become implicit (region) parameters
+
+
+class Builder:
+    def __init__(self, file: str, sink: DiagnosticSink) -> None:
+        self.file = file
+        self.sink = sink
+        self.params: dict[str, Param] = {}
+        self.values: dict[str, Value] = {}
+        self.names: dict[str, tuple[str, Span]] = {}  # top-level name -> (kind, span)
+
+    # ---- entry ---------------------------------------------------------------------------------
+    def build(self, prog: ast.Program) -> Program:
+        # Declarations first, in order, so later statements may use any value (the seed declares
+        # Coarse after a clause that reads it).
+        for item in prog.items:
+            self._guarded(item, self._declare)
+        stencils: list[Stencil] = []
+        rules: list[Rule] = []
+        constraints: list[Constraint] = []
+        commits: list[Commit] = []
+        for item in prog.items:
+            if isinstance(item, ast.Visible):
+                self._guarded(item, lambda i: stencils.append(self._visible(i)))
+            elif isinstance(item, ast.Rule):
+                self._guarded(item, lambda i: rules.append(self._rule(i)))
+            elif isinstance(item, ast.Constraint):
+                self._guarded(item, lambda i: constraints.append(self._constraint(i)))
+            elif isinstance(item, ast.Commit):
+                self._guarded(item, lambda i: commits.append(self._commit(i)))
+        return Program(
+            IR_VERSION,
+            self.file,
+            tuple(self.params.values()),
+            tuple(self.values.values()),
+            tuple(stencils),
+            tuple(rules),
+            tuple(constraints),
+            tuple(commits),
+        )
+
+    def _guarded(self, item: ast.Item, fn: object) -> None:
+        try:
+            fn(item)  # type: ignore[operator]
+        except _Skip:
+            pass
+        except RecursionError:
+            self.sink.error(
+                "E199", "statement nested too deeply to compile", item.span, "split the expression"
+            )
+
+    def _fail(self, code: str, msg: str, span: Span, hint: str | None = None) -> _Skip:
+        self.sink.error(code, msg, span, hint)
+        return _Skip()
+
+    # ---- declarations --------------------------------------------------------------------------
+    def _claim(self, name: str, kind: str, span: Span) -> None:
+        if name in self.names:
+            prev_kind, prev = self.names[name]
+            raise self._fail(
+                "E102",
+                f"`{name}` is already declared as a {prev_kind} at line {prev.line}",
+                span,
+                "pick another name",
+            )
+        self.names[name] = (kind, span)
+
+    def _declare(self, item: ast.Item) -> None:
+        if isinstance(item, ast.Param):
+            if item.name in self.params and not self.params[item.name].declared:
+                raise self._fail(
+                    "E102",
+                    f"param `{item.name}` is declared after its first use",
+                    item.span,
+                    "move the `param` line above the values that use it",
+                )
+            self._claim(item.name, "param", item.span)
+            default = self._expr(item.default, _Scope()) if item.default is not None else None
+            self.params[item.name] = Param(item.name, default, True, item.span)
+        elif isinstance(item, ast.Value):
+            self._claim(item.name, "value", item.span)
+            self.values[item.name] = self._value(item)
+        elif isinstance(item, ast.Rule):
+            self._claim(item.name, "rule", item.name_span)
+        elif isinstance(item, ast.Constraint):
+            self._claim(item.name, "constraint", item.name_span)
+
+    def _implicit_param(self, name: str, span: Span) -> Expr:
+        if name not in self.params:
+            self.params[name] = Param(name, None, False, span)
+        return Expr.param(name)
+
+    def _value(self, v: ast.Value) -> Value:
+        t = v.type
+        if t.name not in TYPES:
+            raise self._fail(
+                "E105",
+                f"unknown type `{t.name}`",
+                t.span,
+                "types are Token[V], Event, Rule, Float, Tensor[D]",
+            )
+        dtype = TYPES[t.name]
+        vocab: Expr | None = None
+        vocab_name: str | None = None
+        if dtype in (DType.TOKEN, DType.TENSOR):
+            if len(t.args) != 1:
+                raise self._fail(
+                    "E105",
+                    f"`{t.name}` takes one argument, got {len(t.args)}",
+                    t.span,
+                    f"write {t.name}[Byte], {t.name}[VQ] or {t.name}[16]",
+                )
+            a = t.args[0]
+            if isinstance(a, ast.Name) and a.id in VOCABS and a.id not in self.params:
+                vocab, vocab_name = Expr.const(VOCABS[a.id]), a.id
+            elif isinstance(a, ast.Name):
+                vocab, vocab_name = self._param_ref(a.id, a.span), a.id
+            else:
+                vocab = self._expr(a, _Scope())
+        elif t.args:
+            raise self._fail("E105", f"`{t.name}` takes no arguments", t.span)
+        shape = v.shape
+        kinds = {k.value: k for k in ShapeKind}
+        if shape.kind not in kinds:
+            raise self._fail(
+                "E106",
+                f"unknown shape `{shape.kind}`",
+                shape.span,
+                "shapes are Seq(N), Grid2D(W,H), Grid3D(T,W,H), Set()",
+            )
+        kind = kinds[shape.kind]
+        if len(shape.dims) != RANK[kind]:
+            raise self._fail(
+                "E106",
+                f"{kind.value} takes {RANK[kind]} dimension(s), got {len(shape.dims)}",
+                shape.span,
+            )
+        dims = tuple(self._expr(d, _Scope(free_params=True)) for d in shape.dims)
+        if v.clock is not None and v.clock != "Lamport":
+            raise self._fail("E105", f"unknown clock `{v.clock}`", v.span, "the clock is `Lamport`")
+        if kind == ShapeKind.SET and dtype not in (DType.EVENT, DType.RULE):
+            self.sink.warning(
+                "W105",
+                f"Set value `{v.name}` holds {dtype.value}s; Set values are "
+                "CRDT logs of events or rules",
+                shape.span,
+            )
+        return Value(
+            v.name, dtype, vocab, vocab_name, kind, dims, AXIS_NAMES[kind], "Lamport", v.span
+        )
+
+    def _param_ref(self, name: str, span: Span) -> Expr:
+        if name in self.params:
+            return Expr.param(name)
+        if name in self.names:
+            kind, _ = self.names[name]
+            raise self._fail("E108", f"`{name}` is a {kind}, not a number", span)
+        return self._implicit_param(name, span)
+
+    # ---- expressions ---------------------------------------------------------------------------
+    def _expr(self, e: ast.Expr, scope: _Scope) -> Expr:
+        """An integer or boolean expression."""
+        match e:
+            case ast.Int(value=v):
+                return Expr.const(v)
+            case ast.Name(id=n, span=sp):
+                if n in scope.vars:
+                    return Expr.var(n)
+                if n == EPOCH_VAR and scope.allow_epoch:
+                    return Expr.var(n)
+                if n in self.params:
+                    return Expr.param(n)
+                if n in self.names:
+                    kind, _ = self.names[n]
+                    raise self._fail("E108", f"`{n}` is a {kind}, not a number", sp)
+                if scope.free_params:
+                    return self._implicit_param(n, sp)
+                known = sorted(scope.vars)
+                raise self._fail(
+                    "E110",
+                    f"unknown name `{n}`",
+                    sp,
+                    (f"names here: {', '.join(known)}; " if known else "")
+                    + f"declare a parameter with `param {n} = ...`",
+                )
+            case ast.BinOp(op=op, lhs=lhs, rhs=rhs):
+                return Expr(BINARY_OPS[op], (self._expr(lhs, scope), self._expr(rhs, scope)))
+            case ast.Neg(operand=x):
+                inner = self._expr(x, scope)
+                if inner.op == Op.CONST and isinstance(inner.value, int):
+                    return Expr.const(-inner.value)
+                return Expr(Op.NEG, (inner,))
+            case ast.Cmp(op=op, lhs=lhs, rhs=rhs):
+                return Expr(BINARY_OPS[op], (self._expr(lhs, scope), self._expr(rhs, scope)))
+            case ast.And(lhs=lhs, rhs=rhs):
+                return Expr(Op.AND, (self._expr(lhs, scope), self._expr(rhs, scope)))
+            case ast.Or(lhs=lhs, rhs=rhs):
+                return Expr(Op.OR, (self._expr(lhs, scope), self._expr(rhs, scope)))
+            case ast.Not(operand=x):
+                return Expr(Op.NOT, (self._expr(x, scope),))
+            case ast.In(span=sp):
+                raise self._fail(
+                    "E109",
+                    "a neighbourhood binder (`(dx,dy) in N8`) may only appear "
+                    "as a top-level `and` term of a `when` guard",
+                    sp,
+                )
+            case _:
+                raise self._fail(
+                    "E108", f"{_describe(e)} is not allowed in an integer expression", e.span
+                )
+
+    def _access(self, e: ast.Expr, scope: _Scope, *, what: str) -> Access:
+        """`Value[indices]` or a bare `Value` (all its cells)."""
+        if isinstance(e, ast.Name):
+            v = self._lookup_value(e.id, e.span)
+            return Access(v.name, tuple(Axis(AxisKind.ALL) for _ in v.dims), e.span)
+        if not (isinstance(e, ast.Subscript) and isinstance(e.base, ast.Name)):
+            raise self._fail(
+                "E108",
+                f"{what} must be a value access like `Vid[t,x,y]`, got {_describe(e)}",
+                e.span,
+            )
+        v = self._lookup_value(e.base.id, e.base.span)
+        if v.shape == ShapeKind.SET:
+            raise self._fail(
+                "E104",
+                f"`{v.name}` is a Set value and has no cells to index",
+                e.span,
+                f"write `{v.name}` without brackets",
+            )
+        rank = len(v.dims)
+        idx = e.indices
+        if len(idx) == 1 and isinstance(idx[0], ast.Star) and rank > 1:
+            return Access(v.name, tuple(Axis(AxisKind.ALL) for _ in range(rank)), e.span)
+        regions = [i for i in idx if isinstance(i, ast.Call)]
+        if len(regions) > 1:
+            raise self._fail("E103", "at most one region call per access", regions[1].span)
+        width = rank - (len(idx) - 1) if regions else 1
+        covered = len(idx) - len(regions) + (width if regions else 0)
+        if covered != rank or (regions and width < 1):
+            raise self._fail(
+                "E103",
+                f"`{v.name}` is {v.shape.value} with {rank} ax"
+                f"{'i' if rank == 1 else 'e'}s ({', '.join(v.axis_names)}), "
+                f"but this access gives {len(idx)} ind{'ex' if len(idx) == 1 else 'ices'}",
+                e.span,
+                f"write `{v.name}[{', '.join(v.axis_names)}]`",
+            )
+        axes = tuple(self._axis(i, scope, width) for i in idx)
+        return Access(v.name, axes, e.span)
+
+    def _axis(self, i: ast.Expr, scope: _Scope, width: int) -> Axis:
+        match i:
+            case ast.Star():
+                return Axis(AxisKind.ALL)
+            case ast.Range(lo=lo, hi=hi):
+                return Axis(AxisKind.RANGE, self._expr(lo, scope), self._expr(hi, scope))
+            case ast.Call():
+                return Axis(
+                    AxisKind.REGION, call=self._bound_call(i, "region", (), scope), width=width
+                )
+            case _:
+                return Axis(AxisKind.AT, self._expr(i, scope))
+
+    def _lookup_value(self, name: str, span: Span) -> Value:
+        if name in self.values:
+            return self.values[name]
+        if name in self.names:
+            kind, _ = self.names[name]
+            raise self._fail("E101", f"`{name}` is a {kind}, not a value", span)
+        raise self._fail(
+            "E101",
+            f"unknown value `{name}`",
+            span,
+            _suggest(name, list(self.values)) or "declare it with `value NAME : TYPE shape SHAPE`",
+        )
+
+    def _target(self, e: ast.Expr, *, what: str) -> tuple[Value, tuple[str, ...]]:
+        """`Vid[t,x,y]` with distinct variable names (or a bare Set value)."""
+        if isinstance(e, ast.Name):
+            v = self._lookup_value(e.id, e.span)
+            if v.shape != ShapeKind.SET:
+                raise self._fail(
+                    "E107",
+                    f"{what} `{v.name}` needs index variables",
+                    e.span,
+                    f"write `{v.name}[{', '.join(v.axis_names)}]`",
+                )
+            return v, ()
+        if not (isinstance(e, ast.Subscript) and isinstance(e.base, ast.Name)):
+            raise self._fail(
+                "E107", f"{what} must look like `Vid[t,x,y]`, got {_describe(e)}", e.span
+            )
+        v = self._lookup_value(e.base.id, e.base.span)
+        if v.shape == ShapeKind.SET:
+            raise self._fail(
+                "E104",
+                f"`{v.name}` is a Set value and has no cells to index",
+                e.span,
+                f"write `{v.name}` without brackets",
+            )
+        names: list[str] = []
+        for i in e.indices:
+            if not isinstance(i, ast.Name):
+                raise self._fail(
+                    "E107",
+                    f"{what} indices must be variable names, got {_describe(i)}",
+                    i.span,
+                    f"write `{v.name}[{', '.join(v.axis_names)}]`; put conditions in `when`",
+                )
+            if i.id in self.params or i.id in self.names:
+                raise self._fail(
+                    "E107",
+                    f"`{i.id}` is already a name in the program and cannot be an index variable",
+                    i.span,
+                )
+            if i.id in names:
+                raise self._fail("E107", f"index variable `{i.id}` is used twice", i.span)
+            names.append(i.id)
+        if len(names) != len(v.dims):
+            raise self._fail(
+                "E103",
+                f"`{v.name}` is {v.shape.value} with {len(v.dims)} axes "
+                f"({', '.join(v.axis_names)}), but {len(names)} index variable(s) given",
+                e.span,
+                f"write `{v.name}[{', '.join(v.axis_names)}]`",
+            )
+        return v, tuple(names)
+
+    # ---- guards and binders --------------------------------------------------------------------
+    def _split_guard(self, g: ast.Expr | None, scope: _Scope) -> tuple[tuple[Binder, ...], Expr]:
+        if g is None:
+            return (), TRUE
+        terms: list[ast.Expr] = []
+
+        def flatten(x: ast.Expr) -> None:
+            if isinstance(x, ast.And):
+                flatten(x.lhs)
+                flatten(x.rhs)
+            else:
+                terms.append(x)
+
+        flatten(g)
+        binders: list[Binder] = []
+        rest: list[ast.Expr] = []
+        for t in terms:
+            if isinstance(t, ast.In):
+                binders.append(self._binder(t, scope))
+            else:
+                rest.append(t)
+        guard: Expr | None = None
+        for t in rest:
+            ex = self._expr(t, scope)
+            guard = ex if guard is None else Expr(Op.AND, (guard, ex))
+        return tuple(binders), guard if guard is not None else TRUE
+
+    def _binder(self, t: ast.In, scope: _Scope) -> Binder:
+        lhs = t.lhs
+        names = (
+            [lhs]
+            if isinstance(lhs, ast.Name)
+            else list(lhs.items)
+            if isinstance(lhs, ast.Tuple)
+            else []
+        )
+        if not names or not all(isinstance(n, ast.Name) for n in names):
+            raise self._fail(
+                "E109",
+                "the left side of `in` must be a name or a tuple of names",
+                lhs.span,
+                "write `(dx,dy) in N8` or `d in -2..2`",
+            )
+        vars_ = tuple(n.id for n in names if isinstance(n, ast.Name))
+        for n in names:
+            assert isinstance(n, ast.Name)
+            if n.id in scope.vars or n.id in self.params or n.id in self.names:
+                raise self._fail("E109", f"binder variable `{n.id}` shadows another name", n.span)
+        if len(set(vars_)) != len(vars_):
+            raise self._fail("E109", "binder variables must be distinct", lhs.span)
+        rhs = t.rhs
+        if isinstance(rhs, ast.Name):
+            if rhs.id not in NEIGHBORHOODS:
+                raise self._fail(
+                    "E109",
+                    f"unknown neighbourhood `{rhs.id}`",
+                    rhs.span,
+                    "neighbourhoods: " + ", ".join(NEIGHBORHOODS),
+                )
+            dim = len(NEIGHBORHOODS[rhs.id][0])
+            if dim != len(vars_):
+                raise self._fail(
+                    "E109",
+                    f"{rhs.id} is {dim}-D but binds {len(vars_)} variable(s)",
+                    t.span,
+                    f"write ({', '.join(f'd{i}' for i in range(dim))}) in {rhs.id}",
+                )
+            scope.vars.update(vars_)
+            return Binder(vars_, rhs.id)
+        if isinstance(rhs, ast.Range) and len(vars_) == 1:
+            lo, hi = self._expr(rhs.lo, scope), self._expr(rhs.hi, scope)
+            scope.vars.update(vars_)
+            return Binder(vars_, None, lo, hi)
+        raise self._fail(
+            "E109",
+            "a binder ranges over a neighbourhood (N4, N8, N6, N26, N2) or, "
+            "for one variable, a range `a..b`",
+            rhs.span,
+        )
+
+    # ---- statements ----------------------------------------------------------------------------
+    def _visible(self, item: ast.Visible) -> Stencil:
+        target, vars_ = self._target(item.target, what="the target of `visible`")
+        if target.shape == ShapeKind.SET:
+            raise self._fail(
+                "E104",
+                f"`{target.name}` is a Set value; visibility is between cells",
+                item.target.span,
+            )
+        scope = _Scope(vars=set(vars_))
+        binders, guard = self._split_guard(item.guard, scope)
+        access = self._access(item.source, scope, what="the source of `visible`")
+        return Stencil(target.name, vars_, access.value, access.axes, binders, guard, item.span)
+
+    def _rule(self, item: ast.Rule) -> Rule:
+        ons = [s for s in item.body if isinstance(s, ast.On)]
+        reads = [s for s in item.body if isinstance(s, ast.Read)]
+        emits = [s for s in item.body if isinstance(s, ast.Emit)]
+        scores = [s for s in item.body if isinstance(s, ast.Score)]
+        for kind, stmts in (("on", ons), ("read", reads), ("emit", emits), ("score", scores)):
+            if len(stmts) > 1:
+                raise self._fail(
+                    "E111", f"rule `{item.name}` has more than one `{kind}`", stmts[1].span
+                )
+        if not ons:
+            raise self._fail(
+                "E111",
+                f"rule `{item.name}` has no `on` pattern",
+                item.name_span,
+                "add `on Value[vars]` naming the cells it proposes for",
+            )
+        if not emits:
+            raise self._fail(
+                "E111",
+                f"rule `{item.name}` emits nothing",
+                item.name_span,
+                "add `emit proposal Value[vars] := Model(...)`",
+            )
+        on = ons[0]
+        target, vars_ = self._target(on.pattern, what="the `on` pattern")
+        scope = _Scope(vars=set(vars_), allow_epoch=True)
+        trigger = self._expr(on.guard, scope) if on.guard is not None else TRUE
+        kind = RuleKind.SCHEDULE if target.shape == ShapeKind.SET else RuleKind.LOCAL
+        rule_reads = self._reads(reads[0], target, vars_, scope) if reads else ()
+        if kind == RuleKind.SCHEDULE and rule_reads:
+            raise self._fail(
+                "E111", "a schedule rule reads nothing; it proposes the open set", reads[0].span
+            )
+        emit = emits[0]
+        etarget, evars = self._target(emit.target, what="the emitted cell")
+        if etarget.name != target.name or evars != vars_:
+            want = f"{target.name}[{', '.join(vars_)}]" if vars_ else target.name
+            raise self._fail(
+                "E111",
+                "a rule emits proposals for the cells of its `on` pattern",
+                emit.target.span,
+                f"write `emit proposal {want} := ...`",
+            )
+        proposal = self._bound_call(
+            emit.call, "schedule" if kind == RuleKind.SCHEDULE else "model", rule_reads, scope
+        )
+        score = self._bound_call(scores[0].call, "score", rule_reads, scope) if scores else None
+        return Rule(
+            item.name, kind, target.name, vars_, trigger, rule_reads, proposal, score, item.span
+        )
+
+    def _reads(
+        self, stmt: ast.Read, target: Value, vars_: tuple[str, ...], scope: _Scope
+    ) -> tuple[Read, ...]:
+        out: list[Read] = []
+        for item in stmt.items:
+            rd = self._read(item, target, vars_, scope)
+            if any(r.name == rd.name for r in out):
+                raise self._fail(
+                    "E112",
+                    f"two reads are named `{rd.name}`",
+                    item.span,
+                    f"name one explicitly: `other = {rd.source}[...]`",
+                )
+            out.append(rd)
+        return tuple(out)
+
+    def _read(self, item: ast.Arg, target: Value, vars_: tuple[str, ...], scope: _Scope) -> Read:
+        e = item.value
+        optional = False
+        if isinstance(e, ast.Optional):
+            optional, e = True, e.inner
+        if item.name is None and isinstance(e, ast.In):
+            if not isinstance(e.lhs, ast.Name) or not isinstance(e.rhs, ast.Name):
+                raise self._fail("E112", "a neighbourhood read is written `name in N8`", e.span)
+            hood = e.rhs.id
+            if hood not in NEIGHBORHOODS:
+                raise self._fail(
+                    "E109",
+                    f"unknown neighbourhood `{hood}`",
+                    e.rhs.span,
+                    "neighbourhoods: " + ", ".join(NEIGHBORHOODS),
+                )
+            dim = len(NEIGHBORHOODS[hood][0])
+            if dim > len(vars_):
+                raise self._fail(
+                    "E103",
+                    f"{hood} spans {dim} axes but `{target.name}` has {len(vars_)}",
+                    e.rhs.span,
+                )
+            offs = tuple(f"_d{i}" for i in range(dim))
+            lead = len(vars_) - dim
+            axes = tuple(
+                Axis(AxisKind.AT, Expr.var(v))
+                if k < lead
+                else Axis(AxisKind.AT, Expr(Op.ADD, (Expr.var(v), Expr.var(offs[k - lead]))))
+                for k, v in enumerate(vars_)
+            )
+            return Read(
+                e.lhs.id,
+                ReadKind.NEIGHBORS,
+                target.name,
+                axes,
+                (Binder(offs, hood),),
+                optional,
+                item.span,
+            )
+        name = item.name
+        if isinstance(e, ast.Name) and e.id == PREV_READ and e.id not in self.values:
+            if not vars_:
+                raise self._fail("E112", "`prev_frame` needs a target with a time axis", e.span)
+            axes = (
+                Axis(AxisKind.AT, Expr(Op.SUB, (Expr.var(vars_[0]), Expr.const(1)))),
+                *(Axis(AxisKind.AT, Expr.var(v)) for v in vars_[1:]),
+            )
+            return Read(
+                name or PREV_READ, ReadKind.PREV, target.name, axes, (), optional, item.span
+            )
+        if isinstance(e, ast.Name):
+            if e.id not in self.values:
+                raise self._fail(
+                    "E112",
+                    f"unknown read `{e.id}`",
+                    e.span,
+                    "a read is `name in N8`, `prev_frame`, `Value`, `Value[...]` or "
+                    "`name = Value[...]`"
+                    + (f"; {s}" if (s := _suggest(e.id, list(self.values))) else ""),
+                )
+            v = self.values[e.id]
+            if v.shape == ShapeKind.SET:
+                raise self._fail("E104", f"`{v.name}` is a Set value; rules read cells", e.span)
+            return Read(
+                name or v.name.lower(), ReadKind.VISIBLE, v.name, (), (), optional, item.span
+            )
+        acc = self._access(e, scope, what="a read")
+        return Read(
+            name or acc.value.lower(), ReadKind.INDEX, acc.value, acc.axes, (), optional, item.span
+        )
+
+    def _bound_call(self, e: ast.Expr, role: str, reads: tuple[Read, ...], scope: _Scope) -> Call:
+        if isinstance(e, ast.Name):
+            return Call(e.id, (), role, e.span)
+        if not isinstance(e, ast.Call):
+            raise self._fail(
+                "E108", f"expected a call like `Model(...)`, got {_describe(e)}", e.span
+            )
+        args: list[Arg] = []
+        for a in e.args:
+            args.append(self._call_arg(a, reads, scope, role))
+        return Call(e.func, tuple(args), role, e.span)
+
+    def _call_arg(self, a: ast.Arg, reads: tuple[Read, ...], scope: _Scope, role: str) -> Arg:
+        v = a.value
+        key = a.name
+        match v:
+            case ast.Dots():
+                if role != "score":
+                    raise self._fail(
+                        "E112",
+                        "`...` forwards a rule's reads and proposal to its "
+                        "score; it is only allowed in `score`",
+                        v.span,
+                    )
+                return Arg(ArgKind.FORWARD, key)
+            case ast.Int(value=n):
+                return Arg(ArgKind.INT, key, n)
+            case ast.Str(value=s):
+                return Arg(ArgKind.STR, key, s)
+            case ast.Name(id=n, span=sp):
+                if n in scope.vars or (n == EPOCH_VAR and scope.allow_epoch) or n in self.params:
+                    return Arg(ArgKind.EXPR, key, expr=self._expr(v, scope))
+                if reads:
+                    match = [r for r in reads if r.name == n] or [
+                        r for r in reads if r.name.startswith(n)
+                    ]
+                    if len(match) == 1:
+                        return Arg(ArgKind.READ, key, match[0].name)
+                    names = ", ".join(r.name for r in reads)
+                    if len(match) > 1:
+                        raise self._fail(
+                            "E112",
+                            f"`{n}` could mean any of the reads {', '.join(r.name for r in match)}",
+                            sp,
+                            "use the full read name",
+                        )
+                    if role in ("model", "score"):
+                        raise self._fail(
+                            "E112",
+                            f"`{n}` names no read of this rule",
+                            sp,
+                            f"the reads are: {names}",
+                        )
+                return Arg(ArgKind.NAME, key, n)
+            case ast.Call():
+                return Arg(ArgKind.CALL, key, call=self._bound_call(v, role, reads, scope))
+            case ast.Subscript():
+                return Arg(ArgKind.ACCESS, key, access=self._access(v, scope, what="an argument"))
+            case ast.BinOp() | ast.Neg():
+                return Arg(ArgKind.EXPR, key, expr=self._expr(v, scope))
+            case _:
+                raise self._fail(
+                    "E108", f"{_describe(v)} is not allowed as a call argument", v.span
+                )
+
+    def _constraint(self, item: ast.Constraint) -> Constraint:
+        prio = item.priority
+        pexpr = self._expr(prio, _Scope())
+        try:
+            priority = evaluate(pexpr, self._param_defaults())
+        except EvalError:
+            raise self._fail(
+                "E113", "priority must be an integer known at compile time", prio.span
+            ) from None
+        pred = item.pred
+        scope = _Scope(free_params=True)
+        if isinstance(pred, ast.Call) and pred.func in BUILTIN_PREDICATES:
+            kind = BUILTIN_PREDICATES[pred.func]
+            if len(pred.args) != 1 or pred.args[0].name is not None:
+                raise self._fail(
+                    "E116",
+                    f"`{pred.func}` takes one value access, e.g. `{pred.func}(Vid[t,x,y])`",
+                    pred.span,
+                )
+            pvars = self._pattern_vars(pred.args[0].value, scope)
+            access = self._access(pred.args[0].value, scope, what=f"the argument of `{pred.func}`")
+            return Constraint(
+                item.name,
+                item.kind,
+                kind,
+                access,
+                pvars,
+                None,
+                None,
+                priority,
+                Status.DYNAMIC,
+                item.span,
+            )
+        if isinstance(pred, ast.In):
+            pvars = self._pattern_vars(pred.lhs, scope)
+            access = self._access(pred.lhs, scope, what="the left side of `in`")
+            rhs = pred.rhs
+            if isinstance(rhs, ast.Call) and rhs.func == "Set":
+                set_call = self._set_literal(rhs)
+            elif isinstance(rhs, ast.Call):
+                set_call = self._bound_call(rhs, "set", (), _Scope())
+            else:
+                raise self._fail(
+                    "E115",
+                    "the right side of `in` must be a set: `Set(...)` or a "
+                    'bound call like `Palette("blue-ish")`',
+                    rhs.span,
+                )
+            return Constraint(
+                item.name,
+                item.kind,
+                PredKind.IN_SET,
+                access,
+                pvars,
+                set_call,
+                None,
+                priority,
+                Status.DYNAMIC,
+                item.span,
+            )
+        if isinstance(pred, ast.Call):
+            pvars = ()
+            for a in pred.args:
+                if isinstance(a.value, ast.Subscript):
+                    pvars += self._pattern_vars(a.value, scope)
+            call = self._bound_call(pred, "predicate", (), scope)
+            first = next((a.access for a in call.args if a.access is not None), None)
+            return Constraint(
+                item.name,
+                item.kind,
+                PredKind.USER,
+                first,
+                pvars,
+                None,
+                call,
+                priority,
+                Status.DYNAMIC,
+                item.span,
+            )
+        raise self._fail(
+            "E115",
+            f"{_describe(pred)} is not a predicate",
+            pred.span,
+            "predicates: change(A), read_future(A), A in Set(...), A in Call(...), "
+            "or a bound predicate Call(A, ...)",
+        )
+
+    def _pattern_vars(self, e: ast.Expr, scope: _Scope) -> tuple[str, ...]:
+        """Bare names used directly as indices range over their axis (pattern variables)."""
+        if not isinstance(e, ast.Subscript):
+            return ()
+        out = []
+        for i in e.indices:
+            if isinstance(i, ast.Name) and i.id not in self.params and i.id not in self.names:
+                out.append(i.id)
+        scope.vars.update(out)
+        return tuple(out)
+
+    def _set_literal(self, c: ast.Call) -> Call:
+        args: list[Arg] = []
+        for a in c.args:
+            v = a.value
+            if a.name is not None:
+                raise self._fail("E116", "Set(...) takes no keyword arguments", a.span)
+            if isinstance(v, ast.Int):
+                args.append(Arg(ArgKind.INT, None, v.value))
+            elif isinstance(v, ast.Str):
+                args.append(Arg(ArgKind.STR, None, v.value))
+            elif isinstance(v, ast.Range):
+                # A range is two args, `lo` then `hi`, so the printer and runtime see it plainly.
+                args.append(Arg(ArgKind.EXPR, "lo", expr=self._expr(v.lo, _Scope())))
+                args.append(Arg(ArgKind.EXPR, "hi", expr=self._expr(v.hi, _Scope())))
+            elif isinstance(v, ast.Name) and v.id in self.params:
+                args.append(Arg(ArgKind.EXPR, None, expr=Expr.param(v.id)))
+            else:
+                raise self._fail(
+                    "E116",
+                    f"Set(...) holds integers, ranges `a..b` and strings, got {_describe(v)}",
+                    v.span,
+                )
+        return Call("Set", tuple(args), "set", c.span)
+
+    def _commit(self, item: ast.Commit) -> Commit:
+        access = self._access(item.target, _Scope(free_params=True), what="the target of `commit`")
+        policy = self._bound_call(item.policy, "policy", (), _Scope())
+        return Commit(access, policy, item.span)
+
+    def _param_defaults(self) -> dict[str, int]:
+        env: dict[str, int] = {}
+        for p in self.params.values():
+            if p.default is not None:
+                try:
+                    env[p.name] = evaluate(p.default, env)
+                except EvalError:
+                    pass
+        return env
+
+
+def _describe(e: ast.Expr) -> str:
+    names = {
+        ast.Int: "an integer",
+        ast.Str: "a string",
+        ast.Name: "a name",
+        ast.Star: "`*`",
+        ast.Dots: "`...`",
+        ast.Call: "a call",
+        ast.Subscript: "an access",
+        ast.Optional: "`X?`",
+        ast.Tuple: "a tuple",
+        ast.Range: "a range",
+        ast.BinOp: "arithmetic",
+        ast.Neg: "a negation",
+        ast.Cmp: "a comparison",
+        ast.In: "an `in` test",
+        ast.And: "`and`",
+        ast.Or: "`or`",
+        ast.Not: "`not`",
+    }
+    return names.get(type(e), type(e).__name__)
+
+
+def _suggest(name: str, candidates: list[str]) -> str | None:
+    import difflib
+
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f"did you mean `{close[0]}`?" if close else None
+
+
+def build(prog: ast.Program, sink: DiagnosticSink | None = None) -> Program:
+    """Lower an AST to IR; structural errors go to ``sink`` (raised if no sink is given)."""
+    own = sink is None
+    sink = sink if sink is not None else DiagnosticSink()
+    ir = Builder(prog.file, sink).build(prog)
+    if own:
+        sink.raise_if_errors()
+    return ir

@@ -1,0 +1,193 @@
+"""Versioned JSON for the Lamport IR, and the JSON Schema it follows.
+
+Every node is an object with a ``"node"`` tag; spans are ``[line, col, end_line, end_col]`` with the
+file stored once on the program. ``from_json(to_json(p)) == p`` for every program.
+
+>>> from lmpm.ir import compile_source
+>>> p = compile_source("value Txt : Token[Byte] shape Seq(4)\\n").ir
+>>> from_json(to_json(p)) == p
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from functools import cache
+from typing import Any
+
+from lmpm.errors import LmpmError, Span
+from lmpm.ir import nodes
+from lmpm.ir.nodes import IR_VERSION, Program
+
+_NODE_TYPES: dict[str, type] = {
+    name: obj
+    for name, obj in vars(nodes).items()
+    if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == nodes.__name__
+}
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, vars(nodes))
+
+
+def _encode(x: Any) -> Any:
+    if isinstance(x, Span):
+        return x.to_json()
+    if isinstance(x, enum.Enum):
+        return x.value
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        out: dict[str, Any] = {"node": type(x).__name__}
+        for f in dataclasses.fields(x):
+            if isinstance(x, Program) and f.name == "file":
+                continue
+            out[f.name] = _encode(getattr(x, f.name))
+        return out
+    if isinstance(x, tuple):
+        return [_encode(i) for i in x]
+    return x
+
+
+def to_dict(p: Program) -> dict[str, Any]:
+    d = _encode(p)
+    d["file"] = p.file
+    return d
+
+
+def to_json(p: Program, indent: int | None = None) -> str:
+    return json.dumps(to_dict(p), indent=indent, ensure_ascii=False)
+
+
+class IRFormatError(LmpmError):
+    """The JSON is not an IR document this version can read."""
+
+
+def _decode(x: Any, hint: Any, file: str) -> Any:
+    origin = typing.get_origin(hint)
+    if hint is Span:
+        return Span.from_json(file, x)
+    if origin in (typing.Union, types.UnionType):
+        opts = [a for a in typing.get_args(hint) if a is not type(None)]
+        if x is None:
+            return None
+        if isinstance(x, dict):
+            return _decode_node(x, file)
+        for o in opts:
+            if isinstance(o, type) and issubclass(o, enum.Enum):
+                return o(x)
+            if o is Span:
+                return Span.from_json(file, x)
+        return x
+    if origin is tuple:
+        (elem, _ellipsis) = typing.get_args(hint)
+        return tuple(_decode(i, elem, file) for i in x)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint(x)
+    if isinstance(x, dict):
+        return _decode_node(x, file)
+    return x
+
+
+def _decode_node(d: dict[str, Any], file: str) -> Any:
+    cls = _NODE_TYPES.get(d.get("node", ""))
+    if cls is None:
+        raise IRFormatError(f"unknown IR node {d.get('node')!r}", code="I002")
+    hints = _hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if cls is Program and f.name == "file":
+            kwargs["file"] = file
+            continue
+        if f.name not in d:
+            raise IRFormatError(f"IR node {cls.__name__} lacks field {f.name!r}", code="I002")
+        kwargs[f.name] = _decode(d[f.name], hints[f.name], file)
+    return cls(**kwargs)
+
+
+def from_dict(d: dict[str, Any]) -> Program:
+    if not isinstance(d, dict) or d.get("node") != "Program":
+        raise IRFormatError("not an LMPM IR document (no top-level Program node)", code="I001")
+    version = d.get("version")
+    if version != IR_VERSION:
+        raise IRFormatError(
+            f"IR version {version} is not supported (this LMPM reads version {IR_VERSION})",
+            code="I003",
+        )
+    try:
+        prog = _decode_node(d, str(d.get("file", "<ir>")))
+    except (KeyError, TypeError, ValueError) as e:
+        raise IRFormatError(f"malformed IR document: {e}", code="I002") from None
+    assert isinstance(prog, Program)
+    return prog
+
+
+def from_json(text: str) -> Program:
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise IRFormatError(f"not JSON: {e}", code="I001") from None
+    return from_dict(d)
+
+
+# ---- JSON Schema ---------------------------------------------------------------------------------
+
+
+def _schema_of(hint: Any) -> dict[str, Any]:
+    origin = typing.get_origin(hint)
+    if hint is Span:
+        return {"$ref": "#/$defs/Span"}
+    if hint is int:
+        return {"type": "integer"}
+    if hint is str:
+        return {"type": "string"}
+    if hint is bool:
+        return {"type": "boolean"}
+    if hint is type(None):
+        return {"type": "null"}
+    if origin in (typing.Union, types.UnionType):
+        return {"anyOf": [_schema_of(a) for a in typing.get_args(hint)]}
+    if origin is tuple:
+        return {"type": "array", "items": _schema_of(typing.get_args(hint)[0])}
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return {"enum": [m.value for m in hint]}
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return {"$ref": f"#/$defs/{hint.__name__}"}
+    raise AssertionError(f"no schema for {hint!r}")
+
+
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of the IR document (committed as schema/lmpm-ir.schema.json)."""
+    defs: dict[str, Any] = {
+        "Span": {
+            "type": "array",
+            "items": {"type": "integer"},
+            "minItems": 4,
+            "maxItems": 4,
+            "description": "[line, col, end_line, end_col], 1-based, end_col exclusive",
+        },
+    }
+    for name, cls in sorted(_NODE_TYPES.items()):
+        hints = _hints(cls)
+        props: dict[str, Any] = {"node": {"const": name}}
+        required = ["node"]
+        for f in dataclasses.fields(cls):
+            props[f.name] = _schema_of(hints[f.name])
+            required.append(f.name)
+        defs[name] = {
+            "type": "object",
+            "properties": props,
+            "required": required,
+            "additionalProperties": False,
+        }
+    root = dict(defs["Program"])
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": f"https://lmpm.dev/schema/lmpm-ir-v{IR_VERSION}.json",
+        "title": f"LMPM Lamport IR, version {IR_VERSION}",
+        **root,
+        "$defs": defs,
+    }
