@@ -1,0 +1,243 @@
+"""The worker backend protocol: ``dispatch(work) -> Handle``, ``collect(handle) -> Results``.
+
+A backend holds payload tensors (resident on its device between epochs) and runs models on batches of
+cells. The runtime dispatches *all* work of an epoch (every rule, every object, every module) before
+it collects anything, so a GPU backend overlaps host work with device work and a CPU backend can run
+independent groups on a thread pool:
+
+    handles = [backend.dispatch(batch) for batch in epoch_work]   # never blocks on an accelerator
+    results = [backend.collect(h) for h in handles]               # the only blocking point
+
+Faults inside model calls (an exception, NaN, a bad shape...) are raised by ``collect`` as
+:class:`lmpm.errors.ModelError`, on every backend, so the runtime handles them in one place. Malformed
+work (the caller's bug, detected before any model runs) raises :class:`lmpm.errors.UsageError` from
+``dispatch``.
+
+Example:
+    >>> import torch
+    >>> from lmpm.workers import WorkItem, get_backend
+    >>> be = get_backend("cpu")
+    >>> double = lambda inputs: inputs["x"] * 2.0           # proposals (n,), score 0
+    >>> h = be.dispatch([WorkItem("dbl", double, {"x": torch.ones(3)}, torch.arange(3)),
+    ...                  WorkItem("dbl", double, {"x": torch.zeros(2)}, torch.arange(3, 5))])
+    >>> res = be.collect(h)
+    >>> res[0].proposal.tolist(), res[1].proposal.tolist(), len(res.groups)
+    ([2.0, 2.0, 2.0], [0.0, 0.0], 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Backend",
+    "GroupResult",
+    "Handle",
+    "ItemResult",
+    "Model",
+    "Proposal",
+    "Ref",
+    "Results",
+    "Work",
+    "WorkBatch",
+    "WorkItem",
+]
+
+# A bound model: ``model(inputs, **kwargs)`` with inputs batched over cells along dim 0. See
+# docs/backends.md for what it may return.
+Model = Callable[..., Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """An input read from a resident tensor of the backend instead of shipped with the work.
+
+    ``index`` (int64, shape (n,)) gathers rows on the device (a gather table); ``None`` takes the
+    whole tensor, whose dim 0 must then be the item's cells.
+    """
+
+    key: str
+    index: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One rule's work for a set of cells (typically: one object or one module).
+
+    ``inputs`` are batched over the item's cells along dim 0 (``(n, ...)``); a ``<name>_mask`` bool
+    tensor marks the valid entries of a padded/ragged ``<name>``. Items of the same rule, model and
+    kwargs are concatenated into one model call by :func:`lmpm.workers.batch_items`.
+    """
+
+    rule: str  # DSL rule name: error attribution and the RNG rule key
+    model: Model  # callable or nn.Module, called once per batched group
+    inputs: Mapping[str, Tensor | Ref]  # name -> (n, ...) tensor, or a resident Ref
+    cells: Tensor  # int64 (n,) global cell ids: error attribution and the RNG cell key
+    vocab: int | None = None  # proposals are tokens in [0, vocab) when set
+    kwargs: Mapping[str, Any] = field(default_factory=dict)  # literal extra args to the model
+    group: str | None = None  # independent groups run on separate CUDA streams / pool tasks
+    dtype: torch.dtype | None = None  # required proposal dtype, when the value fixes one
+    seed: int = 0  # RNG key parts for proposals drawn from logits ...
+    epoch: int = 0
+    value: str | None = None  # ... the value name; None means "use the rule name"
+    replica: int = 0  # quorum replica: replicas draw independent noise
+
+    @property
+    def n(self) -> int:
+        return int(self.cells.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class WorkBatch:
+    """Work dispatched together; items of the same rule/model are fused into one model call."""
+
+    items: tuple[WorkItem, ...]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+Work = WorkItem | WorkBatch | Sequence[WorkItem]
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """What a model may return: ``proposal`` with ``score`` of shape ``(n,)`` or ``(n, k)``.
+
+    ``proposal.shape[:score.dim()] == score.shape``; trailing proposal dims are the cell payload.
+    Extra tensors with leading dim ``n`` travel in ``aux`` and are split per item like the rest.
+    """
+
+    proposal: Tensor
+    score: Tensor
+    aux: Mapping[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """An in-flight dispatch. Opaque; pass it to the backend's ``collect``."""
+
+    backend: str  # backend name, e.g. "cpu"
+    worker: str  # worker identity, e.g. "cpu:0"
+    id: int  # unique per backend instance
+    n_items: int
+    state: Any = field(repr=False, compare=False)  # backend-private
+
+
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """The outputs of one batched model call, one row per cell, items back to back along dim 0."""
+
+    rule: str
+    cells: Tensor  # (N,) int64
+    proposal: Tensor  # (N,) | (N, k) | (N, [k,] *payload)
+    score: Tensor  # (N,) | (N, k) float
+    aux: Mapping[str, Tensor]  # name -> (N, ...)
+    item_ids: tuple[int, ...]  # position of each item in the dispatched work
+    offsets: tuple[int, ...]  # row offset of each item; len(item_ids) + 1 entries
+
+
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """The rows of one work item (views into its :class:`GroupResult`)."""
+
+    rule: str
+    cells: Tensor  # (n,)
+    proposal: Tensor
+    score: Tensor
+    aux: Mapping[str, Tensor]
+
+
+class Results:
+    """Per-item results of one dispatch, in dispatch order; slices are taken lazily (views).
+
+    ``groups`` exposes the batched outputs for vectorized consumers (one tensor per model call).
+    """
+
+    __slots__ = ("_where", "groups")
+
+    def __init__(self, groups: Sequence[GroupResult], n_items: int) -> None:
+        self.groups: tuple[GroupResult, ...] = tuple(groups)
+        where: list[tuple[int, int]] = [(-1, -1)] * n_items
+        for g, group in enumerate(self.groups):
+            for slot, item in enumerate(group.item_ids):
+                where[item] = (g, slot)
+        self._where = where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __getitem__(self, item: int) -> ItemResult:
+        g, slot = self._where[item]
+        group = self.groups[g]
+        lo, hi = group.offsets[slot], group.offsets[slot + 1]
+        return ItemResult(
+            rule=group.rule,
+            cells=group.cells[lo:hi],
+            proposal=group.proposal[lo:hi],
+            score=group.score[lo:hi],
+            aux={k: v[lo:hi] for k, v in group.aux.items()},
+        )
+
+    def __iter__(self) -> Iterator[ItemResult]:
+        return (self[i] for i in range(len(self)))
+
+    def split(self, field: str = "proposal") -> list[Tensor]:
+        """One tensor per item, in dispatch order: ``field`` is proposal, score, cells or an aux name.
+
+        Faster than ``[r.proposal for r in results]`` for many items (one ``torch.split`` per call).
+        """
+        out: list[Tensor | None] = [None] * len(self._where)
+        for group in self.groups:
+            if field in ("proposal", "score", "cells"):
+                t: Tensor = getattr(group, field)
+            else:
+                t = group.aux[field]
+            sizes = [hi - lo for lo, hi in zip(group.offsets, group.offsets[1:])]
+            for item, part in zip(group.item_ids, t.split(sizes)):
+                out[item] = part
+        return out  # type: ignore[return-value]  # every item belongs to exactly one group
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the runtime calls. Implementations live in ``lmpm/workers/<name>.py`` (see __init__)."""
+
+    name: str  # "cpu", "cuda", ...
+    worker: str  # identity used in error messages, e.g. "cuda:0"
+    device: torch.device
+
+    def dispatch(self, work: Work) -> Handle:
+        """Start the work; never blocks on an accelerator. Model faults surface in ``collect``."""
+        ...
+
+    def collect(self, handle: Handle) -> Results:
+        """Wait for ``handle``'s work only and return its results; raises ModelError on a fault."""
+        ...
+
+    def ready(self, handle: Handle) -> bool:
+        """True when ``collect(handle)`` would not block."""
+        ...
+
+    def put(self, key: str, tensor: Tensor) -> None:
+        """Make ``tensor`` resident on the backend's device under ``key`` (copied)."""
+        ...
+
+    def get(self, key: str) -> Tensor:
+        """The resident tensor (on the backend's device, ordered after pending updates)."""
+        ...
+
+    def update(self, key: str, index: Tensor, values: Tensor) -> None:
+        """In-place ``resident[index] = values`` on the device; the tensor is not reallocated."""
+        ...
+
+    def delete(self, key: str) -> None: ...
+
+    def close(self) -> None:
+        """Release pools/streams; pending handles must be collected first."""
+        ...

@@ -1,0 +1,482 @@
+"""Batching: fuse many work items into few model calls, run them, validate, attribute faults.
+
+The ≥20× claim of the backends rests here. A per-object loop pays Python and kernel-launch overhead
+once per object; :func:`batch_items` groups every item of the same ``(rule, model, kwargs, ...)`` —
+across objects, modules and learning modules — into one :class:`BatchedCall`: inputs concatenated
+along dim 0, ragged trailing dims zero-padded to the largest item with ``<name>_mask`` marking the
+valid entries. :func:`execute` calls the model once per call and checks the output; a
+:class:`~lmpm.workers.base.GroupResult` keeps item boundaries as offsets so splitting back is free.
+
+Validation is split so that a GPU backend never syncs at dispatch: metadata (type, shape, dtype) is
+checked on the host at once; data (NaN/inf, token range) becomes a per-row bitmask tensor on the
+device, read by :func:`raise_if_bad` after the backend waited for the call.
+
+Example:
+    >>> import torch
+    >>> from lmpm.workers import WorkItem, batch_items
+    >>> f = lambda inputs: inputs["nbr"].sum(-1)
+    >>> calls = batch_items([WorkItem("r", f, {"nbr": torch.ones(2, 3)}, torch.arange(2)),
+    ...                      WorkItem("r", f, {"nbr": torch.ones(1, 5)}, torch.arange(2, 3))])
+    >>> c = calls[0]
+    >>> tuple(c.inputs["nbr"].shape), c.inputs["nbr_mask"].sum(-1).tolist(), c.offsets
+    ((3, 5), [3, 3, 5], (0, 2, 3))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import ModelError, UsageError
+from lmpm.workers import rng
+from lmpm.workers.base import GroupResult, Model, Proposal, Work, WorkBatch, WorkItem
+
+__all__ = [
+    "BAD_LOGITS",
+    "BAD_PROPOSAL",
+    "BAD_SCORE",
+    "BAD_TOKEN",
+    "BatchedCall",
+    "RowKeys",
+    "as_items",
+    "batch_items",
+    "execute",
+    "first_cells",
+    "raise_if_bad",
+]
+
+# Per-row fault bits of the validation mask (int8, one entry per row of a model call).
+BAD_PROPOSAL = 1  # NaN/inf in a float proposal
+BAD_SCORE = 2  # NaN/inf in the score
+BAD_TOKEN = 4  # token outside [0, vocab)
+BAD_LOGITS = 8  # NaN/+inf logit, or every logit of a row is -inf
+_BAD_TEXT = {
+    BAD_PROPOSAL: "NaN/inf in 'proposal'",
+    BAD_SCORE: "NaN/inf in 'score'",
+    BAD_TOKEN: "a token outside [0, vocab)",
+    BAD_LOGITS: "NaN/+inf logits or a row of only -inf logits",
+}
+_CELLS_SHOWN = 4  # how many cell ids an error message names
+
+MSG_OUTPUT_TYPE = (
+    "the model bound to rule '{rule}' returned {what}; expected a tensor of proposals, a "
+    "Proposal/dataclass/dict with 'proposal' (and optionally 'score'), or one with 'logits'"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RowKeys:
+    """RNG key parts per row of a call: an int when every item agrees, else an int64 (N,) tensor."""
+
+    seed: int | Tensor
+    value: int | Tensor
+    epoch: int | Tensor
+    replica: int | Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class BatchedCall:
+    """One model call covering several work items (rows of item i: ``offsets[i]:offsets[i+1]``)."""
+
+    rule: str
+    model: Model
+    kwargs: Mapping[str, Any]
+    vocab: int | None
+    dtype: torch.dtype | None
+    group: str | None
+    inputs: dict[str, Tensor]  # name -> (N, ...), padded; <name>_mask bool where ragged
+    cells: Tensor  # (N,) int64 global cell ids
+    keys: RowKeys
+    item_ids: tuple[int, ...]  # positions in the dispatched work
+    offsets: tuple[int, ...]  # len(item_ids) + 1 row offsets
+
+
+def as_items(work: Work) -> tuple[WorkItem, ...]:
+    """Normalize what ``dispatch`` accepts (an item, a batch, a sequence of items) to a tuple."""
+    if isinstance(work, WorkItem):
+        return (work,)
+    if isinstance(work, WorkBatch):
+        return work.items
+    items = tuple(work)
+    for item in items:
+        if not isinstance(item, WorkItem):
+            raise UsageError(f"dispatch expects WorkItems, got {type(item).__name__}")
+    return items
+
+
+def _freeze(v: Any) -> Hashable:
+    # kwargs are literals in practice; anything unhashable (a tensor) groups by identity.
+    if isinstance(v, int | float | str | bool | bytes | type(None)):
+        return (type(v).__name__, v)
+    if isinstance(v, tuple):
+        return tuple(_freeze(x) for x in v)
+    return ("id", id(v))
+
+
+def _group_key(item: WorkItem) -> Hashable:
+    inputs = item.inputs
+    names = tuple(sorted(k for k in inputs if not (k.endswith("_mask") and k[:-5] in inputs)))
+    kw = tuple(sorted((k, _freeze(v)) for k, v in item.kwargs.items())) if item.kwargs else ()
+    return (item.rule, id(item.model), item.group, item.vocab, item.dtype, kw, names)
+
+
+Transfer = Callable[[Tensor], Tensor]
+
+
+def _place(t: Tensor, device: torch.device | None, transfer: Transfer | None) -> Tensor:
+    if device is None or t.device == device:
+        return t
+    return transfer(t) if transfer is not None else t.to(device)
+
+
+def _concat(
+    parts: Sequence[Tensor], device: torch.device | None, transfer: Transfer | None
+) -> Tensor:
+    if len({p.device for p in parts}) > 1:
+        parts = [_place(p, device, transfer) for p in parts]
+    # Concatenate where the parts live (host for fresh inputs), then move once: one transfer per
+    # input name per call instead of one per item.
+    out = parts[0] if len(parts) == 1 else torch.cat(list(parts))
+    return _place(out, device, transfer)
+
+
+def _gather(
+    rule: str,
+    name: str,
+    parts: Sequence[Tensor],
+    device: torch.device | None,
+    transfer: Transfer | None,
+) -> tuple[Tensor, int]:
+    """Concatenate ``parts`` along dim 0, zero-padding ragged trailing dims.
+
+    Returns the (N, ...) tensor and the last padded dim (0 when nothing was padded).
+    """
+    first = parts[0]
+    trailing = first.shape[1:]
+    if all(p.shape[1:] == trailing for p in parts):
+        if any(p.dtype != first.dtype for p in parts):
+            raise UsageError(f"rule '{rule}': input '{name}' has different dtypes across items")
+        return _concat(parts, device, transfer), 0
+    if any(p.dim() != first.dim() for p in parts):
+        raise UsageError(
+            f"rule '{rule}': input '{name}' has different numbers of dims across items "
+            f"({sorted({p.dim() for p in parts})}); only the sizes of dims >= 1 may differ"
+        )
+    if any(p.dtype != first.dtype for p in parts):
+        raise UsageError(f"rule '{rule}': input '{name}' has different dtypes across items")
+    target = [max(p.shape[d] for p in parts) for d in range(1, first.dim())]
+    last_ragged = max(
+        d for d in range(1, first.dim()) if any(p.shape[d] != target[d - 1] for p in parts)
+    )
+    where = parts[0].device if len({p.device for p in parts}) == 1 else device
+    rows = sum(p.shape[0] for p in parts)
+    out = torch.zeros((rows, *target), dtype=first.dtype, device=where)
+    off = 0
+    for p in parts:
+        n = p.shape[0]
+        out[(slice(off, off + n), *(slice(0, s) for s in p.shape[1:]))] = p
+        off += n
+    return _place(out, device, transfer), last_ragged
+
+
+def _row_key(values: list[int], sizes: list[int], device: torch.device | None) -> int | Tensor:
+    if all(v == values[0] for v in values):
+        return values[0]
+    per_item = torch.tensor([rng._signed(v) for v in values], dtype=torch.int64)
+    return torch.repeat_interleave(per_item, torch.tensor(sizes)).to(device or "cpu")
+
+
+def _build_call(
+    items: Sequence[WorkItem],
+    item_ids: list[int],
+    device: torch.device | None,
+    transfer: Transfer | None,
+) -> BatchedCall:
+    head = items[0]
+    rule = head.rule
+    sizes = [it.n for it in items]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + n)
+    base_names = [k for k in head.inputs if not (k.endswith("_mask") and k[:-5] in head.inputs)]
+    mask_names = {f"{k}_mask" for k in base_names if any(f"{k}_mask" in it.inputs for it in items)}
+    inputs: dict[str, Tensor] = {}
+    for name in base_names:
+        parts = [it.inputs[name] for it in items]
+        for it, p in zip(items, parts):
+            if not isinstance(p, Tensor):
+                raise UsageError(
+                    f"rule '{rule}': input '{name}' is a {type(p).__name__}; resolve Refs through "
+                    "a backend's dispatch, and pass tensors otherwise"
+                )
+            if p.dim() == 0 or p.shape[0] != it.n:
+                raise UsageError(
+                    f"rule '{rule}': input '{name}' has shape {tuple(p.shape)} but the item has "
+                    f"{it.n} cells; inputs are batched over cells along dim 0"
+                )
+        tensors: list[Tensor] = parts  # type: ignore[assignment]  # checked just above
+        inputs[name], last_ragged = _gather(rule, name, tensors, device, transfer)
+        mask_name = f"{name}_mask"
+        if mask_name in mask_names:
+            mask_dims = next(
+                m.dim() for it in items if isinstance(m := it.inputs.get(mask_name), Tensor)
+            )
+            masks = [
+                m
+                if isinstance(m := it.inputs.get(mask_name), Tensor)
+                else torch.ones(t.shape[:mask_dims], dtype=torch.bool, device=t.device)
+                for it, t in zip(items, tensors)
+            ]
+            inputs[mask_name], _ = _gather(rule, mask_name, masks, device, transfer)
+        elif last_ragged:
+            # Synthesize the mask over the padded dims: True on each item's own extent.
+            masks = [
+                torch.ones(t.shape[: last_ragged + 1], dtype=torch.bool, device=t.device)
+                for t in tensors
+            ]
+            inputs[mask_name], _ = _gather(rule, mask_name, masks, device, transfer)
+    for it in items:
+        if it.cells.dim() != 1 or it.cells.dtype != torch.int64:
+            raise UsageError(
+                f"rule '{rule}': cells must be an int64 tensor of shape (n,), got "
+                f"{it.cells.dtype} {tuple(it.cells.shape)}"
+            )
+    cells = _concat([it.cells for it in items], device, transfer)
+    value_keys: dict[str, int] = {}
+    values = [
+        value_keys.setdefault(v, rng.key_of(v)) for v in (it.value or it.rule for it in items)
+    ]
+    keys = RowKeys(
+        seed=_row_key([it.seed for it in items], sizes, device),
+        value=_row_key(values, sizes, device),
+        epoch=_row_key([it.epoch for it in items], sizes, device),
+        replica=_row_key([it.replica for it in items], sizes, device),
+    )
+    return BatchedCall(
+        rule=rule,
+        model=head.model,
+        kwargs=head.kwargs,
+        vocab=head.vocab,
+        dtype=head.dtype,
+        group=head.group,
+        inputs=inputs,
+        cells=cells,
+        keys=keys,
+        item_ids=tuple(item_ids),
+        offsets=tuple(offsets),
+    )
+
+
+def batch_items(
+    items: Sequence[WorkItem],
+    *,
+    device: torch.device | None = None,
+    transfer: Transfer | None = None,
+) -> list[BatchedCall]:
+    """Group ``items`` into as few model calls as possible, in first-appearance order.
+
+    Items share a call when rule, model (identity), group, vocab, dtype, kwargs and input names agree.
+    Inputs are concatenated along dim 0; trailing dims that differ between items are zero-padded to
+    the largest and a ``<name>_mask`` (bool, True = real entry) is provided — padded with False when
+    items bring their own masks, synthesized over the padded dims otherwise. With ``device``, inputs
+    end up there (``transfer`` moves a tensor, e.g. through pinned memory).
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(_group_key(item), []).append(i)
+    return [_build_call([items[i] for i in ids], ids, device, transfer) for ids in groups.values()]
+
+
+def first_cells(cells: Tensor, rows: Tensor | None = None) -> list[int]:
+    """The first few global cell ids (of ``rows`` when given) for an error message."""
+    picked = cells if rows is None else cells[rows[:_CELLS_SHOWN].to(cells.device)]
+    return [int(c) for c in picked[:_CELLS_SHOWN].cpu()]
+
+
+def _where(
+    call: BatchedCall, backend: str, worker: str, rows: Tensor | None = None
+) -> dict[str, Any]:
+    return {
+        "rule": call.rule,
+        "cells": first_cells(call.cells, rows),
+        "backend": backend,
+        "worker": worker,
+    }
+
+
+def _fields(out: Any) -> dict[str, Any] | None:
+    if isinstance(out, Mapping):
+        return dict(out)
+    if isinstance(out, Proposal):
+        return {"proposal": out.proposal, "score": out.score, **out.aux}
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        # Not dataclasses.asdict: it deep-copies tensors.
+        return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+    if isinstance(out, tuple) and hasattr(out, "_asdict"):
+        return dict(out._asdict())
+    if isinstance(out, tuple | list) and len(out) == 2 and all(isinstance(t, Tensor) for t in out):
+        return {"proposal": out[0], "score": out[1]}
+    if hasattr(out, "proposal") or hasattr(out, "logits"):
+        return {k: getattr(out, k) for k in ("proposal", "score", "logits") if hasattr(out, k)}
+    return None
+
+
+def _rows_any(flag: Tensor) -> Tensor:
+    """(N, ...) bool -> (N,) bool: any fault in the row."""
+    return flag.flatten(1).any(1) if flag.dim() > 1 else flag
+
+
+def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResult, Tensor]:
+    """Run ``call``'s model once and normalize its output to one proposal/score row per cell.
+
+    Returns the result and the per-row fault bitmask (int8 (N,), on the call's device; nonzero rows
+    are faulty — see :func:`raise_if_bad`). Raises ModelError at once when the model raises or its
+    output has the wrong type, shape or dtype (host metadata only; this never syncs a device).
+    """
+    try:
+        with torch.no_grad():
+            out = call.model(call.inputs, **call.kwargs)
+    except Exception as e:
+        raise ModelError(
+            f"the model bound to rule '{call.rule}' raised {type(e).__name__}: {e}",
+            where=_where(call, backend, worker),
+        ) from e
+
+    def fail(msg: str) -> ModelError:
+        return ModelError(
+            f"the model bound to rule '{call.rule}' {msg}", where=_where(call, backend, worker)
+        )
+
+    n = int(call.cells.shape[0])
+    fields = {"proposal": out} if isinstance(out, Tensor) else _fields(out)
+    if fields is None:
+        return_what = f"a {type(out).__name__}"
+        raise ModelError(
+            MSG_OUTPUT_TYPE.format(rule=call.rule, what=return_what),
+            where=_where(call, backend, worker),
+        )
+    proposal = fields.pop("proposal", None)
+    score = fields.pop("score", None)
+    logits = fields.pop("logits", None)
+    for name, t in [("proposal", proposal), ("score", score), ("logits", logits), *fields.items()]:
+        if t is not None and not isinstance(t, Tensor):
+            raise fail(f"returned a {type(t).__name__} for '{name}'; expected a tensor")
+        if isinstance(t, Tensor) and (t.dim() == 0 or t.shape[0] != n):
+            raise fail(
+                f"returned '{name}' of shape {tuple(t.shape)}; expected leading dim {n} "
+                "(one row per cell of the batched call)"
+            )
+    aux: dict[str, Tensor] = fields
+    device = call.cells.device
+    bad = torch.zeros(n, dtype=torch.int8, device=device)
+
+    if proposal is None and logits is None:
+        raise ModelError(
+            MSG_OUTPUT_TYPE.format(rule=call.rule, what="neither 'proposal' nor 'logits'"),
+            where=_where(call, backend, worker),
+        )
+    if proposal is not None and logits is not None:
+        raise fail("returned both 'proposal' and 'logits'; return one of them")
+
+    if logits is not None:
+        if not logits.is_floating_point() or logits.dim() not in (2, 3):
+            raise fail(
+                f"returned logits {logits.dtype} {tuple(logits.shape)}; expected a float tensor "
+                "(n, vocab) or (n, k, vocab)"
+            )
+        if call.vocab is not None and logits.shape[-1] != call.vocab:
+            raise fail(
+                f"returned logits over {logits.shape[-1]} tokens; the vocabulary has {call.vocab}"
+            )
+        if score is not None:
+            raise fail(
+                "returned both 'logits' and 'score'; the score of a sampled token is its log-prob"
+            )
+        k = call.keys
+        proposal = rng.categorical(
+            logits,
+            seed=k.seed,
+            value=k.value,
+            cells=call.cells,
+            epoch=k.epoch,
+            rule=call.rule,
+            replica=k.replica,
+        )  # (n,) | (n, k)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
+        broken = torch.isnan(logits) | (logits == float("inf"))
+        all_masked = (logits == float("-inf")).all(-1)
+        bad |= (_rows_any(broken) | _rows_any(all_masked)).to(torch.int8) * BAD_LOGITS
+        score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
+    else:
+        assert proposal is not None
+        if call.dtype is not None and proposal.dtype != call.dtype:
+            raise fail(
+                f"returned proposals of dtype {proposal.dtype}; the value holds {call.dtype}"
+            )
+        if call.vocab is not None:
+            if (
+                proposal.is_floating_point()
+                or proposal.is_complex()
+                or proposal.dtype == torch.bool
+            ):
+                raise fail(
+                    f"returned proposals of dtype {proposal.dtype}; tokens (vocab={call.vocab}) "
+                    "must be an integer dtype"
+                )
+            proposal = proposal.to(torch.int64)
+        if score is None:
+            score = torch.zeros(proposal.shape[: min(proposal.dim(), 2)], device=proposal.device)
+        elif (
+            not score.is_floating_point()
+            or score.dim() not in (1, 2)
+            or (proposal.shape[: score.dim()] != score.shape)
+        ):
+            raise fail(
+                f"returned score {score.dtype} {tuple(score.shape)} for proposals "
+                f"{tuple(proposal.shape)}; expected a float tensor of shape (n,) or (n, k) "
+                "matching the leading dims of 'proposal'"
+            )
+        if proposal.is_floating_point() or proposal.is_complex():
+            bad |= _rows_any(~torch.isfinite(proposal)).to(torch.int8) * BAD_PROPOSAL
+        if call.vocab is not None:
+            outside = (proposal < 0) | (proposal >= call.vocab)
+            bad |= _rows_any(outside).to(torch.int8) * BAD_TOKEN
+    bad |= _rows_any(~torch.isfinite(score)).to(torch.int8) * BAD_SCORE
+    result = GroupResult(
+        rule=call.rule,
+        cells=call.cells,
+        proposal=proposal,
+        score=score,
+        aux=aux,
+        item_ids=call.item_ids,
+        offsets=call.offsets,
+    )
+    return result, bad
+
+
+def raise_if_bad(result: GroupResult, bad: Tensor, *, backend: str, worker: str) -> None:
+    """Raise ModelError naming the faulty cells when the bitmask ``bad`` (host, (N,)) has a fault."""
+    if not bool(bad.any()):
+        return
+    rows = torch.nonzero(bad).flatten()
+    kinds = 0
+    for b in bad[rows].tolist():
+        kinds |= int(b)
+    what = ", ".join(text for bit, text in _BAD_TEXT.items() if kinds & bit)
+    cells = result.cells
+    raise ModelError(
+        f"the model bound to rule '{result.rule}' returned {what} for {rows.numel()} of "
+        f"{bad.numel()} cells",
+        where={
+            "rule": result.rule,
+            "cells": first_cells(cells, rows),
+            "backend": backend,
+            "worker": worker,
+        },
+    )
