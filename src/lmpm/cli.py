@@ -45,11 +45,18 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+class _Stderr:
+    """A rich console on stderr, created on first use: a clean `lmpm check` never imports rich."""
+
+    def print(self, text: str, *, markup: bool) -> None:
+        from rich.console import Console
+
+        Console(stderr=True, highlight=False, soft_wrap=True).print(text, markup=markup)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from rich.console import Console
-
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    err = _Stderr()
     try:
         wanted = next((a for a in argv if not a.startswith("-")), None)
         only = (

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from lmpm.commands._common import add_set, fail_json, parse_sets, print_diagnostics, program_path
-from lmpm.errors import LmpmError
+from lmpm.errors import LmpmError, UsageError
+
+if TYPE_CHECKING:
+    from lmpm.ir import Frontend
 
 HELP = "check a program: syntax, names, shapes, bounds, visibility of reads, read_future"
 
@@ -48,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             return fail_json(e)
         raise
+    unknown_params(front)
     print_diagnostics(front.diagnostics, args.json)
     if front.errors:
         return 1
@@ -65,3 +70,15 @@ def run(args: argparse.Namespace) -> int:
             f"{path}: ok" + (f" ({n} warning{'s' if n != 1 else ''})" if n else "") + "\n"
         )
     return 0
+
+
+def unknown_params(front: Frontend) -> None:
+    """`--set NAME=...` for a name the program does not have is a usage error (exit 2), not a
+    diagnostic about the program: the message lists the parameters there are."""
+    for d in front.diagnostics:
+        if d.code == "B001":
+            raise UsageError(
+                d.message,
+                hint="parameters are declared with `param NAME` or used as dims",
+                code="U005",
+            )

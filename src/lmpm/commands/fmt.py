@@ -17,13 +17,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from lmpm.lang.format import format_program
+    from lmpm.lang.format import format_checked
     from lmpm.lang.parser import parse_file
 
     path = program_path(args.file)
     tree = parse_file(path)
     text = path.read_text(encoding="utf-8")
-    out = format_program(tree, text)
+    out = format_checked(tree, text)
     if args.check:
         if out != text:
             sys.stderr.write(f"{path}: would be reformatted\n")

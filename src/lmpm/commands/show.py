@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
+from lmpm.commands.check import unknown_params
 from lmpm.errors import LmpmError
 
 HELP = "show a program as a graph: values, visibility, rules, constraints, commits"
@@ -33,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     path = program_path(args.file)
     overrides = parse_sets(args.set)
     front = compile_file(path, overrides=overrides, raise_errors=False)
+    unknown_params(front)
     print_diagnostics(front.diagnostics, False)
     if front.errors:
         return 1

@@ -61,6 +61,34 @@ TYPES = {
 BUILTIN_PREDICATES = {"change": PredKind.CHANGE, "read_future": PredKind.READ_FUTURE}
 
 
+MAX_DEPTH = 200  # deeper expressions are refused (E199): every later pass may recurse on them
+
+
+def _too_deep(item: ast.Item) -> bool:
+    """Whether any expression in ``item`` nests deeper than MAX_DEPTH (checked without recursion)."""
+    stack: list[tuple[object, int]] = [(item, 0)]
+    while stack:
+        node, d = stack.pop()
+        if d > MAX_DEPTH:
+            return True
+        span = getattr(node, "span", None)
+        # Every level of nesting takes at least a character of source (an operator, a bracket, a
+        # name), so a short one-line node cannot hide a deep subtree: skip it without walking.
+        if (
+            span is not None
+            and span.line == span.end_line
+            and span.end_col - span.col < MAX_DEPTH - d
+        ):
+            continue
+        for name in getattr(node, "__slots__", ()):
+            child = getattr(node, name)
+            if isinstance(child, tuple):
+                stack.extend((c, d + 1) for c in child)
+            elif hasattr(child, "__slots__") and not isinstance(child, Span):
+                stack.append((child, d + 1))
+    return False
+
+
 class _Skip(Exception):
     """Abandon the current statement after a diagnostic was recorded."""
 
@@ -81,6 +109,8 @@ class Builder:
         self.params: dict[str, Param] = {}
         self.values: dict[str, Value] = {}
         self.names: dict[str, tuple[str, Span]] = {}  # top-level name -> (kind, span)
+        self._defaults: dict[str, int] | None = None
+        self._deep: set[int] = set()  # items already reported as too deep
 
     # ---- entry ---------------------------------------------------------------------------------
     def build(self, prog: ast.Program) -> Program:
@@ -113,6 +143,16 @@ class Builder:
         )
 
     def _guarded(self, item: ast.Item, fn: object) -> None:
+        if _too_deep(item):
+            if id(item) not in self._deep:
+                self._deep.add(id(item))
+                self.sink.error(
+                    "E199",
+                    f"an expression is nested more than {MAX_DEPTH} deep",
+                    item.span,
+                    "split the expression",
+                )
+            return
         try:
             fn(item)  # type: ignore[operator]
         except _Skip:
@@ -157,6 +197,11 @@ class Builder:
             self._claim(item.name, "rule", item.name_span)
         elif isinstance(item, ast.Constraint):
             self._claim(item.name, "constraint", item.name_span)
+
+    def _declared_param(self, name: str) -> bool:
+        # An implicit parameter (a free name elsewhere) does not stop a statement from using the
+        # same name as its own index variable: variables are looked up before parameters.
+        return name in self.params and self.params[name].declared
 
     def _implicit_param(self, name: str, span: Span) -> Expr:
         if name not in self.params:
@@ -328,13 +373,33 @@ class Builder:
             case ast.Star():
                 return Axis(AxisKind.ALL)
             case ast.Range(lo=lo, hi=hi):
-                return Axis(AxisKind.RANGE, self._expr(lo, scope), self._expr(hi, scope))
+                return Axis(
+                    AxisKind.RANGE,
+                    self._index_expr(lo, scope),
+                    self._index_expr(hi, scope),
+                )
             case ast.Call():
                 return Axis(
                     AxisKind.REGION, call=self._bound_call(i, "region", (), scope), width=width
                 )
             case _:
-                return Axis(AxisKind.AT, self._expr(i, scope))
+                return Axis(AxisKind.AT, self._index_expr(i, scope))
+
+    def _index_expr(self, e: ast.Expr, scope: _Scope) -> Expr:
+        """An index: affine in the index variables, plus floor division and modulo by constants.
+
+        The checker's probing (and the visibility compiler's stencils) rely on this shape."""
+        out = self._expr(e, scope)
+        bad = _non_affine(out, e)
+        if bad is not None:
+            node, why = bad
+            raise self._fail(
+                "E114",
+                f"index `{_src(node)}` {why}",
+                node.span,
+                "indices are affine in the index variables: `x+dx`, `2*x`, `x/8`, `t-1`",
+            )
+        return out
 
     def _lookup_value(self, name: str, span: Span) -> Value:
         if name in self.values:
@@ -382,7 +447,7 @@ class Builder:
                     i.span,
                     f"write `{v.name}[{', '.join(v.axis_names)}]`; put conditions in `when`",
                 )
-            if i.id in self.params or i.id in self.names:
+            if self._declared_param(i.id) or i.id in self.names:
                 raise self._fail(
                     "E107",
                     f"`{i.id}` is already a name in the program and cannot be an index variable",
@@ -447,7 +512,7 @@ class Builder:
         vars_ = tuple(n.id for n in names if isinstance(n, ast.Name))
         for n in names:
             assert isinstance(n, ast.Name)
-            if n.id in scope.vars or n.id in self.params or n.id in self.names:
+            if n.id in scope.vars or self._declared_param(n.id) or n.id in self.names:
                 raise self._fail("E109", f"binder variable `{n.id}` shadows another name", n.span)
         if len(set(vars_)) != len(vars_):
             raise self._fail("E109", "binder variables must be distinct", lhs.span)
@@ -681,7 +746,7 @@ class Builder:
                             sp,
                             "use the full read name",
                         )
-                    if role in ("model", "score"):
+                    if role in ("model", "score") and key is None:
                         raise self._fail(
                             "E112",
                             f"`{n}` names no read of this rule",
@@ -764,7 +829,8 @@ class Builder:
             pvars = ()
             for a in pred.args:
                 if isinstance(a.value, ast.Subscript):
-                    pvars += self._pattern_vars(a.value, scope)
+                    new = self._pattern_vars(a.value, scope)
+                    pvars += tuple(v for v in dict.fromkeys(new) if v not in pvars)
             call = self._bound_call(pred, "predicate", (), scope)
             first = next((a.access for a in call.args if a.access is not None), None)
             return Constraint(
@@ -824,10 +890,20 @@ class Builder:
 
     def _commit(self, item: ast.Commit) -> Commit:
         access = self._access(item.target, _Scope(free_params=True), what="the target of `commit`")
+        if any(a.kind != AxisKind.ALL for a in access.axes):
+            raise self._fail(
+                "E117",
+                f"a commit policy applies to a whole value, not to part of `{access.value}`",
+                item.target.span,
+                f"write `commit {access.value}[*] using ...`",
+            )
         policy = self._bound_call(item.policy, "policy", (), _Scope())
         return Commit(access, policy, item.span)
 
     def _param_defaults(self) -> dict[str, int]:
+        # Declarations are complete before any constraint is built, so compute this once.
+        if self._defaults is not None:
+            return self._defaults
         env: dict[str, int] = {}
         for p in self.params.values():
             if p.default is not None:
@@ -835,7 +911,59 @@ class Builder:
                     env[p.name] = evaluate(p.default, env)
                 except EvalError:
                     pass
+        self._defaults = env
         return env
+
+
+def _has_var(e: Expr) -> bool:
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x.op == Op.VAR:
+            return True
+        stack.extend(x.args)
+    return False
+
+
+def _non_affine(e: Expr, src: ast.Expr) -> tuple[ast.Expr, str] | None:
+    """The AST node of the first non-affine operation in ``e`` (built from ``src``), and why."""
+    stack: list[tuple[Expr, ast.Expr]] = [(e, src)]
+    while stack:
+        x, a = stack.pop()
+        kids = _ast_kids(a)
+        if x.op == Op.MUL and _has_var(x.args[0]) and _has_var(x.args[1]):
+            return a, "multiplies two index variables"
+        if x.op in (Op.DIV, Op.MOD):
+            rhs = x.args[1]
+            if _has_var(rhs):
+                return a, "divides by an index variable"
+            if rhs.op == Op.CONST and rhs.value == 0:
+                return a, "divides by zero"
+        if x.op in (Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE, Op.AND, Op.OR, Op.NOT):
+            return a, "is a condition, not a number"
+        if len(kids) == len(x.args):
+            stack.extend(zip(x.args, kids))
+    return None
+
+
+def _ast_kids(a: ast.Expr) -> tuple[ast.Expr, ...]:
+    match a:
+        case ast.BinOp(lhs=lhs, rhs=rhs) | ast.Cmp(lhs=lhs, rhs=rhs):
+            return (lhs, rhs)
+        case ast.And(lhs=lhs, rhs=rhs) | ast.Or(lhs=lhs, rhs=rhs):
+            return (lhs, rhs)
+        case ast.Neg(operand=x) | ast.Not(operand=x):
+            return (x,)
+    return ()
+
+
+def _src(a: ast.Expr) -> str:
+    from lmpm.lang.format import fmt_expr
+
+    try:
+        return fmt_expr(a)
+    except RecursionError:
+        return "..."
 
 
 def _describe(e: ast.Expr) -> str:

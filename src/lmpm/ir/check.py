@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from lmpm.errors import DiagnosticSink, Span
-from lmpm.ir.eval import EvalError, access_cells, bind_params, evaluate, names_in
+from lmpm.ir.eval import EvalError, bind_params, compile_expr, evaluate, fold, names_in
 from lmpm.ir.nodes import (
     Axis,
     AxisKind,
@@ -32,7 +32,9 @@ from lmpm.ir.nodes import (
     Value,
 )
 from lmpm.ir.printer import expr_str, read_str
+from lmpm.ir.probe import Compiled, compiled, probe_cells, probe_indices, shape_of
 
+MAX_DIM = 2**48  # larger dimensions are an error (E209): no machine holds such a value
 PROBE_DIM = 64  # size given to an unbound dimension while probing; divisible by 2..64 powers
 
 
@@ -41,15 +43,6 @@ def probe_env(program: Program, overrides: Mapping[str, int] | None = None) -> d
     for p in program.params:
         env.setdefault(p.name, PROBE_DIM)
     return env
-
-
-def _probe_indices(n: int) -> list[int]:
-    picks = {0, 1, 2, n // 2, n - 3, n - 2, n - 1}
-    return sorted(i for i in picks if 0 <= i < n)
-
-
-def probe_cells(dims: tuple[int, ...]) -> list[tuple[int, ...]]:
-    return list(itertools.product(*(_probe_indices(n) for n in dims)))
 
 
 class Checker:
@@ -68,6 +61,14 @@ class Checker:
         self.strict = strict
         self.env: dict[str, int] = {}
         self.dims: dict[str, tuple[int, ...]] = {}
+        # Indices so every check is linear in the program's size.
+        self.values = {v.name: v for v in program.values}
+        self.into: dict[tuple[str, str], list[Stencil]] = {}
+        for s in program.stencils:
+            self.into.setdefault((s.target, s.source), []).append(s)
+        self.by_target = _group_by_target(program.stencils)
+        self.proposed = {r.target for r in program.rules}
+        self._stencils: dict[int, Compiled | None] = {}
 
     def run(self) -> Program:
         if not self._bind():
@@ -75,10 +76,9 @@ class Checker:
         self._commits()
         for s in self.p.stencils:
             self._stencil_bounds(s)
-        visible = self._visible_cache()
         for r in self.p.rules:
-            self._rule(r, visible)
-        constraints = tuple(self._constraint(c, visible) for c in self.p.constraints)
+            self._rule(r)
+        constraints = tuple(self._constraint(c) for c in self.p.constraints)
         self._strict_names()
         return replace(self.p, constraints=constraints)
 
@@ -106,11 +106,11 @@ class Checker:
                     )
                     ok = False
                     continue
-                if n < 1:
+                if n < 1 or n > MAX_DIM:
                     self.sink.error(
                         "E209",
-                        f"dimension {k + 1} of `{v.name}` ({expr_str(d)}) is {n}; "
-                        "dimensions must be at least 1",
+                        f"dimension {k + 1} of `{v.name}` ({_short(expr_str(d))}) is {_num(n)}; "
+                        f"dimensions must be between 1 and {MAX_DIM}",
                         v.span,
                         "check the parameters it uses (`--set`)",
                     )
@@ -160,42 +160,38 @@ class Checker:
         env.update(zip(vars_, cell))
         return env
 
+    def _shape(
+        self,
+        vars_: tuple[str, ...],
+        axes: tuple[Axis, ...],
+        binders: tuple,
+        guard: Expr | None,
+        source: str,
+    ) -> Compiled:  # type: ignore[type-arg]
+        return compiled(shape_of(vars_, axes, binders, guard, self.env, self.dims[source]))
+
+    def _stencil(self, s: Stencil) -> Compiled | None:
+        key = id(s)
+        if key not in self._stencils:
+            ok = s.source in self.dims and s.target in self.dims
+            self._stencils[key] = (
+                self._shape(s.vars, s.axes, s.binders, s.guard, s.source) if ok else None
+            )
+        return self._stencils[key]
+
     def _stencil_bounds(self, s: Stencil) -> None:
         """Warn when an index (not a neighbourhood offset) can leave the source without a guard."""
-        binder_vars = {v for b in s.binders for v in b.vars}
-        src = self.dims.get(s.source)
-        tgt = self.dims.get(s.target)
-        if src is None or tgt is None:
+        c = self._stencil(s)
+        if c is None:
             return
+        tgt = self.dims[s.target]
+        key = (c.shape, tgt)
+        found = _BOUNDS.get(key)
+        if found is None:
+            found = _BOUNDS[key] = _bounds(c, tgt)
         axis_of_var = dict(zip(s.vars, range(len(s.vars))))
-        reported: set[int] = set()
-        for cell in probe_cells(tgt):
-            env = self._target_env(s.vars, cell)
-            try:
-                if not evaluate(s.guard, env):
-                    continue
-            except EvalError:
-                pass  # the guard uses binder variables: probe the cell anyway
-            k = 0
-            for ax in s.axes:
-                if ax.kind != AxisKind.AT or k in reported:
-                    k += ax.width
-                    continue
-                assert ax.lo is not None
-                used = {n for op, n in names_in(ax.lo) if op == Op.VAR}
-                if used & binder_vars:
-                    k += 1
-                    continue
-                try:
-                    i = evaluate(ax.lo, env)
-                except EvalError:
-                    k += 1
-                    continue
-                n = src[k]
-                if not 0 <= i < n:
-                    reported.add(k)
-                    self._oob_warning(s, k, i, n, cell, used, axis_of_var, tgt)
-                k += 1
+        for k, i, n, cell, used in found:
+            self._oob_warning(s, k, i, n, cell, used, axis_of_var, tgt)
 
     def _oob_warning(
         self,
@@ -218,7 +214,7 @@ class Checker:
             j = axis_of_var[var]
             # Find the guard on `var` that keeps this axis in bounds over all of var's values.
             bad = []
-            for val in range(tgt[j]):
+            for val in range(tgt[j] if tgt[j] <= 4096 else 0):  # huge axes: no specific hint
                 env = self._target_env(
                     s.vars, tuple(val if q == j else c for q, c in enumerate(cell))
                 )
@@ -243,48 +239,28 @@ class Checker:
             hint or "add a `when` guard that keeps the index inside the value",
         )
 
-    def _visible_cache(self) -> dict[tuple[str, str, tuple[int, ...]], set[tuple[int, ...]]]:
-        """(target, source, probe cell) -> visible source cells, for every clause pair used."""
-        cache: dict[tuple[str, str, tuple[int, ...]], set[tuple[int, ...]]] = {}
-        for s in self.p.stencils:
-            tgt = self.dims.get(s.target)
-            src = self.dims.get(s.source)
-            if tgt is None or src is None:
-                continue
-            for cell in probe_cells(tgt):
-                env = self._target_env(s.vars, cell)
-                try:
-                    cells = set(access_cells(s.axes, s.binders, s.guard, env, src))
-                except EvalError:
-                    continue
-                cache.setdefault((s.target, s.source, cell), set()).update(cells)
-        return cache
-
     # ---- rules ---------------------------------------------------------------------------------
-    def _rule(
-        self, r: Rule, visible: dict[tuple[str, str, tuple[int, ...]], set[tuple[int, ...]]]
-    ) -> None:
+    def _rule(self, r: Rule) -> None:
         if r.kind == RuleKind.SCHEDULE:
             return
         tgt = self.dims.get(r.target)
         if tgt is None:
             return
-        cells = []
-        for cell in probe_cells(tgt):
-            env = self._target_env(r.vars, cell)
-            env["e"] = 0
-            try:
-                if evaluate(r.trigger, env):
-                    cells.append(cell)
-            except EvalError:
-                continue
-        fires = bool(cells)
+        trigger = fold(r.trigger, self.env)
+        tvars: set[str] = set()
+        _vars_of(trigger, tvars)
+        fires_key = ("fires", r.vars, trigger, tgt)
+        fires = _FIRES.get(fires_key)
+        if fires is None:
+            fires = _FIRES[fires_key] = bool(
+                _firing(r.vars, trigger, tgt, _axes_using(r.vars, tvars))
+            )
         for rd in r.reads:
             src = self.dims.get(rd.source)
             if src is None:
                 continue
             if rd.kind == ReadKind.VISIBLE:
-                if not any(s.target == r.target and s.source == rd.source for s in self.p.stencils):
+                if (r.target, rd.source) not in self.into:
                     self.sink.error(
                         "E201",
                         f"rule `{r.name}` reads `{rd.source}`, but no `visible` "
@@ -293,27 +269,30 @@ class Checker:
                         f"add `visible {self._pattern(r)} <- {rd.source}[...]`",
                     )
                 continue
-            for cell in cells:
-                env = self._target_env(r.vars, cell)
-                try:
-                    wanted = set(access_cells(rd.axes, rd.binders, None, env, src))
-                except EvalError:
-                    continue
-                missing = wanted - visible.get((r.target, rd.source, cell), set())
-                if missing:
-                    bad = min(missing)
-                    at = f"{r.target}[{', '.join(map(str, cell))}]"
-                    self.sink.error(
-                        "E201",
-                        f"rule `{r.name}` reads `{read_str(rd)}`, which is not visible to "
-                        f"`{self._pattern(r)}`: e.g. {at} would read {rd.source}[{', '.join(map(str, bad))}]",
-                        rd.span,
-                        "add a clause: `visible "
-                        + f"{self._pattern(r)} <- {read_str(rd)}"
-                        + (f" when {r.vars[0]} > 0" if rd.kind == ReadKind.PREV else "")
-                        + "`",
-                    )
-                    break
+            want = self._shape(r.vars, rd.axes, rd.binders, None, rd.source)
+            have = tuple(
+                c
+                for s in self.into.get((r.target, rd.source), ())
+                if (c := self._stencil(s)) is not None
+            )
+            key = ("read", trigger, want.shape, tuple(h.shape for h in have), tgt)
+            if key in _READS:
+                miss = _READS[key]
+            else:
+                miss = _READS[key] = _uncovered(r.vars, trigger, tvars, want, have, tgt)
+            if miss is not None:
+                cell, bad = miss
+                at = f"{r.target}[{', '.join(map(str, cell))}]"
+                self.sink.error(
+                    "E201",
+                    f"rule `{r.name}` reads `{read_str(rd)}`, which is not visible to "
+                    f"`{self._pattern(r)}`: e.g. {at} would read {rd.source}[{', '.join(map(str, bad))}]",
+                    rd.span,
+                    "add a clause: `visible "
+                    + f"{self._pattern(r)} <- {read_str(rd)}"
+                    + (f" when {r.vars[0]} > 0" if rd.kind == ReadKind.PREV else "")
+                    + "`",
+                )
         if not fires:
             self.sink.warning(
                 "W205",
@@ -326,10 +305,8 @@ class Checker:
         return f"{r.target}[{','.join(r.vars)}]" if r.vars else r.target
 
     # ---- constraints ---------------------------------------------------------------------------
-    def _constraint(
-        self, c: Constraint, visible: dict[tuple[str, str, tuple[int, ...]], set[tuple[int, ...]]]
-    ) -> Constraint:
-        if c.access is not None and not any(r.target == c.access.value for r in self.p.rules):
+    def _constraint(self, c: Constraint) -> Constraint:
+        if c.access is not None and c.access.value not in self.proposed:
             self.sink.warning(
                 "W206",
                 f"constraint `{c.name}` speaks about `{c.access.value}`, which "
@@ -339,7 +316,7 @@ class Checker:
             )
         if c.pred != PredKind.READ_FUTURE or c.access is None:
             return c
-        target = self.p.value(c.access.value)
+        target = self.values[c.access.value]
         tgt = self.dims.get(target.name)
         if tgt is None or target.shape not in (ShapeKind.SEQ, ShapeKind.GRID3D):
             self.sink.error(
@@ -349,30 +326,31 @@ class Checker:
                 c.access.span,
             )
             return replace(c, status=Status.REFUTED)
-        for s in self.p.stencils:
-            if s.target != target.name or not self._time_aligned(target, self.p.value(s.source)):
+        cover = shape_of(target_vars(target), c.access.axes, (), None, self.env, tgt)
+        for s in self.by_target.get(target.name, ()):
+            if not self._time_aligned(target, self.values[s.source]):
                 continue
-            for cell in probe_cells(tgt):
-                if not self._covers(c.access.axes, cell):
-                    continue
-                env = self._target_env(s.vars, cell)
-                try:
-                    cells = access_cells(s.axes, s.binders, s.guard, env, self.dims[s.source])
-                    later = next((sc for sc in cells if sc[0] > cell[0]), None)
-                except EvalError:
-                    continue
-                if later is not None:
-                    t = target.axis_names[0]
-                    self.sink.error(
-                        "E204",
-                        f"constraint `{c.name}` (forbid read_future) is refuted: this clause lets "
-                        f"{target.name}[{', '.join(map(str, cell))}] read "
-                        f"{s.source}[{', '.join(map(str, later))}], a later {t}",
-                        s.span,
-                        f"restrict the clause to earlier {t} (e.g. `when` or an index ≤ {t}), or drop "
-                        f"`{c.name}`",
-                    )
-                    return replace(c, status=Status.REFUTED)
+            sc = self._stencil(s)
+            if sc is None:
+                continue
+            key = ("future", cover.axes, sc.shape, tgt)
+            if key in _FUTURE:
+                hit = _FUTURE[key]
+            else:
+                hit = _FUTURE[key] = _reads_later(cover.axes, sc, tgt)
+            if hit is not None:
+                cell, later = hit
+                t = target.axis_names[0]
+                self.sink.error(
+                    "E204",
+                    f"constraint `{c.name}` (forbid read_future) is refuted: this clause lets "
+                    f"{target.name}[{', '.join(map(str, cell))}] read "
+                    f"{s.source}[{', '.join(map(str, later))}], a later {t}",
+                    s.span,
+                    f"restrict the clause to earlier {t} (e.g. `when` or an index ≤ {t}), or drop "
+                    f"`{c.name}`",
+                )
+                return replace(c, status=Status.REFUTED)
         if c.kind == "forbid":
             return replace(c, status=Status.PROVED)
         return c
@@ -383,29 +361,6 @@ class Checker:
         if source.shape not in (ShapeKind.SEQ, ShapeKind.GRID3D):
             return False
         return source.shape == target.shape or source.dims[0] == target.dims[0]
-
-    def _covers(self, axes: tuple[Axis, ...], cell: tuple[int, ...]) -> bool:
-        k = 0
-        for ax in axes:
-            if ax.kind in (AxisKind.ALL, AxisKind.REGION):
-                k += ax.width
-                continue
-            if ax.kind == AxisKind.AT and ax.lo is not None and ax.lo.op == Op.VAR:
-                k += 1
-                continue
-            try:
-                if ax.kind == AxisKind.AT:
-                    assert ax.lo is not None
-                    if evaluate(ax.lo, self.env) != cell[k]:
-                        return False
-                else:
-                    assert ax.lo is not None and ax.hi is not None
-                    if not evaluate(ax.lo, self.env) <= cell[k] <= evaluate(ax.hi, self.env):
-                        return False
-            except EvalError:
-                pass
-            k += 1
-        return True
 
     # ---- commits and names ---------------------------------------------------------------------
     def _commits(self) -> None:
@@ -443,6 +398,201 @@ class Checker:
             hint = "bind it in a module passed with --bind, or use a built-in name"
             if self.strict:
                 self.sink.error("E207", msg, call.span, hint)
+
+
+# Probed facts per clause structure (see lmpm.ir.probe), shared by every check in the process.
+_Hit = tuple[tuple[int, ...], tuple[int, ...]] | None  # (probe cell, offending source cell)
+_OOB = list[tuple[int, int, int, tuple[int, ...], set[str]]]
+_BOUNDS: dict[tuple[object, ...], _OOB] = {}
+_FIRES: dict[tuple[object, ...], bool] = {}
+_READS: dict[tuple[object, ...], _Hit] = {}
+_FUTURE: dict[tuple[object, ...], _Hit] = {}
+
+
+def clear_caches() -> None:
+    """Forget every probed fact (benchmarks use it to measure a cold check)."""
+    from lmpm.ir import eval as ir_eval
+    from lmpm.ir import probe
+
+    for d in (_BOUNDS, _FIRES, _READS, _FUTURE, probe._COMPILED, ir_eval._COMPILED):
+        d.clear()
+
+
+def _num(n: int) -> str:
+    digits = len(str(abs(n))) if abs(n) < 10**4000 else 4000
+    return str(n) if digits <= 30 else f"a number with {digits}+ digits"
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _group_by_target(stencils: tuple[Stencil, ...]) -> dict[str, list[Stencil]]:
+    out: dict[str, list[Stencil]] = {}
+    for s in stencils:
+        out.setdefault(s.target, []).append(s)
+    return out
+
+
+def target_vars(v: Value) -> tuple[str, ...]:
+    return v.axis_names
+
+
+def _vars_of(e: Expr, out: set[str]) -> None:
+    out.update(n for op, n in names_in(e) if op == Op.VAR)
+
+
+def _axes_using(vars_: tuple[str, ...], used: set[str]) -> frozenset[int]:
+    return frozenset(k for k, v in enumerate(vars_) if v in used)
+
+
+def _bounds(c: Compiled, tgt: tuple[int, ...]) -> _OOB:
+    """(source axis, index, size, probe cell, variables used) of the first out-of-bounds index
+    found on each source axis; indices that use binder variables are clipped silently."""
+    out: _OOB = []
+    reported: set[int] = set()
+    pad = (0,) * (len(c.order) - len(c.shape.vars))
+    dims = c.shape.dims
+    for cell in probe_cells(tgt, frozenset(c.relevant_axes())):
+        if c.target_guard is not None:
+            try:
+                if not c.target_guard(*cell):
+                    continue
+            except EvalError:
+                pass
+        k = 0
+        for (kind, lo, _hi, width), ax in zip(c.axes, c.shape.axes):
+            if kind != AxisKind.AT or k in reported:
+                k += width
+                continue
+            assert lo is not None
+            used = {n for op, n in names_in(ax.lo) if op == Op.VAR}
+            if used & c.binder_vars:
+                k += 1
+                continue
+            try:
+                i = lo(*cell, *pad)
+            except EvalError:
+                k += 1
+                continue
+            n = dims[k]
+            if not 0 <= i < n:
+                reported.add(k)
+                out.append((k, i, n, cell, used))
+            k += 1
+    return out
+
+
+def _firing(
+    vars_: tuple[str, ...], trigger: Expr, tgt: tuple[int, ...], relevant: frozenset[int]
+) -> bool:
+    if trigger == Expr.const(1):
+        return True
+    fn = compile_expr(trigger, (*vars_, "e"))
+    for cell in probe_cells(tgt, relevant):
+        try:
+            if fn(*cell, 0):
+                return True
+        except EvalError:
+            continue
+    return False
+
+
+def _uncovered(
+    vars_: tuple[str, ...],
+    trigger: Expr,
+    tvars: set[str],
+    want: Compiled,
+    have: tuple[Compiled, ...],
+    tgt: tuple[int, ...],
+) -> _Hit:
+    """A probe cell where the read wants a cell no clause makes visible, and that cell; or None."""
+    relevant = set(want.relevant_axes()) | _axes_using(vars_, tvars)
+    for h in have:
+        relevant |= h.relevant_axes()
+    trig = compile_expr(trigger, (*vars_, "e"))
+    for cell in probe_cells(tgt, frozenset(relevant)):
+        try:
+            if not trig(*cell, 0):
+                continue
+            wanted = want.cells(cell)
+        except EvalError:
+            continue
+        if not wanted:
+            continue
+        visible: set[tuple[int, ...]] = set()
+        for h in have:
+            try:
+                visible |= h.cells(cell)
+            except EvalError:
+                continue
+        if not wanted <= visible:
+            return cell, min(wanted - visible)
+    return None
+
+
+def _cover_axes(axes: tuple[Axis, ...], dims: tuple[int, ...]) -> dict[int, list[int]]:
+    """Target axes a constraint's access restricts, with their in-bounds endpoints as extra probes."""
+    out: dict[int, list[int]] = {}
+    k = 0
+    for ax in axes:
+        if ax.kind in (AxisKind.ALL, AxisKind.REGION):
+            k += ax.width
+            continue
+        if not (ax.kind == AxisKind.AT and ax.lo is not None and ax.lo.op == Op.VAR):
+            picks = []
+            for e in (ax.lo, ax.hi):
+                if e is not None and e.op == Op.CONST and isinstance(e.value, int):
+                    picks.append(e.value)
+            out[k] = [i for i in picks if 0 <= i < dims[k]] if k < len(dims) else []
+        k += 1
+    return out
+
+
+def _covers(axes: tuple[Axis, ...], cell: tuple[int, ...]) -> bool:
+    """Whether a constraint's (folded) access includes ``cell``; pattern variables match anything."""
+    k = 0
+    for ax in axes:
+        if ax.kind in (AxisKind.ALL, AxisKind.REGION):
+            k += ax.width
+            continue
+        if ax.kind == AxisKind.AT and ax.lo is not None and ax.lo.op == Op.VAR:
+            k += 1
+            continue
+        try:
+            if ax.kind == AxisKind.AT:
+                assert ax.lo is not None
+                if evaluate(ax.lo, {}) != cell[k]:
+                    return False
+            else:
+                assert ax.lo is not None and ax.hi is not None
+                if not evaluate(ax.lo, {}) <= cell[k] <= evaluate(ax.hi, {}):
+                    return False
+        except EvalError:
+            pass
+        k += 1
+    return True
+
+
+def _reads_later(cover: tuple[Axis, ...], sc: Compiled, tgt: tuple[int, ...]) -> _Hit:
+    """A covered probe cell from which the clause reads a later index on the time axis."""
+    extra = _cover_axes(cover, tgt)
+    relevant = set(sc.relevant_axes()) | {0} | set(extra)
+    axes = [
+        sorted(set(probe_indices(n)) | set(extra.get(k, ()))) if k in relevant else [n // 2]
+        for k, n in enumerate(tgt)
+    ]
+    for cell in itertools.product(*axes):
+        if not _covers(cover, cell):
+            continue
+        try:
+            cells = sc.cells(cell)
+        except EvalError:
+            continue
+        later = min((x for x in cells if x[0] > cell[0]), default=None)
+        if later is not None:
+            return cell, later
+    return None
 
 
 def check(

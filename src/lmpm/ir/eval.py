@@ -7,7 +7,7 @@ versions live in :mod:`lmpm.visibility`; these are the small, obviously-correct 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from lmpm.errors import BindError
 from lmpm.ir.nodes import NEIGHBORHOODS, Axis, AxisKind, Binder, Expr, Op, Program
@@ -173,3 +173,113 @@ def access_cells(
                 ranges.append(range(lo, hi + 1))
             k += 1
         yield from itertools.product(*ranges)
+
+
+# ---- compiled evaluation (the checker's fast path) -------------------------------------------------
+
+_PY_BINARY = {
+    Op.ADD: "+",
+    Op.SUB: "-",
+    Op.MUL: "*",
+    Op.LT: "<",
+    Op.LE: "<=",
+    Op.GT: ">",
+    Op.GE: ">=",
+    Op.EQ: "==",
+    Op.NE: "!=",
+}
+
+
+def fold(e: Expr, env: Mapping[str, int]) -> Expr:
+    """``e`` with bound parameters replaced by their values and constant subtrees evaluated.
+
+    Division or modulo by zero is left in place (so evaluating it still raises EvalError).
+    """
+    op = e.op
+    if op == Op.CONST or op == Op.VAR:
+        return e
+    if op == Op.PARAM:
+        assert isinstance(e.value, str)
+        v = env.get(e.value)
+        return Expr.const(v) if v is not None else e
+    args = tuple(fold(a, env) for a in e.args)
+    if all(a.op == Op.CONST for a in args):
+        try:
+            return Expr.const(evaluate(Expr(op, args, e.value), {}))
+        except EvalError:
+            pass
+    return Expr(op, args, e.value)
+
+
+def _div(a: int, b: int) -> int:
+    if b == 0:
+        raise EvalError("division by zero")
+    return a // b
+
+
+def _mod(a: int, b: int) -> int:
+    if b == 0:
+        raise EvalError("division by zero")
+    return a % b
+
+
+def _unbound(name: str) -> int:
+    raise EvalError(f"`{name}` is not bound")
+
+
+def _py(e: Expr, names: dict[str, str]) -> str:
+    """Python source for ``e``; ``names`` maps variables to the generated function's arguments."""
+    op = e.op
+    if op == Op.CONST:
+        return f"({e.value})"
+    if op == Op.VAR or op == Op.PARAM:
+        assert isinstance(e.value, str)
+        arg = names.get(e.value)
+        return arg if arg is not None else f"_unbound({e.value!r})"
+    a = [_py(x, names) for x in e.args]
+    if op == Op.NEG:
+        return f"(-{a[0]})"
+    if op == Op.NOT:
+        return f"(not {a[0]})"
+    if op == Op.AND:
+        return f"(bool({a[0]}) and bool({a[1]}))"
+    if op == Op.OR:
+        return f"(bool({a[0]}) or bool({a[1]}))"
+    if op == Op.DIV or op == Op.MOD:
+        rhs = e.args[1]
+        if rhs.op == Op.CONST and rhs.value != 0:
+            return f"({a[0]} {'//' if op == Op.DIV else '%'} {a[1]})"
+        return f"{'_div' if op == Op.DIV else '_mod'}({a[0]}, {a[1]})"
+    return f"({a[0]} {_PY_BINARY[op]} {a[1]})"
+
+
+_COMPILED: dict[tuple[Expr, tuple[str, ...]], Callable[..., int]] = {}
+
+
+def compile_expr(e: Expr, variables: tuple[str, ...]) -> Callable[..., int]:
+    """``e`` as a Python function of ``variables`` (positional), built once per (e, variables).
+
+    Same results as :func:`evaluate` (booleans come back as ``bool``, an ``int``); unbound names and
+    division by zero raise :class:`EvalError` when evaluated.
+
+    >>> f = compile_expr(Expr(Op.ADD, (Expr.var("x"), Expr.const(1))), ("x",))
+    >>> f(41)
+    42
+    """
+    key = (e, variables)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        names = {v: f"_a{i}" for i, v in enumerate(variables)}
+        src = f"lambda {', '.join(names.values())}: {_py(e, names)}"
+        try:
+            fn = eval(src, {"_div": _div, "_mod": _mod, "_unbound": _unbound})
+        except (RecursionError, SyntaxError, MemoryError):  # absurdly deep: interpret instead
+            order = variables
+
+            def fn(*vals: int, _e: Expr = e) -> int:
+                return evaluate(_e, dict(zip(order, vals)))
+
+        if len(_COMPILED) > 50_000:
+            _COMPILED.clear()
+        _COMPILED[key] = fn
+    return fn

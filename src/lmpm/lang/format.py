@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmpm.errors import ParseError
 from lmpm.lang import ast
 from lmpm.lang.parser import parse
 
 INDENT = "  "
+_STR_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\0": "\\0", "\t": "\\t"}
 
 # Binding strength per AST node kind (higher binds tighter), for minimal parentheses.
 _OR, _AND, _NOT, _CMP, _RANGE, _ADD, _MUL, _NEG, _ATOM = range(1, 10)
@@ -46,7 +48,7 @@ def fmt_expr(e: ast.Expr, parent: int = 0) -> str:
         case ast.Int(value=v):
             s = str(v)
         case ast.Str(value=v):
-            s = '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+            s = '"' + "".join(_STR_ESCAPES.get(ch, ch) for ch in v) + '"'
         case ast.Name(id=n):
             s = n
         case ast.Star():
@@ -130,7 +132,12 @@ def _rule_stmt(st: ast.RuleStmt) -> str:
         case ast.On(pattern=p, guard=g):
             return f"on {fmt_expr(p)}" + (f" when {fmt_expr(g)}" if g is not None else "")
         case ast.Read(items=items):
-            return f"read {{{', '.join(fmt_arg(a) for a in items)}}}"
+            # A named read is a binding (`ctx = Txt[...]`), spaced unlike a keyword argument.
+            reads = (
+                f"{a.name} = {fmt_expr(a.value)}" if a.name is not None else fmt_expr(a.value)
+                for a in items
+            )
+            return f"read {{{', '.join(reads)}}}"
         case ast.Emit(target=t, call=c):
             return f"emit proposal {fmt_expr(t)} := {fmt_expr(c)}"
         case ast.Score(call=c):
@@ -147,7 +154,7 @@ class _Comment:
 
 def _comments(text: str) -> list[_Comment]:
     out = []
-    for n, line in enumerate(text.splitlines(), start=1):
+    for n, line in enumerate(text.split("\n"), start=1):  # lines as the parser counts them
         in_str = False
         i = 0
         while i < len(line):
@@ -170,7 +177,7 @@ def format_program(prog: ast.Program, text: str) -> str:
     comments = _comments(text)
     own = [c for c in comments if c.own_line]
     trailing = {c.line: c for c in comments if not c.own_line}
-    src_lines = text.splitlines()
+    src_lines = text.split("\n")
     out: list[str] = []
     k = 0  # next own-line comment to place
     prev_end = 0
@@ -206,16 +213,59 @@ def format_program(prog: ast.Program, text: str) -> str:
             tails = [trailing[n].text for n in range(src_line, last_line + 1) if n in trailing]
             for n in range(src_line, last_line + 1):
                 trailing.pop(n, None)
-            out.append(line + ("  " + " ".join(tails) if tails else ""))
+            out.append(line + (_TAIL + " ".join(tails) if tails else ""))
         prev_end = end
     rest = own[k:] + sorted(trailing.values(), key=lambda c: c.line)
     if rest and out:
         if any(not src_lines[i - 1].strip() for i in range(prev_end + 1, rest[0].line)):
             out.append("")
     out.extend(c.text for c in rest)
-    return "\n".join(out) + "\n" if out else ""
+    return "\n".join(_align_tails(out)) + "\n" if out else ""
+
+
+_TAIL = "  \x00"  # marks where a trailing comment starts until _align_tails places it
+
+
+def _align_tails(lines: list[str]) -> list[str]:
+    """Trailing comments on consecutive lines start in one column, two spaces after the longest
+    code among them (as gofmt does)."""
+    out = list(lines)
+    i = 0
+    while i < len(out):
+        if _TAIL not in out[i]:
+            i += 1
+            continue
+        j = i
+        while j < len(out) and _TAIL in out[j]:
+            j += 1
+        width = max(len(out[k].split(_TAIL, 1)[0]) for k in range(i, j))
+        for k in range(i, j):
+            code, comment = out[k].split(_TAIL, 1)
+            out[k] = f"{code.ljust(width)}  {comment}"
+        i = j
+    return out
 
 
 def format_source(text: str, file: str = "<input>") -> str:
     """Canonical text of ``text`` (raises ParseError on a malformed program)."""
     return format_program(parse(text, file), text)
+
+
+def format_checked(prog: ast.Program, text: str) -> str:
+    """:func:`format_program`, with absurdly deep expressions reported as a ParseError."""
+    try:
+        return format_program(prog, text)
+    except RecursionError:
+        span = None
+        for item in prog.items:
+            try:
+                _stmt_lines(item)
+            except RecursionError:
+                span = item.span
+                break
+        raise ParseError(
+            "an expression is nested too deeply to format",
+            span=span,
+            code="P004",
+            hint="split the expression",
+        ) from None
