@@ -8,25 +8,15 @@
 
 from __future__ import annotations
 
+from lmpm.api import Compiled as Compiled
+from lmpm.api import compile as compile
 from lmpm.bindings import bind as bind
-from lmpm.errors import (
-    BindError as BindError,
-)
-from lmpm.errors import (
-    CheckError as CheckError,
-)
-from lmpm.errors import (
-    LmpmError as LmpmError,
-)
-from lmpm.errors import (
-    ModelError as ModelError,
-)
-from lmpm.errors import (
-    ParseError as ParseError,
-)
-from lmpm.errors import (
-    RuntimeFault as RuntimeFault,
-)
+from lmpm.errors import BindError as BindError
+from lmpm.errors import CheckError as CheckError
+from lmpm.errors import LmpmError as LmpmError
+from lmpm.errors import ModelError as ModelError
+from lmpm.errors import ParseError as ParseError
+from lmpm.errors import RuntimeFault as RuntimeFault
 from lmpm.ir import Frontend as Frontend
 from lmpm.ir import compile_file as check_file
 from lmpm.ir import compile_source as check_source
@@ -36,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BindError",
     "CheckError",
+    "Compiled",
     "Frontend",
     "LmpmError",
     "ModelError",
@@ -45,4 +36,5 @@ __all__ = [
     "bind",
     "check_file",
     "check_source",
+    "compile",
 ]

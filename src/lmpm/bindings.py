@@ -33,6 +33,21 @@ BUILTINS: dict[str, str] = {
     "quorum": "lmpm.resolve.policies:quorum",
     "Set": "lmpm.runtime.constraints:set_literal",
     "SampleTiles": "lmpm.resolve.schedules:sample_tiles",
+    "Uniform": "lmpm.models.null:uniform_logits",
+    "ZeroScore": "lmpm.models.null:zero_score",
+    "RandomTokens": "lmpm.models.null:random_tokens",
+    "clash": "lmpm.runtime.constraints:clash",
+    "inputs": "lmpm.runtime.constraints:inputs_region",
+    "Digits": "lmpm.models.sudoku:digits",
+    "Candidates": "lmpm.models.sudoku:candidates",
+    "Duplicate": "lmpm.models.sudoku:duplicate",
+    "Model": "lmpm.models.video:local_gen",
+    "ModelScore": "lmpm.models.video:model_score",
+    "CoarseGen": "lmpm.models.video:coarse_gen",
+    "Palette": "lmpm.models.world:palette",
+    "region": "lmpm.models.world:region",
+    "ByteLM": "lmpm.models.text:byte_lm",
+    "TextScore": "lmpm.models.text:text_score",
 }
 
 _DECORATED: dict[str, Any] = {}  # filled by @bind while a --bind module is imported

@@ -42,7 +42,8 @@ class Span:
 
 def register_source(name: str, text: str) -> None:
     """Make ``text`` the source of ``name`` for caret rendering (used for programs given as strings)."""
-    lines = text.splitlines(keepends=True)
+    # Split on "\n" only, as the parser counts lines (str.splitlines also breaks at U+2028, \f...).
+    lines = [line + "\n" for line in text.split("\n")]
     linecache.cache[name] = (len(text), None, lines, name)
 
 

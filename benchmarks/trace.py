@@ -1,0 +1,181 @@
+"""Cost of the commit log and the constraint trace on the seed's video program.
+
+examples/video.lmpm at Vid 16×64×64 (+ Txt 77, Coarse 16×8×8) with the null bindings of
+benchmarks/runtime.py (random proposals, zero scores), red-black schedule, every constraint live.
+Each configuration runs the same epochs from the same seed in a fresh engine, ``--repeat`` times,
+interleaved; the minimum wall time of the epoch loop (observers included) is kept.
+
+Prints JSON lines:
+- ``trace_overhead``: ``--trace summary`` against ``--trace off`` (both with the commit log).
+  Goal ≤ 10 %.
+- ``trace_cells``: ``--trace cells`` on a 32×32 region (``Vid[0, 0..31, 0..31]``) against off.
+- ``commit_log``: the log's cost per epoch (ms; with the log against no log at all, and as
+  measured inside the observer) and the database size per million committed cells.
+
+    python benchmarks/trace.py [--epochs 8] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from lmpm.ir import compile_file  # noqa: E402
+from lmpm.models.null import random_tokens  # noqa: E402
+from lmpm.resolve.plan import Plan  # noqa: E402
+from lmpm.runtime.commitlog import DB_NAME, CommitLog, RunInfo, program_hash  # noqa: E402
+from lmpm.runtime.engine import Engine  # noqa: E402
+from lmpm.runtime.session import Run  # noqa: E402
+from lmpm.runtime.trace import Tracer, parse_region  # noqa: E402
+from runtime import BINDINGS, params  # noqa: E402
+
+PROGRAM = ROOT / "examples" / "video.lmpm"
+REGION = "Vid[0, 0..31, 0..31]"
+# Any further model the example binds (e.g. a coarse proposer) is a null model too.
+NULL_BINDINGS: dict[str, Any] = {**BINDINGS, "CoarseGen": random_tokens}
+
+
+def setup() -> tuple[Any, Plan, dict[str, int]]:
+    """The plan is built once (gather tables for 66k cells take seconds); each run gets a fresh
+    engine on it."""
+    p = params(16, 64, 64)
+    front = compile_file(PROGRAM, overrides=p)
+    run = Run(front, params=p, bindings=NULL_BINDINGS, seed=0)
+    return front, run.plan, p
+
+
+def one(
+    config: str, epochs: int, run_dir: Path, front: Any, plan: Plan, p: dict[str, int]
+) -> dict[str, float]:
+    engine = Engine(plan, seed=0)
+    text = b"a red square moves left under a blue sky"
+    n = plan.values["Txt"].ncells
+    payload = torch.zeros(n, dtype=torch.int64)
+    payload[: len(text)] = torch.tensor(list(text))
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[: len(text)] = True
+    engine.set_input("Txt", payload, mask)
+    log = None
+    if config != "none":
+        level = "off" if config == "off" else config
+        region = None
+        if level == "cells":
+            region = parse_region(REGION, {n: vp.dims for n, vp in plan.values.items()})
+        tracer = None if level == "off" else Tracer(plan, level, region)
+        info = RunInfo(
+            program_hash(front.ir),
+            str(PROGRAM),
+            PROGRAM.read_text(),
+            p,
+            (),
+            0,
+            "cpu",
+            epochs,
+            None,
+            level,
+            None if region is None else str(region),
+            10_000,
+        )
+        log = CommitLog(run_dir, info, tracer=tracer)
+        engine.observers.append(log)
+    res = engine.run(epochs)
+    out = {"seconds": res.seconds, "commits": float(res.commits)}
+    if log is not None:
+        out["log_seconds"] = log.log_seconds
+        log.close()
+        out["db_bytes"] = float(sum(f.stat().st_size for f in run_dir.glob(f"{DB_NAME}*")))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--epochs", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
+    )
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    front, plan, p = setup()
+    configs = ["none", "off", "summary", "cells"]
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeat):
+            for c in configs:
+                d = Path(tmp) / f"{c}{rep}"
+                t0 = time.perf_counter()
+                runs[c].append(one(c, args.epochs, d, front, plan, p))
+                sys.stderr.write(
+                    f"{c} #{rep}: {runs[c][-1]['seconds']:.3f}s "
+                    f"(with setup {time.perf_counter() - t0:.1f}s)\n"
+                )
+    best = {c: min(r["seconds"] for r in rs) for c, rs in runs.items()}
+    med = {c: statistics.median(r["seconds"] for r in rs) for c, rs in runs.items()}
+    e = args.epochs
+    commits = runs["off"][0]["commits"]
+    print(
+        json.dumps(
+            {
+                "benchmark": "trace",
+                "case": "trace_overhead",
+                "cells": 16 * 64 * 64,
+                "epochs": e,
+                "off_s": round(best["off"], 4),
+                "summary_s": round(best["summary"], 4),
+                "overhead": round(best["summary"] / best["off"] - 1, 4),
+                "overhead_median": round(med["summary"] / med["off"] - 1, 4),
+                "goal": 0.10,
+            }
+        ),
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "trace",
+                "case": "trace_cells",
+                "region": REGION,
+                "epochs": e,
+                "cells_s": round(best["cells"], 4),
+                "overhead": round(best["cells"] / best["off"] - 1, 4),
+                "overhead_median": round(med["cells"] / med["off"] - 1, 4),
+                "db_mb": round(runs["cells"][0]["db_bytes"] / 2**20, 2),
+            }
+        ),
+        flush=True,
+    )
+    log_ms = min(r["log_seconds"] for r in runs["off"]) / e * 1000
+    print(
+        json.dumps(
+            {
+                "benchmark": "trace",
+                "case": "commit_log",
+                "epochs": e,
+                "commits": int(commits),
+                "epoch_ms_without_log": round(best["none"] / e * 1000, 2),
+                "epoch_ms_with_log": round(best["off"] / e * 1000, 2),
+                "log_ms_per_epoch": round((best["off"] - best["none"]) / e * 1000, 2),
+                "log_ms_per_epoch_measured": round(log_ms, 2),
+                "db_mb_per_million_cells": round(runs["off"][0]["db_bytes"] / commits, 2),
+                "db_mb_per_million_cells_summary": round(
+                    runs["summary"][0]["db_bytes"] / commits, 2
+                ),
+            }
+        ),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()

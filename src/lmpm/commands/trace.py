@@ -1,0 +1,201 @@
+"""`lmpm trace RUN_DIR`: which constraints blocked which proposals, where and when.
+
+Reads RUN_DIR/lmpm.db (written by `lmpm run`; schema in docs/trace.md) without importing torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+HELP = "report a run's constraint trace: blocked proposals, where, when; or one cell's story"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of `lmpm run`")
+    p.add_argument(
+        "--cell",
+        metavar="CELL",
+        help="the story of one cell, e.g. 'Vid[3,10,12]': every attempt, candidates, verdicts",
+    )
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    p.add_argument("--plot", metavar="OUT.png", help="plot violations per constraint per epoch")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lmpm.runtime.commitlog import connect
+    from lmpm.runtime.trace import cell_story, plot, report
+
+    conn = connect(args.run_dir, readonly=True)
+    try:
+        if args.cell:
+            story = cell_story(conn, args.run_dir, args.cell)
+            if args.json:
+                sys.stdout.write(json.dumps(story, indent=1) + "\n")
+            else:
+                _render_story(story, Console())
+            return 0
+        rep = report(conn, args.run_dir)
+    finally:
+        conn.close()
+    if args.plot:
+        path = plot(rep, args.plot)
+        sys.stderr.write(f"wrote {path}\n")
+    if args.json:
+        sys.stdout.write(json.dumps(rep, indent=1) + "\n")
+    elif not args.plot:
+        _render_report(rep, Console())
+    return 0
+
+
+def _render_report(rep: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    r = rep["run"]
+    params = " ".join(f"{k}={v}" for k, v in (r["params"] or {}).items())
+    console.print(
+        f"[bold]{r['program']}[/] {params}  seed {r['seed']}  {r['epochs']} epochs ({r['status']})  "
+        f"{r['commits']:,} commits of {r['attempts']:,} attempts  trace {r['trace']}"
+        + (f" {r['trace_region']}" if r["trace_region"] else "")
+    )
+    if r["trace"] == "off":
+        console.print("the constraint trace was off (run with --trace summary or --trace cells)")
+    else:
+        console.print(
+            f"{r['decided']:,} decisions were decided by a constraint (the score favourite lost)"
+        )
+
+    t = Table(title="constraints", title_justify="left")
+    for col in (
+        "constraint",
+        "priority",
+        "kind",
+        "status",
+        "checked",
+        "violations",
+        "lost",
+        "won",
+        "fired in epochs",
+    ):
+        t.add_column(
+            col,
+            justify="right"
+            if col in ("priority", "checked", "violations", "lost", "won")
+            else "left",
+        )
+    for c in rep["constraints"]:
+        proved = c["status"] == "proved"
+        t.add_row(
+            c["name"],
+            str(c["priority"]),
+            f"{c['kind']} {c['pred']}",
+            "proved at compile time" if proved else "evaluated",
+            "—" if proved else f"{c['checked']:,}",
+            "—" if proved else f"{c['violations']:,}",
+            "—" if proved else f"{c['lost']:,}",
+            "—" if proved else f"{c['won']:,}",
+            c["fired_epochs"] or "—",
+        )
+    console.print(t)
+
+    if rep["blocked"]:
+        b = Table(
+            title="blocked proposals (decisions lost because of a constraint)", title_justify="left"
+        )
+        for col in ("constraint", "blocked candidates of", "decisions", "where", "when (epochs)"):
+            b.add_column(col, justify="right" if col == "decisions" else "left")
+        for row in rep["blocked"]:
+            b.add_row(
+                row["constraint"],
+                row["rule"],
+                f"{row['decisions']:,}",
+                row["where"] or "—",
+                row["when"],
+            )
+        console.print(b)
+    elif r["trace"] != "off":
+        console.print("no constraint decided any decision")
+    if rep["never_fired"]:
+        console.print("never fired: " + ", ".join(rep["never_fired"]))
+    if rep["proved"]:
+        console.print("proved at compile time (never evaluated): " + ", ".join(rep["proved"]))
+
+    epochs = rep["epochs"]
+    if epochs:
+        e = Table(title="epochs", title_justify="left")
+        for col in (
+            "epoch",
+            "open",
+            "candidates",
+            "commits",
+            "violations",
+            "decided",
+            "ms",
+            "log ms",
+        ):
+            e.add_column(col, justify="right")
+        shown = epochs if len(epochs) <= 12 else [*epochs[:5], None, *epochs[-5:]]
+        for ep in shown:
+            if ep is None:
+                e.add_row("…", "", "", "", "", "", "", "")
+                continue
+            e.add_row(
+                str(ep["epoch"]),
+                f"{ep['open_cells']:,}",
+                f"{ep['candidates']:,}",
+                f"{ep['commits']:,}",
+                f"{ep['violations']:,}",
+                "—" if ep["decided"] is None else f"{ep['decided']:,}",
+                f"{1000 * ep['seconds']:.1f}",
+                f"{1000 * ep['log_seconds']:.1f}",
+            )
+        console.print(e)
+
+
+def _render_story(s: dict[str, Any], console: Any) -> None:
+    from rich.table import Table
+
+    console.print(f"[bold]{s['cell']}[/] (cell id {s['id']} of {s['value']})")
+    if s["start"] is not None:
+        st = s["start"]
+        console.print(f"given as {st['rule']}: {st['payload']} (clock {st['clock']})")
+    if s["commits"]:
+        t = Table(title="commits", title_justify="left")
+        for col in ("epoch", "rule", "payload", "score", "clock"):
+            t.add_column(col, justify="left" if col == "rule" else "right")
+        for c in s["commits"]:
+            t.add_row(
+                str(c["epoch"]), c["rule"], str(c["payload"]), f"{c['score']:g}", str(c["clock"])
+            )
+        console.print(t)
+    else:
+        console.print("never committed by a rule")
+    if not s["traced"]:
+        console.print(
+            "attempts were not traced for this cell: run with --trace cells "
+            f"(optionally --trace-region '{s['cell']}') to record candidates and verdicts"
+        )
+        return
+    names = [c["name"] for c in s["constraints"]]
+    for a in s["attempts"]:
+        t = Table(title=f"epoch {a['epoch']}: {a['why']}", title_justify="left")
+        for col in ("", "candidate", "rule", "payload", "score", *names):
+            t.add_column(col)
+        for c in a["candidates"]:
+            mark = "★" if c["winner"] else ("·" if c["favourite"] else "")
+            score = "—" if c["score"] is None else f"{c['score']:g}"
+            payload = "unset" if c["payload"] is None else str(c["payload"])
+            verdicts = [
+                {"ok": "ok", "violated": "[red]violated[/]", "n/a": "—", "proved": "proved"}[
+                    c["verdicts"][n]
+                ]
+                for n in names
+            ]
+            t.add_row(mark, str(c["col"]), c["rule"], payload, score, *verdicts)
+        console.print(t)
+        after = "unset" if a["payload"] is None else a["payload"]
+        console.print(f"  → {after}, clock {a['clock']}  (★ winner, · score favourite)")

@@ -1,0 +1,1 @@
+"""Built-in models, bound by name (see :mod:`lmpm.bindings`)."""

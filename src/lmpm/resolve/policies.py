@@ -1,0 +1,170 @@
+"""Commit policies: how the candidates of a cell agree on a winner. An extensible registry.
+
+Every policy sees all candidates of all open cells at once (tensors), never a Python loop per cell.
+Column 0 of every candidate tensor is *keep current* (the committed payload, or unset). Ties break
+deterministically by the lowest candidate column, so keep-current wins every tie.
+
+Add a policy::
+
+    from lmpm.resolve.policies import register, Agree, Decision
+
+    @register("my_policy")
+    def my_policy(a: Agree, *args) -> Decision:
+        ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import BindError
+
+
+@dataclass(frozen=True, slots=True)
+class Agree:
+    """The candidates of ``n`` open cells. C = 1 (keep) + all proposals; K = constraints."""
+
+    payload: Tensor  # (n, C) candidate payloads (int64 tokens or float values)
+    valid: Tensor  # (n, C) bool: the candidate exists (padding is False; keep is always True)
+    score: Tensor  # (n, C) float64; keep's score is the committed score (-inf when unset)
+    violated: Tensor  # (n, C, K) bool
+    priority: Tensor  # (K,) int64 priority of each constraint
+    rule: Tensor  # (C,) int64 rule index of each column; -1 for keep
+    replica: Tensor  # (C,) int64 quorum replica of each column; -1 for keep
+    slot: Tensor  # (C,) int64 proposal slot within its rule (replicas share slots); -1 for keep
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    winner: Tensor  # (n,) int64 column index; 0 = keep current
+    payload: Tensor  # (n,) the payload to commit (the winner's, or an aggregate)
+
+
+Policy = Callable[..., Decision]
+POLICIES: dict[str, Policy] = {}
+
+
+def register(name: str) -> Callable[[Policy], Policy]:
+    def deco(fn: Policy) -> Policy:
+        POLICIES[name] = fn
+        return fn
+
+    return deco
+
+
+def _take(a: Agree, winner: Tensor) -> Decision:
+    rows = torch.arange(a.payload.shape[0])
+    return Decision(winner, a.payload[rows, winner])
+
+
+def best_by_score(score: Tensor, eligible: Tensor) -> Tensor:
+    """Column with the highest score among eligible ones; ties → lowest column. (n,) int64."""
+    s = torch.where(eligible, score, torch.full_like(score, -torch.inf))
+    best = s.max(dim=1, keepdim=True).values
+    hit = eligible & (s == best)
+    # argmax over a bool picks the first True: the lowest column among the tied best.
+    return hit.to(torch.uint8).argmax(dim=1)
+
+
+def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
+    """Narrow ``eligible`` level by level: most constraints satisfied at the highest priority first."""
+    if a.violated.shape[2] == 0:
+        return eligible
+    sat = ~a.violated  # (n, C, K)
+    for prio in torch.unique(a.priority, sorted=True).flip(0).tolist():
+        level = a.priority == prio  # (K,)
+        count = sat[:, :, level].sum(dim=2)  # (n, C)
+        count = torch.where(eligible, count, torch.full_like(count, -1))
+        eligible = eligible & (count == count.max(dim=1, keepdim=True).values)
+    return eligible
+
+
+@register("satisfy")
+def satisfy(a: Agree, mode: str = "max_constraints_then_score", *_: Any) -> Decision:
+    """Lexicographic: satisfied constraints from the highest priority down, then score, then column."""
+    if mode not in ("max_constraints_then_score",):
+        raise BindError(
+            f"satisfy({mode}) is not a known mode; use satisfy(max_constraints_then_score)",
+            code="B030",
+        )
+    eligible = lexicographic(a, a.valid.clone())
+    return _take(a, best_by_score(a.score, eligible))
+
+
+@register("winner_takes_all")
+def winner_takes_all(a: Agree, *_: Any) -> Decision:
+    """The highest-scoring proposal wins whatever the constraints say (they are still traced)."""
+    proposals = a.valid.clone()
+    proposals[:, 0] = False
+    any_prop = proposals.any(dim=1)
+    winner = best_by_score(a.score, proposals)
+    winner = torch.where(any_prop, winner, torch.zeros_like(winner))
+    return _take(a, winner)
+
+
+@register("average")
+def average(a: Agree, *_: Any) -> Decision:
+    """Numeric values: the mean of the valid proposals (keep when a cell has none)."""
+    if not a.payload.is_floating_point():
+        raise BindError(
+            "average() needs a numeric value (Float); this value holds tokens",
+            code="B031",
+            hint="use satisfy(max_constraints_then_score) for tokens",
+        )
+    proposals = a.valid.clone()
+    proposals[:, 0] = False
+    count = proposals.sum(dim=1)
+    total = torch.where(proposals, a.payload, torch.zeros_like(a.payload)).sum(dim=1)
+    mean = total / count.clamp(min=1)
+    has = count > 0
+    winner = torch.where(has, torch.ones_like(count), torch.zeros_like(count)).to(torch.int64)
+    payload = torch.where(has, mean.to(a.payload.dtype), a.payload[:, 0])
+    return Decision(winner, payload)
+
+
+@register("quorum")
+def quorum(a: Agree, k: int = 2, inner: Any = "satisfy", *inner_args: Any) -> Decision:
+    """A proposal is eligible only if ≥ k replicas of its rule proposed the same payload (checksum)."""
+    same = a.payload[:, :, None] == a.payload[:, None, :]  # (n, C, C)
+    same &= (a.rule[:, None] == a.rule[None, :]) & (a.slot[:, None] == a.slot[None, :])
+    same &= a.valid[:, None, :]
+    votes = same.sum(dim=2)  # (n, C)
+    eligible = a.valid & ((votes >= int(k)) | (a.rule == -1)[None, :])
+    inner_name, args = inner, inner_args
+    if isinstance(inner, tuple):  # a nested call: (name, args)
+        inner_name, args = inner[0], tuple(inner[1])
+    fn = get_policy(str(inner_name))
+    narrowed = Agree(
+        a.payload, eligible, a.score, a.violated, a.priority, a.rule, a.replica, a.slot
+    )
+    return fn(narrowed, *args)
+
+
+def get_policy(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise BindError(
+            f"unknown commit policy `{name}`",
+            code="B032",
+            hint="policies: " + ", ".join(sorted(POLICIES)),
+        ) from None
+
+
+# Names bound in bindings.BUILTINS point here.
+__all__ = [
+    "POLICIES",
+    "Agree",
+    "Decision",
+    "average",
+    "get_policy",
+    "quorum",
+    "register",
+    "satisfy",
+    "winner_takes_all",
+]

@@ -1,0 +1,814 @@
+"""The commit log: one SQLite database per run (``RUN_DIR/lmpm.db``), appended once per epoch.
+
+Commit is the sole causal interface between a run and the world, so what a run committed is never
+lost. Each epoch is one SQLite transaction (WAL mode) holding the epoch's row, its commits and its
+constraint trace (:mod:`lmpm.runtime.trace`); an epoch is in the log entirely or not at all. Every
+``checkpoint_every`` epochs the whole state (payload, committed flags, clocks, provenance, scores) is
+also written as a safetensors file *beside* the database and renamed into place before the
+transaction that references it commits. A killed run resumes from its newest checkpoint plus the
+commits logged after it, which is exactly the state after its last complete epoch: with the
+counter-based RNG, the rest of the run is then identical to an uninterrupted one.
+
+This module imports no torch at module level: ``lmpm trace`` reads the log without it.
+
+Schema (version :data:`SCHEMA_VERSION`; every table is plain SQL, see ``docs/trace.md``)::
+
+    meta(key, value)                      run metadata, values JSON-encoded
+    value_defs / rule_defs / constraint_defs   what the ids in the other tables mean
+    epochs(epoch, open_cells, attempts, candidates, commits, violations, decided, ...)
+    commits(epoch, value, first, last, step, count, rule, clock_min, clock_max, ..., payload, ...)
+    checkpoints(epoch, file, bytes, sha256, created)
+    resumes(id, at, from_epoch, argv)
+    trace_summary / trace_cells / trace_candidates   (written by the tracer)
+
+Example (a run directory written by ``lmpm run``)::
+
+    >>> import sqlite3                                             # doctest: +SKIP
+    >>> db = sqlite3.connect("runs/video/lmpm.db")                 # doctest: +SKIP
+    >>> db.execute("SELECT epoch, commits FROM epochs").fetchall()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sqlite3
+import time
+import urllib.parse
+import zlib
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lmpm.errors import RunDirError
+
+if TYPE_CHECKING:
+    from lmpm.ir.nodes import Program
+    from lmpm.resolve.plan import Plan
+    from lmpm.runtime.engine import Engine, EpochRecord
+    from lmpm.runtime.trace import Tracer
+
+SCHEMA_VERSION = 1
+DB_NAME = "lmpm.db"
+CHECKPOINT_DIR = "checkpoints"
+DEFAULT_CHECKPOINT_EVERY = (
+    20  # epochs between payload checkpoints; resume replays at most this many
+)
+KEEP_CHECKPOINTS = 2  # newest checkpoints kept besides epoch 0's (the inputs)
+
+SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE value_defs (
+  id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL, dims TEXT NOT NULL, ncells INTEGER NOT NULL,
+  first_id INTEGER NOT NULL, vocab INTEGER, dtype TEXT NOT NULL, policy TEXT NOT NULL);
+CREATE TABLE rule_defs (
+  id INTEGER PRIMARY KEY, name TEXT NOT NULL, target TEXT, model TEXT, score TEXT, replicas INTEGER);
+CREATE TABLE constraint_defs (
+  id INTEGER PRIMARY KEY, name TEXT NOT NULL, value TEXT NOT NULL, kind TEXT NOT NULL,
+  pred TEXT NOT NULL, priority INTEGER NOT NULL, status TEXT NOT NULL, source TEXT, text TEXT,
+  cells INTEGER);
+CREATE TABLE epochs (
+  epoch INTEGER PRIMARY KEY, open_cells INTEGER NOT NULL, attempts INTEGER NOT NULL,
+  candidates INTEGER NOT NULL, commits INTEGER NOT NULL, violations INTEGER NOT NULL,
+  decided INTEGER, seconds REAL NOT NULL, model_seconds REAL NOT NULL, log_seconds REAL NOT NULL,
+  maskplan TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE commits (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,
+  step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,
+  clock_min INTEGER NOT NULL, clock_max INTEGER NOT NULL, score_min REAL, score_max REAL,
+  crc INTEGER NOT NULL, payload BLOB NOT NULL, clocks BLOB, scores BLOB);
+CREATE INDEX commits_by_epoch ON commits (epoch);
+CREATE TABLE checkpoints (
+  epoch INTEGER PRIMARY KEY, file TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL,
+  created REAL NOT NULL);
+CREATE TABLE resumes (id INTEGER PRIMARY KEY, at REAL NOT NULL, from_epoch INTEGER NOT NULL,
+  argv TEXT);
+CREATE TABLE trace_summary (
+  epoch INTEGER NOT NULL, constraint_id INTEGER NOT NULL, rule INTEGER NOT NULL,
+  checked INTEGER NOT NULL, violations INTEGER NOT NULL, won INTEGER NOT NULL, lost INTEGER NOT NULL,
+  blocked_where TEXT, PRIMARY KEY (epoch, constraint_id, rule));
+CREATE TABLE trace_cells (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, coord TEXT NOT NULL,
+  candidates INTEGER NOT NULL, winner INTEGER NOT NULL, winner_rule INTEGER NOT NULL,
+  favourite INTEGER NOT NULL, committed INTEGER NOT NULL, payload, clock INTEGER NOT NULL,
+  covered INTEGER NOT NULL, decided_by TEXT, PRIMARY KEY (value, cell, epoch));
+CREATE TABLE trace_candidates (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
+  rule INTEGER NOT NULL, payload, score REAL, violated INTEGER NOT NULL,
+  PRIMARY KEY (value, cell, epoch, col));
+CREATE VIEW trace_named AS
+  SELECT s.epoch, c.name AS constraint_name, c.priority, r.name AS rule_name, s.checked,
+         s.violations, s.won, s.lost, s.blocked_where
+  FROM trace_summary s JOIN constraint_defs c ON c.id = s.constraint_id
+  LEFT JOIN rule_defs r ON r.id = s.rule;
+"""
+
+KEEP_RULE = -1  # rule id of the keep-current candidate (column 0)
+INPUT_RULE = -2  # provenance of cells given as input (mirrors lmpm.runtime.engine.INPUT_RULE)
+
+MSG_FOREIGN = (
+    "{dir} holds a run of a different program (hash {stored} ≠ {given}); nothing was changed. "
+    "Resume it with the program it was started with, or start a new run in another directory."
+)
+MSG_EXISTS = (
+    "{dir} already holds a run ({epochs} epochs complete, {status}); refusing to overwrite it. "
+    "Continue it with `lmpm run --resume {dir}`, or start over with --force."
+)
+
+
+# ---- metadata -------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """What identifies a run and how it was started (stored in ``meta``, checked on resume)."""
+
+    program_hash: str  # sha256 of the IR JSON without spans and file name
+    program_file: str  # the .lmpm path as given
+    source: str  # the program text (resume works without the file)
+    params: dict[str, int]  # --set overrides
+    bind: tuple[str, ...]  # --bind modules (files as absolute paths)
+    seed: int
+    backend: str
+    epochs: int | None  # --epochs (also fixes the confidence schedule's steps)
+    until: str | None  # --until
+    trace: str  # off | summary | cells
+    trace_region: str | None  # --trace-region (cells level)
+    checkpoint_every: int
+    inputs: dict[str, str] = field(default_factory=dict)  # --input NAME -> absolute path
+
+    def to_meta(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+IDENTITY = ("params", "bind", "seed", "trace", "trace_region", "checkpoint_every")
+
+
+def program_hash(program: Program) -> str:
+    """sha256 of the program's IR, independent of formatting, comments and the file's name."""
+    from lmpm.ir.serialize import to_dict
+
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("span", "file")}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+
+    text = json.dumps(strip(to_dict(program)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_sha256(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# ---- the run directory ----------------------------------------------------------------------------
+def db_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / DB_NAME
+
+
+def holds_run(run_dir: str | Path) -> bool:
+    """True when RUN_DIR contains a run's commit log."""
+    return db_path(run_dir).exists()
+
+
+def remove_run(run_dir: str | Path) -> None:
+    """Delete a run's commit log and checkpoints (``--force``). Outputs are overwritten later."""
+    d = Path(run_dir)
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        (d / f"{DB_NAME}{suffix}").unlink(missing_ok=True)
+    shutil.rmtree(d / CHECKPOINT_DIR, ignore_errors=True)
+
+
+def connect(
+    run_dir: str | Path, *, readonly: bool = True, check: bool = False
+) -> sqlite3.Connection:
+    """Open RUN_DIR's log and validate it: an LMPM database of a schema this version reads.
+
+    ``readonly`` never modifies the database (SQLite may rebuild its ``-shm`` index); ``check``
+    also runs ``PRAGMA quick_check``. Raises :class:`RunDirError` with what is wrong."""
+    path = db_path(run_dir)
+    if not path.is_file():
+        raise RunDirError(
+            f"{run_dir} holds no LMPM run (no {DB_NAME})",
+            code="D001",
+            hint="give the --out directory of an `lmpm run`",
+        )
+    uri = f"file:{urllib.parse.quote(str(path.resolve()))}"
+    try:
+        conn = sqlite3.connect(
+            uri + ("?mode=ro" if readonly else ""), uri=True, isolation_level=None
+        )
+    except sqlite3.Error as e:
+        raise RunDirError(f"cannot open {path}: {e}", code="D002") from None
+    try:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            raise RunDirError(
+                f"{path} is not an LMPM run database (no schema version)", code="D003"
+            )
+        version = int(json.loads(row[0]))
+        if version > SCHEMA_VERSION:
+            raise RunDirError(
+                f"{path} was written by a newer LMPM (log schema {version}; this version reads "
+                f"{SCHEMA_VERSION}); nothing was changed",
+                code="D004",
+                hint="upgrade lmpm to resume or inspect this run",
+            )
+        if version < SCHEMA_VERSION:
+            raise RunDirError(
+                f"{path} has log schema {version}; this version reads {SCHEMA_VERSION} only",
+                code="D005",
+            )
+        if check:
+            bad = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall() if r[0] != "ok"]
+            if bad:
+                raise RunDirError(f"{path} is corrupt: {bad[0]}; nothing was changed", code="D006")
+    except RunDirError:
+        conn.close()
+        raise
+    except (sqlite3.Error, ValueError) as e:
+        conn.close()
+        raise RunDirError(
+            f"{path} is corrupt or truncated ({e}); nothing was changed",
+            code="D006",
+            hint="start a new run with --force, or restore the directory from a copy",
+        ) from None
+    if not readonly:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
+    try:
+        return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    except (sqlite3.Error, ValueError) as e:
+        raise RunDirError(f"the run's metadata is unreadable ({e})", code="D006") from None
+
+
+def completed_epochs(conn: sqlite3.Connection) -> int:
+    row = conn.execute("SELECT max(epoch) FROM epochs").fetchone()
+    return 0 if row[0] is None else int(row[0]) + 1
+
+
+def refuse_existing(run_dir: str | Path) -> None:
+    """Raise the usage error for `lmpm run` into a directory that already holds a run."""
+    from lmpm.errors import UsageError
+
+    epochs, status = "?", "unreadable"
+    try:
+        conn = connect(run_dir)
+        try:
+            epochs, status = str(completed_epochs(conn)), str(read_meta(conn).get("status", "?"))
+        finally:
+            conn.close()
+    except RunDirError:
+        pass
+    raise UsageError(MSG_EXISTS.format(dir=run_dir, epochs=epochs, status=status), code="U030")
+
+
+# ---- arrays in blobs ------------------------------------------------------------------------------
+# A blob is one tag byte (a numpy type character) followed by the little-endian array.
+_TAGS = {"B": "<u1", "H": "<u2", "I": "<u4", "q": "<i8", "f": "<f4", "d": "<f8"}
+
+
+def encode(arr: np.ndarray, tag: str) -> bytes:
+    return tag.encode() + np.ascontiguousarray(arr, dtype=_TAGS[tag]).tobytes()
+
+
+def decode(blob: bytes) -> np.ndarray:
+    tag = chr(blob[0])
+    if tag not in _TAGS:
+        raise RunDirError(f"a commit-log blob has an unknown type tag {tag!r}", code="D006")
+    return np.frombuffer(blob, dtype=_TAGS[tag], offset=1)
+
+
+def _uint_tag(top: int) -> str:
+    return "B" if top < 1 << 8 else "H" if top < 1 << 16 else "I" if top < 1 << 32 else "q"
+
+
+def payload_tag(vocab: int | None) -> str:
+    """Tokens in the smallest unsigned type that holds the vocabulary; numbers as float32."""
+    return "f" if vocab is None else _uint_tag(vocab - 1)
+
+
+def cell_runs(cells: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split sorted cell ids into arithmetic runs with one ``key`` each: (starts, counts, steps).
+
+    The step is the most common gap (1 for dense commits, 2 for a red-black schedule), so a commit
+    of a whole tile is a handful of rows, not one row per cell. Vectorized: no loop per cell.
+    """
+    m = cells.size
+    if m == 1:
+        return np.zeros(1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64)
+    gap = np.diff(cells)
+    top = int(gap.max())
+    if top <= 4 * m:
+        step = int(np.bincount(gap).argmax())
+    else:
+        vals, cnt = np.unique(gap, return_counts=True)
+        step = int(vals[cnt.argmax()])
+    brk = (gap != step) | (key[1:] != key[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    counts = np.diff(np.append(starts, m))
+    steps = np.where(counts > 1, step, 1)
+    return starts, counts, steps
+
+
+def commit_rows(record: EpochRecord, vocab: Mapping[str, int | None]) -> list[tuple[Any, ...]]:
+    """The ``commits`` rows of one epoch: one per arithmetic run of cells with one winning rule."""
+    out: list[tuple[Any, ...]] = []
+    e = record.epoch
+    for ve in record.values:
+        rows = np.flatnonzero(ve.changed.cpu().numpy())
+        if rows.size == 0:
+            continue
+        win = ve.winner.cpu().numpy()[rows]
+        cells = ve.cells.cpu().numpy()[rows]
+        rule = ve.col_rule.cpu().numpy()[win]
+        payload = ve.new_payload.cpu().numpy()[rows]
+        clock = ve.new_clock.cpu().numpy()[rows]
+        score = ve.score.cpu().numpy()[rows, win]
+        starts, counts, steps = cell_runs(cells, rule)
+        ends = starts + counts
+        run_of = np.repeat(np.arange(starts.size), counts)
+        cmin = np.minimum.reduceat(clock, starts)
+        cmax = np.maximum.reduceat(clock, starts)
+        smin = np.minimum.reduceat(score, starts)
+        smax = np.maximum.reduceat(score, starts)
+        ptag = payload_tag(vocab[ve.value])
+        praw = np.ascontiguousarray(payload, dtype=_TAGS[ptag]).tobytes()
+        pw = np.dtype(_TAGS[ptag]).itemsize
+        delta = clock - cmin[run_of]
+        ctag = _uint_tag(int(delta.max()) + 1)
+        craw = np.ascontiguousarray(delta, dtype=_TAGS[ctag]).tobytes()
+        cw = np.dtype(_TAGS[ctag]).itemsize
+        sraw = np.ascontiguousarray(score, dtype="<f8").tobytes()
+        pt, ct = ptag.encode(), ctag.encode()
+        for s, n, st, c0, c1, s0, s1, end in zip(
+            starts.tolist(),
+            counts.tolist(),
+            steps.tolist(),
+            cmin.tolist(),
+            cmax.tolist(),
+            smin.tolist(),
+            smax.tolist(),
+            ends.tolist(),
+        ):
+            p = praw[s * pw : end * pw]
+            out.append(
+                (
+                    e,
+                    ve.value,
+                    int(cells[s]),
+                    int(cells[end - 1]),
+                    st,
+                    n,
+                    int(rule[s]),
+                    c0,
+                    c1,
+                    s0,
+                    s1,
+                    zlib.crc32(p),
+                    pt + p,
+                    None if c0 == c1 else ct + craw[s * cw : end * cw],
+                    None if s0 == s1 else b"d" + sraw[s * 8 : end * 8],
+                )
+            )
+    return out
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------
+STATE_FIELDS = ("committed", "clock", "rule", "epoch", "score")
+
+
+def state_arrays(engine: Engine) -> dict[str, np.ndarray]:
+    """The engine's whole state as numpy arrays named ``VALUE.payload``, ``VALUE.clock``, ..."""
+    out: dict[str, np.ndarray] = {}
+    for name in engine.plan.values:
+        out[f"{name}.payload"] = engine.payload(name).detach().cpu().numpy()
+        st = engine.state[name]
+        for f in STATE_FIELDS:
+            out[f"{name}.{f}"] = getattr(st, f).detach().cpu().numpy()
+    return out
+
+
+def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> tuple[str, int, str]:
+    """Write the state at the start of epoch ``label`` beside, fsync, rename. (file, bytes, sha256)."""
+    from safetensors.numpy import save
+
+    data = save(
+        state_arrays(engine),
+        metadata={"epoch": str(label), "program_hash": phash, "schema": str(SCHEMA_VERSION)},
+    )
+    rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors"
+    path = run_dir / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    return rel, len(data), hashlib.sha256(data).hexdigest()
+
+
+def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load
+
+    path = run_dir / rel
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise RunDirError(
+            f"checkpoint {path} is missing ({e.strerror}); nothing was changed", code="D007"
+        ) from None
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise RunDirError(
+            f"checkpoint {path} is corrupt or truncated (checksum mismatch); nothing was changed",
+            code="D007",
+        )
+    try:
+        return load(data)
+    except Exception as e:
+        raise RunDirError(f"checkpoint {path} is unreadable ({e})", code="D007") from None
+
+
+# ---- resume ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Restored:
+    epoch: int  # the next epoch to run
+    quiet: int  # trailing epochs without a commit (for the stability test)
+    checkpoint: int  # the checkpoint it started from
+    replayed: int  # commit rows replayed on top of it
+
+
+def _maskplan_element(data: Any) -> Hashable:
+    def tup(x: Any) -> Any:
+        return tuple(tup(v) for v in x) if isinstance(x, list) else x
+
+    return tup(data)
+
+
+def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
+    """Bring a fresh engine to the state after the run's last complete epoch (newest checkpoint at
+    or before it, then the commits logged after the checkpoint, each checked against its CRC)."""
+    import torch
+
+    from lmpm.runtime.crdt import ORSet
+    from lmpm.runtime.engine import CellState
+
+    d = Path(run_dir)
+    nxt = completed_epochs(conn)
+    row = conn.execute(
+        "SELECT epoch, file, sha256 FROM checkpoints WHERE epoch <= ? ORDER BY epoch DESC LIMIT 1",
+        (nxt,),
+    ).fetchone()
+    if row is None:
+        raise RunDirError(
+            f"{d} has no checkpoint to resume from (the run never started)",
+            code="D008",
+            hint="start it again with --force",
+        )
+    label, rel, sha = int(row[0]), str(row[1]), str(row[2])
+    arrays = load_checkpoint(d, rel, sha)
+    state: dict[str, dict[str, np.ndarray]] = {}
+    for name, vp in engine.plan.values.items():
+        vals = {}
+        for f in ("payload", *STATE_FIELDS):
+            a = arrays.get(f"{name}.{f}")
+            if a is None or a.shape != (vp.ncells,):
+                raise RunDirError(
+                    f"checkpoint {d / rel} does not fit value `{name}` ({vp.ncells} cells)",
+                    code="D007",
+                )
+            vals[f] = a.copy()
+        state[name] = vals
+    replayed = 0
+    cur = conn.execute(
+        "SELECT epoch, value, first, step, count, rule, clock_min, clocks, score_min, scores, "
+        "payload, crc FROM commits WHERE epoch >= ? AND epoch < ? ORDER BY epoch, rowid",
+        (label, nxt),
+    )
+    for e, value, first, step, count, rule, cmin, clocks, smin, scores, payload, crc in cur:
+        into = state.get(value)
+        if into is None or zlib.crc32(payload[1:]) != crc:
+            raise RunDirError(
+                f"commit of epoch {e} for `{value}` is corrupt (checksum mismatch)", code="D006"
+            )
+        idx = first + step * np.arange(count)
+        into["payload"][idx] = decode(payload)
+        into["committed"][idx] = True
+        into["clock"][idx] = cmin if clocks is None else cmin + decode(clocks).astype(np.int64)
+        into["rule"][idx] = rule
+        into["epoch"][idx] = e
+        into["score"][idx] = smin if scores is None else decode(scores)
+        replayed += 1
+    for name, vals in state.items():
+        cs = CellState(*(torch.from_numpy(vals[f]) for f in STATE_FIELDS))
+        engine.restore(name, torch.from_numpy(vals["payload"]), cs)
+    engine.epoch = nxt
+    mp = ORSet("control")
+    for (elem,) in conn.execute("SELECT maskplan FROM epochs ORDER BY epoch"):
+        mp.add(_maskplan_element(json.loads(elem)))
+    engine.maskplan = mp
+    quiet = 0
+    for (commits,) in conn.execute("SELECT commits FROM epochs ORDER BY epoch DESC"):
+        if commits:
+            break
+        quiet += 1
+    return Restored(nxt, quiet, label, replayed)
+
+
+# ---- the observer ---------------------------------------------------------------------------------
+def _bindings_of(plan: Plan) -> dict[str, str]:
+    def where(obj: Any) -> str:
+        return (
+            f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', type(obj).__name__)}"
+        )
+
+    out: dict[str, str] = {}
+    for rp in plan.rules:
+        out[rp.ir.proposal.func] = where(rp.model)
+        if rp.score is not None and rp.ir.score is not None:
+            out[rp.ir.score.func] = where(rp.score)
+    for cp in plan.constraints:
+        if cp.predicate is not None and cp.ir.call is not None:
+            out[cp.ir.call.func] = where(cp.predicate)
+    return out
+
+
+def _definitions(conn: sqlite3.Connection, plan: Plan, source: str) -> None:
+    from lmpm.ir.nodes import PredKind, Status
+
+    lines = source.splitlines()
+    for i, (name, vp) in enumerate(plan.values.items()):
+        conn.execute(
+            "INSERT INTO value_defs VALUES (?,?,?,?,?,?,?,?)",
+            (
+                i,
+                name,
+                json.dumps(list(vp.dims)),
+                vp.ncells,
+                vp.offset,
+                vp.vocab,
+                str(vp.dtype).removeprefix("torch."),
+                vp.policy_text,
+            ),
+        )
+    conn.execute(
+        "INSERT INTO rule_defs VALUES (?,?,?,?,?,?)", (KEEP_RULE, "keep", None, None, None, None)
+    )
+    conn.execute(
+        "INSERT INTO rule_defs VALUES (?,?,?,?,?,?)", (INPUT_RULE, "input", None, None, None, None)
+    )
+    for rp in plan.rules:
+        conn.execute(
+            "INSERT INTO rule_defs VALUES (?,?,?,?,?,?)",
+            (
+                rp.id,
+                rp.name,
+                rp.target,
+                rp.ir.proposal.func,
+                rp.ir.score.func if rp.ir.score else None,
+                rp.replicas,
+            ),
+        )
+    for cp in plan.constraints:
+        proved = cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE
+        sp = cp.ir.span
+        text = " ".join(x.strip() for x in lines[sp.line - 1 : sp.end_line]) if lines else None
+        conn.execute(
+            "INSERT INTO constraint_defs VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                cp.id,
+                cp.name,
+                cp.target,
+                cp.kind,
+                cp.pred.value,
+                cp.priority,
+                "proved" if proved else "evaluated",
+                str(sp),
+                text,
+                None if cp.needs_inputs_region else int(cp.cells.sum()),
+            ),
+        )
+
+
+class CommitLog:
+    """An engine observer appending each epoch to ``RUN_DIR/lmpm.db`` in one transaction.
+
+    >>> from lmpm.runtime.session import Run                                   # doctest: +SKIP
+    >>> log = CommitLog("runs/x", info, tracer=None)                          # doctest: +SKIP
+    >>> run = Run.from_file("prog.lmpm", observers=[log]); run.run(10)        # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        info: RunInfo,
+        *,
+        tracer: Tracer | None = None,
+        conn: sqlite3.Connection | None = None,
+        argv: Sequence[str] | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.info = info
+        self.tracer = tracer
+        self.conn = conn  # given: resume an existing log (opened read-write)
+        self.argv = list(argv or [])
+        self._vocab: dict[str, int | None] = {}
+        self._checkpointed = -1  # label of the newest checkpoint
+        self.log_seconds = 0.0  # time spent in on_epoch, the log's whole cost to the run
+
+    # Observer protocol
+    def on_start(self, engine: Engine) -> None:
+        self._vocab = {n: vp.vocab for n, vp in engine.plan.values.items()}
+        if self.conn is not None:
+            self._resume_start(engine)
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed once complete: a run killed while starting
+        # leaves no half-made log (a plain rerun works, no --force needed).
+        tmp = self.run_dir / f".{DB_NAME}.tmp"
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+        conn = sqlite3.connect(str(tmp), isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        rel, nbytes, sha = write_checkpoint(
+            self.run_dir, engine, engine.epoch, self.info.program_hash
+        )
+        import torch
+
+        from lmpm.ir.serialize import to_json
+
+        meta: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            **self.info.to_meta(),
+            "plan_epochs": self.info.epochs,  # fixes the plan (confidence steps); never updated
+            "ir_json": to_json(engine.plan.program),
+            "ir_version": engine.plan.program.version,
+            "bindings": _bindings_of(engine.plan),
+            "bind_sha256": {b: file_sha256(b) for b in self.info.bind if Path(b).is_file()},
+            "env": engine.plan.env,
+            "versions": {
+                "lmpm": _lmpm_version(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "sqlite": sqlite3.sqlite_version,
+            },
+            "created_at": time.time(),
+            "argv": self.argv,
+            "status": "running",
+        }
+        conn.execute("BEGIN IMMEDIATE")
+        for stmt in SCHEMA.split(";"):
+            if stmt.strip():
+                conn.execute(stmt)
+        conn.executemany(
+            "INSERT INTO meta VALUES (?, ?)", [(k, json.dumps(v)) for k, v in meta.items()]
+        )
+        _definitions(conn, engine.plan, self.info.source)
+        conn.execute(
+            "INSERT INTO checkpoints VALUES (?,?,?,?,?)",
+            (engine.epoch, rel, nbytes, sha, time.time()),
+        )
+        conn.execute("COMMIT")
+        conn.close()  # checkpoints the WAL into the file: the rename moves everything
+        tmp.replace(db_path(self.run_dir))
+        self.conn = connect(self.run_dir, readonly=False)
+        self._checkpointed = engine.epoch
+
+    def _resume_start(self, engine: Engine) -> None:
+        assert self.conn is not None
+        row = self.conn.execute("SELECT max(epoch) FROM checkpoints").fetchone()
+        self._checkpointed = int(row[0]) if row[0] is not None else -1
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute(
+            "INSERT INTO resumes (at, from_epoch, argv) VALUES (?,?,?)",
+            (time.time(), engine.epoch, json.dumps(self.argv)),
+        )
+        for key in ("epochs", "until", "backend"):
+            self.conn.execute(
+                "UPDATE meta SET value = ? WHERE key = ?",
+                (json.dumps(getattr(self.info, key)), key),
+            )
+        self.conn.execute(
+            "UPDATE meta SET value = ? WHERE key = 'status'", (json.dumps("running"),)
+        )
+        self.conn.execute("COMMIT")
+        self._prune_files()
+
+    def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
+        assert self.conn is not None
+        t0 = time.perf_counter()
+        rows = commit_rows(record, self._vocab)
+        trace = self.tracer.record(engine, record) if self.tracer is not None else None
+        label = record.epoch + 1
+        ckpt = None
+        if label % self.info.checkpoint_every == 0:
+            ckpt = write_checkpoint(self.run_dir, engine, label, self.info.program_hash)
+        maskplan = json.dumps(next(reversed(engine.maskplan.adds)), separators=(",", ":"))
+        candidates = sum(int(ve.valid.sum()) for ve in record.values)
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.executemany("INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
+            if trace is not None:
+                trace.insert(conn)
+            if ckpt is not None:
+                conn.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)",
+                    (label, *ckpt, time.time()),
+                )
+                conn.execute(
+                    "DELETE FROM checkpoints WHERE epoch > 0 AND epoch NOT IN "
+                    "(SELECT epoch FROM checkpoints ORDER BY epoch DESC LIMIT ?)",
+                    (KEEP_CHECKPOINTS,),
+                )
+            seconds = time.perf_counter() - t0
+            conn.execute(
+                "INSERT INTO epochs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    record.epoch,
+                    record.open_cells,
+                    record.attempts,
+                    candidates,
+                    record.commits,
+                    record.violations,
+                    None if trace is None else trace.decided,
+                    record.seconds,
+                    record.model_seconds,
+                    seconds,
+                    maskplan,
+                    time.time(),
+                ),
+            )
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        if ckpt is not None:
+            self._checkpointed = label
+            self._prune_files()
+        self.log_seconds += time.perf_counter() - t0
+
+    def on_end(self, engine: Engine) -> None:
+        """Checkpoint the final state, so reading or resuming a finished run replays nothing."""
+        if self.conn is None or engine.epoch == self._checkpointed:
+            return
+        rel, nbytes, sha = write_checkpoint(
+            self.run_dir, engine, engine.epoch, self.info.program_hash
+        )
+        self.conn.execute(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)",
+            (engine.epoch, rel, nbytes, sha, time.time()),
+        )
+        self._checkpointed = engine.epoch
+
+    def finish(self, outputs: Iterable[Path] = ()) -> None:
+        """Mark the run finished (its outputs are written) and close the log."""
+        if self.conn is None:
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute(
+            "UPDATE meta SET value = ? WHERE key = 'status'", (json.dumps("finished"),)
+        )
+        self.conn.execute(
+            "INSERT OR REPLACE INTO meta VALUES ('outputs', ?)",
+            (json.dumps(sorted(p.name for p in outputs)),),
+        )
+        self.conn.execute(
+            "INSERT OR REPLACE INTO meta VALUES ('finished_at', ?)", (json.dumps(time.time()),)
+        )
+        self.conn.execute("COMMIT")
+        self.close()
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def _prune_files(self) -> None:
+        """Delete checkpoint files no committed row references (pruned ones, or a crash's orphan)."""
+        assert self.conn is not None
+        keep = {str(r[0]) for r in self.conn.execute("SELECT file FROM checkpoints")}
+        folder = self.run_dir / CHECKPOINT_DIR
+        if not folder.is_dir():
+            return
+        for p in folder.iterdir():
+            if f"{CHECKPOINT_DIR}/{p.name}" not in keep:
+                p.unlink(missing_ok=True)
+
+
+def _lmpm_version() -> str:
+    import lmpm
+
+    return str(lmpm.__version__)

@@ -1,0 +1,732 @@
+"""The constraint-level trace: what every constraint did to every proposal, in the run's database.
+
+Recording (:class:`Tracer`, fed each epoch by the commit log, written in the epoch's transaction):
+
+- ``summary`` — per epoch × constraint × rule (``rule = -1`` is the keep-current candidate):
+  candidates *checked* (valid candidates of that rule in cells the constraint speaks about),
+  *violations* (those that violate it), and decisions *lost* / *won* because of it (below), with the
+  bounding box of the cells where it was violated / where it decided (``Vid[0..3, 0..63, 0..15]``).
+- ``cells`` — additionally, per cell and attempt in a region (default: every cell): its candidates
+  (payload, score, rule, a bitmask of the constraints each violates), the constraints covering the
+  cell, the score favourite, the winner, whether it committed and the clock after the epoch.
+
+**Decided by a constraint.** In each cell's agreement, the *score favourite* is the candidate that
+would win on score alone (highest score among valid candidates; ties to the lowest column, so
+keep-current). The satisfy policy narrows the candidates priority level by level (most satisfied
+constraints first); the favourite is eliminated at one level or never. When the winner is not the
+favourite and the favourite was eliminated at level *p*, the decision was *decided* at *p*; every
+constraint of priority *p* that the favourite violates and the winner satisfies is *responsible*:
+the favourite's rule **lost** a decision because of it, and the winner's rule **won** one because of
+it. A decision counts once per responsible constraint. Under policies other than satisfy, the same
+definition is applied to whatever winner the policy chose (a winner that violates the constraint
+never makes it responsible).
+
+Reading (:func:`report`, :func:`cell_story`) needs no torch: ``lmpm trace`` starts instantly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lmpm.errors import UsageError
+from lmpm.runtime.commitlog import (
+    completed_epochs,
+    decode,
+    load_checkpoint,
+    read_meta,
+)
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lmpm.resolve.plan import Plan
+    from lmpm.runtime.engine import Engine, EpochRecord, ValueEpoch
+
+LEVELS = ("off", "summary", "cells")
+DEFAULT_LEVEL = "summary"
+MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over constraint ids
+
+
+# ---- regions: `Vid[0, 0..15, *]` ----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Region:
+    """A box of cells of one value: an inclusive ``(lo, hi)`` per axis."""
+
+    value: str
+    box: tuple[tuple[int, int], ...]
+
+    def __str__(self) -> str:
+        return box_text(self.value, [lo for lo, _ in self.box], [hi for _, hi in self.box])
+
+    @property
+    def is_cell(self) -> bool:
+        return all(lo == hi for lo, hi in self.box)
+
+    def mask(self, dims: Sequence[int]) -> np.ndarray:
+        """(ncells,) bool over the value's cells (row-major ids)."""
+        m = np.zeros(tuple(dims), dtype=bool)
+        m[tuple(slice(lo, hi + 1) for lo, hi in self.box)] = True
+        return m.reshape(-1)
+
+    def flat(self, dims: Sequence[int]) -> int:
+        """The flat id of a single-cell region."""
+        return int(np.ravel_multi_index(tuple(lo for lo, _ in self.box), tuple(dims)))
+
+
+_REGION = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?:\[(.*)\])?\s*$")
+_AXIS = re.compile(r"^\s*(?:(\*)|(\d+)\s*(?:\.\.\s*(\d+))?)\s*$")
+
+
+def parse_region(text: str, dims: Mapping[str, Sequence[int]]) -> Region:
+    """``Vid[0, 0..15, 0..15]``, ``Vid[3, 10, 12]``, ``Txt[0..9]``, ``Vid[*, 0..7, *]``, ``Vid``.
+
+    >>> str(parse_region("Vid[0, 0..15, *]", {"Vid": (4, 32, 32)}))
+    'Vid[0, 0..15, 0..31]'
+    """
+    m = _REGION.match(text)
+    if m is None:
+        raise UsageError(
+            f"cannot read the region {text!r}",
+            code="U031",
+            hint="write VALUE[i, a..b, *], e.g. Vid[0, 0..15, 0..15]",
+        )
+    name, inner = m.group(1), m.group(2)
+    if name not in dims:
+        raise UsageError(
+            f"region {text!r}: there is no value `{name}` with cells",
+            code="U031",
+            hint="values: " + ", ".join(dims),
+        )
+    shape = tuple(int(d) for d in dims[name])
+    parts = [] if inner is None else [p for p in inner.split(",")]
+    if inner is not None and len(parts) == 1 and parts[0].strip() == "*":
+        parts = []  # `Vid[*]`: the whole value, as in `commit Vid[*]`
+    if parts and len(parts) != len(shape):
+        raise UsageError(
+            f"region {text!r} has {len(parts)} indices; `{name}` has {len(shape)} axes "
+            f"(shape {list(shape)})",
+            code="U031",
+        )
+    box: list[tuple[int, int]] = []
+    for k, d in enumerate(shape):
+        if not parts:
+            box.append((0, d - 1))
+            continue
+        a = _AXIS.match(parts[k])
+        if a is None:
+            raise UsageError(
+                f"region {text!r}: axis {k} is {parts[k].strip()!r}; use an index, a..b or *",
+                code="U031",
+            )
+        if a.group(1):
+            lo, hi = 0, d - 1
+        else:
+            lo = int(a.group(2))
+            hi = int(a.group(3)) if a.group(3) is not None else lo
+        if not 0 <= lo <= hi < d:
+            raise UsageError(
+                f"region {text!r}: axis {k} selects {lo}..{hi}, outside 0..{d - 1} "
+                f"(`{name}` has shape {list(shape)})",
+                code="U031",
+            )
+        box.append((lo, hi))
+    return Region(name, tuple(box))
+
+
+def box_text(value: str, lo: Sequence[int], hi: Sequence[int]) -> str:
+    return f"{value}[" + ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in zip(lo, hi)) + "]"
+
+
+def epoch_ranges(epochs: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` → ``'0..2, 5, 7..8'``."""
+    out: list[str] = []
+    es = sorted(set(epochs))
+    i = 0
+    while i < len(es):
+        j = i
+        while j + 1 < len(es) and es[j + 1] == es[j] + 1:
+            j += 1
+        out.append(str(es[i]) if i == j else f"{es[i]}..{es[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+# ---- recording ------------------------------------------------------------------------------------
+@dataclass
+class TraceRows:
+    """One epoch's trace rows, inserted inside the epoch's transaction."""
+
+    summary: list[tuple[Any, ...]] = field(default_factory=list)
+    cells: list[tuple[Any, ...]] = field(default_factory=list)
+    candidates: list[tuple[Any, ...]] = field(default_factory=list)
+    decided: int = 0  # decisions decided by a constraint
+
+    def insert(self, conn: sqlite3.Connection) -> None:
+        if self.summary:
+            conn.executemany("INSERT INTO trace_summary VALUES (?,?,?,?,?,?,?,?)", self.summary)
+        if self.cells:
+            conn.executemany(
+                "INSERT INTO trace_cells VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", self.cells
+            )
+        if self.candidates:
+            conn.executemany(
+                "INSERT INTO trace_candidates VALUES (?,?,?,?,?,?,?,?)", self.candidates
+            )
+
+
+def attribute(
+    score: Tensor, valid: Tensor, violated: Tensor, priority: Tensor, winner: Tensor
+) -> tuple[Tensor, Tensor]:
+    """(favourite (n,), responsible (n, K) bool): see the module docstring for the definition."""
+    import torch
+
+    n = valid.shape[0]
+    s = torch.where(valid, score, torch.full_like(score, -torch.inf))
+    hit = valid & (s == s.max(dim=1, keepdim=True).values)
+    fav = hit.to(torch.uint8).argmax(dim=1)  # the lowest column among the best scores
+    k = violated.shape[2]
+    responsible = torch.zeros((n, k), dtype=torch.bool)
+    # Only cells whose winner is not the favourite can have been decided by a constraint; they are
+    # usually few, so the level-by-level narrowing runs on them alone.
+    sub = (winner != fav).nonzero().squeeze(1)
+    if k == 0 or sub.numel() == 0:
+        return fav, responsible
+    rows = torch.arange(sub.numel())
+    f, w, viol = fav[sub], winner[sub], violated[sub]
+    none = torch.iinfo(torch.int64).min
+    elim = torch.full((sub.numel(),), none, dtype=torch.int64)  # level the favourite fell at
+    eligible = valid[sub]
+    sat = ~viol
+    for prio in torch.unique(priority, sorted=True).flip(0).tolist():
+        level = priority == prio
+        count = sat[:, :, level].sum(dim=2)  # (m, C)
+        count = torch.where(eligible, count, torch.full_like(count, -1))
+        narrowed = eligible & (count == count.max(dim=1, keepdim=True).values)
+        gone = eligible[rows, f] & ~narrowed[rows, f]
+        elim = torch.where(gone, torch.full_like(elim, prio), elim)
+        eligible = narrowed
+    responsible[sub] = (
+        (elim != none)[:, None]
+        & (priority[None, :] == elim[:, None])
+        & viol[rows, f]
+        & ~viol[rows, w]
+    )
+    return fav, responsible
+
+
+class Tracer:
+    """Turns each epoch's :class:`~lmpm.runtime.engine.EpochRecord` into trace rows."""
+
+    def __init__(
+        self, plan: Plan, level: str = DEFAULT_LEVEL, region: Region | None = None
+    ) -> None:
+        import torch
+
+        if level not in LEVELS:
+            raise UsageError(f"--trace {level}: use one of {', '.join(LEVELS)}", code="U032")
+        self.level = level
+        self.plan = plan
+        self._priority = {cp.id: cp.priority for cp in plan.constraints}
+        self._prio_cache: dict[tuple[int, ...], Tensor] = {}
+        self._regions: dict[str, Tensor] = {}
+        if region is not None:
+            dims = plan.values[region.value].dims
+            self._regions[region.value] = torch.from_numpy(region.mask(dims))
+        self.region = region
+        if level == "cells" and len(plan.constraints) > MAX_CELL_CONSTRAINTS:
+            raise UsageError(
+                f"--trace cells records violations as a bitmask of at most {MAX_CELL_CONSTRAINTS} "
+                f"constraints; this program has {len(plan.constraints)}",
+                code="U033",
+                hint="use --trace summary",
+            )
+
+    def record(self, engine: Engine, record: EpochRecord) -> TraceRows:
+        out = TraceRows()
+        for ve in record.values:
+            self._value(ve, record.epoch, out)
+        return out
+
+    def _value(self, ve: ValueEpoch, e: int, out: TraceRows) -> None:
+        import torch
+
+        ids = ve.constraint_ids.tolist()
+        ncol = ve.valid.shape[1]
+        priority = self._prio_cache.get(tuple(ids))
+        if priority is None:
+            priority = torch.tensor([self._priority[i] for i in ids], dtype=torch.int64)
+            self._prio_cache[tuple(ids)] = priority
+        valid, violated = ve.valid.cpu(), ve.violated.cpu()
+        winner = ve.winner.cpu()
+        fav, resp = attribute(ve.score.cpu(), valid, violated, priority, winner)
+        out.decided += int(resp.any(dim=1).sum())
+        if ids:
+            rules, col_r = torch.unique(ve.col_rule.cpu(), return_inverse=True)
+            onehot = torch.zeros((ncol, rules.numel()), dtype=torch.float64)  # (C, R)
+            onehot[torch.arange(ncol), col_r] = 1.0
+            applies = ve.applies.cpu().double()  # (n, K)
+            checked_ck = valid.double().T @ applies  # (C, K)
+            viol_ck = violated.sum(dim=0).double()  # (C, K)
+            checked = (onehot.T @ checked_ck).round().long().tolist()  # (R, K)
+            viol = (onehot.T @ viol_ck).round().long().tolist()
+            fr, wr = col_r[fav], col_r[winner]
+            zero = torch.zeros((rules.numel(), len(ids)), dtype=torch.int64)  # (R, K)
+            won = zero.clone().index_add_(0, wr, resp.long()).tolist()
+            lost = zero.index_add_(0, fr, resp.long()).tolist()
+            # Bounding boxes in numpy: a handful of masks over the open cells, no small torch ops.
+            cells = ve.cells.cpu().numpy()
+            coords = self.plan.values[ve.value].coords.numpy()
+            rnp, frn = resp.numpy(), fr.numpy()
+            for r, rule in enumerate(rules.tolist()):
+                for k, cid in enumerate(ids):
+                    if checked[r][k] == 0:
+                        continue
+                    bwhere = None
+                    if lost[r][k]:
+                        bwhere = self._box(ve.value, coords, cells, rnp[:, k] & (frn == r))
+                    out.summary.append(
+                        (
+                            e,
+                            cid,
+                            rule,
+                            checked[r][k],
+                            viol[r][k],
+                            won[r][k],
+                            lost[r][k],
+                            bwhere,
+                        )
+                    )
+        if self.level == "cells":
+            self._cells(ve, e, fav, resp, out)
+
+    @staticmethod
+    def _box(value: str, coords: np.ndarray, cells: np.ndarray, mask: np.ndarray) -> str:
+        sel = coords[cells[mask]]
+        return box_text(value, sel.min(axis=0).tolist(), sel.max(axis=0).tolist())
+
+    def _cells(self, ve: ValueEpoch, e: int, fav: Tensor, resp: Tensor, out: TraceRows) -> None:
+        import torch
+
+        region = self._regions.get(ve.value)
+        if self.region is not None and region is None:
+            return  # the traced region is another value
+        cells = ve.cells.cpu()
+        rows = torch.arange(cells.numel()) if region is None else region[cells].nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        ids = ve.constraint_ids.tolist()
+        bit = torch.tensor([1 << i for i in ids], dtype=torch.int64)
+        valid = ve.valid.cpu()[rows]
+        violated = ve.violated.cpu()[rows]
+        covered = (ve.applies.cpu()[rows].long() * bit).sum(dim=1)  # (m,)
+        vbits = (violated.long() * bit).sum(dim=2)  # (m, C)
+        col_rule = ve.col_rule.cpu()
+        winner = ve.winner.cpu()[rows]
+        changed = ve.changed.cpu()[rows]
+        was = ve.was_committed.cpu()[rows]
+        payload = ve.payload.cpu()[rows]
+        score = ve.score.cpu()[rows]
+        new_payload = ve.new_payload.cpu()[rows]
+        after = torch.where(changed, new_payload, payload[:, 0])
+        coords = self.plan.values[ve.value].coords[cells[rows]]
+        decided = resp[rows]
+        cell_ids = cells[rows].tolist()
+        for i, (cell, crd, nc, w, f, ch, wa, a, clk, cov, dec) in enumerate(
+            zip(
+                cell_ids,
+                coords.tolist(),
+                valid.sum(dim=1).tolist(),
+                winner.tolist(),
+                fav[rows].tolist(),
+                changed.tolist(),
+                was.tolist(),
+                after.tolist(),
+                ve.new_clock.cpu()[rows].tolist(),
+                covered.tolist(),
+                decided.tolist(),
+            )
+        ):
+            by = [cid for cid, d in zip(ids, dec) if d]
+            out.cells.append(
+                (
+                    e,
+                    ve.value,
+                    cell,
+                    ",".join(map(str, crd)),
+                    nc,
+                    w,
+                    int(col_rule[w]),
+                    f,
+                    int(ch),
+                    a if (ch or wa) else None,
+                    clk,
+                    cov,
+                    json.dumps(by) if by else None,
+                )
+            )
+            vrow, prow, srow, ok = (
+                vbits[i].tolist(),
+                payload[i].tolist(),
+                score[i].tolist(),
+                valid[i],
+            )
+            for c in ok.nonzero().squeeze(1).tolist():
+                s = srow[c]
+                out.candidates.append(
+                    (
+                        e,
+                        ve.value,
+                        cell,
+                        c,
+                        int(col_rule[c]),
+                        None if c == 0 and not wa else prow[c],
+                        s if np.isfinite(s) else None,
+                        vrow[c],
+                    )
+                )
+
+
+# ---- reading --------------------------------------------------------------------------------------
+def _dims(conn: sqlite3.Connection) -> dict[str, list[int]]:
+    return {name: json.loads(d) for name, d in conn.execute("SELECT name, dims FROM value_defs")}
+
+
+def _rule_names(conn: sqlite3.Connection) -> dict[int, str]:
+    return {int(i): str(n) for i, n in conn.execute("SELECT id, name FROM rule_defs")}
+
+
+def _union(boxes: Sequence[str]) -> str | None:
+    """Bounding box of ``Vid[a..b, c, ...]`` boxes (all of one value)."""
+    lo: list[int] | None = None
+    hi: list[int] | None = None
+    value = ""
+    for b in boxes:
+        value, inner = b.split("[", 1)
+        ax = [p.strip().split("..") for p in inner.rstrip("]").split(",")]
+        blo = [int(a[0]) for a in ax]
+        bhi = [int(a[-1]) for a in ax]
+        lo = blo if lo is None else [min(x, y) for x, y in zip(lo, blo)]
+        hi = bhi if hi is None else [max(x, y) for x, y in zip(hi, bhi)]
+    return None if lo is None or hi is None else box_text(value, lo, hi)
+
+
+def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]:
+    """The whole trace of a run as plain data (what ``lmpm trace --json`` prints)."""
+    meta = read_meta(conn)
+    rules = _rule_names(conn)
+    epochs = [
+        dict(
+            zip(
+                (
+                    "epoch",
+                    "open_cells",
+                    "attempts",
+                    "candidates",
+                    "commits",
+                    "violations",
+                    "decided",
+                    "seconds",
+                    "log_seconds",
+                ),
+                r,
+            )
+        )
+        for r in conn.execute(
+            "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, "
+            "seconds, log_seconds FROM epochs ORDER BY epoch"
+        )
+    ]
+    totals = {
+        int(r[0]): r[1:]
+        for r in conn.execute(
+            "SELECT constraint_id, sum(checked), sum(violations), sum(won), sum(lost), "
+            "group_concat(CASE WHEN violations > 0 THEN epoch END) FROM trace_summary "
+            "GROUP BY constraint_id"
+        )
+    }
+    constraints = []
+    for cid, name, value, kind, pred, prio, status, source, text, cells in conn.execute(
+        "SELECT id, name, value, kind, pred, priority, status, source, text, cells "
+        "FROM constraint_defs ORDER BY priority DESC, id"
+    ):
+        checked, viol, won, lost, fired = totals.get(cid, (0, 0, 0, 0, None))
+        fired_epochs = sorted({int(x) for x in fired.split(",")}) if fired else []
+        constraints.append(
+            {
+                "id": cid,
+                "name": name,
+                "value": value,
+                "kind": kind,
+                "pred": pred,
+                "priority": prio,
+                "status": status,
+                "source": source,
+                "text": text,
+                "cells": cells,
+                "checked": checked or 0,
+                "violations": viol or 0,
+                "won": won or 0,
+                "lost": lost or 0,
+                "fired_epochs": epoch_ranges(fired_epochs),
+                "epochs_fired": len(fired_epochs),
+            }
+        )
+    names = {c["id"]: c["name"] for c in constraints}
+    groups: dict[tuple[int, int], dict[str, Any]] = {}
+    for cid, rule, e, lost, where in conn.execute(
+        "SELECT constraint_id, rule, epoch, lost, blocked_where FROM trace_summary WHERE lost > 0 "
+        "ORDER BY constraint_id, rule, epoch"
+    ):
+        g = groups.setdefault((cid, rule), {"epochs": [], "boxes": [], "lost": 0})
+        g["epochs"].append(e)
+        g["lost"] += lost
+        if where:
+            g["boxes"].append(where)
+    blocked = sorted(
+        (
+            {
+                "constraint": names.get(cid, str(cid)),
+                "rule": rules.get(rule, str(rule)),
+                "decisions": g["lost"],
+                "where": _union(g["boxes"]),
+                "when": epoch_ranges(g["epochs"]),
+            }
+            for (cid, rule), g in groups.items()
+        ),
+        key=lambda b: -int(b["decisions"]),
+    )
+    series: dict[str, list[int]] = {
+        c["name"]: [0] * len(epochs) for c in constraints if c["status"] == "evaluated"
+    }
+    index = {ep["epoch"]: i for i, ep in enumerate(epochs)}
+    for cid, e, v in conn.execute(
+        "SELECT constraint_id, epoch, sum(violations) FROM trace_summary GROUP BY constraint_id, epoch"
+    ):
+        if names.get(cid) in series and e in index:
+            series[names[cid]][index[e]] = int(v)
+    traced = meta.get("trace", "off") != "off"
+    return {
+        "run": {
+            "dir": str(run_dir),
+            "program": meta.get("program_file"),
+            "program_hash": meta.get("program_hash"),
+            "seed": meta.get("seed"),
+            "params": meta.get("params"),
+            "status": meta.get("status"),
+            "trace": meta.get("trace"),
+            "trace_region": meta.get("trace_region"),
+            "epochs": completed_epochs(conn),
+            "commits": sum(int(ep["commits"]) for ep in epochs),
+            "attempts": sum(int(ep["attempts"]) for ep in epochs),
+            "decided": sum(int(ep["decided"] or 0) for ep in epochs) if traced else None,
+        },
+        "constraints": constraints,
+        "blocked": blocked,
+        "never_fired": [
+            c["name"]
+            for c in constraints
+            if traced and c["status"] == "evaluated" and c["violations"] == 0
+        ],
+        "proved": [c["name"] for c in constraints if c["status"] == "proved"],
+        "epochs": epochs,
+        "violations_per_epoch": series,
+    }
+
+
+def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict[str, Any]:
+    """Every attempt on one cell: candidates, each constraint's verdict, the winner and why."""
+    meta = read_meta(conn)
+    dims = _dims(conn)
+    region = parse_region(text, dims)
+    if not region.is_cell:
+        raise UsageError(
+            f"--cell {text!r} names {region}, not one cell",
+            code="U031",
+            hint="give one index per axis, e.g. Vid[3, 10, 12]",
+        )
+    value = region.value
+    cell = region.flat(dims[value])
+    rules = _rule_names(conn)
+    cons = [
+        {"id": i, "name": n, "priority": p, "kind": k, "status": s}
+        for i, n, p, k, s in conn.execute(
+            "SELECT id, name, priority, kind, status FROM constraint_defs WHERE value = ? "
+            "ORDER BY priority DESC, id",
+            (value,),
+        )
+    ]
+    by_id = {c["id"]: c for c in cons}
+    story: dict[str, Any] = {
+        "cell": str(region),
+        "value": value,
+        "id": cell,
+        "constraints": cons,
+        "start": None,
+        "commits": [],
+        "attempts": [],
+    }
+    # The state before epoch 0 (inputs), from the first checkpoint.
+    row = conn.execute("SELECT file, sha256 FROM checkpoints WHERE epoch = 0").fetchone()
+    if row is not None:
+        arrays = load_checkpoint(Path(run_dir), str(row[0]), str(row[1]))
+        if bool(arrays[f"{value}.committed"][cell]):
+            story["start"] = {
+                "payload": arrays[f"{value}.payload"][cell].item(),
+                "clock": int(arrays[f"{value}.clock"][cell]),
+                "rule": rules.get(int(arrays[f"{value}.rule"][cell]), "input"),
+            }
+    for e, rule, first, step, cmin, clocks, smin, scores, payload in conn.execute(
+        "SELECT epoch, rule, first, step, clock_min, clocks, score_min, scores, payload "
+        "FROM commits WHERE value = ? AND first <= ? AND last >= ? AND (? - first) % step = 0 "
+        "ORDER BY epoch",
+        (value, cell, cell, cell),
+    ):
+        j = (cell - first) // step
+        story["commits"].append(
+            {
+                "epoch": e,
+                "rule": rules.get(rule, str(rule)),
+                "payload": decode(payload)[j].item(),
+                "clock": int(cmin if clocks is None else cmin + int(decode(clocks)[j])),
+                "score": float(smin if scores is None else decode(scores)[j]),
+            }
+        )
+    covered = meta.get("trace") == "cells"
+    if covered and meta.get("trace_region"):
+        traced = parse_region(str(meta["trace_region"]), dims)
+        covered = traced.value == value and bool(traced.mask(dims[value])[cell])
+    story["traced"] = covered
+    if covered:
+        cands: dict[int, list[tuple[Any, ...]]] = {}
+        for r in conn.execute(
+            "SELECT epoch, col, rule, payload, score, violated FROM trace_candidates "
+            "WHERE value = ? AND cell = ? ORDER BY epoch, col",
+            (value, cell),
+        ):
+            cands.setdefault(int(r[0]), []).append(r[1:])
+        for e, w, fav, committed, after, clock, cov, dec in conn.execute(
+            "SELECT epoch, winner, favourite, committed, payload, clock, covered, decided_by "
+            "FROM trace_cells WHERE value = ? AND cell = ? ORDER BY epoch",
+            (value, cell),
+        ):
+            rows = []
+            for col, rule, payload, score, vbits in cands.get(e, []):
+                verdicts = {}
+                for c in cons:
+                    if c["status"] == "proved":
+                        verdicts[c["name"]] = "proved"
+                    elif not (cov >> c["id"]) & 1:
+                        verdicts[c["name"]] = "n/a"
+                    else:
+                        verdicts[c["name"]] = "violated" if (vbits >> c["id"]) & 1 else "ok"
+                rows.append(
+                    {
+                        "col": col,
+                        "rule": "keep" if col == 0 else rules.get(rule, str(rule)),
+                        "payload": payload,
+                        "score": score,
+                        "verdicts": verdicts,
+                        "winner": col == w,
+                        "favourite": col == fav,
+                    }
+                )
+            decided = [by_id[i]["name"] for i in json.loads(dec)] if dec else []
+            story["attempts"].append(
+                {
+                    "epoch": e,
+                    "candidates": rows,
+                    "winner": w,
+                    "favourite": fav,
+                    "committed": bool(committed),
+                    "payload": after,
+                    "clock": clock,
+                    "decided_by": decided,
+                    "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, meta),
+                }
+            )
+    return story
+
+
+def _why(
+    rows: list[dict[str, Any]],
+    w: int,
+    fav: int,
+    decided: list[str],
+    committed: bool,
+    by_id: Mapping[int, dict[str, Any]],
+    dec: str | None,
+    meta: Mapping[str, Any],
+) -> str:
+    def desc(col: int) -> str:
+        r = next((x for x in rows if x["col"] == col), None)
+        if r is None:
+            return f"candidate {col}"
+        if col == 0:
+            return "keep current" + ("" if r["payload"] is not None else " (unset)")
+        return f"{r['rule']} proposing {r['payload']} (score {r['score']:g})"
+
+    if decided:
+        prio = by_id[json.loads(dec or "[]")[0]]["priority"]
+        reason = (
+            f"the score favourite, {desc(fav)}, violates {', '.join(decided)} "
+            f"(priority {prio}), which {desc(w)} satisfies"
+        )
+    elif len(rows) == 1:
+        reason = "no proposal differed from the committed value"
+    elif w == fav:
+        reason = f"{desc(w)} has the best score; no constraint overruled it"
+    else:
+        reason = f"the commit policy chose {desc(w)} (no constraint decided it)"
+    if committed:
+        outcome = "committed"
+    elif w == 0:
+        outcome = "kept current"
+    else:
+        outcome = "winner not committed (schedule quota)"
+    return f"{reason}; {outcome}"
+
+
+def plot(rep: Mapping[str, Any], out: str | Path) -> Path:
+    """Violations per constraint per epoch, as a PNG (matplotlib, Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [ep["epoch"] for ep in rep["epochs"]]
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=100)
+    for name, ys in rep["violations_per_epoch"].items():
+        ax.plot(epochs, ys, marker="o" if len(epochs) < 40 else None, label=name)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("violating candidates")
+    ax.set_title(f"constraint violations — {rep['run'].get('program')}")
+    if rep["violations_per_epoch"]:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(out)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+__all__ = [
+    "DEFAULT_LEVEL",
+    "LEVELS",
+    "Region",
+    "TraceRows",
+    "Tracer",
+    "attribute",
+    "cell_story",
+    "parse_region",
+    "plot",
+    "report",
+]

@@ -1,0 +1,241 @@
+"""The commit log: ranges, blobs, replay, refusing to overwrite, and damaged run directories."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lmpm.cli import main
+from lmpm.errors import RunDirError
+from lmpm.ir import compile_source
+from lmpm.runtime.commitlog import cell_runs, connect, decode, encode, restore
+from lmpm.runtime.session import Run
+
+PROG = """
+param W = 6
+param H = 6
+value G : Token[5] shape Grid2D(W, H)
+value MaskPlan : Event shape Set()
+visible G[x, y] <- G[x+dx, y+dy] when (dx, dy) in N8
+rule R:
+  on G[x, y]
+  read {nb in N8}
+  emit proposal G[x, y] := Uniform(nb, k=2)
+  score Noise(...)
+constraint Lock: forbid change(G[0..1, 0..1]) priority 100
+constraint Low: require G[x, y] in Set(0..3) priority 10
+commit G[*] using satisfy(max_constraints_then_score)
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)
+"""
+
+BIND = """
+import torch
+import lmpm
+from lmpm.workers import rng
+
+@lmpm.bind("Noise")
+def noise(inputs, *, epoch, **_):
+    # later epochs score higher, so cells keep changing and clocks keep moving
+    u = rng.uniform(0, "G", inputs["cells"], epoch, "noise", draws=inputs["proposal"].shape[1])
+    return u.to(torch.float64) + epoch
+"""
+
+
+def _files(d: Path) -> dict[str, str]:
+    """Content hashes of a run directory. A read-only SQLite reader may (re)build the -shm index
+    and create an empty -wal: neither holds data, so neither counts as a change."""
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+        if p.is_file()
+        and not p.name.endswith("-shm")
+        and not (p.name.endswith("-wal") and p.stat().st_size == 0)
+    }
+
+
+@pytest.fixture
+def prog(tmp_path: Path) -> tuple[Path, Path]:
+    p = tmp_path / "grid.lmpm"
+    p.write_text(PROG)
+    b = tmp_path / "noise.py"
+    b.write_text(BIND)
+    return p, b
+
+
+def _run(prog: tuple[Path, Path], out: Path, *extra: str) -> int:
+    return main(["run", str(prog[0]), "--bind", str(prog[1]), "--out", str(out), "--quiet", *extra])
+
+
+def test_cell_runs_cover_the_cells_exactly() -> None:
+    gen = np.random.default_rng(0)
+    for _ in range(50):
+        cells = np.unique(gen.integers(0, 200, size=int(gen.integers(1, 120))))
+        key = gen.integers(0, 2, size=cells.size) if gen.random() < 0.5 else np.zeros(cells.size)
+        starts, counts, steps = cell_runs(cells, key)
+        rebuilt = np.concatenate(
+            [cells[s] + st * np.arange(n) for s, n, st in zip(starts, counts, steps)]
+        )
+        assert rebuilt.tolist() == cells.tolist()
+        for s, n in zip(starts, counts):
+            assert len(set(key[s : s + n].tolist())) == 1
+    # a red-black row: one run per row, not one per cell
+    cells = np.array([y * 8 + x for y in range(4) for x in range(8) if (x + y) % 2 == 0])
+    assert len(cell_runs(cells, np.zeros(cells.size))[0]) == 4
+
+
+def test_blob_codec_round_trips() -> None:
+    for tag, arr in [
+        ("B", np.array([0, 255])),
+        ("H", np.array([7, 65535])),
+        ("q", np.array([-3, 2**40])),
+        ("d", np.array([0.5, -np.inf])),
+        ("f", np.array([1.25], dtype=np.float32)),
+    ]:
+        assert decode(encode(arr, tag)).tolist() == arr.tolist()
+
+
+def test_replaying_the_log_rebuilds_the_final_state(
+    prog: tuple[Path, Path], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    assert _run(prog, out, "--epochs", "9", "--seed", "5", "--checkpoint-every", "4") == 0
+    conn = sqlite3.connect(out / "lmpm.db")
+    labels = [r[0] for r in conn.execute("SELECT epoch FROM checkpoints ORDER BY epoch")]
+    assert labels == [0, 4, 8, 9]  # inputs, every 4 epochs (newest 2 kept), the final state
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        f"epoch-{k:08d}.safetensors" for k in labels
+    ]
+    # Forget every checkpoint but the first: resume must replay all commits from the log.
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    c2 = sqlite3.connect(copy / "lmpm.db")
+    c2.execute("DELETE FROM checkpoints WHERE epoch > 0")
+    c2.commit()
+    c2.close()
+    fresh = Run.from_source(PROG, bind=[str(prog[1])], seed=5)
+    restored = restore(fresh.engine, connect(copy), copy)
+    assert restored.epoch == 9 and restored.checkpoint == 0 and restored.replayed > 0
+    final = Run.from_source(PROG, bind=[str(prog[1])], seed=5)
+    restore(final.engine, connect(out), out)  # from the final checkpoint, nothing replayed
+    for a, b in [(fresh, final)]:
+        sa, sb = a.engine.state["G"], b.engine.state["G"]
+        for f in ("committed", "clock", "rule", "epoch", "score"):
+            assert torch.equal(getattr(sa, f), getattr(sb, f)), f
+        assert torch.equal(a.engine.payload("G"), b.engine.payload("G"))
+    grid = np.load(out / "G.npy")
+    assert grid.reshape(-1).tolist() == fresh.outputs()["G"].reshape(-1).tolist()
+    assert fresh.engine.maskplan.state() == final.engine.maskplan.state()
+    # The commits of one cell, with plain SQL.
+    cell = 14
+    rows = conn.execute(
+        "SELECT epoch FROM commits WHERE value = 'G' AND ? BETWEEN first AND last "
+        "AND (? - first) % step = 0 ORDER BY epoch",
+        (cell, cell),
+    ).fetchall()
+    assert rows and int(fresh.engine.state["G"].epoch[cell]) == rows[-1][0]
+    meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    assert json.loads(meta["seed"]) == 5 and json.loads(meta["status"]) == "finished"
+    assert json.loads(meta["schema_version"]) == 1 and "Noise" in json.loads(meta["bindings"])
+    conn.close()
+
+
+def test_an_existing_run_is_not_overwritten(
+    prog: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert _run(prog, out, "--epochs", "2") == 0
+    before = _files(out)
+    assert _run(prog, out, "--epochs", "2") == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--resume" in err and "--force" in err
+    assert _files(out) == before
+    assert _run(prog, out, "--epochs", "3", "--force") == 0
+    conn = connect(out)
+    assert conn.execute("SELECT count(*) FROM epochs").fetchone()[0] == 3
+    conn.close()
+
+
+def _damage(kind: str, out: Path, prog: tuple[Path, Path]) -> None:
+    db = out / "lmpm.db"
+    if kind == "newer schema":
+        c = sqlite3.connect(db)
+        c.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+        c.commit()
+        c.close()
+    elif kind == "truncated db":
+        data = db.read_bytes()
+        db.write_bytes(data[: len(data) // 3])
+    elif kind == "corrupt db":
+        data = bytearray(db.read_bytes())
+        mid = len(data) // 2
+        data[mid - 6000 : mid + 6000] = b"\xa5" * 12000
+        db.write_bytes(bytes(data))
+    elif kind == "not a database":
+        db.write_bytes(b"hello, I am not SQLite" * 100)
+    elif kind == "truncated checkpoint":
+        ck = sorted((out / "checkpoints").iterdir())[-1]
+        ck.write_bytes(ck.read_bytes()[:100])
+    elif kind == "missing checkpoint":
+        sorted((out / "checkpoints").iterdir())[-1].unlink()
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [
+        ("foreign", "D010"),
+        ("newer schema", "D004"),
+        ("truncated db", "D006"),
+        ("corrupt db", "D006"),
+        ("not a database", "D006"),
+        ("truncated checkpoint", "D007"),
+        ("missing checkpoint", "D007"),
+        ("no run", "D001"),
+        ("different seed", "D011"),
+    ],
+)
+def test_damaged_or_foreign_run_dirs_are_refused(
+    kind: str,
+    code: str,
+    prog: tuple[Path, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    out = tmp_path / "run"
+    assert _run(prog, out, "--epochs", "3") == 0
+    if kind == "no run":
+        (out / "lmpm.db").unlink()
+    _damage(kind, out, prog)
+    before = _files(out)
+    capsys.readouterr()
+    args = ["run", "--resume", str(out)]
+    if kind == "foreign":
+        other = tmp_path / "other.lmpm"
+        other.write_text(PROG.replace("Set(0..3)", "Set(0..2)"))
+        args.insert(1, str(other))
+    if kind == "different seed":
+        args += ["--seed", "9"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"[{code}]" in err, err
+    assert _files(out) == before  # nothing overwritten
+    if kind not in ("foreign", "truncated checkpoint", "missing checkpoint", "different seed"):
+        with pytest.raises(RunDirError):
+            connect(out, check=True)
+
+
+def test_the_program_hash_ignores_formatting(prog: tuple[Path, Path], tmp_path: Path) -> None:
+    from lmpm.runtime.commitlog import program_hash
+
+    a = compile_source(PROG).ir
+    b = compile_source("// a comment\n" + PROG.replace("priority 100", "priority  100"), "x").ir
+    c = compile_source(PROG.replace("priority 100", "priority 99")).ir
+    assert program_hash(a) == program_hash(b) != program_hash(c)

@@ -1,0 +1,92 @@
+"""Commit policies on hand-made candidate tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpm.errors import BindError
+from lmpm.resolve.policies import Agree, get_policy
+
+
+def agree(
+    payload: list[list[int]],
+    score: list[list[float]],
+    violated: list[list[list[bool]]],
+    priority: list[int],
+    rule: list[int] | None = None,
+    slot: list[int] | None = None,
+) -> Agree:
+    p = torch.tensor(payload)
+    c = p.shape[1]
+    return Agree(
+        p,
+        torch.ones_like(p, dtype=torch.bool),
+        torch.tensor(score, dtype=torch.float64),
+        torch.tensor(violated, dtype=torch.bool).reshape(p.shape[0], c, len(priority)),
+        torch.tensor(priority),
+        torch.tensor(rule or [-1] + [0] * (c - 1)),
+        torch.tensor([-1] + list(range(c - 1))),
+        torch.tensor(slot or [-1] + [0] * (c - 1)),
+    )
+
+
+def test_satisfy_is_lexicographic_by_priority_then_score() -> None:
+    # keep, a (violates the low constraint, high score), b (violates the high one, highest score)
+    a = agree(
+        [[0, 1, 2]], [[0.0, 5.0, 9.0]], [[[False, False], [False, True], [True, False]]], [100, 1]
+    )
+    d = get_policy("satisfy")(a, "max_constraints_then_score")
+    assert d.winner.tolist() == [0]  # keep satisfies both
+    a = agree(
+        [[0, 1, 2]], [[0.0, 5.0, 9.0]], [[[True, True], [False, True], [True, False]]], [100, 1]
+    )
+    assert get_policy("satisfy")(a).winner.tolist() == [1]
+
+
+def test_satisfy_counts_constraints_within_a_level_and_breaks_ties_by_column() -> None:
+    a = agree(
+        [[0, 1, 2]], [[1.0, 1.0, 1.0]], [[[True, True], [False, True], [True, False]]], [5, 5]
+    )
+    assert get_policy("satisfy")(a).winner.tolist() == [1]  # 1 vs 1 satisfied: tie -> lowest column
+
+
+def test_winner_takes_all_ignores_constraints() -> None:
+    a = agree([[0, 1, 2]], [[9.0, 1.0, 3.0]], [[[False], [False], [True]]], [10])
+    assert get_policy("winner_takes_all")(a).winner.tolist() == [2]
+
+
+def test_average_needs_numbers() -> None:
+    a = agree([[0, 1, 2]], [[0.0, 0.0, 0.0]], [[[False], [False], [False]]], [1])
+    with pytest.raises(BindError, match="numeric"):
+        get_policy("average")(a)
+    f = Agree(
+        torch.tensor([[0.0, 1.0, 3.0]]),
+        torch.ones(1, 3, dtype=torch.bool),
+        torch.zeros(1, 3, dtype=torch.float64),
+        torch.zeros(1, 3, 0, dtype=torch.bool),
+        torch.zeros(0, dtype=torch.int64),
+        torch.tensor([-1, 0, 0]),
+        torch.tensor([-1, 0, 0]),
+        torch.tensor([-1, 0, 1]),
+    )
+    assert get_policy("average")(f).payload.tolist() == [2.0]
+
+
+def test_quorum_requires_agreeing_replicas() -> None:
+    # two replicas of one rule, same slot: agree on 3 in row 0, disagree in row 1
+    a = agree(
+        [[0, 3, 3], [0, 3, 4]],
+        [[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]],
+        [[[False], [False], [False]], [[False], [False], [False]]],
+        [1],
+        rule=[-1, 0, 0],
+        slot=[-1, 0, 0],
+    )
+    d = get_policy("quorum")(a, 2, "satisfy")
+    assert d.payload.tolist() == [3, 0]
+
+
+def test_unknown_policy_lists_the_known_ones() -> None:
+    with pytest.raises(BindError, match="satisfy"):
+        get_policy("nope")

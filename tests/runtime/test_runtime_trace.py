@@ -1,0 +1,231 @@
+"""The constraint trace: counts against the reference interpreter, regions, `lmpm trace`."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from lmpm.cli import main
+from lmpm.errors import UsageError
+from lmpm.ir import compile_source
+from lmpm.runtime.commitlog import CommitLog, RunInfo, connect, program_hash
+from lmpm.runtime.session import Run
+from lmpm.runtime.trace import Tracer, cell_story, epoch_ranges, parse_region, report
+
+sys.path.insert(0, str(Path(__file__).parent))
+from reference import Reference
+from test_runtime_differential import BINDINGS, programs
+
+
+def _info(src: str, front: Any, level: str, seed: int = 0) -> RunInfo:
+    return RunInfo(
+        program_hash(front.ir), "<input>", src, {}, (), seed, "cpu", None, None, level, None, 1000
+    )
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_summary_counts_equal_the_reference_interpreter(case: tuple[str, dict[str, Any]]) -> None:
+    src, info = case
+    front = compile_source(src, raise_errors=False)
+    run = Run(front, bindings=BINDINGS, seed=info["seed"])
+    ref = Reference(front.ir, bindings=BINDINGS, seed=info["seed"])
+    with tempfile.TemporaryDirectory() as d:
+        log = CommitLog(
+            d, _info(src, front, "summary", info["seed"]), tracer=Tracer(run.plan, "summary")
+        )
+        run.engine.observers.append(log)
+        run.run(info["epochs"])
+        for _ in range(info["epochs"]):
+            ref.step()
+        log.close()
+        conn = connect(d)
+        got = {
+            (e, name, rule): [checked, viol, won, lost]
+            for e, name, rule, checked, viol, won, lost in conn.execute(
+                "SELECT s.epoch, c.name, s.rule, s.checked, s.violations, s.won, s.lost "
+                "FROM trace_summary s JOIN constraint_defs c ON c.id = s.constraint_id"
+            )
+        }
+        decided = {e: n for e, n in conn.execute("SELECT epoch, decided FROM epochs")}
+        conn.close()
+    assert got == ref.trace, src
+    for e, n in decided.items():
+        # a decision counts once in the epoch total, once per responsible constraint in `lost`
+        assert n <= sum(v[3] for k, v in got.items() if k[0] == e)
+
+
+CELLS = """
+param W = 4
+param H = 4
+value G : Token[5] shape Grid2D(W, H)
+value MaskPlan : Event shape Set()
+visible G[x, y] <- G[x, *]
+rule R:
+  on G[x, y]
+  read {row = G[x, *]}
+  emit proposal G[x, y] := Uniform(row, k=3)
+constraint Lock: forbid change(G[0, 0..3]) priority 100
+constraint Low: require G[x, y] in Set(0..2) priority 10
+constraint Diff: forbid clash(G[x, y], G[x, *]) priority 10
+commit G[*] using satisfy(max_constraints_then_score)
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)
+"""
+
+
+def _run(tmp_path: Path, name: str, *extra: str) -> Path:
+    prog = tmp_path / "grid.lmpm"
+    prog.write_text(CELLS)
+    out = tmp_path / name
+    args = ["run", str(prog), "--seed", "2", "--epochs", "6", "--out", str(out), "--quiet"]
+    assert main([*args, *extra]) == 0
+    return out
+
+
+@pytest.fixture
+def traced_run(tmp_path: Path) -> Path:
+    return _run(tmp_path, "run", "--trace", "cells", "--trace-region", "G[0..2, *]")
+
+
+def test_cells_level_agrees_with_the_summary(tmp_path: Path) -> None:
+    conn = sqlite3.connect(_run(tmp_path, "all", "--trace", "cells") / "lmpm.db")
+    # Every candidate row's violation bits, counted per constraint, give the summary's counts.
+    per_cand = {
+        (e, k, r): n
+        for e, k, r, n in conn.execute(
+            "SELECT c.epoch, d.id, c.rule, count(*) FROM trace_candidates c JOIN constraint_defs d "
+            "ON (c.violated >> d.id) & 1 GROUP BY c.epoch, d.id, c.rule"
+        )
+    }
+    summary = {
+        (e, k, r): n
+        for e, k, r, n in conn.execute(
+            "SELECT epoch, constraint_id, rule, violations FROM trace_summary WHERE violations > 0"
+        )
+    }
+    assert per_cand == summary
+    # decided_by lists exactly the constraints the summary counts as lost
+    lost = dict(
+        conn.execute(
+            "SELECT epoch, sum(lost) FROM trace_summary GROUP BY epoch HAVING sum(lost) > 0"
+        ).fetchall()
+    )
+    by = {}
+    for e, dec in conn.execute(
+        "SELECT epoch, decided_by FROM trace_cells WHERE decided_by IS NOT NULL"
+    ):
+        by[e] = by.get(e, 0) + len(json.loads(dec))
+    assert by == lost
+    # a committed attempt's winner candidate holds the committed payload
+    for e, cell, w, payload in conn.execute(
+        "SELECT epoch, cell, winner, payload FROM trace_cells WHERE committed"
+    ):
+        win = conn.execute(
+            "SELECT payload FROM trace_candidates WHERE epoch=? AND cell=? AND col=?", (e, cell, w)
+        ).fetchone()
+        assert win[0] == payload
+    conn.close()
+
+
+def test_trace_report_cell_story_json_and_plot(
+    traced_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["trace", str(traced_run), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    names = {c["name"]: c for c in rep["constraints"]}
+    assert set(names) == {"Lock", "Low", "Diff"}
+    assert rep["run"]["epochs"] == 6 and rep["run"]["trace"] == "cells"
+    assert names["Low"]["violations"] > 0
+    for b in rep["blocked"]:
+        assert b["where"].startswith("G[") and b["decisions"] > 0
+    assert main(["trace", str(traced_run)]) == 0
+    out = capsys.readouterr().out
+    assert "constraints" in out and "Lock" in out
+    assert main(["trace", str(traced_run), "--cell", "G[1, 2]", "--json"]) == 0
+    story = json.loads(capsys.readouterr().out)
+    assert story["traced"] and story["attempts"]
+    conn = sqlite3.connect(traced_run / "lmpm.db")
+    traced = {r[0] for r in conn.execute("SELECT DISTINCT cell FROM trace_cells")}
+    conn.close()
+    assert traced == {x * 4 + y for x in range(3) for y in range(4)}
+    for a in story["attempts"]:
+        assert sum(c["winner"] for c in a["candidates"]) == 1 and a["why"]
+        assert set(a["candidates"][0]["verdicts"]) == {"Lock", "Low", "Diff"}
+    assert main(["trace", str(traced_run), "--cell", "G[3, 1]"]) == 0  # outside the region
+    assert "not traced" in capsys.readouterr().out
+    png = tmp_path / "v.png"
+    assert main(["trace", str(traced_run), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cell_story_without_cell_trace_shows_commits(tmp_path: Path) -> None:
+    prog = tmp_path / "grid.lmpm"
+    prog.write_text(CELLS)
+    out = tmp_path / "run"
+    assert (
+        main(["run", str(prog), "--epochs", "4", "--out", str(out), "--quiet", "--trace", "off"])
+        == 0
+    )
+    conn = connect(out)
+    story = cell_story(conn, out, "G[2, 3]")
+    rep = report(conn, out)
+    conn.close()
+    assert not story["traced"]
+    final = json.loads((out / "G.json").read_text())[2][3]
+    if story["commits"]:
+        assert story["commits"][-1]["payload"] == final
+    assert rep["run"]["decided"] is None and rep["never_fired"] == []
+
+
+def test_parse_region() -> None:
+    dims = {"Vid": (4, 32, 32), "Txt": (77,)}
+    r = parse_region("Vid[0, 0..15, 0..15]", dims)
+    assert r.value == "Vid" and r.box == ((0, 0), (0, 15), (0, 15))
+    assert int(r.mask(dims["Vid"]).sum()) == 256
+    assert str(parse_region("Vid[*]", dims)) == "Vid[0..3, 0..31, 0..31]"
+    assert str(parse_region(" Txt ", dims)) == "Txt[0..76]"
+    assert parse_region("Vid[3,10,12]", dims).flat(dims["Vid"]) == 3 * 1024 + 10 * 32 + 12
+    for bad, msg in [
+        ("Vid[0, 0..40, 0]", "outside"),
+        ("Vid[0, 1]", "3 axes"),
+        ("Nope[1]", "no value"),
+        ("Vid[0, a, 1]", "axis 1"),
+        ("[1]", "cannot"),
+    ]:
+        with pytest.raises(UsageError, match=msg):
+            parse_region(bad, dims)
+
+
+def test_epoch_ranges() -> None:
+    assert epoch_ranges([0, 1, 2, 5, 7, 8]) == "0..2, 5, 7..8"
+    assert epoch_ranges([]) == ""
+
+
+def test_trace_flags_are_checked(tmp_path: Path) -> None:
+    prog = tmp_path / "grid.lmpm"
+    prog.write_text(CELLS)
+    assert main(["run", str(prog), "--out", str(tmp_path / "a"), "--trace-region", "G[0, 0]"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                str(prog),
+                "--out",
+                str(tmp_path / "b"),
+                "--trace",
+                "cells",
+                "--trace-region",
+                "G[9, 0]",
+            ]
+        )
+        == 2
+    )
