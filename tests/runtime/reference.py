@@ -21,7 +21,7 @@ from lmpm.workers import WorkItem, get_backend
 def _cells(dims: tuple[int, ...]) -> list[tuple[int, ...]]:
     out: list[tuple[int, ...]] = [()]
     for d in dims:
-        out = [c + (i,) for c in out for i in range(d)]
+        out = [(*c, i) for c in out for i in range(d)]
     return out
 
 
@@ -33,8 +33,13 @@ def _flat(c: tuple[int, ...], dims: tuple[int, ...]) -> int:
 
 
 class Reference:
-    def __init__(self, program: Program, params: dict[str, int] | None = None,
-                 bindings: dict[str, Any] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        program: Program,
+        params: dict[str, int] | None = None,
+        bindings: dict[str, Any] | None = None,
+        seed: int = 0,
+    ) -> None:
         self.p = program
         self.env = bind_params(program, params, require_all=True)
         self.b = Bindings((), bindings or {})
@@ -110,36 +115,65 @@ class Reference:
                 if not evaluate(r.trigger, env):
                     continue
                 i = _flat(cell, dims)
-                inputs: dict[str, torch.Tensor] = {"cells": torch.tensor([i]),
-                                                   "coords": torch.tensor([list(cell)])}
+                inputs: dict[str, torch.Tensor] = {
+                    "cells": torch.tensor([i]),
+                    "coords": torch.tensor([list(cell)]),
+                }
                 read_cells: list[tuple[str, int]] = []
-                arg_of = {str(a.value): (a.key or str(a.value)) for a in r.proposal.args
-                          if a.kind == ArgKind.READ}
+                arg_of = {
+                    str(a.value): (a.key or str(a.value))
+                    for a in r.proposal.args
+                    if a.kind == ArgKind.READ
+                }
                 for rd in r.reads:
                     cs = self._read_cells(r, rd, env)
                     read_cells += [(rd.source, c) for c in cs]
                     name = arg_of.get(rd.name, rd.name)
-                    inputs[name] = torch.tensor([[snap_payload[rd.source][c] for c in cs]],
-                                                dtype=torch.int64).reshape(1, len(cs))
+                    inputs[name] = torch.tensor(
+                        [[snap_payload[rd.source][c] for c in cs]], dtype=torch.int64
+                    ).reshape(1, len(cs))
                     inputs[f"{name}_mask"] = torch.tensor(
-                        [[snap_committed[rd.source][c] for c in cs]], dtype=torch.bool).reshape(1, len(cs))
-                    inputs[f"{name}_index"] = torch.tensor([cs], dtype=torch.int64).reshape(1, len(cs))
-                kwargs = {a.key or f"arg{k}": a.value for k, a in enumerate(r.proposal.args)
-                          if a.kind in (ArgKind.INT, ArgKind.STR, ArgKind.NAME)}
+                        [[snap_committed[rd.source][c] for c in cs]], dtype=torch.bool
+                    ).reshape(1, len(cs))
+                    inputs[f"{name}_index"] = torch.tensor([cs], dtype=torch.int64).reshape(
+                        1, len(cs)
+                    )
+                kwargs = {
+                    a.key or f"arg{k}": a.value
+                    for k, a in enumerate(r.proposal.args)
+                    if a.kind in (ArgKind.INT, ArgKind.STR, ArgKind.NAME)
+                }
                 vocab = evaluate(self.p.value(r.target).vocab, self.env)  # type: ignore[arg-type]
                 kwargs.update(epoch=e, vocab=vocab, seed=self.seed)
-                item = WorkItem(r.name, model, inputs, torch.tensor([i + self.offset[r.target]]), vocab,
-                                kwargs, dtype=torch.int64, seed=self.seed, epoch=e, value=r.target)
+                item = WorkItem(
+                    r.name,
+                    model,
+                    inputs,
+                    torch.tensor([i + self.offset[r.target]]),
+                    vocab,
+                    kwargs,
+                    dtype=torch.int64,
+                    seed=self.seed,
+                    epoch=e,
+                    value=r.target,
+                )
                 res = self.backend.collect(self.backend.dispatch([item]))[0]
                 props = res.proposal.reshape(-1).tolist()
                 scores = res.score.to(torch.float64).reshape(-1).tolist()
                 for pv, sv in zip(props, scores):
-                    cands.setdefault(r.target, {}).setdefault(i, []).append((int(pv), sv, rid, read_cells))
+                    cands.setdefault(r.target, {}).setdefault(i, []).append(
+                        (int(pv), sv, rid, read_cells)
+                    )
         commits = 0
         for value, per_cell in cands.items():
             dims = self.dims[value]
-            cons = [c for c in self.p.constraints
-                    if c.access is not None and c.access.value == value and c.pred != PredKind.READ_FUTURE]
+            cons = [
+                c
+                for c in self.p.constraints
+                if c.access is not None
+                and c.access.value == value
+                and c.pred != PredKind.READ_FUTURE
+            ]
             for i, props in per_cell.items():
                 cur, com = snap_payload[value][i], snap_committed[value][i]
                 keep_score = self.score[value][i]
@@ -147,36 +181,55 @@ class Reference:
                 if fresh:
                     keep_score = max(fresh)
                 options = [(cur, keep_score, -1, [], True)] + [
-                    (pv, s, rid, rc, False) for (pv, s, rid, rc) in props if not (com and pv == cur)]
+                    (pv, s, rid, rc, False) for (pv, s, rid, rc) in props if not (com and pv == cur)
+                ]
                 best = None
                 for col, (pv, s, rid, rc, is_keep) in enumerate(options):
                     levels: dict[int, int] = {}
                     for c in cons:
-                        ok = not self._violates(c, value, dims, i, pv, is_keep, cur, com, snap_payload,
-                                                snap_committed)
+                        ok = not self._violates(
+                            c, value, dims, i, pv, is_keep, cur, com, snap_payload, snap_committed
+                        )
                         levels[c.priority] = levels.get(c.priority, 0) + int(ok)
                     key = (tuple(levels[p] for p in sorted(levels, reverse=True)), s, -col)
                     if best is None or key > best[0]:
                         best = (key, col, pv, rid, rc, is_keep)
                 assert best is not None
                 _, col, pv, rid, rc, is_keep = best
-                self._trace_cell(e, value, dims, i, options, cons, col, snap_payload, snap_committed)
+                self._trace_cell(
+                    e, value, dims, i, options, cons, col, snap_payload, snap_committed
+                )
                 if not is_keep and (not com or pv != cur):
                     self.payload[value][i] = pv
                     self.committed[value][i] = True
                     self.score[value][i] = options[col][1]
-                    self.clock[value][i] = 1 + max([snap_clock[value][i]]
-                                                   + [snap_clock[src][c] for src, c in rc])
+                    self.clock[value][i] = 1 + max(
+                        [snap_clock[value][i]] + [snap_clock[src][c] for src, c in rc]
+                    )
                     commits += 1
         self.epoch += 1
         return commits
 
-    def _trace_cell(self, e: int, value: str, dims: tuple[int, ...], i: int, options: list[Any],
-                    cons: list[Any], win: int, payload: dict[str, list[int]],
-                    committed: dict[str, list[bool]]) -> None:
+    def _trace_cell(
+        self,
+        e: int,
+        value: str,
+        dims: tuple[int, ...],
+        i: int,
+        options: list[Any],
+        cons: list[Any],
+        win: int,
+        payload: dict[str, list[int]],
+        committed: dict[str, list[bool]],
+    ) -> None:
         cur, com = payload[value][i], committed[value][i]
-        viol = [[self._violates(c, value, dims, i, pv, is_keep, cur, com, payload, committed)
-                 for c in cons] for (pv, _, _, _, is_keep) in options]
+        viol = [
+            [
+                self._violates(c, value, dims, i, pv, is_keep, cur, com, payload, committed)
+                for c in cons
+            ]
+            for (pv, _, _, _, is_keep) in options
+        ]
         covers = [self._covers(c, _cells(dims)[i], value, i) for c in cons]
         for col, opt in enumerate(options):
             for k, c in enumerate(cons):
@@ -189,8 +242,10 @@ class Reference:
             return
         alive = list(range(len(options)))
         for prio in sorted({c.priority for c in cons}, reverse=True):
-            sat = {col: sum(not viol[col][k] for k, c in enumerate(cons) if c.priority == prio)
-                   for col in alive}
+            sat = {
+                col: sum(not viol[col][k] for k, c in enumerate(cons) if c.priority == prio)
+                for col in alive
+            }
             top = max(sat.values())
             if sat[fav] < top:  # the score favourite falls at this level
                 for k, c in enumerate(cons):
@@ -200,9 +255,19 @@ class Reference:
                 return
             alive = [col for col in alive if sat[col] == top]
 
-    def _violates(self, c: Any, value: str, dims: tuple[int, ...], i: int, pv: int, is_keep: bool,
-                  cur: int, com: bool, payload: dict[str, list[int]],
-                  committed: dict[str, list[bool]]) -> bool:
+    def _violates(
+        self,
+        c: Any,
+        value: str,
+        dims: tuple[int, ...],
+        i: int,
+        pv: int,
+        is_keep: bool,
+        cur: int,
+        com: bool,
+        payload: dict[str, list[int]],
+        committed: dict[str, list[bool]],
+    ) -> bool:
         cell = _cells(dims)[i]
         if not self._covers(c, cell, value, i):
             return False
@@ -218,7 +283,8 @@ class Reference:
             env.update(zip([ax.lo.value for ax in c.access.axes], cell))  # type: ignore[union-attr]
             peers = {_flat(x, dims) for x in access_cells(other.axes, (), None, env, dims)}
             holds = (not unset_keep) and any(
-                committed[value][j] and payload[value][j] == pv for j in peers if j != i)
+                committed[value][j] and payload[value][j] == pv for j in peers if j != i
+            )
         if c.kind == "forbid":
             return holds
         return unset_keep or not holds
@@ -241,7 +307,9 @@ class Reference:
                 else:
                     dims = self.dims[value][k : k + ax.width]
                     args = [a.value for a in call.args if a.key is None]
-                    mask = torch.as_tensor(self.b.get(call.func)(*args, shape=dims), dtype=torch.bool)
+                    mask = torch.as_tensor(
+                        self.b.get(call.func)(*args, shape=dims), dtype=torch.bool
+                    )
                     if not bool(mask[tuple(cell[k : k + ax.width])]):
                         return False
             elif ax.kind == AxisKind.RANGE:

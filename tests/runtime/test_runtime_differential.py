@@ -14,7 +14,7 @@ from lmpm.ir import compile_source
 from lmpm.runtime.session import Run
 
 sys.path.insert(0, str(Path(__file__).parent))
-from reference import Reference  # noqa: E402
+from reference import Reference
 
 
 def echo(

@@ -26,7 +26,7 @@ def agree(
         torch.tensor(violated, dtype=torch.bool).reshape(p.shape[0], c, len(priority)),
         torch.tensor(priority),
         torch.tensor(rule or [-1] + [0] * (c - 1)),
-        torch.tensor([-1] + list(range(c - 1))),
+        torch.tensor([-1, *range(c - 1)]),
         torch.tensor(slot or [-1] + [0] * (c - 1)),
     )
 
