@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
+from lmpm.commands.check import unknown_params
 from lmpm.errors import RunDirError, UsageError
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     if holds_run(out_dir) and not args.force:
         refuse_existing(out_dir)
     front = compile_file(path, overrides=params, raise_errors=False)
+    unknown_params(front)  # an unknown --set name is a usage error (exit 2), listing the params
     print_diagnostics([d for d in front.diagnostics if d.severity == "error"], False)
     if front.errors:
         return 1
