@@ -1,0 +1,331 @@
+"""`lmpm render RUN_DIR`: pictures of a run's committed values.
+
+- grid values (``Grid2D`` / ``Grid3D``): PNG frames and, over the first axis of a 3-D grid, an
+  animated GIF and a contact sheet, in palette colours (16-token values use the world palette of
+  ``lmpm.models.world``; other vocabularies a categorical colour map; unset cells are dark grey);
+- ``Token[Byte]`` sequences: the text (``NAME.txt``; unset bytes shown as ``_``), also printed;
+- with a run database in RUN_DIR (``lmpm.db``, the commit log and trace): a plot of violations per constraint per epoch
+  (``violations.png``).
+
+Value types come from the program: ``--program FILE``, else the program source and parameters the
+run database stores, else they are guessed from the arrays (1-D integer arrays of bytes are text, 2-D and
+3-D integer arrays are grids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lmpm.errors import UsageError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+HELP = "render a run directory: PNG frames + GIF for grids, text for bytes, violations per epoch"
+
+UNSET_RGB = (48, 48, 48)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the --out directory of `lmpm run`")
+    p.add_argument(
+        "--program", metavar="FILE", help="the .lmpm program (value types, vocabularies)"
+    )
+    p.add_argument("--out", metavar="DIR", help="write pictures here (default RUN_DIR/render)")
+    p.add_argument("--scale", type=int, default=8, help="pixels per cell (default 8)")
+    p.add_argument("--fps", type=float, default=3.0, help="GIF frames per second (default 3)")
+    p.add_argument("--value", action="append", default=[], help="render only these values")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help=argparse.SUPPRESS
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Kind:
+    name: str
+    kind: str  # "text" | "grid" | "skip"
+    vocab: int | None
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"no such run directory: {run_dir}", code="U030")
+    arrays = {p.stem: np.load(p, allow_pickle=False) for p in sorted(run_dir.glob("*.npy"))}
+    if args.value:
+        missing = [v for v in args.value if v not in arrays]
+        if missing:
+            raise UsageError(
+                f"RUN_DIR has no value {', '.join(missing)}; values: {', '.join(arrays)}",
+                code="U031",
+            )
+        arrays = {k: v for k, v in arrays.items() if k in args.value}
+    if not arrays:
+        raise UsageError(
+            f"{run_dir} holds no NAME.npy values (write them with `lmpm run --out`)", code="U032"
+        )
+    kinds = value_kinds(run_dir, arrays, args.program)
+    out = Path(args.out) if args.out else run_dir / "render"
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for name, arr in arrays.items():
+        k = kinds.get(name) or guess(name, arr)
+        if k.kind == "text":
+            text = as_text(arr)
+            path = out / f"{name}.txt"
+            path.write_text(text + "\n", encoding="utf-8")
+            written.append(path)
+            sys.stdout.write(f"{name}: {text}\n")
+        elif k.kind == "grid":
+            written.extend(render_grid(name, arr, k.vocab, out, args.scale, args.fps))
+    db = trace_db(run_dir)
+    if db is not None:
+        plot = plot_violations(db, out / "violations.png")
+        if plot is not None:
+            written.append(plot)
+    for p in written:
+        sys.stderr.write(f"wrote {p}\n")
+    return 0
+
+
+def value_kinds(run_dir: Path, arrays: dict[str, Any], program: str | None) -> dict[str, Kind]:
+    """Kinds of the values from the program (``--program``, or the IR in the run database)."""
+    ir = None
+    if program is not None:
+        from lmpm.ir import compile_file
+
+        p = Path(program)
+        if not p.is_file():
+            raise UsageError(f"--program {program}: no such file", code="U033")
+        ir = compile_file(p).ir
+    else:
+        ir = ir_from_db(run_dir)
+    if ir is None:
+        return {}
+    from lmpm.ir.eval import bind_params, evaluate
+    from lmpm.ir.nodes import DType, ShapeKind
+
+    env = bind_params(ir, None)
+    out: dict[str, Kind] = {}
+    for v in ir.values:
+        if v.shape == ShapeKind.SET:
+            out[v.name] = Kind(v.name, "skip", None)
+            continue
+        vocab = None
+        if v.vocab is not None and v.dtype == DType.TOKEN:
+            try:
+                vocab = int(evaluate(v.vocab, env))
+            except Exception:
+                vocab = None
+        arr = arrays.get(v.name)
+        rank = arr.ndim if arr is not None else len(v.dims)
+        if vocab == 256 and rank == 1:
+            out[v.name] = Kind(v.name, "text", vocab)
+        elif rank in (2, 3):
+            out[v.name] = Kind(v.name, "grid", vocab)
+        else:
+            out[v.name] = Kind(v.name, "skip", vocab)
+    return out
+
+
+def guess(name: str, arr: np.ndarray) -> Kind:
+    import numpy as np
+
+    if not np.issubdtype(arr.dtype, np.integer):
+        return Kind(name, "grid" if arr.ndim in (2, 3) else "skip", None)
+    top = int(arr.max()) if arr.size else -1
+    if arr.ndim == 1 and top < 256:
+        return Kind(name, "text", 256)
+    if arr.ndim in (2, 3):
+        return Kind(name, "grid", 16 if top < 16 else top + 1)
+    return Kind(name, "skip", None)
+
+
+def as_text(arr: np.ndarray) -> str:
+    chars = []
+    for b in arr.reshape(-1).tolist():
+        if b is None or b < 0:
+            chars.append("_")
+        elif 32 <= b < 127:
+            chars.append(chr(b))
+        elif b == 10:
+            chars.append("\\n")
+        else:
+            chars.append(f"\\x{b:02x}")
+    return "".join(chars).rstrip("_")
+
+
+def colours(vocab: int | None) -> np.ndarray:
+    """(vocab, 3) uint8 RGB per token."""
+    import numpy as np
+
+    from lmpm.models.world import RGB
+
+    if vocab is not None and vocab <= len(RGB):
+        return np.array(RGB[:vocab], dtype=np.uint8)
+    import matplotlib
+
+    n = max(vocab or 1, 1)
+    cmap = matplotlib.colormaps["tab20" if n <= 20 else "viridis"]
+    rgb = [cmap(i % 20 if n <= 20 else i / max(n - 1, 1))[:3] for i in range(n)]
+    return (np.array(rgb) * 255).astype(np.uint8)
+
+
+def to_rgb(grid: np.ndarray, vocab: int | None, scale: int) -> np.ndarray:
+    """(W, H) tokens (x, y; -1 unset) → (H*scale, W*scale, 3) image, rows = y."""
+    import numpy as np
+
+    img = grid.T  # rows are y
+    if np.issubdtype(img.dtype, np.floating):
+        unset = np.isnan(img)
+        lo, hi = (
+            np.nanmin(img) if (~unset).any() else 0.0,
+            np.nanmax(img) if (~unset).any() else 1.0,
+        )
+        import matplotlib
+
+        norm = (np.nan_to_num(img) - lo) / max(hi - lo, 1e-9)
+        rgb = (matplotlib.colormaps["viridis"](norm)[..., :3] * 255).astype(np.uint8)
+    else:
+        unset = img < 0
+        pal = colours(vocab if vocab is not None else int(img.max()) + 1)
+        rgb = pal[np.clip(img, 0, len(pal) - 1)]
+    rgb[unset] = UNSET_RGB
+    s = max(int(scale), 1)
+    return np.repeat(np.repeat(rgb, s, axis=0), s, axis=1)
+
+
+def render_grid(
+    name: str, arr: np.ndarray, vocab: int | None, out: Path, scale: int, fps: float
+) -> list[Path]:
+    import numpy as np
+    from PIL import Image
+
+    frames = arr[None] if arr.ndim == 2 else arr
+    images = [Image.fromarray(to_rgb(f, vocab, scale)) for f in frames]
+    written = []
+    if len(images) == 1:
+        p = out / f"{name}.png"
+        images[0].save(p)
+        return [p]
+    for t, im in enumerate(images):
+        p = out / f"{name}_{t:03d}.png"
+        im.save(p)
+        written.append(p)
+    gap = max(scale // 2, 1)
+    w, h = images[0].size
+    sheet = Image.new("RGB", (len(images) * (w + gap) - gap, h), (255, 255, 255))
+    for t, im in enumerate(images):
+        sheet.paste(im, (t * (w + gap), 0))
+    p = out / f"{name}.png"
+    sheet.save(p)
+    written.append(p)
+    gif = out / f"{name}.gif"
+    images[0].save(
+        gif,
+        save_all=True,
+        append_images=images[1:],
+        duration=int(1000 / max(fps, 0.1)),
+        loop=0,
+        optimize=False,
+    )
+    written.append(gif)
+    del np
+    return written
+
+
+# ---- the trace database (lmpm.runtime.commitlog: RUN_DIR/lmpm.db) ------------------------------
+DB_NAME = "lmpm.db"
+
+
+def trace_db(run_dir: Path) -> Path | None:
+    p = run_dir / DB_NAME
+    return p if p.is_file() else None
+
+
+def _query(db: Path, sql: str) -> list[tuple[Any, ...]] | None:
+    import sqlite3
+    import urllib.parse
+
+    try:
+        uri = f"file:{urllib.parse.quote(str(db.resolve()))}?mode=ro"
+        con = sqlite3.connect(uri, uri=True)
+    except sqlite3.Error:
+        return None
+    try:
+        return con.execute(sql).fetchall()
+    except sqlite3.Error:
+        return None
+    finally:
+        con.close()
+
+
+def ir_from_db(run_dir: Path) -> Any:
+    """The program's IR, compiled from the source and parameters the run database stores."""
+    import json
+
+    db = trace_db(run_dir)
+    if db is None:
+        return None
+    rows = _query(
+        db, "SELECT key, value FROM meta WHERE key IN ('source', 'params', 'program_file')"
+    )
+    if not rows:
+        return None
+    meta = {k: json.loads(v) for k, v in rows}
+    source = meta.get("source")
+    if not isinstance(source, str):
+        return None
+    from lmpm.ir import compile_source
+
+    try:
+        front = compile_source(
+            source, str(meta.get("program_file", "<run>")), overrides=meta.get("params") or None
+        )
+    except Exception:
+        return None
+    return front.ir
+
+
+def violations_by_epoch(db: Path) -> dict[str, dict[int, int]] | None:
+    """constraint → epoch → violated candidates (every rule, keep-current included)."""
+    rows = _query(
+        db,
+        "SELECT epoch, constraint_name, SUM(violations) FROM trace_named "
+        "GROUP BY epoch, constraint_name ORDER BY epoch",
+    )
+    if rows is None:
+        return None
+    out: dict[str, dict[int, int]] = {}
+    for epoch, name, count in rows:
+        out.setdefault(str(name), {})[int(epoch)] = int(count or 0)
+    return out
+
+
+def plot_violations(db: Path, path: Path) -> Path | None:
+    data = violations_by_epoch(db)
+    if not data:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for name, series in sorted(data.items()):
+        xs = sorted(series)
+        ax.plot(xs, [series[x] for x in xs], marker="o", ms=3, label=name)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("violated candidates")
+    ax.set_title("violations per constraint per epoch")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

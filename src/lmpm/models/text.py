@@ -1,0 +1,214 @@
+"""ByteLM: a byte-level causal transformer whose attention mask is compiled from the program.
+
+The mask comes from LMPM's own visibility compiler, applied to the clause every causal text program
+states (``examples/gpt.lmpm``, ``examples/text.lmpm``)::
+
+    visible Txt[t] <- Txt[0..t-1] when t > 0
+
+How the model uses it. Slot ``t`` of the sequence is *cell* ``Txt[t]``; its input is the newest byte
+the cell may see, ``Txt[t-1]`` (a BOS embedding for ``t = 0``), plus a position embedding. Slot ``t``
+attends to the slots of the cells it can see (``mask[t, s]``: ``s < t``, each of which summarizes
+only bytes ``t`` may read) **and to its own slot** (the diagonal). Its output is the distribution of
+``Txt[t]`` given ``Txt[0..t-1]``; nothing invisible ever flows in. Row ``t = 0`` of the program's
+mask is empty (``Txt[0]`` sees nothing — ``lmpm mask`` reports it as degenerate); with the diagonal
+it attends to its BOS slot only, so no softmax row is empty and nothing is NaN.
+
+Attention runs through SDPA with the dense mask (fast on CPU), or FlexAttention with the compiled
+``mask_mod`` (``attention="flex"``; eager on CPU, which materializes scores — same numbers).
+
+Bound names: ``ByteLM`` (proposals: ``k`` samples per cell from the worker's counter-based RNG) and
+``TextScore`` (the log-prob of each candidate, from the same forward pass).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmpm.models import _weights
+
+BYTES = 256
+BOS = 256  # the input of slot 0
+UNK = 257  # a visible cell that is not committed (unset)
+VISIBILITY = """\
+param N = 64
+value Txt : Token[Byte] shape Seq(N) clock Lamport
+visible Txt[t] <- Txt[0..t-1] when t > 0
+"""
+
+
+@lru_cache(maxsize=8)
+def program_mask(n: int) -> Tensor:
+    """(n, n) bool: the program's dense visibility mask plus the diagonal (see the module doc)."""
+    from lmpm.visibility import compile_masks
+
+    m = compile_masks(VISIBILITY, N=n)
+    return m.dense() | torch.eye(n, dtype=torch.bool)
+
+
+def program_mask_mod(n: int) -> Any:
+    from lmpm.visibility import compile_masks
+
+    base = compile_masks(VISIBILITY, N=n).mask_mod
+
+    def mask_mod(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return base(b, h, q, kv) | (q == kv)
+
+    return mask_mod
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: Tensor, mask: Tensor, block_mask: Any = None) -> Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, n, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        if block_mask is not None:
+            from torch.nn.attention.flex_attention import flex_attention
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # eager flex on CPU warns that it is unfused
+                a = flex_attention(q, k, v, block_mask=block_mask)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert isinstance(a, Tensor)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+        return x + self.ff(self.ln2(x))
+
+
+class ByteLM(nn.Module):
+    def __init__(self, d: int = 96, layers: int = 3, heads: int = 4, max_len: int = 64) -> None:
+        super().__init__()
+        self.max_len = max_len
+        self.tok = nn.Embedding(BYTES + 2, d)
+        self.pos = nn.Embedding(max_len, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, BYTES)
+
+    def forward(self, tokens: Tensor, attention: str = "sdpa") -> Tensor:
+        """tokens (B, L) bytes (-1: unset) → logits (B, L, 256); row t = p(Txt[t] | Txt[0..t-1])."""
+        b, n = tokens.shape
+        if n > self.max_len:
+            raise ValueError(f"ByteLM sees at most {self.max_len} bytes, got {n}")
+        prev = torch.cat([torch.full((b, 1), BOS, dtype=torch.long), tokens[:, :-1].long()], 1)
+        prev = torch.where(prev < 0, torch.full_like(prev, UNK), prev)
+        x = self.tok(prev) + self.pos.weight[:n]
+        mask = program_mask(n)
+        block_mask = None
+        if attention == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            block_mask = create_block_mask(
+                program_mask_mod(n), 1, 1, n, n, device="cpu", BLOCK_SIZE=max(n, 1)
+            )
+        for blk in self.blocks:
+            x = blk(x, mask, block_mask)
+        out: Tensor = self.head(self.norm(x))
+        return out
+
+
+def load() -> ByteLM:
+    return _weights.load("bytelm", ByteLM)
+
+
+def _contexts(inputs: dict[str, Tensor], max_len: int) -> tuple[Tensor, Tensor]:
+    """(n, L) sequences of what each open cell sees (-1 elsewhere), and each cell's slot."""
+    cells = inputs["cells"].long()
+    ctx, mask = inputs["context"], inputs["context_mask"]
+    n = cells.shape[0]
+    # A score call gets no `_index`: the read `Txt[0..t-1]` lists positions 0, 1, ... in order.
+    index = inputs.get("context_index")
+    if index is None:
+        index = torch.arange(ctx.shape[1]).expand(n, -1)
+    start = (cells - (max_len - 1)).clamp(min=0)  # a sliding window past max_len
+    slot = cells - start
+    length = int(slot.max()) + 1 if n else 1
+    seq = torch.full((n, length), -1, dtype=torch.long)
+    rel = index.long() - start[:, None]
+    ok = mask & (rel >= 0) & (rel < slot[:, None])
+    rows = torch.arange(n)[:, None].expand_as(rel)
+    seq[rows[ok], rel[ok]] = ctx[ok].long()
+    return seq, slot
+
+
+class _LastCall:
+    """The log-probs of the last call, so a score over the same inputs needs no second forward."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Tensor, ...] = ()
+        self.logp: Tensor | None = None
+
+    def get(self, key: tuple[Tensor, ...]) -> Tensor | None:
+        if self.logp is not None and len(key) == len(self.key):
+            if all(a is b for a, b in zip(key, self.key)):
+                return self.logp
+        return None
+
+    def put(self, key: tuple[Tensor, ...], logp: Tensor) -> None:
+        self.key, self.logp = key, logp
+
+
+_LAST = _LastCall()
+
+
+def next_byte_logp(inputs: dict[str, Tensor]) -> Tensor:
+    """(n, 256) log p(Txt[t] | what t sees) for every open cell."""
+    key = (inputs["context"], inputs["context_mask"], inputs["cells"])
+    hit = _LAST.get(key)
+    if hit is not None:
+        return hit
+    model = load()
+    seq, slot = _contexts(inputs, model.max_len)
+    with torch.no_grad():
+        logits = model(seq)
+    logp = torch.log_softmax(logits[torch.arange(seq.shape[0]), slot].float(), -1)
+    _LAST.put(key, logp)
+    return logp
+
+
+def byte_lm(
+    inputs: dict[str, Tensor],
+    *,
+    vocab: int | None = None,
+    k: int = 1,
+    temperature: float = 1.0,
+    **_: Any,
+) -> dict[str, Tensor]:
+    """`ByteLM(context, k=..., temperature=...)`: logits of each open cell's next byte; the worker
+    draws ``k`` candidates per cell with the counter-based RNG."""
+    if vocab is not None and vocab != BYTES:
+        raise ValueError(f"ByteLM proposes bytes (vocab 256); the value has {vocab} tokens")
+    logp = next_byte_logp(inputs) / max(float(temperature), 1e-3)
+    if int(k) > 1:
+        return {"logits": logp[:, None, :].expand(-1, int(k), -1).contiguous()}
+    return {"logits": logp}
+
+
+def text_score(inputs: dict[str, Tensor], **_: Any) -> Tensor:
+    """`TextScore(...)`: log p of each candidate byte, (n, k)."""
+    logp = next_byte_logp(inputs)
+    prop = inputs["proposal"].long().clamp(0, BYTES - 1)
+    return logp.gather(1, prop).double()
+
+
+def bits_per_byte(model: ByteLM, seqs: Tensor) -> float:
+    """Mean bits per byte of ``seqs`` (B, L) under the model (every position, BOS-started)."""
+    with torch.no_grad():
+        logits = model(seqs)
+    nll = F.cross_entropy(logits.reshape(-1, BYTES), seqs.reshape(-1).long())
+    return float(nll) / math.log(2)

@@ -1,0 +1,201 @@
+"""The video models of examples/video.lmpm: the LocalGen proposer, its score, and CoarseGen.
+
+``Model(neighbors, prev, txt, coarse)`` — the seed's ``LocalGen`` rule — proposes a token for each
+open ``Vid[t,x,y]`` from exactly what the rule reads, as the runtime gathers it through the plan's
+gather tables (``docs/runtime.md``):
+
+- ``neighbors`` (n, 8): the N8 neighbours in the same frame (+ ``neighbors_mask``: visible and
+  committed);
+- ``prev_frame`` (n, 1): ``Vid[t-1, x, y]`` (invisible at ``t = 0``);
+- ``txt`` (n, N): the caption bytes ``Txt[*]``;
+- ``coarse`` (n, 1): ``Coarse[t, x/8, y/8]`` (optional: unset until proposed);
+- plus the cell's own ``coords`` (t, x, y), used as a position feature (``y``: sky above, ground
+  below).
+
+A cell never sees its own token. The network: one embedding per (slot, token-or-unset) summed — the
+first layer of an MLP over the one-hot inputs — plus a caption vector (byte embeddings → a 1-D
+convolution → max-pool over the committed bytes; computed once per distinct caption) and the
+position, then two GELU layers to logits over the 16-token palette. It is trained MaskGIT-style
+(``scripts/train_video.py``): every training video hides a random share of its cells (0 to 100%),
+so it proposes from any partial context. The worker samples the proposals from the logits with the
+counter-based RNG; ``ModelScore(...)`` is the log-prob of each candidate under the same forward pass
+(cached: no second forward).
+
+``CoarseGen(txt)`` proposes ``Coarse[t, i, j]`` (the mode token of a 8×8 block) from the caption and
+the block's position.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lmpm.models import _weights
+from lmpm.models.text import _LastCall
+from lmpm.models.world import K
+
+UNSET = K  # token id of "not visible / not committed" in the embeddings
+SLOTS = 8 + 1 + 1  # N8 neighbours, previous frame, coarse
+REF = 32.0  # positions are normalized by the training frame size
+
+
+class CaptionEncoder(nn.Module):
+    def __init__(self, out: int = 32, emb: int = 32, channels: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(257, emb)  # 256 bytes + unset
+        self.conv = nn.Conv1d(emb, channels, 5, padding=2)
+        self.proj = nn.Linear(channels, out)
+
+    def forward(self, txt: Tensor, mask: Tensor) -> Tensor:
+        """(n, L) bytes + mask → (n, out). Distinct rows are encoded once."""
+        if txt.shape[0] > 1 and txt.stride(0) == 0 and mask.stride(0) == 0:
+            return self._encode(txt[:1], mask[:1]).expand(txt.shape[0], -1)
+        if txt.shape[0] > 1:
+            key = torch.where(mask, txt.long(), torch.full_like(txt.long(), 256))
+            uniq, inverse = torch.unique(key, dim=0, return_inverse=True)
+            if uniq.shape[0] < txt.shape[0]:
+                return self._encode(uniq, uniq < 256)[inverse]
+        return self._encode(txt, mask)
+
+    def _encode(self, txt: Tensor, mask: Tensor) -> Tensor:
+        tok = torch.where(mask, txt.long(), torch.full_like(txt.long(), 256))
+        h = F.relu(self.conv(self.emb(tok).transpose(1, 2)))  # (n, C, L)
+        h = h.masked_fill(~mask[:, None, :], 0.0).amax(-1)
+        out: Tensor = self.proj(h)
+        return out
+
+
+class LocalGen(nn.Module):
+    offsets: Tensor
+
+    def __init__(self, hidden: int = 192, caption: int = 32) -> None:
+        super().__init__()
+        self.cap = CaptionEncoder(caption)
+        self.slots = nn.Embedding(SLOTS * (K + 1), hidden)
+        self.cap_in = nn.Linear(caption, hidden)
+        self.pos_in = nn.Linear(3, hidden)
+        self.mlp = nn.Sequential(
+            nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, K)
+        )
+        self.register_buffer("offsets", torch.arange(SLOTS) * (K + 1), persistent=False)
+
+    def forward(self, tokens: Tensor, visible: Tensor, caption: Tensor, coords: Tensor) -> Tensor:
+        """tokens/visible (n, 10): N8 + prev + coarse; caption (n, C); coords (n, 3) → (n, 16)."""
+        tok = torch.where(visible, tokens.long().clamp(0, K - 1), torch.full_like(tokens, UNSET))
+        h = self.slots(tok + self.offsets).sum(1)
+        pos = torch.stack(
+            [
+                coords[:, 2].float() / REF,
+                (coords[:, 2].float() / REF) ** 2,
+                (coords[:, 0] > 0).float(),
+            ],
+            1,
+        )
+        h = h + self.cap_in(caption) + self.pos_in(pos)
+        out: Tensor = self.mlp(h)
+        return out
+
+
+class CoarseGen(nn.Module):
+    def __init__(self, hidden: int = 128, caption: int = 32, rows: int = 8) -> None:
+        super().__init__()
+        self.rows = rows
+        self.cap = CaptionEncoder(caption)
+        self.row = nn.Embedding(rows, hidden)
+        self.cap_in = nn.Linear(caption, hidden)
+        self.mlp = nn.Sequential(
+            nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, K)
+        )
+
+    def forward(self, caption: Tensor, coords: Tensor) -> Tensor:
+        """caption (n, C), coords (n, 3) of Coarse[t, i, j] → (n, 16)."""
+        h = self.row(coords[:, 2].long().clamp(0, self.rows - 1)) + self.cap_in(caption)
+        out: Tensor = self.mlp(h)
+        return out
+
+
+def load_local() -> LocalGen:
+    return _weights.load("localgen", LocalGen)
+
+
+def load_coarse() -> CoarseGen:
+    return _weights.load("coarsegen", CoarseGen)
+
+
+def local_features(inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(tokens, visible), each (n, 10): the N8 neighbours, the previous frame, the coarse cell."""
+    n = inputs["cells"].shape[0]
+    parts, masks = [], []
+    for name, width in (("neighbors", 8), ("prev_frame", 1), ("coarse", 1)):
+        if name in inputs:
+            v, m = inputs[name], inputs[f"{name}_mask"]
+            if v.shape[1] != width:  # a border cell's read padded differently: fit to the slots
+                v = F.pad(v, (0, max(width - v.shape[1], 0)))[:, :width]
+                m = F.pad(m, (0, max(width - m.shape[1], 0)))[:, :width]
+        else:
+            v = torch.zeros(n, width, dtype=torch.long)
+            m = torch.zeros(n, width, dtype=torch.bool)
+        parts.append(v.long())
+        masks.append(m.bool())
+    return torch.cat(parts, 1), torch.cat(masks, 1)
+
+
+_LAST = _LastCall()
+
+
+def local_logp(inputs: dict[str, Tensor]) -> Tensor:
+    """(n, 16) log-probs of every open Vid cell's token."""
+    key = tuple(inputs[k] for k in ("cells", "neighbors", "neighbors_mask", "txt") if k in inputs)
+    hit = _LAST.get(key)
+    if hit is not None:
+        return hit
+    model = load_local()
+    tokens, visible = local_features(inputs)
+    with torch.no_grad():
+        cap = model.cap(inputs["txt"], inputs["txt_mask"])
+        logits = model(tokens, visible, cap, inputs["coords"])
+    logp = torch.log_softmax(logits.float(), -1)
+    _LAST.put(key, logp)
+    return logp
+
+
+def local_gen(
+    inputs: dict[str, Tensor],
+    *,
+    vocab: int | None = None,
+    k: int = 1,
+    temperature: float = 1.0,
+    **_: Any,
+) -> dict[str, Tensor]:
+    """`Model(neighbors, prev, txt, coarse)`: logits over the palette for every open Vid cell."""
+    if vocab is not None and vocab != K:
+        raise ValueError(f"the video model proposes {K} palette tokens; the value has {vocab}")
+    logits = local_logp(inputs) / max(float(temperature), 1e-3)
+    if int(k) > 1:
+        return {"logits": logits[:, None, :].expand(-1, int(k), -1).contiguous()}
+    return {"logits": logits}
+
+
+def model_score(inputs: dict[str, Tensor], **_: Any) -> Tensor:
+    """`ModelScore(...)`: the log-prob of each candidate under the LocalGen model, (n, k)."""
+    logp = local_logp(inputs)
+    prop = inputs["proposal"].long().clamp(0, K - 1)
+    return logp.gather(1, prop).double()
+
+
+def coarse_gen(
+    inputs: dict[str, Tensor], *, vocab: int | None = None, k: int = 1, **_: Any
+) -> dict[str, Tensor]:
+    """`CoarseGen(txt)`: logits of each open Coarse cell's mode token."""
+    if vocab is not None and vocab != K:
+        raise ValueError(f"CoarseGen proposes {K} palette tokens; the value has {vocab}")
+    model = load_coarse()
+    with torch.no_grad():
+        cap = model.cap(inputs["txt"], inputs["txt_mask"])
+        logits = torch.log_softmax(model(cap, inputs["coords"]).float(), -1)
+    if int(k) > 1:
+        return {"logits": logits[:, None, :].expand(-1, int(k), -1).contiguous()}
+    return {"logits": logits}

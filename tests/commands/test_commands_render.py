@@ -1,0 +1,80 @@
+"""`lmpm render RUN_DIR`: frames, GIF, text, the violations plot, and the program's value types."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from lmpm.cli import main
+
+PROG = """\
+param T = 3
+param N = 12
+value Txt : Token[Byte] shape Seq(N) clock Lamport
+value Vid : Token[16] shape Grid3D(T, 8, 8) clock Lamport
+value MaskPlan : Event shape Set() clock Lamport
+visible Txt[t] <- Txt[0..t-1] when t > 0
+rule Gen:
+  on Vid[t,x,y]
+  emit proposal Vid[t,x,y] := Uniform(k=2)
+rule Say:
+  on Txt[t]
+  read {context = Txt[0..t-1]}
+  emit proposal Txt[t] := Uniform(context, k=4)
+constraint Blue:
+  require Vid[t, x, y] in Set(0..3) priority 5
+constraint Lower:
+  require Txt[t] in Set(97..122) priority 5
+rule Schedule:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)
+"""
+
+
+def cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_render_run_dir(tmp_path: Path) -> None:
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(PROG)
+    run_dir = tmp_path / "run"
+    rc, _, err = cli("run", str(prog), "--epochs", "6", "--out", str(run_dir), "--quiet")
+    assert rc == 0, err
+    rc, out, err = cli("render", str(run_dir))
+    assert rc == 0, err
+    r = run_dir / "render"
+    frames = sorted(r.glob("Vid_*.png"))
+    assert len(frames) == 3
+    with Image.open(frames[0]) as im:
+        assert im.size == (64, 64)  # 8×8 cells × scale 8
+    with Image.open(r / "Vid.gif") as gif:
+        assert gif.n_frames == 3
+    text = (r / "Txt.txt").read_text().strip()
+    assert out.startswith("Txt: ") and text  # unprintable bytes are written as \xNN
+    if (run_dir / "lmpm.db").is_file():  # the commit log + trace of `lmpm run`
+        assert (r / "violations.png").is_file()
+
+
+def test_render_without_program_guesses_types(tmp_path: Path) -> None:
+    np.save(tmp_path / "Vid.npy", np.array([[[0, 1], [2, -1]], [[3, 3], [10, 15]]]))
+    np.save(tmp_path / "Txt.npy", np.array([*b"hi there", -1, -1]))
+    rc, out, err = cli("render", str(tmp_path), "--out", str(tmp_path / "pics"), "--scale", "2")
+    assert rc == 0, err
+    assert (tmp_path / "pics" / "Vid.gif").is_file() and "Txt: hi there" in out
+    with Image.open(tmp_path / "pics" / "Vid_001.png") as im:
+        px = im.convert("RGB").load()
+        assert px is not None and px[0, 0] == (90, 200, 220)  # Vid[1, 0, 0] = 3: cyan
+        assert px[2, 0] == (220, 40, 40)  # Vid[1, 1, 0] = 10: red (x is the column)
+
+
+def test_render_errors(tmp_path: Path) -> None:
+    assert cli("render", str(tmp_path / "nope"))[0] == 2
+    assert cli("render", str(tmp_path))[0] == 2  # no values

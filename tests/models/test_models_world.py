@@ -1,0 +1,43 @@
+"""The generated world: deterministic, captions that say what happens, coarse grids, bindings."""
+
+from __future__ import annotations
+
+import torch
+
+from lmpm.models import world
+
+
+def test_same_seed_same_world() -> None:
+    a, b = world.generate(6, seed=5), world.generate(6, seed=5)
+    assert torch.equal(a.videos, b.videos) and a.captions == b.captions
+    assert not torch.equal(a.videos, world.generate(6, seed=6).videos)
+
+
+def test_scene_content_matches_caption() -> None:
+    w = world.generate(40, seed=3)
+    sky = world.sky_rows(32)
+    for v, cap, s in zip(w.videos, w.captions, w.scenes):
+        assert len(cap) <= 64 and cap == cap.lower()
+        for shape in s.shapes:
+            assert shape.colour.encode() in cap and shape.direction.encode() in cap
+        # the sky band holds only sky tokens (blue-ish or a white cloud); shapes stay below it
+        assert set(v[:, :, :sky].unique().tolist()) <= set(world.palette("sky")) | set(
+            world.palette("shapes")
+        )
+    assert w.videos.shape == (40, 4, 32, 32) and w.coarse.shape == (40, 4, 4, 4)
+
+
+def test_coarse_is_block_mode() -> None:
+    v = torch.zeros(1, 16, 16, dtype=torch.long)
+    v[0, :8, :8] = 6
+    v[0, :3, :8] = 10  # a minority in the first block
+    v[0, 8:, 8:] = 3
+    c = world.coarse_of(v)
+    assert c.tolist() == [[[6, 0], [0, 3]]]
+
+
+def test_palette_and_region() -> None:
+    assert world.palette("blue-ish") == [0, 1, 2, 3]
+    m = world.region("sky", shape=(16, 8))
+    assert m.shape == (16, 8) and m[:, :3].all() and not m[:, 3:].any()
+    assert (world.region("ground", shape=(16, 8)) == ~m).all()
