@@ -25,7 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from lmpm.runtime.commitlog import connect
     from lmpm.runtime.trace import cell_story, plot, report
@@ -37,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
             if args.json:
                 sys.stdout.write(json.dumps(story, indent=1) + "\n")
             else:
-                _render_story(story, Console())
+                _render_story(story, _console())
             return 0
         rep = report(conn, args.run_dir)
     finally:
@@ -48,8 +47,15 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(rep, indent=1) + "\n")
     elif not args.plot:
-        _render_report(rep, Console())
+        _render_report(rep, _console())
     return 0
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Piped output (a file, `head`) gets 120 columns instead of rich's 80, so tables stay legible.
+    return Console(width=None if sys.stdout.isatty() else 120)
 
 
 def _render_report(rep: dict[str, Any], console: Any) -> None:
