@@ -435,7 +435,8 @@ class Engine:
         args = {
             k: v
             for k, v in inputs.items()
-            if k in ("cells", "coords") or k.removesuffix("_mask") in rp.score_args
+            if k in ("cells", "coords")
+            or k.removesuffix("_mask").removesuffix("_index") in rp.score_args
         }
         args["proposal"] = prop
         assert rp.score is not None
