@@ -43,9 +43,17 @@ visible Txt[t] <- Txt[0..t-1] when t > 0
 """
 
 
-@lru_cache(maxsize=8)
 def program_mask(n: int) -> Tensor:
-    """(n, n) bool: the program's dense visibility mask plus the diagonal (see the module doc)."""
+    """(n, n) bool: the program's dense visibility mask plus the diagonal (see the module doc).
+
+    Compiled once per power-of-two size and sliced: a cell's visible set depends only on its own
+    index here, so the mask of a prefix is the prefix of the mask (generation grows n every epoch).
+    """
+    return _program_mask(max(64, 1 << max(n - 1, 0).bit_length()))[:n, :n]
+
+
+@lru_cache(maxsize=8)
+def _program_mask(n: int) -> Tensor:
     from lmpm.visibility import compile_masks
 
     m = compile_masks(VISIBILITY, N=n)
