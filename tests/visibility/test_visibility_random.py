@@ -285,6 +285,42 @@ def test_dense_and_gather_match_reference(spec: dict[str, Any], layout: str) -> 
 
 
 @SETTINGS
+@given(programs())
+def test_runtime_gather_entry_points_match_reference(spec: dict[str, Any]) -> None:
+    """``gather_table`` (one clause) and ``visible_union`` / ``"T<-S"`` (the union of a source's
+    clauses), the tables the runtime reads through, against the reference."""
+    from lmpm.ir.eval import bind_params
+    from lmpm.visibility import gather_table, visible_union
+
+    front = compile_source(render(spec))
+    prog, env = front.ir, bind_params(front.ir)
+    m = Masks(prog, env, "raster")
+    _, per_clause = reference(spec)
+
+    def rows(t: Any) -> list[list[int]]:
+        assert t.index.dtype == torch.long and t.valid.dtype == torch.bool
+        assert t.index.is_contiguous() and t.valid.is_contiguous()
+        assert not bool(t.index[~t.valid].any())  # padding is 0
+        got = [row[ok].tolist() for row, ok in zip(t.index, t.valid)]
+        assert max((len(r) for r in got), default=0) == t.K
+        return got
+
+    unions: dict[tuple[str, str], list[set[int]]] = {}
+    for k, (cl, st_) in enumerate(zip(spec["clauses"], prog.stencils)):
+        g = gather_table(
+            prog, env, st_.target, st_.source, st_.axes, st_.binders, st_.guard, st_.vars
+        )
+        assert rows(g) == per_clause[k], render(spec)
+        acc = unions.setdefault((cl["target"], cl["source"]), [set() for _ in per_clause[k]])
+        for a, r in zip(acc, per_clause[k]):
+            a.update(r)
+    for (target, source), acc in unions.items():
+        want = [sorted(a) for a in acc]
+        assert rows(visible_union(prog, env, target, source)) == want, render(spec)
+        assert rows(m.gather(target)[f"{target}<-{source}"]) == want, render(spec)
+
+
+@SETTINGS
 @given(programs(), st.sampled_from(["raster", "tiled", "morton"]), st.integers(1, 3), st.data())
 def test_mask_mod_and_block_mask_match(
     spec: dict[str, Any], layout: str, seed: int, data: st.DataObject

@@ -37,10 +37,17 @@ from torch.nn.attention.flex_attention import BlockMask
 from lmpm.errors import UsageError
 from lmpm.ir.eval import bind_params
 from lmpm.ir.nodes import Program
-from lmpm.visibility._stencil import Boxes, Space, clause_boxes, expand, space
+from lmpm.visibility._stencil import (
+    Clause,
+    Space,
+    cell_stencils,
+    expand,
+    expand_stencil,
+    space,
+)
 from lmpm.visibility.blockmask import block_flags, build_block_mask
 from lmpm.visibility.dense import dense_mask, sdpa
-from lmpm.visibility.gather import GatherTable, gather_table, table_from_boxes, visible_union
+from lmpm.visibility.gather import GatherTable, gather_table, table_from_clauses, visible_union
 from lmpm.visibility.layout import DEFAULT_TILE, LAYOUTS, Layout, make_layout
 from lmpm.visibility.maskmod import MaskMod, build_mask_mod
 
@@ -105,8 +112,10 @@ class Masks:
         self.env: dict[str, int] = dict(env)
         self.tile = tuple(tile)
         self.space: Space = space(program, self.env)
-        # (per clause) the boxes every product derives from: O(cells × stencil size).
-        self._boxes: list[Boxes] = clause_boxes(program, self.env, self.space)
+        # The clauses every product derives from. Their boxes (O(cells × stencil size), constants
+        # kept as constants) are expanded on first use; the BlockMask streams them instead.
+        self._stencils = cell_stencils(program, self.space)
+        self._clauses: list[Clause] | None = None
         self._layouts: dict[str, Layout] = {}
         self._counts: dict[tuple[str, int, int], BlockCounts] = {}
         self._mask_mod: MaskMod | None = None
@@ -128,6 +137,15 @@ class Masks:
         return self._layouts[kind]
 
     @property
+    def _boxes(self) -> list[Clause]:
+        """Every clause's boxes at every target cell (expanded once, on first use)."""
+        if self._clauses is None:
+            self._clauses = [
+                expand_stencil(self.program, self.env, s, self.space) for s in self._stencils
+            ]
+        return self._clauses
+
+    @property
     def degenerate(self) -> tuple[Degenerate, ...]:
         """Cells that can see nothing, per value (their rows of the mask are all False)."""
         out: list[Degenerate] = []
@@ -145,7 +163,7 @@ class Masks:
                 continue
             sees = torch.zeros(n, dtype=torch.bool)
             for b in mine:
-                sees |= b.ok.any(0)
+                sees |= b.sees()
             if not bool(sees.all()):
                 out.append(_describe(v, self.space.dims[v], ~sees, "every clause is empty here"))
         return tuple(out)
@@ -166,7 +184,7 @@ class Masks:
         if self.cells == 0:
             raise UsageError("the program has no cells to attend over", code="U012")
         return build_block_mask(
-            self.space, self.layout_of(), self._boxes, self.mask_mod, block_size, device
+            self.space, self.layout_of(), _Streamed(self), self.mask_mod, block_size, device
         )
 
     def block_flags(
@@ -174,7 +192,7 @@ class Masks:
     ) -> tuple[Tensor, Tensor]:
         """(partial, full): (q blocks, kv blocks) bool in ``layout`` (default: the chosen one)."""
         qbs, kvbs = (block_size, block_size) if isinstance(block_size, int) else block_size
-        return block_flags(self.space, self.layout_of(layout), self._boxes, qbs, kvbs)
+        return block_flags(self.space, self.layout_of(layout), _Streamed(self), qbs, kvbs)
 
     def block_counts(
         self, block_size: int = SPARSITY_BLOCK, layout: str | None = None
@@ -205,7 +223,8 @@ class Masks:
         """(cells, cells) bool, ``mask[q, k]`` iff k is visible to q. Canonical order (values in
         declaration order, each row-major) unless ``canonical=False`` (then layout order, the
         order ``mask_mod`` and ``block_mask`` use). Memory is cells²: keep it small."""
-        return dense_mask(self.space, self._boxes, None if canonical else self.layout_of())
+        boxes = [c.materialize() for c in self._boxes]
+        return dense_mask(self.space, boxes, None if canonical else self.layout_of())
 
     # ---- gather tables ----------------------------------------------------------------------
     def gather(self, value: str) -> dict[str, GatherTable]:
@@ -215,7 +234,7 @@ class Masks:
         if value not in self.space.dims:
             raise UsageError(f"`{value}` is not a value with cells", code="U013")
         out: dict[str, GatherTable] = {}
-        by_source: dict[str, list[Boxes]] = {}
+        by_source: dict[str, list[Clause]] = {}
         k = 0
         for i, s in enumerate(self.program.stencils):
             if s.target not in self.space.dims or s.source not in self.space.dims:
@@ -224,12 +243,32 @@ class Masks:
             k += 1
             if s.target != value:
                 continue
-            out[f"{value}<-{s.source}#{i}"] = table_from_boxes(bx, self.space.dims[s.source])
+            n, sdims = self.space.size(value), self.space.dims[s.source]
+            out[f"{value}<-{s.source}#{i}"] = table_from_clauses([bx], n, sdims)
             by_source.setdefault(s.source, []).append(bx)
         for src, parts in by_source.items():
-            merged = Boxes.cat(parts, value, src, self.space.size(value), len(self.space.dims[src]))
-            out[f"{value}<-{src}"] = table_from_boxes(merged, self.space.dims[src])
+            n, sdims = self.space.size(value), self.space.dims[src]
+            out[f"{value}<-{src}"] = table_from_clauses(parts, n, sdims)
         return out
+
+
+class _Streamed:
+    """The boxes of a :class:`Masks` for :func:`block_flags`, expanded a group of rows at a
+    time."""
+
+    def __init__(self, m: Masks) -> None:
+        self.m = m
+
+    def has(self, target: str) -> bool:
+        return any(s.target == target for s in self.m._stencils)
+
+    def __call__(self, target: str, rows: slice | Tensor) -> list[Clause]:
+        m = self.m
+        return [
+            expand_stencil(m.program, m.env, s, m.space, rows)
+            for s in m._stencils
+            if s.target == target
+        ]
 
 
 def _describe(value: str, dims: tuple[int, ...], empty: Tensor, reason: str) -> Degenerate:

@@ -10,18 +10,53 @@ Python.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from lmpm.errors import BindError
 from lmpm.ir.eval import evaluate as eval_int
-from lmpm.ir.nodes import NEIGHBORHOODS, Axis, AxisKind, Binder, Expr, Program, ShapeKind
+from lmpm.ir.nodes import (
+    NEIGHBORHOODS,
+    Axis,
+    AxisKind,
+    Binder,
+    Expr,
+    Program,
+    ShapeKind,
+    Stencil,
+)
 from lmpm.visibility._expr import Val, all_defined, and_, evaluate
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def serial(fn: F) -> F:
+    """Run ``fn`` with torch's intra-op pool at one thread (restored afterwards).
+
+    The builders here issue many small tensor ops (chunks of a few thousand rows). On a CPU
+    shared with other processes every parallel region can wait a scheduler slice for its
+    second thread, which made a 60 ms BlockMask build take seconds; the ops are too small to
+    gain from threads anyway."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return cast(F, run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,10 +95,16 @@ def space(program: Program, env: Mapping[str, int]) -> Space:
     return Space(tuple(names), dims, base, total)
 
 
-def cell_coords(dims: tuple[int, ...]) -> list[Tensor]:
-    """Row-major coordinates of every cell: one (cells,) int64 tensor per axis."""
+def cell_coords(dims: tuple[int, ...], rows: slice | Tensor | None = None) -> list[Tensor]:
+    """Row-major coordinates of every cell (or of the canonical ``rows`` only): one (cells,)
+    int64 tensor per axis."""
     n = math.prod(dims)
-    flat = torch.arange(n, dtype=torch.long)
+    if rows is None:
+        flat = torch.arange(n, dtype=torch.long)
+    elif isinstance(rows, slice):
+        flat = torch.arange(*rows.indices(n), dtype=torch.long)
+    else:
+        flat = rows.long()
     out: list[Tensor] = []
     for k in range(len(dims)):
         stride = math.prod(dims[k + 1 :])
@@ -201,6 +242,208 @@ def _full_bool(x: Val, n: int) -> Tensor:
     return torch.full((n,), bool(x), dtype=torch.bool)
 
 
+def _scalar(x: Val) -> Val:
+    """A 0-d tensor becomes a python int/bool (so it broadcasts and folds like a constant)."""
+    if isinstance(x, Tensor) and x.dim() == 0:
+        return bool(x) if x.dtype == torch.bool else int(x)
+    return x
+
+
+def pick(x: Val, rows: slice | Tensor | None) -> Val:
+    """``x`` restricted to ``rows`` (a constant stays a constant)."""
+    if not isinstance(x, Tensor) or rows is None:
+        return x
+    return x[rows]
+
+
+def vec(x: Val, n: int, dtype: torch.dtype = torch.long) -> Tensor:
+    """``x`` as an (n,) tensor of ``dtype`` (a constant is broadcast without copying)."""
+    if isinstance(x, Tensor):
+        x = x.to(dtype)
+        return x.expand(n) if x.dim() == 0 else x
+    return torch.tensor(x, dtype=dtype).expand(n)
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """One binder combination of a clause at every target cell, compactly: each field is a python
+    constant where it does not depend on the cell (``Txt[*]``: all constants) or an (n,) tensor.
+
+    ``ok``: the box exists (guard, binder range, definedness, non-empty after clipping).
+    ``lo``/``hi``: per source axis, the interval, clipped to the source's bounds where ``ok``
+    (meaningless elsewhere). ``point``: per axis, statically a single index (``AT``: lo is hi).
+    """
+
+    ok: Val
+    lo: tuple[Val, ...]
+    hi: tuple[Val, ...]
+    point: tuple[bool, ...]
+
+    def extent(self, a: int) -> Val:
+        """Cells along axis ``a`` where ``ok`` (anything elsewhere)."""
+        if self.point[a]:
+            return 1
+        return self.hi[a] - self.lo[a] + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Clause:
+    """The compact boxes of one clause (or rule read) from ``source`` into ``target``; boxes that
+    are statically absent are dropped. ``n``: target cells; ``whole``: per source axis, statically
+    the whole axis (``*`` or a region call)."""
+
+    target: str
+    source: str
+    n: int
+    sdims: tuple[int, ...]
+    boxes: tuple[Box, ...]
+    whole: tuple[bool, ...]
+
+    def sees(self) -> Tensor:
+        """(n,) bool: the cells with at least one box."""
+        out = torch.zeros(self.n, dtype=torch.bool)
+        for b in self.boxes:
+            out |= vec(b.ok, self.n, torch.bool)
+        return out
+
+    def materialize(self, rows: slice | Tensor | None = None) -> Boxes:
+        """The dense :class:`Boxes` (optionally of some target ``rows`` only)."""
+        if rows is None:
+            m = self.n
+        elif isinstance(rows, slice):
+            m = len(range(*rows.indices(self.n)))
+        else:
+            m = int(rows.numel())
+        r = len(self.sdims)
+        if not self.boxes:
+            z = torch.zeros((0, m, r), dtype=torch.long)
+            return Boxes(self.target, self.source, torch.zeros((0, m), dtype=torch.bool), z, z, ())
+        oks, los, his = [], [], []
+        for b in self.boxes:
+            oks.append(vec(pick(b.ok, rows), m, torch.bool))
+            lo = [vec(pick(x, rows), m).clamp(min=0) for x in b.lo]
+            hi = [vec(pick(x, rows), m).clamp(max=s - 1) for x, s in zip(b.hi, self.sdims)]
+            los.append(torch.stack(lo, -1) if lo else torch.zeros((m, 0), dtype=torch.long))
+            his.append(torch.stack(hi, -1) if hi else torch.zeros((m, 0), dtype=torch.long))
+        return Boxes(
+            self.target,
+            self.source,
+            torch.stack(oks),
+            torch.stack(los),
+            torch.stack(his),
+            tuple(self.whole for _ in self.boxes),
+        )
+
+
+def _inside(v: Val, size: int) -> Val:
+    """``0 <= v < size`` (a python bool when it holds, or fails, for every cell)."""
+    if not isinstance(v, Tensor):
+        return 0 <= v < size
+    if v.numel() == 0:
+        return True
+    lo, hi = int(v.min()), int(v.max())
+    if lo >= 0 and hi < size:
+        return True
+    if hi < 0 or lo >= size:
+        return False
+    return (v >= 0) & (v < size)
+
+
+def _clip_lo(v: Val) -> Val:
+    if not isinstance(v, Tensor):
+        return max(v, 0)
+    return v if v.numel() == 0 or int(v.min()) >= 0 else v.clamp(min=0)
+
+
+def _clip_hi(v: Val, size: int) -> Val:
+    if not isinstance(v, Tensor):
+        return min(v, size - 1)
+    return v if v.numel() == 0 or int(v.max()) <= size - 1 else v.clamp(max=size - 1)
+
+
+def expand_clause(
+    program: Program,
+    env: Mapping[str, int],
+    target: str,
+    source: str,
+    axes: tuple[Axis, ...],
+    binders: tuple[Binder, ...],
+    guard: Expr | None,
+    target_vars: tuple[str, ...],
+    sp: Space | None = None,
+    rows: slice | Tensor | None = None,
+) -> Clause:
+    """The compact boxes of one clause (or rule read) at every cell of ``target`` — or at the
+    canonical ``rows`` of ``target`` only (a slice or an index tensor), for streaming."""
+    sp = sp if sp is not None else space(program, env)
+    if target not in sp.dims or source not in sp.dims:
+        missing = target if target not in sp.dims else source
+        raise BindError(f"`{missing}` has no cells (a Set value or unknown)", code="B014")
+    tdims, sdims = sp.dims[target], sp.dims[source]
+    if len(target_vars) != len(tdims):
+        raise BindError(
+            f"`{target}` has {len(tdims)} axes but {len(target_vars)} variables were given",
+            code="B013",
+        )
+    specs = dim_specs(axes, len(sdims), source)
+    coords = cell_coords(tdims, rows)
+    n = int(coords[0].numel()) if coords else math.prod(tdims)
+    base_env: dict[str, Val] = dict(env)
+    base_env.update(zip(target_vars, coords))
+    whole = tuple(s.kind == AxisKind.ALL for s in specs)
+    point = tuple(s.kind == AxisKind.AT for s in specs)
+    boxes: list[Box] = []
+    for combo in binder_combos(binders, base_env):
+        local = dict(base_env)
+        local.update(combo.values)
+        defined: list[Val] = []
+        ok: Val = _scalar(combo.exists)
+        if guard is not None:
+            ok = and_(ok, _scalar(evaluate(guard, local, defined)))
+        lo_k: list[Val] = []
+        hi_k: list[Val] = []
+        for spec, size in zip(specs, sdims):
+            if ok is False:
+                break
+            if spec.kind == AxisKind.ALL:
+                lo_v: Val = 0
+                hi_v: Val = size - 1
+                ok = and_(ok, size > 0)
+            elif spec.kind == AxisKind.AT:
+                assert spec.lo is not None
+                lo_v = hi_v = _scalar(_int_val(evaluate(spec.lo, local, defined)))
+                ok = and_(ok, _inside(lo_v, size))
+            else:
+                assert spec.lo is not None and spec.hi is not None
+                lo_v = _clip_lo(_scalar(_int_val(evaluate(spec.lo, local, defined))))
+                hi_v = _clip_hi(_scalar(_int_val(evaluate(spec.hi, local, defined))), size)
+                le = lo_v <= hi_v
+                ok = and_(ok, _scalar(le) if isinstance(le, Tensor) else bool(le))
+            lo_k.append(lo_v)
+            hi_k.append(hi_v)
+        if ok is False:
+            continue
+        ok = and_(ok, _scalar(all_defined(defined)))
+        if isinstance(ok, Tensor):
+            if ok.shape != (n,):
+                ok = ok.expand(n)
+            if not bool(ok.any()):
+                continue
+            if bool(ok.all()):
+                ok = True
+        if ok is False:
+            continue
+        boxes.append(Box(ok, tuple(lo_k), tuple(hi_k), point))
+    return Clause(target, source, n, sdims, tuple(boxes), whole)
+
+
+def _int_val(x: Val) -> Val:
+    """Booleans in index position become 0/1; tensors become int64 (n,)."""
+    if isinstance(x, Tensor):
+        return x.long() if x.dtype != torch.long else x
+    return int(x)
+
+
 def expand(
     program: Program,
     env: Mapping[str, int],
@@ -212,69 +455,30 @@ def expand(
     target_vars: tuple[str, ...],
     sp: Space | None = None,
 ) -> Boxes:
-    """The boxes of one clause (or rule read) at every cell of ``target``."""
-    sp = sp if sp is not None else space(program, env)
-    if target not in sp.dims or source not in sp.dims:
-        missing = target if target not in sp.dims else source
-        raise BindError(f"`{missing}` has no cells (a Set value or unknown)", code="B014")
-    tdims, sdims = sp.dims[target], sp.dims[source]
-    n = math.prod(tdims)
-    if len(target_vars) != len(tdims):
-        raise BindError(
-            f"`{target}` has {len(tdims)} axes but {len(target_vars)} variables were given",
-            code="B013",
-        )
-    specs = dim_specs(axes, len(sdims), source)
-    base_env: dict[str, Val] = dict(env)
-    base_env.update(zip(target_vars, cell_coords(tdims)))
-    whole = tuple(s.kind == AxisKind.ALL for s in specs)
-    oks: list[Tensor] = []
-    los: list[Tensor] = []
-    his: list[Tensor] = []
-    for combo in binder_combos(binders, base_env):
-        local = dict(base_env)
-        local.update(combo.values)
-        defined: list[Val] = []
-        ok: Val = combo.exists
-        if guard is not None:
-            ok = and_(ok, evaluate(guard, local, defined))
-        lo_k: list[Tensor] = []
-        hi_k: list[Tensor] = []
-        for spec, size in zip(specs, sdims):
-            if spec.kind == AxisKind.ALL:
-                lo_v: Val = 0
-                hi_v: Val = size - 1
-            else:
-                assert spec.lo is not None and spec.hi is not None
-                lo_v = evaluate(spec.lo, local, defined)
-                hi_v = lo_v if spec.kind == AxisKind.AT else evaluate(spec.hi, local, defined)
-            lo_t = _full(lo_v, n).clamp(min=0)
-            hi_t = _full(hi_v, n).clamp(max=size - 1)
-            ok = and_(ok, lo_t <= hi_t)
-            lo_k.append(lo_t)
-            hi_k.append(hi_t)
-        ok = and_(ok, all_defined(defined))
-        oks.append(_full_bool(ok, n))
-        los.append(torch.stack(lo_k, -1) if lo_k else torch.zeros((n, 0), dtype=torch.long))
-        his.append(torch.stack(hi_k, -1) if hi_k else torch.zeros((n, 0), dtype=torch.long))
-    if not oks:  # an empty binder domain: the clause selects nothing
-        z = torch.zeros((0, n, len(sdims)), dtype=torch.long)
-        return Boxes(target, source, torch.zeros((0, n), dtype=torch.bool), z, z, ())
-    return Boxes(
-        target,
-        source,
-        torch.stack(oks),
-        torch.stack(los),
-        torch.stack(his),
-        tuple(whole for _ in oks),
+    """The boxes of one clause (or rule read) at every cell of ``target`` (dense form)."""
+    return expand_clause(
+        program, env, target, source, axes, binders, guard, target_vars, sp
+    ).materialize()
+
+
+def cell_stencils(program: Program, sp: Space) -> list[Stencil]:
+    """The ``visible`` clauses between values with cells, in source order."""
+    return [s for s in program.stencils if s.target in sp.dims and s.source in sp.dims]
+
+
+def expand_stencil(
+    program: Program,
+    env: Mapping[str, int],
+    s: Stencil,
+    sp: Space,
+    rows: slice | Tensor | None = None,
+) -> Clause:
+    """:func:`expand_clause` of a ``visible`` clause."""
+    return expand_clause(
+        program, env, s.target, s.source, s.axes, s.binders, s.guard, s.vars, sp, rows
     )
 
 
-def clause_boxes(program: Program, env: Mapping[str, int], sp: Space) -> list[Boxes]:
-    """One :class:`Boxes` per ``visible`` clause, in source order (Set targets/sources skipped)."""
-    out: list[Boxes] = []
-    for s in program.stencils:
-        if s.target not in sp.dims or s.source not in sp.dims:
-            continue
-        out.append(expand(program, env, s.target, s.source, s.axes, s.binders, s.guard, s.vars, sp))
-    return out
+def clause_boxes(program: Program, env: Mapping[str, int], sp: Space) -> list[Clause]:
+    """One :class:`Clause` per ``visible`` clause, in source order (Set targets/sources skipped)."""
+    return [expand_stencil(program, env, s, sp) for s in cell_stencils(program, sp)]

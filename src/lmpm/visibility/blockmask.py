@@ -27,16 +27,28 @@ argsort of the dense block flags), so the tensors are identical, not just equiva
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpm.visibility._stencil import Boxes, Space, cell_coords, strides
+from lmpm.visibility._stencil import Clause, Space, serial, strides
 from lmpm.visibility.layout import Layout
 from lmpm.visibility.maskmod import MaskMod
 
-ROW_CHUNK = 1 << 15  # target cells processed at once; bounds memory for wide boxes
+ROW_CHUNK = 1 << 12  # query cells processed at once; bounds memory for wide boxes
+DIFF_CAP = 1 << 15  # entries of one group's difference arrays
+ORDER_CHUNK = 1 << 15  # flag entries ordered at once
+
+
+class BoxesOf(Protocol):
+    """Where the block structure gets its boxes: the clauses into a target, expanded at some of
+    its canonical rows (so only one group of query cells is ever expanded at once)."""
+
+    def has(self, target: str) -> bool: ...
+
+    def __call__(self, target: str, rows: slice | Tensor) -> list[Clause]: ...
 
 
 def _decode(slot: Tensor, ext: Tensor) -> Tensor:
@@ -133,37 +145,50 @@ def merge_runs(start: Tensor, end: Tensor, valid: Tensor) -> tuple[Tensor, Tenso
     return rows[first], s[first], reach[last]
 
 
+@serial
 def block_flags(
-    sp: Space, layout: Layout, boxes: list[Boxes], q_block: int, kv_block: int
+    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
 ) -> tuple[Tensor, Tensor]:
-    """(partial, full): (q blocks, kv blocks) bool, exactly as ``create_block_mask`` finds them."""
+    """(partial, full): (q blocks, kv blocks) bool, exactly as ``create_block_mask`` finds them.
+
+    ``boxes_of(target, rows)``: the clauses into ``target`` expanded at its canonical ``rows``.
+    Streams over groups of q blocks (about ``ROW_CHUNK`` query cells each, in layout order): the
+    boxes of just those cells are expanded, turned into runs and counted into small int32
+    difference arrays, so peak memory is the two flag arrays plus one group's work."""
     cells = sp.cells
     nq, nkv = -(-cells // q_block), -(-cells // kv_block)
     complete_kv = cells // kv_block  # kv blocks with no padding; only these can be full
-    touch = torch.zeros(nq * (nkv + 1), dtype=torch.long)
-    cover = torch.zeros(nq * (nkv + 1), dtype=torch.long)
-    by_target: dict[str, list[Boxes]] = {}
-    for bx in boxes:
-        by_target.setdefault(bx.target, []).append(bx)
-    for target, group in by_target.items():
-        n = sp.size(target)
-        q_pos_all = layout.encode(target, cell_coords(sp.dims[target])) if n else None
-        for r0 in range(0, n, ROW_CHUNK):
-            r1 = min(n, r0 + ROW_CHUNK)
+    partial = torch.zeros((nq, nkv), dtype=torch.bool)
+    full = torch.zeros((nq, nkv), dtype=torch.bool)
+    targets = [v for v in sp.names if boxes_of.has(v)]
+    if not targets:
+        return partial, full
+    group = max(1, min(ROW_CHUNK // q_block, DIFF_CAP // (nkv + 1)))
+    for qb0 in range(0, nq, group):
+        qb1 = min(nq, qb0 + group)
+        p0, p1 = qb0 * q_block, min(cells, qb1 * q_block)
+        g = qb1 - qb0
+        touch = torch.zeros(g * (nkv + 1), dtype=torch.int32)
+        cover = torch.zeros(g * (nkv + 1), dtype=torch.int32)
+        for target in targets:
+            b0, n = sp.base[target], sp.size(target)
+            lo_p, hi_p = max(p0, b0), min(p1, b0 + n)
+            if lo_p >= hi_p:
+                continue
+            # The target's cells at layout positions [lo_p, hi_p), as canonical rows.
+            rows: slice | Tensor
+            if layout.inner[target] is None or layout.to_canon is None:
+                rows = slice(lo_p - b0, hi_p - b0)
+            else:
+                rows = layout.to_canon[lo_p:hi_p] - b0
             parts_s: list[Tensor] = []
             parts_e: list[Tensor] = []
             parts_v: list[Tensor] = []
-            for bx in group:
-                base = sp.base[bx.source]
+            for cl in boxes_of(target, rows):
+                bx = cl.materialize()
+                base = sp.base[cl.source]
                 for b in range(bx.count):
-                    s, e, v = box_runs(
-                        bx.ok[b, r0:r1],
-                        bx.lo[b, r0:r1],
-                        bx.hi[b, r0:r1],
-                        sp.dims[bx.source],
-                        layout,
-                        bx.source,
-                    )
+                    s, e, v = box_runs(bx.ok[b], bx.lo[b], bx.hi[b], cl.sdims, layout, cl.source)
                     parts_s.append(s + base)
                     parts_e.append(e + base)
                     parts_v.append(v)
@@ -172,10 +197,10 @@ def block_flags(
             row, s, e = merge_runs(
                 torch.cat(parts_s, 1), torch.cat(parts_e, 1), torch.cat(parts_v, 1)
             )
-            assert q_pos_all is not None
-            qb = q_pos_all[r0:r1][row] // q_block  # (M,)
-            rowbase = qb * (nkv + 1)
-            ones = torch.ones_like(s)
+            del parts_s, parts_e, parts_v
+            # Row i sits at layout position lo_p + i.
+            rowbase = ((row + lo_p) // q_block - qb0) * (nkv + 1)
+            ones = torch.ones(s.shape, dtype=torch.int32)
             touch.index_add_(0, rowbase + s // kv_block, ones)
             touch.index_add_(0, rowbase + e // kv_block + 1, -ones)
             f_lo = (s + kv_block - 1) // kv_block
@@ -183,40 +208,72 @@ def block_flags(
             has = f_lo <= f_hi
             cover.index_add_(0, (rowbase + f_lo)[has], ones[has])
             cover.index_add_(0, (rowbase + f_hi + 1)[has], -ones[has])
-    touched = touch.view(nq, nkv + 1).cumsum(1)[:, :nkv] > 0
-    full = cover.view(nq, nkv + 1).cumsum(1)[:, :nkv] == q_block
-    return touched & ~full, full
+        touched = touch.view(g, nkv + 1).cumsum_(1)[:, :nkv] > 0
+        covered = cover.view(g, nkv + 1).cumsum_(1)[:, :nkv] == q_block
+        partial[qb0:qb1] = touched & ~covered
+        full[qb0:qb1] = covered
+    return partial, full
 
 
 def _ordered(flags: Tensor) -> tuple[Tensor, Tensor]:
-    """(num_blocks, indices) from dense (..., rows, cols) flags: non-empty columns first in
-    ascending order, then the rest — the same stable argsort ``create_block_mask`` uses."""
-    dense = flags.to(torch.int32)
-    num = dense.sum(-1).to(torch.int32)
-    idx = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
-    return num.contiguous(), idx.contiguous()
+    """(num_blocks, indices) from dense (rows, cols) bool flags: non-empty columns first in
+    ascending order, then the rest — what ``create_block_mask``'s stable descending argsort
+    gives, computed by a prefix sum and a scatter, a few rows at a time, into reused int32
+    buffers (no sort, no (rows, cols) temporaries)."""
+    flags = flags.contiguous()
+    rows, cols = flags.shape
+    num = flags.sum(1, dtype=torch.int32)
+    idx = torch.empty((rows, cols), dtype=torch.int32)
+    col = torch.arange(cols, dtype=torch.int32)
+    step = max(1, min(rows, ORDER_CHUNK // max(cols, 1)))
+    cs_buf = torch.empty((step, cols), dtype=torch.int32)
+    zero_buf = torch.empty((step, cols), dtype=torch.int32)
+    pos_buf = torch.empty((step, cols), dtype=torch.long)
+    for r0 in range(0, rows, step):
+        f = flags[r0 : r0 + step]
+        k = f.shape[0]
+        cs, zero, pos = cs_buf[:k], zero_buf[:k], pos_buf[:k]
+        torch.cumsum(f, 1, dtype=torch.int32, out=cs)  # non-empty columns up to here
+        torch.sub(col, cs, out=zero)
+        zero += num[r0 : r0 + k].unsqueeze(1)  # an empty column's place: after every non-empty
+        cs -= 1  # a non-empty column's place
+        torch.where(f, cs, zero, out=zero)
+        pos.copy_(zero)
+        idx[r0 : r0 + k].scatter_(1, pos, col.expand(k, cols))
+    return num[None, None], idx[None, None]
 
 
+@serial
 def build_block_mask(
     sp: Space,
     layout: Layout,
-    boxes: list[Boxes],
+    boxes_of: BoxesOf,
     mask_mod: MaskMod,
     block_size: int | tuple[int, int] = 128,
     device: str | torch.device = "cpu",
 ) -> BlockMask:
-    """A real :class:`BlockMask` over the whole sequence (batch 1, head 1, broadcast by FlexAttention)."""
+    """A real :class:`BlockMask` over the whole sequence (batch 1, head 1, broadcast by FlexAttention).
+
+    The q-side tensors (``q_num_blocks``, ``q_indices``, …) are ordered from the transposed flags
+    directly — the same tensors ``BlockMask.from_kv_blocks`` would derive, without its dense
+    round trip."""
     qbs, kvbs = (block_size, block_size) if isinstance(block_size, int) else block_size
-    partial, full = block_flags(sp, layout, boxes, qbs, kvbs)
-    kv_num, kv_idx = _ordered(partial[None, None])
-    full_num, full_idx = _ordered(full[None, None])
+    partial, full = block_flags(sp, layout, boxes_of, qbs, kvbs)
     dev = torch.device(device)
-    return BlockMask.from_kv_blocks(
-        kv_num.to(dev),
-        kv_idx.to(dev),
-        full_num.to(dev),
-        full_idx.to(dev),
+    kv_num, kv_idx = (x.to(dev) for x in _ordered(partial))
+    full_num, full_idx = (x.to(dev) for x in _ordered(full))
+    q_num, q_idx = (x.to(dev) for x in _ordered(partial.t()))
+    full_q_num, full_q_idx = (x.to(dev) for x in _ordered(full.t()))
+    return BlockMask(
+        seq_lengths=(sp.cells, sp.cells),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
         BLOCK_SIZE=(qbs, kvbs),
         mask_mod=mask_mod,
-        seq_lengths=(sp.cells, sp.cells),
     )

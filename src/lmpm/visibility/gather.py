@@ -17,14 +17,24 @@ Contract (the runtime depends on it):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from lmpm.ir.nodes import Axis, Binder, Expr, Program
-from lmpm.visibility._stencil import Boxes, Space, expand, space, strides
+from lmpm.visibility._expr import Val
+from lmpm.visibility._stencil import (
+    Box,
+    Clause,
+    Space,
+    expand_clause,
+    serial,
+    space,
+    strides,
+    vec,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,64 +63,124 @@ class GatherTable:
         return self.valid.sum(1)
 
 
-def enumerate_boxes(boxes: Boxes, source_dims: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-    """Every cell of every box, as flat source indices: ((n, K_raw) int64, (n, K_raw) bool).
+def _box_cells(box: Box, sdims: tuple[int, ...], n: int) -> tuple[Tensor, Tensor | None] | None:
+    """Every cell of one box, in raster order (so ascending and distinct per row), as flat source
+    indices: ``(flat, valid)`` with ``flat`` (n or 1, w) int64 and ``valid`` (n, w) bool, or None
+    when valid everywhere. None when the box is empty at every cell.
 
-    Each box is enumerated in raster order (so ascending) over ``max box size`` slots; slot ``j`` of
-    a row decodes to per-axis offsets with that row's own extents (mixed radix), so the width is the
-    largest box, not the product of per-axis maxima.
+    Constants stay constants: when every extent is static (``AT`` axes, ``*``, ranges with constant
+    ends) the offsets of the box's cells are the same for every row, so the table is one
+    broadcast add ``base[:, None] + offsets[None, :]`` — and nothing per row at all when the base
+    is constant too (``Txt[*]``). Only ranges with per-cell extents (``Txt[0..t-1]``) decode each
+    slot with the row's own extents (mixed radix), so the width is the largest box.
     """
-    n = boxes.ok.shape[1]
-    sstride = strides(source_dims)
-    idx_parts: list[Tensor] = []
-    val_parts: list[Tensor] = []
-    for b in range(boxes.count):
-        ok, lo, hi = boxes.ok[b], boxes.lo[b], boxes.hi[b]  # (n,), (n, r), (n, r)
-        ext = (hi - lo + 1).clamp(min=0) * ok.unsqueeze(1)  # (n, r); 0 where the box is absent
-        size = ext.prod(1) if ext.shape[1] else ok.long()  # (n,); rank 0 never occurs in practice
-        width = int(size.max()) if n else 0
-        if width == 0:
-            continue
-        j = torch.arange(width, dtype=torch.long)  # (K_b,)
-        valid = j.unsqueeze(0) < size.unsqueeze(1)  # (n, K_b)
-        flat = torch.zeros((n, width), dtype=torch.long)
-        inner = torch.ones(n, dtype=torch.long)  # running product of extents of later axes
-        for a in reversed(range(ext.shape[1])):
-            e = ext[:, a].clamp(min=1).unsqueeze(1)  # (n, 1)
-            off = (j.unsqueeze(0) // inner.unsqueeze(1)) % e  # (n, K_b)
-            flat += (lo[:, a].unsqueeze(1) + off) * sstride[a]
-            inner = inner * ext[:, a].clamp(min=1)
-        idx_parts.append(flat)
-        val_parts.append(valid)
-    if not idx_parts:
-        return torch.zeros((n, 0), dtype=torch.long), torch.zeros((n, 0), dtype=torch.bool)
-    return torch.cat(idx_parts, 1), torch.cat(val_parts, 1)
+    sstride = strides(sdims)
+    r = len(sdims)
+    ext = [box.extent(a) for a in range(r)]
+    base: Val = 0
+    for a in range(r):
+        lo = box.lo[a]
+        if sstride[a] and not (isinstance(lo, int) and lo == 0):
+            base = base + lo * sstride[a]
+    ok = box.ok
+    if not any(isinstance(e, Tensor) for e in ext):
+        width = math.prod(int(e) for e in ext)
+        if width <= 0:
+            return None
+        j = torch.arange(width, dtype=torch.long)
+        off = torch.zeros(width, dtype=torch.long)
+        step = 1
+        for a in reversed(range(r)):
+            e_s = int(ext[a])
+            if e_s > 1:
+                off += ((j // step) % e_s) * sstride[a]
+                step *= e_s
+        if isinstance(base, Tensor):
+            flat = base.long().unsqueeze(1) + off
+        else:
+            flat = (off + int(base)).unsqueeze(0)
+        valid = None if not isinstance(ok, Tensor) else ok.unsqueeze(1).expand(n, width)
+        return flat, valid
+    # Per-cell extents: decode slot j of each row with that row's extents, last axis fastest.
+    size: Tensor = torch.ones(n, dtype=torch.long)
+    exts: list[Val] = []
+    for e_x in ext:
+        e_v: Val = e_x.clamp(min=0) if isinstance(e_x, Tensor) else max(int(e_x), 0)
+        exts.append(e_v)
+        size = size * e_v
+    if isinstance(ok, Tensor):
+        size = size * ok
+    width = int(size.max()) if n else 0
+    if width == 0:
+        return None
+    j = torch.arange(width, dtype=torch.long)
+    flat = vec(base, n).unsqueeze(1).expand(n, width).clone()
+    inner: Val = 1
+    for a in reversed(range(r)):
+        e_a = exts[a]
+        if isinstance(e_a, int):
+            if e_a == 1:
+                continue
+            e_c: Val = max(e_a, 1)
+        else:
+            e_c = e_a.clamp(min=1).unsqueeze(1)
+        q = j // inner if isinstance(inner, int) else j.unsqueeze(0) // inner
+        flat += (q % e_c) * sstride[a]
+        inner = inner * e_c
+    return flat, j.unsqueeze(0) < size.unsqueeze(1)
 
 
-def dedupe_rows(index: Tensor, valid: Tensor, sentinel: int, *, presorted: bool) -> GatherTable:
-    """Sort each row ascending, drop duplicates, left-pack and trim to the widest row."""
-    if index.shape[1] == 0:
-        return GatherTable(index, valid)
-    if not presorted:
-        key = torch.where(valid, index, sentinel)
-        key, _ = key.sort(1)
-        dup = torch.zeros_like(valid)
-        dup[:, 1:] = key[:, 1:] == key[:, :-1]
-        key = torch.where(dup, sentinel, key)
-        key, _ = key.sort(1)  # duplicates (now sentinels) move to the end
-        valid = key < sentinel
-        index = key
-    k = int(valid.sum(1).max()) if valid.shape[0] else 0
-    index, valid = index[:, :k], valid[:, :k]
-    return GatherTable(torch.where(valid, index, 0).contiguous(), valid.contiguous())
+@serial
+def table_from_clauses(
+    clauses: Sequence[Clause], n: int, source_dims: tuple[int, ...]
+) -> GatherTable:
+    """The gather table of the union of ``clauses`` (all from one source into one target of
+    ``n`` cells): each row sorted ascending, de-duplicated, left-packed, padded with 0, trimmed
+    to the widest row."""
+    parts = []
+    if n:
+        for cl in clauses:
+            for box in cl.boxes:
+                p = _box_cells(box, source_dims, n)
+                if p is not None:
+                    parts.append(p)
+    if not parts:
+        return GatherTable(
+            torch.zeros((n, 0), dtype=torch.long), torch.zeros((n, 0), dtype=torch.bool)
+        )
+    if len(parts) == 1:
+        # One box, enumerated in raster order: already ascending and distinct per row.
+        flat, valid = parts[0]
+        w = flat.shape[1]
+        if valid is None:
+            return GatherTable(flat.expand(n, w).contiguous(), torch.ones((n, w), dtype=torch.bool))
+        valid = valid.expand(n, w).contiguous()
+        return GatherTable(torch.where(valid, flat, 0).contiguous(), valid)
+    # Several boxes: sort each row once, drop repeats, left-pack with a scatter.
+    uniform = all(f.shape[0] == 1 and v is None for f, v in parts)
+    m = 1 if uniform else n  # every row the same (constant boxes): work on one row
+    sentinel = math.prod(source_dims)
+    dt = torch.int32 if sentinel < 2**31 - 1 else torch.long
+    keys = [
+        (f if v is None else torch.where(v, f, sentinel)).to(dt).expand(m, f.shape[1])
+        for f, v in parts
+    ]
+    key = torch.cat(keys, 1).sort(1).values  # (m, W)
+    keep = key != sentinel
+    keep[:, 1:] &= key[:, 1:] != key[:, :-1]
+    count = keep.sum(1)
+    k = int(count.max())
+    pos = torch.where(keep, keep.cumsum(1) - 1, k)  # repeats and padding go to column k
+    out = torch.zeros((m, k + 1), dtype=torch.long)
+    out.scatter_(1, pos, key.long())
+    index = out[:, :k]
+    valid = torch.arange(k) < count.unsqueeze(1)
+    if uniform:
+        return GatherTable(index.expand(n, k).contiguous(), valid.expand(n, k).contiguous())
+    return GatherTable(index.contiguous(), valid)
 
 
-def table_from_boxes(boxes: Boxes, source_dims: tuple[int, ...]) -> GatherTable:
-    index, valid = enumerate_boxes(boxes, source_dims)
-    # One box per row is already ascending and duplicate-free; several may overlap or interleave.
-    return dedupe_rows(index, valid, math.prod(source_dims), presorted=boxes.count <= 1)
-
-
+@serial
 def gather_table(
     program: Program,
     env: Mapping[str, int],
@@ -132,21 +202,21 @@ def gather_table(
     ([[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 1, 2]], [0, 1, 2, 3])
     """
     sp = space(program, env)
-    boxes = expand(program, env, target, source, axes, binders, guard, target_vars, sp)
-    return table_from_boxes(boxes, sp.dims[source])
+    cl = expand_clause(program, env, target, source, axes, binders, guard, target_vars, sp)
+    return table_from_clauses([cl], sp.size(target), sp.dims[source])
 
 
-def union_boxes(
+def union_clauses(
     program: Program, env: Mapping[str, int], sp: Space, target: str, source: str
-) -> Boxes:
-    parts = [
-        expand(program, env, s.target, s.source, s.axes, s.binders, s.guard, s.vars, sp)
+) -> list[Clause]:
+    return [
+        expand_clause(program, env, s.target, s.source, s.axes, s.binders, s.guard, s.vars, sp)
         for s in program.stencils
         if s.target == target and s.source == source
     ]
-    return Boxes.cat(parts, target, source, sp.size(target), len(sp.dims[source]))
 
 
+@serial
 def visible_union(
     program: Program, env: Mapping[str, int], target: str, source: str
 ) -> GatherTable:
@@ -160,4 +230,5 @@ def visible_union(
     ([[0, 0], [0, 1], [0, 0]], [[True, False], [True, True], [True, False]])
     """
     sp = space(program, env)
-    return table_from_boxes(union_boxes(program, env, sp, target, source), sp.dims[source])
+    clauses = union_clauses(program, env, sp, target, source)
+    return table_from_clauses(clauses, sp.size(target), sp.dims[source])
