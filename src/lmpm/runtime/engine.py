@@ -307,6 +307,11 @@ class Engine:
 
     def step(self) -> EpochRecord:
         """One epoch. Nothing is committed unless every part of the epoch succeeded."""
+        # No autograd anywhere in an epoch: inference mode skips its per-op bookkeeping.
+        with torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> EpochRecord:
         e = self.epoch
         t0 = time.perf_counter()
         open_ = self._open(e)
