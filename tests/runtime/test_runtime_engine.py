@@ -200,3 +200,17 @@ def test_inputs_are_committed_and_locked_by_change() -> None:
     run.run(5)
     out = run.outputs()["G"]
     assert out[0, 0] == 2 and out[3, 2] == 1
+
+
+def test_on_when_guard_limits_the_cells_a_rule_fires_on() -> None:
+    src = """
+value A : Token[4] shape Seq(6)
+rule R:
+  on A[t] when t > 1 and e < 3
+  emit proposal A[t] := RandomTokens()
+"""
+    run = Run.from_source(src)
+    run.run(5)
+    committed = run.engine.state["A"].committed.tolist()
+    assert committed == [False, False, True, True, True, True]
+    assert int(run.engine.state["A"].epoch.max()) < 3  # nothing fires from epoch 3 on
