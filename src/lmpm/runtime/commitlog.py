@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import shutil
 import sqlite3
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import RunDirError
+from lmpm.runtime.io import atomic_write
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -410,12 +410,7 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
     rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors"
     path = run_dir / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    atomic_write(path, data)
     return rel, len(data), hashlib.sha256(data).hexdigest()
 
 

@@ -158,7 +158,8 @@ def _from_text(data: bytes, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tenso
     return payload, mask
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write beside, fsync, rename: readers see the old file or the whole new one, never a part."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -191,13 +192,13 @@ def write_outputs(
         arr = output_array(vp, payloads[name], committed[name])
         buf = _io.BytesIO()
         np.save(buf, arr, allow_pickle=False)
-        _atomic_write(d / f"{name}.npy", buf.getvalue())
+        atomic_write(d / f"{name}.npy", buf.getvalue())
         written.append(d / f"{name}.npy")
         if vp.ncells <= JSON_LIMIT:
             unset = (arr < 0) if vp.vocab is not None else np.isnan(arr)
             nested = arr.astype(object)
             nested[unset] = None
             nested = nested.tolist()
-            _atomic_write(d / f"{name}.json", json.dumps(nested, separators=(",", ":")).encode())
+            atomic_write(d / f"{name}.json", json.dumps(nested, separators=(",", ":")).encode())
             written.append(d / f"{name}.json")
     return written
