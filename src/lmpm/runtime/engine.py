@@ -155,6 +155,10 @@ class Engine:
         self._started = False
         self._input_cache: dict[tuple[int, int], dict[str, Tensor]] = {}
         self._parity: dict[str, Tensor] = {}  # red-black colour of each cell, per value
+        self._column_cache: dict[
+            tuple[tuple[int, int, int], ...], tuple[Tensor, Tensor, Tensor]
+        ] = {}
+        self._meta_cache: dict[str, tuple[Tensor, Tensor]] = {}
 
     # ---- state access ----------------------------------------------------------------------------
     @staticmethod
@@ -479,25 +483,27 @@ class Engine:
         widths = [p[3].shape[1] for p in parts]
         ncol = 1 + sum(widths)
         current = snapshot[name][cells]
-        payload = torch.zeros((n, ncol), dtype=vp.dtype)
-        payload[:, 0] = current
-        valid = torch.zeros((n, ncol), dtype=torch.bool)
-        valid[:, 0] = True
-        score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
-        score[:, 0] = st.score[cells]
-        col_rule = torch.full((ncol,), -1, dtype=torch.int64)
-        col_rep = torch.full((ncol,), -1, dtype=torch.int64)
-        col_slot = torch.full((ncol,), -1, dtype=torch.int64)
-        c = 1
-        for (rp, rcells, rep, prop, sc), w in zip(parts, widths):
-            rows = torch.searchsorted(cells, rcells)
-            payload[rows, c : c + w] = prop.to(vp.dtype)
-            valid[rows, c : c + w] = True
-            score[rows, c : c + w] = sc
-            col_rule[c : c + w] = rp.id
-            col_rep[c : c + w] = rep
-            col_slot[c : c + w] = torch.arange(w)
-            c += w
+        col_rule, col_rep, col_slot = self._columns(parts, widths)
+        if len(parts) == 1:
+            # One rule proposing for every row: the candidate table is keep | proposals.
+            _, _, _, prop, sc = parts[0]
+            payload = torch.cat([current[:, None], prop.to(vp.dtype)], dim=1)
+            valid = torch.ones((n, ncol), dtype=torch.bool)
+            score = torch.cat([st.score[cells][:, None], sc], dim=1)
+        else:
+            payload = torch.zeros((n, ncol), dtype=vp.dtype)
+            payload[:, 0] = current
+            valid = torch.zeros((n, ncol), dtype=torch.bool)
+            valid[:, 0] = True
+            score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
+            score[:, 0] = st.score[cells]
+            c = 1
+            for (_, rcells, _, prop, sc), w in zip(parts, widths):
+                rows = torch.searchsorted(cells, rcells)
+                payload[rows, c : c + w] = prop.to(vp.dtype)
+                valid[rows, c : c + w] = True
+                score[rows, c : c + w] = sc
+                c += w
 
         # A proposal equal to the committed payload *is* keep-current, freshly scored: fold it into
         # column 0 so a stale committed score never outranks the rule's current opinion.
@@ -516,7 +522,7 @@ class Engine:
             violated[:, :, k] = self._violations(
                 cp, vp, cells, payload, valid, current, committed, snapshot, e, applies[:, k]
             )
-        priority = torch.tensor([cp.priority for cp in cps], dtype=torch.int64)
+        priority, constraint_ids = self._constraint_meta(name)
         agree = Agree(payload, valid, score, violated, priority, col_rule, col_rep, col_slot)
         decision = vp.policy(agree, *vp.policy_args)
         winner = decision.winner
@@ -564,7 +570,7 @@ class Engine:
             score,
             col_rule,
             violated,
-            torch.tensor([cp.id for cp in cps], dtype=torch.int64),
+            constraint_ids,
             winner,
             changed,
             new_payload,
@@ -572,6 +578,34 @@ class Engine:
             committed,
             applies,
         )
+
+    def _columns(
+        self, parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]], widths: list[int]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(C,) rule id, replica and slot of each candidate column (-1: keep); cached per layout."""
+        key = tuple((p[0].id, p[2], w) for p, w in zip(parts, widths))
+        hit = self._column_cache.get(key)
+        if hit is None:
+            rule, rep, slot = [-1], [-1], [-1]
+            for rid, replica, w in key:
+                rule += [rid] * w
+                rep += [replica] * w
+                slot += list(range(w))
+            hit = (torch.tensor(rule), torch.tensor(rep), torch.tensor(slot))
+            self._column_cache[key] = hit
+        return hit
+
+    def _constraint_meta(self, value: str) -> tuple[Tensor, Tensor]:
+        """(K,) priorities and plan ids of the constraints evaluated on ``value``."""
+        hit = self._meta_cache.get(value)
+        if hit is None:
+            cps = self._constraints.get(value, [])
+            hit = (
+                torch.tensor([cp.priority for cp in cps], dtype=torch.int64),
+                torch.tensor([cp.id for cp in cps], dtype=torch.int64),
+            )
+            self._meta_cache[value] = hit
+        return hit
 
     def _violations(
         self,
