@@ -214,3 +214,20 @@ rule R:
     committed = run.engine.state["A"].committed.tolist()
     assert committed == [False, False, True, True, True, True]
     assert int(run.engine.state["A"].epoch.max()) < 3  # nothing fires from epoch 3 on
+
+
+def test_quorum_runs_replicas_and_commits_only_what_they_agree_on() -> None:
+    src = """
+value A : Token[50] shape Seq(8)
+rule R:
+  on A[t]
+  emit proposal A[t] := {model}
+commit A[*] using quorum(2, satisfy)
+"""
+    agreeing = Run.from_source(src.replace("{model}", "RandomTokens()"))
+    assert [rp.replicas for rp in agreeing.plan.rules] == [2]
+    agreeing.run(1)
+    assert bool(agreeing.engine.state["A"].committed.all())  # deterministic replicas agree
+    sampled = Run.from_source(src.replace("{model}", "Uniform()"))  # replicas draw their own noise
+    sampled.run(1)
+    assert not bool(sampled.engine.state["A"].committed.all())

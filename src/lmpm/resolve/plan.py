@@ -36,7 +36,7 @@ from lmpm.ir.nodes import (
     Status,
 )
 from lmpm.ir.printer import call_str, expr_str, read_str
-from lmpm.resolve.policies import Policy, get_policy
+from lmpm.resolve.policies import Policy, get_policy, quorum
 from lmpm.resolve.schedules import ScheduleSpec, sample_tiles
 from lmpm.runtime.texpr import coords as coords_of
 from lmpm.runtime.texpr import eval_tensor
@@ -242,7 +242,7 @@ def resolve(
 
 
 def _replicas(vp: ValuePlan) -> int:
-    if vp.policy_text.startswith("quorum("):
+    if vp.policy is quorum:  # quorum(k, ...) runs every rule of the value as k replicas
         k = vp.policy_args[0] if vp.policy_args else 2
         return max(int(k), 1)
     return 1
