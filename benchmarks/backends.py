@@ -17,7 +17,7 @@ equal before any number is printed:
 - ``cuda``: both workloads on the CUDA backend plus the time ``dispatch`` takes vs the GPU work it
   queues (dispatch must return first). Skipped without a CUDA device.
 
-Run: ``PYTHONPATH=src python benchmarks/backends.py [--scale 0.5] [--threads 2] [--repeat 3]``.
+Run: ``PYTHONPATH=src python benchmarks/backends.py [--scale 0.5] [--threads 2] [--repeat 3] [--compile]``.
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class MontyUpdate:
     batched torch ops over all of them.
     """
 
-    def __init__(self, graphs: list[Graph], workers: int) -> None:
+    def __init__(self, graphs: list[Graph], workers: int, compile: bool = False) -> None:
         sizes = np.array([g.nodes.shape[0] for g in graphs])
         self.offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(sizes)[:-1]]))
         self.sizes = torch.from_numpy(sizes)
@@ -201,6 +201,10 @@ class MontyUpdate:
         self.defined = torch.from_numpy(np.concatenate([g.pose_defined for g in graphs])).double()
         self.features = torch.from_numpy(np.concatenate([g.features for g in graphs]))
         self.workers = workers
+        # compile=True fuses the elementwise chain into a few loops (torch.compile, inductor).
+        self.evidence = (
+            torch.compile(hypothesis_evidence, dynamic=False) if compile else hypothesis_evidence
+        )
         self.tol = torch.from_numpy(TOLERANCES)
         self.weights = torch.from_numpy(FEATURE_WEIGHTS)
         self.circular = torch.from_numpy(CIRCULAR)
@@ -225,32 +229,58 @@ class MontyUpdate:
         rot, graph = inputs["rot"], inputs["graph"]  # (B, H, 3, 3), (B,)
         b, h = rot.shape[:2]
         search = inputs["loc"] + (rot @ inputs["disp"][:, None, :, None])[..., 0]  # (B, H, 3)
-        pose = (rot @ inputs["obs_pose"].transpose(1, 2)[:, None]).transpose(-1, -2)
         where = (graph.double() * GRAPH_SPREAD)[:, None, None].expand(b, h, 1)
         queries = torch.cat([search, where], -1).reshape(-1, 4).numpy()
         _, flat = self.tree.query(queries, k=MAX_NNEIGHBORS, p=2, workers=self.workers)
         nearest = torch.from_numpy(flat).view(b, h, MAX_NNEIGHBORS)  # rows of the joint tree
-        offset = self.nodes[nearest] - search[:, :, None, :]
-        normal = pose[:, :, 0]
-        along = (offset * normal[:, :, None, :]).sum(-1)
-        curvature = inputs["obs_feat"][:, 3:].abs().amax(-1)[:, None, None]
-        dist = offset.norm(dim=-1) + along.abs() * (1 / (curvature + 0.5))
-        too_far = (MAX_MATCH_DISTANCE - dist) / MAX_MATCH_DISTANCE <= 0
-        node_pose = self.pose[nearest]
-        cos_n = (node_pose[..., 0:3] * normal[:, :, None, :]).sum(-1)
-        normal_ev = -(torch.sin(torch.arccos(cos_n.clamp(-1, 1)) / 2) - 0.5)
-        cos_cd = (node_pose[..., 3:6] * pose[:, :, None, 1]).sum(-1)
-        cd_angle = torch.arccos(cos_cd.clamp(-1, 1))
-        cd_ev = -(torch.sin(torch.pi / 2 - (cd_angle - torch.pi / 2).abs()) - 0.5)
-        cd_ev = cd_ev * self.defined[nearest]
-        radius_ev = normal_ev * POSE_WEIGHTS[0] + cd_ev * POSE_WEIGHTS[1]
         node_ev, starts = self.feature_evidence(graph, inputs["obs_feat"])
         local = nearest - self.offsets[graph][:, None, None]
-        feature_ev = node_ev[starts[:, None, None] + local] * FEATURE_EVIDENCE_INCREMENT
-        radius_ev = torch.where(too_far, -1.0, radius_ev + feature_ev)
-        ev = inputs["evidence"] * PAST_WEIGHT + radius_ev.amax(-1) * PRESENT_WEIGHT
+        ev = self.evidence(
+            rot,
+            inputs["obs_pose"],
+            inputs["obs_feat"],
+            inputs["evidence"],
+            search,
+            nearest,
+            node_ev[starts[:, None, None] + local],
+            self.nodes,
+            self.pose,
+            self.defined,
+        )
         # proposal (B, H): new evidence; score (B,): the best hypothesis of each object graph.
         return {"proposal": ev, "score": ev.amax(-1), "nearest": local, "location": search}
+
+
+def hypothesis_evidence(
+    rot: Tensor,
+    obs_pose: Tensor,
+    obs_feat: Tensor,
+    evidence: Tensor,
+    search: Tensor,
+    nearest: Tensor,
+    feature_ev: Tensor,
+    nodes: Tensor,
+    node_pose: Tensor,
+    defined: Tensor,
+) -> Tensor:
+    """The elementwise part of the update for (B, H) hypotheses and their K nearest nodes."""
+    pose = (rot @ obs_pose.transpose(1, 2)[:, None]).transpose(-1, -2)  # (B, H, 3 vectors, 3)
+    offset = nodes[nearest] - search[:, :, None, :]
+    normal = pose[:, :, 0]
+    along = (offset * normal[:, :, None, :]).sum(-1)
+    curvature = obs_feat[:, 3:].abs().amax(-1)[:, None, None]
+    dist = offset.norm(dim=-1) + along.abs() * (1 / (curvature + 0.5))
+    too_far = (MAX_MATCH_DISTANCE - dist) / MAX_MATCH_DISTANCE <= 0
+    at = node_pose[nearest]
+    cos_n = (at[..., 0:3] * normal[:, :, None, :]).sum(-1)
+    normal_ev = -(torch.sin(torch.arccos(cos_n.clamp(-1, 1)) / 2) - 0.5)
+    cos_cd = (at[..., 3:6] * pose[:, :, None, 1]).sum(-1)
+    cd_angle = torch.arccos(cos_cd.clamp(-1, 1))
+    cd_ev = -(torch.sin(torch.pi / 2 - (cd_angle - torch.pi / 2).abs()) - 0.5)
+    cd_ev = cd_ev * defined[nearest]
+    radius_ev = normal_ev * POSE_WEIGHTS[0] + cd_ev * POSE_WEIGHTS[1]
+    radius_ev = torch.where(too_far, -1.0, radius_ev + feature_ev * FEATURE_EVIDENCE_INCREMENT)
+    return evidence * PAST_WEIGHT + radius_ev.amax(-1) * PRESENT_WEIGHT
 
 
 def monty_cells(data: MontyData) -> dict[str, Tensor]:
@@ -313,7 +343,18 @@ def bench_monty(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         pool_threads = pool._max_workers
     lmpm_s, ours = best_of(lambda: monty_resident(data, model, backend), args.repeat)
     items_s, ours_items = best_of(lambda: monty_lmpm(data, model, backend), args.repeat)
-    for out in (ours, ours_items):
+    outs = [ours, ours_items]
+    extra: dict[str, Any] = {}
+    if args.compile:
+        compiled = MontyUpdate(data.graphs, workers=args.threads, compile=True)
+        t0 = time.perf_counter()
+        monty_resident(data, compiled, backend)  # compiles
+        extra["lmpm_compiled_first_s"] = round(time.perf_counter() - t0, 3)
+        comp_s, ours_comp = best_of(lambda: monty_resident(data, compiled, backend), args.repeat)
+        extra["lmpm_compiled_s"] = round(comp_s, 5)
+        extra["ratio_compiled"] = round(base_s / comp_s, 2)
+        outs.append(ours_comp)
+    for out in outs:
         check_monty(base, out)
     return {
         "benchmark": "backends",
@@ -324,6 +365,7 @@ def bench_monty(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         "goal": 5.0,
         "lmpm_items_s": round(items_s, 5),
         "ratio_items": round(base_s / items_s, 2),
+        **extra,
         "params": {
             "modules": modules,
             "objects": objects,
@@ -469,6 +511,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed runs per side (best is reported)"
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time the Monty model with its elementwise part under torch.compile",
     )
     parser.add_argument("--only", choices=["monty", "small_model", "cuda"], default=None)
     args = parser.parse_args()
