@@ -41,19 +41,28 @@ class Offered:
 
     def __init__(self, value: str, members: list[int]) -> None:
         self.value = value
-        self.members = torch.tensor(members)
+        self.members = members
         self.mask: torch.Tensor | None = None
+        self.table: torch.Tensor | None = None
 
     def on_start(self, engine: Engine) -> None:
-        self.mask = torch.zeros(engine.plan.values[self.value].ncells, dtype=torch.bool)
+        vp = engine.plan.values[self.value]
+        self.mask = torch.zeros(vp.ncells, dtype=torch.bool)
+        # Membership by table lookup (torch.isin costs more than the rest of the observer): the
+        # vocabulary, then one False entry for payloads past it, then one for negative payloads
+        # (index -1 after clamping).
+        self.vocab = vp.vocab or max(self.members) + 1
+        self.table = torch.zeros(self.vocab + 2, dtype=torch.bool)
+        self.table[self.members] = True
 
     def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
-        assert self.mask is not None
+        assert self.mask is not None and self.table is not None
         for ve in record.values:
             if ve.value != self.value:
                 continue
-            hit = (torch.isin(ve.payload, self.members) & ve.valid).any(dim=1)
-            self.mask[ve.cells[hit]] = True
+            member = self.table.take(ve.payload.clamp(-1, self.vocab))  # token payloads
+            hit = (member & ve.valid).any(dim=1)
+            self.mask.index_put_((ve.cells,), hit, accumulate=True)  # OR (cells are unique)
 
     def on_end(self, engine: Engine) -> None:
         pass

@@ -60,9 +60,11 @@ class Reference:
         self.score = {v: [-math.inf] * math.prod(d) for v, d in self.dims.items()}
         self.from_input = {v: [False] * math.prod(d) for v, d in self.dims.items()}
         self.strategy = "all"
+        self.k = 1  # raster: cells opened per epoch
         for r in program.rules:
             if r.kind == RuleKind.SCHEDULE:
                 self.strategy = next(str(a.value) for a in r.proposal.args if a.key == "strategy")
+                self.k = next((int(str(a.value)) for a in r.proposal.args if a.key == "k"), 1)
         self.epoch = 0
         # (epoch, constraint, rule) -> [checked, violations, won, lost], as docs/trace.md defines them
         self.trace: dict[tuple[int, str, int], list[int]] = {}
@@ -93,7 +95,10 @@ class Reference:
             return True
         if self.strategy == "red-black":
             return sum(cell) % 2 == self.epoch % 2
-        raise NotImplementedError(self.strategy)  # the differential tests use these two
+        if self.strategy == "raster":  # the first k unset cells (commits land after all proposals)
+            unset = [j for j, c in enumerate(self.committed[value]) if not c]
+            return _flat(cell, self.dims[value]) in unset[: self.k]
+        raise NotImplementedError(self.strategy)  # the differential tests use these three
 
     def step(self) -> int:
         e = self.epoch

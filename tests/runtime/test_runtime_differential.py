@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -56,7 +57,9 @@ def programs(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     two_d = draw(st.booleans())
     vocab = draw(st.integers(3, 6))
     model = draw(st.sampled_from(["Uniform(k=2)", "Uniform", "Echo(k=2)", "Echo(k=3)"]))
-    schedule = draw(st.sampled_from(["all", "red-black"]))
+    schedule = draw(st.sampled_from(["all", "red-black", "raster"]))
+    # raster opens the first k unset cells: one cell (causal generation) or a few
+    tiles = f", k={draw(st.integers(1, 3))}" if schedule == "raster" else ""
     if two_d:
         w, h = draw(st.integers(2, 4)), draw(st.integers(2, 4))
         clauses = draw(st.lists(st.sampled_from(STENCILS_2D), min_size=1, max_size=3, unique=True))
@@ -134,7 +137,7 @@ def programs(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     src += [
         "rule S:",
         "  on MaskPlan",
-        f'  emit proposal MaskPlan := SampleTiles(strategy="{schedule}", epoch=e)',
+        f'  emit proposal MaskPlan := SampleTiles(strategy="{schedule}", epoch=e{tiles})',
     ]
     return "\n".join(src) + "\n", {
         "target": target,
@@ -161,3 +164,53 @@ def test_vectorized_runtime_equals_reference(case: tuple[str, dict[str, Any]]) -
     want = [p if c else -1 for p, c in zip(ref.payload[name], ref.committed[name])]
     assert got == want, src
     assert state.clock.tolist() == ref.clock[name], src
+
+
+MULTI_READ = """
+param W = 4
+param H = 3
+value G : Token[5] shape Grid2D(W, H)
+value S : Token[5] shape Grid2D(W, H)
+value MaskPlan : Event shape Set()
+visible G[x, y] <- G[x+dx, y+dy] when (dx, dy) in N4
+visible G[x, y] <- G[x, *]
+visible G[x, y] <- S[x+1, y]
+rule R:
+  on G[x, y]
+  read {nb in N4, col = G[x, *], s = S[x+1, y]}
+  emit proposal G[x, y] := Echo(nb, col, s, k=2)
+constraint Low: require G[x, y] in Set(0..3) priority 5
+constraint Lock: forbid change(G[0..1, y]) priority 50
+commit G[*] using satisfy(max_constraints_then_score)
+rule Sch:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="{strategy}", epoch=e)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["all", "red-black", "raster"])
+def test_clocks_of_several_reads_of_one_source_equal_reference(strategy: str) -> None:
+    # Two reads of G (merged into one clock gather, invalid entries pointing at the cell itself)
+    # and one of S (an input with unset cells; out of bounds at x = W-1).
+    front = compile_source(MULTI_READ.replace("{strategy}", strategy), raise_errors=False)
+    assert not front.errors, [d.render() for d in front.errors]
+    run = Run(front, bindings=BINDINGS, seed=1)
+    ref = Reference(front.ir, bindings=BINDINGS, seed=1)
+    given: list[int | None] = [None if i % 3 == 0 else i % 5 for i in range(12)]
+    run.engine.set_input(
+        "S",
+        torch.tensor([-1 if v is None else v for v in given]),
+        torch.tensor([v is not None for v in given]),
+    )
+    ref.set_input("S", given)
+    # Invalid entries of the gather tables hold index 0: a high clock there must not count (and
+    # S[0, 0] is never read: no G[-1, 0]).
+    for value in ("G", "S"):
+        run.engine.state[value].clock[0] = 100
+        ref.clock[value][0] = 100
+    for _ in range(6):
+        assert run.engine.step().commits == ref.step()
+        state = run.engine.state["G"]
+        got = torch.where(state.committed, run.engine.payload("G"), -1).tolist()
+        assert got == [p if c else -1 for p, c in zip(ref.payload["G"], ref.committed["G"])]
+        assert state.clock.tolist() == ref.clock["G"]

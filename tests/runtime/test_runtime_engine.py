@@ -231,3 +231,98 @@ commit A[*] using quorum(2, satisfy)
     sampled = Run.from_source(src.replace("{model}", "Uniform()"))  # replicas draw their own noise
     sampled.run(1)
     assert not bool(sampled.engine.state["A"].committed.all())
+
+
+def test_score_call_gets_the_inputs_the_rules_model_got() -> None:
+    # Two rules: each score sees the very tensors its own model saw this epoch (models that
+    # remember their last forward, like ByteLM and LocalGen, then need no second one).
+    src = """
+value A : Token[4] shape Seq(5)
+value B : Token[4] shape Seq(5)
+visible A[t] <- B[t]
+visible B[t] <- A[t]
+rule RA:
+  on A[t]
+  read {b = B[t]}
+  emit proposal A[t] := Seen(b, k=2)
+  score Check(...)
+rule RB:
+  on B[t]
+  read {a = A[t]}
+  emit proposal B[t] := Seen(a, k=2)
+  score Check(...)
+"""
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+    checked: list[str] = []
+
+    def model(inputs: dict[str, torch.Tensor], **_: Any) -> dict[str, torch.Tensor]:
+        (name,) = [k for k in inputs if k in ("a", "b")]
+        seen[name] = dict(inputs)
+        n = inputs["cells"].shape[0]
+        return {"proposal": torch.ones(n, 2, dtype=torch.int64), "score": torch.zeros(n, 2)}
+
+    def check(inputs: dict[str, torch.Tensor], **_: Any) -> torch.Tensor:
+        (name,) = [k for k in inputs if k in ("a", "b")]
+        for key in ("cells", name, f"{name}_mask", f"{name}_index"):
+            assert inputs[key] is seen[name][key], key
+        checked.append(name)
+        return torch.zeros(inputs["proposal"].shape, dtype=torch.float64)
+
+    Run.from_source(src, bindings={"Seen": model, "Check": check}).run(2)
+    assert checked == ["b", "a", "b", "a"]
+
+
+def test_scores_with_an_overflowing_sum_are_finite_and_nan_is_not() -> None:
+    src = """
+value A : Token[4] shape Seq(3)
+rule R:
+  on A[t]
+  emit proposal A[t] := RandomTokens(k=2)
+  score Big(...)
+"""
+
+    def scores(value: float) -> Any:
+        def score(inputs: dict[str, torch.Tensor], **_: Any) -> torch.Tensor:
+            return torch.full(inputs["proposal"].shape, value, dtype=torch.float64)
+
+        return score
+
+    run = Run.from_source(src, bindings={"Big": scores(1e308)})  # the sum overflows to inf
+    run.run(1)
+    assert bool(run.engine.state["A"].committed.all())
+    with pytest.raises(ModelError, match="finite"):
+        Run.from_source(src, bindings={"Big": scores(float("nan"))}).run(1)
+
+
+@pytest.mark.parametrize("kind", ["require", "forbid"])
+def test_set_constraints_put_out_of_vocabulary_payloads_in_no_set(kind: str) -> None:
+    src = f"""
+value A : Token[6] shape Seq(2)
+rule R:
+  on A[t]
+  emit proposal A[t] := RandomTokens()
+constraint S: {kind} A[t] in Set(0, 5) priority 3
+"""
+    run = Run.from_source(src)
+    eng = run.engine
+    cp = eng._static["A"].constraints[0]
+    table = eng._static["A"].tables[0]
+    payload = torch.tensor([[0, -7, -1, 5, 6, 99], [4, 0, 5, 1, 2, 3]])
+    committed = torch.tensor([True, False])
+    viol = eng._violations(
+        cp,
+        run.plan.values["A"],
+        torch.tensor([0, 1]),
+        payload,
+        torch.ones_like(payload, dtype=torch.bool),
+        payload[:, 0],
+        committed,
+        True,
+        {"A": eng.payload("A")},
+        0,
+        table,
+    )
+    member = [[True, False, False, True, False, False], [False, True, True, False, False, False]]
+    want = [[m == (kind == "forbid") for m in row] for row in member]
+    want[1][0] = kind == "require"  # keep-current of the unset cell: in no set
+    assert viol.tolist() == want

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -90,3 +92,56 @@ def test_quorum_requires_agreeing_replicas() -> None:
 def test_unknown_policy_lists_the_known_ones() -> None:
     with pytest.raises(BindError, match="satisfy"):
         get_policy("nope")
+
+
+def _satisfy_by_hand(a: Agree) -> list[int]:
+    """satisfy() as its definition reads: per cell, the valid candidate maximizing (satisfied
+    constraints per priority level, highest level first; score; -column)."""
+    levels = sorted(set(a.priority.tolist()), reverse=True)
+    winners = []
+    for i in range(a.payload.shape[0]):
+        best: tuple[Any, ...] | None = None
+        win = 0
+        for c in range(a.payload.shape[1]):
+            if not a.valid[i, c]:
+                continue
+            sat = tuple(
+                sum(
+                    not bool(a.violated[i, c, k])
+                    for k, p in enumerate(a.priority.tolist())
+                    if p == level
+                )
+                for level in levels
+            )
+            key = (sat, float(a.score[i, c]), -c)
+            if best is None or key > best:
+                best, win = key, c
+        winners.append(win)
+    return winners
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_satisfy_equals_its_definition_on_random_candidates(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n, c = 40, 6
+    priority = [[3], [7, 7], [9, 2], [5, 5, 1], [4, 8, 4, 8]][seed % 5]
+    k = len(priority)
+    valid = torch.rand(n, c, generator=g) > 0.3
+    valid[:, 0] = True  # keep-current always exists
+    # few distinct scores (ties) and unset cells' keep-current at -inf
+    score = torch.randint(0, 3, (n, c), generator=g).double()
+    score[torch.rand(n, generator=g) > 0.5, 0] = -torch.inf
+    a = Agree(
+        torch.randint(0, 9, (n, c), generator=g),
+        valid,
+        score,
+        torch.rand(n, c, k, generator=g) > 0.5,
+        torch.tensor(priority),
+        torch.tensor([-1] + [0] * (c - 1)),
+        torch.tensor([-1] + [0] * (c - 1)),
+        torch.tensor([-1, *range(c - 1)]),
+    )
+    d = get_policy("satisfy")(a)
+    want = _satisfy_by_hand(a)
+    assert d.winner.tolist() == want
+    assert d.payload.tolist() == [int(a.payload[i, w]) for i, w in enumerate(want)]

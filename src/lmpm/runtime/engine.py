@@ -11,6 +11,7 @@ scores. Payload tensors are resident on the worker backend (``backend.put/get/up
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from lmpm.resolve.policies import Agree
 from lmpm.resolve.schedules import confidence_quota, red_black
 from lmpm.runtime.crdt import ORSet
 from lmpm.runtime.texpr import mask_of
-from lmpm.workers import WorkItem, get_backend
+from lmpm.workers import Results, WorkItem, get_backend
 from lmpm.workers import rng as lrng
 
 INPUT_RULE = -2  # provenance of cells committed from an input file
@@ -91,6 +92,35 @@ class ValueEpoch:
     applies: Tensor  # (n, K) bool: the constraint speaks about the cell (its verdicts count)
 
 
+@dataclass(frozen=True, slots=True)
+class _ValueStatic:
+    """What the epoch loop needs about one proposed value that never changes across epochs: built
+    once at engine start, so an epoch pays no Python or tensor work to rediscover it."""
+
+    rules: tuple[RulePlan, ...]  # the rules proposing the value
+    constraints: tuple[ConstraintPlan, ...]  # evaluated at run time (K of them)
+    priority: Tensor  # (K,) int64
+    constraint_ids: Tensor  # (K,) int64 ids into plan.constraints
+    covers_all: tuple[bool, ...]  # per constraint: it speaks about every cell (no run-time region)
+    # IN_SET: does a token violate the constraint? (vocab + 2,) bool, the set table for `forbid`,
+    # its complement for `require`, then two entries for out-of-vocabulary payloads (in no set):
+    # indexed by the token clamped to [-1, vocab], so index vocab is "too large" and -1 (the last
+    # entry) "negative", without a range test.
+    tables: tuple[Tensor | None, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _ClockRead:
+    """The cells of one source a rule's commit takes the Lamport clock max over: a rule's gathered
+    reads of the same source merged into one table (one gather per source, not per read)."""
+
+    source: str
+    uniform: bool  # every cell reads the same cells: ``index`` is their (valid) flat ids
+    index: Tensor  # uniform: (R,) cells; else (target cells, K) flat source index
+    valid: Tensor | None  # (target cells, K) bool; None: every entry counts (see _clock_reads)
+    read: int | None  # the single read the table is (its model-input rows can be reused), or None
+
+
 @dataclass
 class EpochRecord:
     epoch: int
@@ -118,6 +148,52 @@ class RunResult:
     seconds: float
     model_seconds: float
     records: list[EpochRecord] = field(default_factory=list)
+
+
+def _item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]:
+    """(proposal, score) of every dispatched item, in dispatch order. A group that holds a single
+    item is that item's output whole (no per-item slicing)."""
+    out: list[tuple[Tensor, Tensor] | None] = [None] * n_items
+    for g in results.groups:
+        if len(g.item_ids) == 1:
+            out[g.item_ids[0]] = (g.proposal, g.score)
+            continue
+        for slot, item in enumerate(g.item_ids):
+            lo, hi = g.offsets[slot], g.offsets[slot + 1]
+            out[item] = (g.proposal[lo:hi], g.score[lo:hi])
+    assert all(o is not None for o in out), "every item belongs to exactly one group"
+    return out  # type: ignore[return-value]  # checked just above
+
+
+def _all_finite(t: Tensor) -> bool:
+    """No NaN or infinity in ``t``. A finite sum proves it in one reduction (a non-finite entry
+    makes the sum non-finite); only a sum that overflowed needs the element-wise check."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def _clock_reads(rp: RulePlan) -> tuple[_ClockRead, ...]:
+    """A rule's reads grouped by source for its commits' Lamport clocks (empty reads dropped)."""
+    out: list[_ClockRead] = []
+    for source in dict.fromkeys(rd.source for rd in rp.reads):
+        reads = [(j, rd) for j, rd in enumerate(rp.reads) if rd.source == source]
+        rows = [rd.index[0][rd.valid[0]] for _, rd in reads if rd.uniform]
+        if rows and sum(r.numel() for r in rows):
+            out.append(_ClockRead(source, True, torch.cat(rows), None, None))
+        gathered = [(j, rd) for j, rd in reads if not rd.uniform and rd.index.shape[1]]
+        if len(gathered) == 1:
+            j, rd = gathered[0]
+            out.append(_ClockRead(source, False, rd.index, rd.valid, j))
+        elif gathered:
+            index = torch.cat([rd.index for _, rd in gathered], dim=1)
+            valid = torch.cat([rd.valid for _, rd in gathered], dim=1)
+            if source == rp.target:
+                # A cell's own clock is in the max anyway: pointing the invalid entries at the
+                # cell itself makes them count for nothing, with no mask at run time.
+                own = torch.arange(index.shape[0]).unsqueeze(1)
+                out.append(_ClockRead(source, False, torch.where(valid, index, own), None, None))
+            else:
+                out.append(_ClockRead(source, False, index, valid, None))
+    return tuple(out)
 
 
 class Engine:
@@ -152,13 +228,49 @@ class Engine:
             if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
                 continue  # decided at compile time: recorded as proved, never re-evaluated
             self._constraints.setdefault(cp.target, []).append(cp)
+        self._static = {name: self._value_static(name) for name in self._by_target}
+        # raster, random and confidence schedules open unset cells only: nothing can fold or change.
+        self._opens_committed = plan.schedule.strategy not in ("raster", "random", "confidence")
+        # Per rule: whether it has a trigger (`when`), and what its commits' Lamport clocks read.
+        self._triggered = {rp.id: rp.trigger != TRUE for rp in plan.rules}
+        self._clock_reads = {rp.id: _clock_reads(rp) for rp in plan.rules}
         self._started = False
+        # (rule, epoch) -> the model inputs of that rule this epoch: its score call gets the very same
+        # tensors, so a model that remembers its last forward (ByteLM, LocalGen) needs no second one.
         self._input_cache: dict[tuple[int, int], dict[str, Tensor]] = {}
-        self._parity: dict[str, Tensor] = {}  # red-black colour of each cell, per value
+        # Cyclic schedules (all, red-black, independent): the open cells of each phase, per value.
+        self._cycle_cache: dict[tuple[str, int], Tensor] = {}
+        self._ncolors: dict[str, int] = {}  # independent schedule: colours (phases) per value
+        # (id(table), id(cells)) -> (table, cells, rows), and the last single open cell: see _rows
+        self._row_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        self._one: tuple[Tensor | None, int] = (None, 0)
+        # Per rule: (its model input names, those its score call receives).
+        self._score_key_cache: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+        # (rule, read) -> (cells, index rows, valid rows) last gathered for the model's inputs, so
+        # the Lamport clock of the same cells needs no second gather of these static tables.
+        self._read_rows: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
         self._column_cache: dict[
             tuple[tuple[int, int, int], ...], tuple[Tensor, Tensor, Tensor]
         ] = {}
-        self._meta_cache: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def _value_static(self, name: str) -> _ValueStatic:
+        cps = tuple(self._constraints.get(name, []))
+        tables: list[Tensor | None] = []
+        for cp in cps:
+            if cp.pred == PredKind.IN_SET:
+                assert cp.table is not None
+                table = torch.cat([cp.table, torch.zeros(2, dtype=torch.bool)])
+                tables.append(table if cp.kind == "forbid" else ~table)
+            else:
+                tables.append(None)
+        return _ValueStatic(
+            tuple(self._by_target.get(name, [])),
+            cps,
+            torch.tensor([cp.priority for cp in cps], dtype=torch.int64),
+            torch.tensor([cp.id for cp in cps], dtype=torch.int64),
+            tuple(bool(cp.cells.all()) and not cp.needs_inputs_region for cp in cps),
+            tuple(tables),
+        )
 
     # ---- state access ----------------------------------------------------------------------------
     @staticmethod
@@ -278,36 +390,62 @@ class Engine:
         return 1
 
     def _open(self, e: int) -> dict[str, Tensor]:
+        """(ncells,) bool per proposed value: the cells open in epoch ``e``."""
+        out: dict[str, Tensor] = {}
+        for name, cells in self._open_cells(e).items():
+            m = torch.zeros(self.plan.values[name].ncells, dtype=torch.bool)
+            m[cells] = True
+            out[name] = m
+        return out
+
+    def _open_cells(self, e: int) -> dict[str, Tensor]:
+        """(n,) int64 per proposed value: the cells open in epoch ``e``, sorted and unique."""
         spec = self.plan.schedule
         out: dict[str, Tensor] = {}
         for name in self._by_target:
-            vp = self.plan.values[name]
             st = self.state[name]
-            n = vp.ncells
-            if spec.strategy == "all":
-                m = torch.ones(n, dtype=torch.bool)
-            elif spec.strategy == "red-black":
-                if name not in self._parity:
-                    self._parity[name] = red_black(vp.coords)
-                m = self._parity[name] == (e % 2)
-            elif spec.strategy == "independent":
-                colors = self.plan.colors[name]
-                ncol = int(colors.max()) + 1 if n else 1
-                m = colors == (e % ncol)
-            elif spec.strategy == "raster":
-                un = (~st.committed).nonzero().squeeze(1)[: spec.k]
-                m = torch.zeros(n, dtype=torch.bool)
-                m[un] = True
+            if spec.strategy == "raster":
+                out[name] = (~st.committed).nonzero().squeeze(1)[: spec.k]
             elif spec.strategy == "random":
+                n = self.plan.values[name].ncells
                 u = lrng.uniform(self.seed, name, torch.arange(n), e, "schedule")[:, 0]
                 u = torch.where(st.committed, torch.full_like(u, 2.0), u)
                 m = torch.zeros(n, dtype=torch.bool)
                 m[u.argsort()[: spec.k]] = True
                 m &= ~st.committed
-            else:  # confidence: every unset cell proposes; commits are limited after agreement
-                m = ~st.committed
-            out[name] = m
+                out[name] = m.nonzero().squeeze(1)
+            elif spec.strategy == "confidence":
+                # every unset cell proposes; commits are limited after agreement
+                out[name] = (~st.committed).nonzero().squeeze(1)
+            else:
+                out[name] = self._cycle_cells(name, e)
         return out
+
+    def _cycle_cells(self, name: str, e: int) -> Tensor:
+        """Open cells of the schedules that cycle through fixed cell sets: `all` (one set),
+        `red-black` (two parities), `independent` (one set per colour). Built once per phase."""
+        spec = self.plan.schedule
+        vp = self.plan.values[name]
+        if spec.strategy == "red-black":
+            phase = e % 2
+        elif spec.strategy == "independent":
+            ncolors = self._ncolors.get(name)
+            if ncolors is None:
+                colors = self.plan.colors[name]
+                ncolors = self._ncolors[name] = int(colors.max()) + 1 if vp.ncells else 1
+            phase = e % ncolors
+        else:
+            phase = 0
+        hit = self._cycle_cache.get((name, phase))
+        if hit is None:
+            if spec.strategy == "red-black":
+                hit = (red_black(vp.coords) == phase).nonzero().squeeze(1)
+            elif spec.strategy == "independent":
+                hit = (self.plan.colors[name] == phase).nonzero().squeeze(1)
+            else:
+                hit = torch.arange(vp.ncells)
+            self._cycle_cache[(name, phase)] = hit
+        return hit
 
     def step(self) -> EpochRecord:
         """One epoch. Nothing is committed unless every part of the epoch succeeded."""
@@ -318,8 +456,9 @@ class Engine:
     def _step(self) -> EpochRecord:
         e = self.epoch
         t0 = time.perf_counter()
-        open_ = self._open(e)
-        self.maskplan.add(("open", e, tuple(sorted((k, int(v.sum())) for k, v in open_.items()))))
+        self._input_cache = {}  # gathered from this epoch's snapshot only (a failed epoch reruns)
+        open_ = self._open_cells(e)
+        self.maskplan.add(("open", e, tuple(sorted((k, v.numel()) for k, v in open_.items()))))
 
         # propose: dispatch every rule's work first, then collect (the only blocking point).
         items: list[WorkItem] = []
@@ -327,15 +466,16 @@ class Engine:
         snapshot = {name: self.payload(name) for name in self.plan.values}
         for rp in self.plan.rules:
             vp = self.plan.values[rp.target]
-            fire = open_.get(rp.target)
-            if fire is None:
+            cells = open_.get(rp.target)
+            if cells is None:
                 continue
-            if rp.trigger != TRUE:
+            if self._triggered[rp.id]:
                 env: dict[str, Any] = dict(self.plan.env)
                 env["e"] = e
                 env.update({v: vp.coords[:, k] for k, v in enumerate(rp.ir.vars)})
-                fire = fire & mask_of(rp.trigger, env, vp.ncells)
-            cells = fire.nonzero().squeeze(1)
+                fire = torch.zeros(vp.ncells, dtype=torch.bool)
+                fire[cells] = True
+                cells = (fire & mask_of(rp.trigger, env, vp.ncells)).nonzero().squeeze(1)
             if cells.numel() == 0:
                 continue
             inputs = self._inputs(rp, cells, snapshot)
@@ -353,7 +493,7 @@ class Engine:
                         rp.name,
                         rp.model,
                         inputs,
-                        cells + vp.offset,
+                        cells + vp.offset if vp.offset else cells,
                         vp.vocab,
                         kwargs,
                         dtype=vp.dtype,
@@ -370,32 +510,32 @@ class Engine:
 
         # check + agree per value, commit all values together at the boundary.
         per_value: dict[str, list[tuple[RulePlan, Tensor, int, Tensor, Tensor]]] = {}
-        for i, (rp, cells, rep) in enumerate(meta):
-            assert results is not None
-            r = results[i]
-            prop, score = r.proposal, r.score.to(torch.float64)
-            if prop.dim() == 1:
-                prop, score = prop[:, None], score[:, None]
+        outputs = _item_outputs(results, len(items)) if results is not None else []
+        for (rp, cells, rep), (prop, raw_score) in zip(meta, outputs):
             if rp.score is not None:
-                ts = time.perf_counter()
-                score = self._score(rp, cells, snapshot, prop)
-                model_seconds += time.perf_counter() - ts
+                prop = prop.unsqueeze(1) if prop.dim() == 1 else prop
+                score, seconds = self._score(rp, cells, snapshot, prop)
+                model_seconds += seconds
+            else:
+                score = raw_score if raw_score.dtype == torch.float64 else raw_score.double()
+                if prop.dim() == 1:
+                    prop, score = prop.unsqueeze(1), score.unsqueeze(1)
             per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
-        records = [self._agree(name, e, parts, snapshot) for name, parts in per_value.items()]
+        agreed = [self._agree(name, e, parts, snapshot) for name, parts in per_value.items()]
 
         commits = 0
         violations = 0
         attempts = 0
-        for ve in records:
-            self._apply(ve, e)
-            commits += int(ve.changed.sum())
+        for ve, n_commits, n_violations in agreed:
+            self._apply(ve, e, n_commits)
+            commits += n_commits
             attempts += int(ve.cells.numel())
-            violations += int(ve.violated.any(dim=2).sum())
+            violations += n_violations
         self.epoch = e + 1
         rec = EpochRecord(
             e,
-            records,
-            sum(int(m.sum()) for m in open_.values()),
+            [a[0] for a in agreed],
+            sum(v.numel() for v in open_.values()),
             commits,
             attempts,
             violations,
@@ -416,41 +556,63 @@ class Engine:
             return cached
         vp = self.plan.values[rp.target]
         n = cells.numel()
-        inputs: dict[str, Tensor] = {"cells": cells, "coords": vp.coords[cells]}
-        for rd in rp.reads:
+        inputs: dict[str, Tensor] = {"cells": cells, "coords": self._rows(vp.coords, cells)}
+        for j, rd in enumerate(rp.reads):
             committed = self.state[rd.source].committed
             if rd.uniform:
                 # Every cell reads the same cells: one row, broadcast as a view (no (n, K) copy).
                 row = rd.index[0]
                 k = row.numel()
                 idx = row.expand(n, k)
-                mask = (rd.valid[0] & committed[row]).expand(n, k)
-                data = snapshot[rd.source][row].expand(n, k)
+                mask = (rd.valid[0] & committed.index_select(0, row)).expand(n, k)
+                data = snapshot[rd.source].index_select(0, row).expand(n, k)
             else:
-                idx = rd.index[cells]  # (n, K)
-                mask = rd.valid[cells] & committed[idx]
-                data = snapshot[rd.source][idx]
+                idx = self._rows(rd.index, cells)  # (n, K)
+                valid = self._rows(rd.valid, cells)
+                # take: the flat gather of a 1-D state tensor, cheaper than advanced indexing
+                mask = valid & committed.take(idx)
+                data = snapshot[rd.source].take(idx)
+                self._read_rows[(rp.id, j)] = (cells, idx, valid)
             for name in rd.args:
                 inputs[name] = data  # (n, K) payload of the read cells
                 inputs[f"{name}_mask"] = mask  # (n, K) visible and committed
                 inputs[f"{name}_index"] = idx  # (n, K) flat index into the source value
-        self._input_cache = {key: inputs}
+        self._input_cache[key] = inputs
         return inputs
+
+    def _rows(self, table: Tensor, cells: Tensor) -> Tensor:
+        """``table[cells]`` for a static per-cell table of the plan (coordinates, gather tables, a
+        constraint's cells). One open cell (causal generation): a view of its row. The fixed cell
+        sets of the cyclic schedules (all, red-black, independent) recur every few epochs: their
+        rows are gathered once (index_select, several times cheaper than advanced indexing)."""
+        if cells.numel() == 1:
+            if self._one[0] is not cells:
+                self._one = (cells, int(cells[0]))
+            return table.narrow(0, self._one[1], 1)
+        key = (id(table), id(cells))
+        hit = self._row_cache.get(key)
+        if hit is not None and hit[0] is table and hit[1] is cells:
+            return hit[2]
+        rows = table.index_select(0, cells)
+        if any(cells is c for c in self._cycle_cache.values()):
+            self._row_cache[key] = (table, cells, rows)  # both kept alive: ids stay theirs
+        return rows
 
     def _score(
         self, rp: RulePlan, cells: Tensor, snapshot: Mapping[str, Tensor], prop: Tensor
-    ) -> Tensor:
+    ) -> tuple[Tensor, float]:
+        """(n, C) float64 scores of ``prop`` from the rule's bound score, and the seconds spent in
+        that call alone (the model's share of the epoch)."""
         inputs = self._inputs(rp, cells, snapshot)
-        args = {
-            k: v
-            for k, v in inputs.items()
-            if k in ("cells", "coords")
-            or k.removesuffix("_mask").removesuffix("_index") in rp.score_args
-        }
+        args = {k: inputs[k] for k in self._score_keys(rp, inputs)}
         args["proposal"] = prop
         assert rp.score is not None
+        seconds = 0.0
         try:
-            out = torch.as_tensor(rp.score(args, epoch=self.epoch))
+            t0 = time.perf_counter()
+            raw = rp.score(args, epoch=self.epoch)
+            seconds = time.perf_counter() - t0
+            out = torch.as_tensor(raw)
         except Exception as exc:
             raise ModelError(
                 f"score `{rp.ir.score.func if rp.ir.score else '?'}` raised "
@@ -459,14 +621,28 @@ class Engine:
                 span=rp.ir.score.span if rp.ir.score else None,
                 code="R030",
             ) from exc
-        if out.shape != prop.shape[:2] or not bool(torch.isfinite(out).all()):
+        if out.shape != prop.shape[:2] or not _all_finite(out):
             raise ModelError(
                 f"score of rule `{rp.name}` must be finite with shape {tuple(prop.shape[:2])}, "
                 f"got {tuple(out.shape)}",
                 where={"rule": rp.name, "cells": cells[:5].tolist()},
                 code="R031",
             )
-        return out.to(torch.float64)
+        return (out if out.dtype == torch.float64 else out.double()), seconds
+
+    def _score_keys(self, rp: RulePlan, inputs: Mapping[str, Tensor]) -> tuple[str, ...]:
+        """The model inputs a rule's score call receives: cells, coords and its reads' tensors."""
+        keys = tuple(inputs)
+        hit = self._score_key_cache.get(rp.id)
+        if hit is None or hit[0] != keys:
+            picked = tuple(
+                k
+                for k in keys
+                if k in ("cells", "coords")
+                or k.removesuffix("_mask").removesuffix("_index") in rp.score_args
+            )
+            hit = self._score_key_cache[rp.id] = (keys, picked)
+        return hit[1]
 
     def _agree(
         self,
@@ -474,29 +650,40 @@ class Engine:
         e: int,
         parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]],
         snapshot: Mapping[str, Tensor],
-    ) -> ValueEpoch:
+    ) -> tuple[ValueEpoch, int, int]:
+        """Check and agree one value's candidates. Returns the record, its commits and its
+        violations ((cell, candidate) pairs violating at least one constraint).
+
+        Small epochs (one open cell per epoch in causal generation) are dominated by the fixed cost
+        of each tensor operation, so this uses the cheapest equivalent form of each: index_select /
+        take / gather for 1-D gathers, unsqueeze for new axes, count_nonzero for counts."""
         vp = self.plan.values[name]
         st = self.state[name]
+        static = self._static[name]
         # Sorted, unique rows: a single rule's cells already are (they come from nonzero()).
         cells = parts[0][1] if len(parts) == 1 else torch.unique(torch.cat([p[1] for p in parts]))
         n = cells.numel()
         widths = [p[3].shape[1] for p in parts]
         ncol = 1 + sum(widths)
-        current = snapshot[name][cells]
+        current = snapshot[name].index_select(0, cells)
+        committed = st.committed.index_select(0, cells)
+        kept_score = st.score.index_select(0, cells)
         col_rule, col_rep, col_slot = self._columns(parts, widths)
+        all_valid = len(parts) == 1  # every (cell, candidate) exists: no padding, nothing folded
         if len(parts) == 1:
             # One rule proposing for every row: the candidate table is keep | proposals.
             _, _, _, prop, sc = parts[0]
-            payload = torch.cat([current[:, None], prop.to(vp.dtype)], dim=1)
+            prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
+            payload = torch.cat((current.unsqueeze(1), prop), 1)
             valid = torch.ones((n, ncol), dtype=torch.bool)
-            score = torch.cat([st.score[cells][:, None], sc], dim=1)
+            score = torch.cat((kept_score.unsqueeze(1), sc), 1)
         else:
             payload = torch.zeros((n, ncol), dtype=vp.dtype)
             payload[:, 0] = current
             valid = torch.zeros((n, ncol), dtype=torch.bool)
             valid[:, 0] = True
             score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
-            score[:, 0] = st.score[cells]
+            score[:, 0] = kept_score
             c = 1
             for (_, rcells, _, prop, sc), w in zip(parts, widths):
                 rows = torch.searchsorted(cells, rcells)
@@ -507,27 +694,60 @@ class Engine:
 
         # A proposal equal to the committed payload *is* keep-current, freshly scored: fold it into
         # column 0 so a stale committed score never outranks the rule's current opinion.
-        committed = st.committed[cells]
-        same = valid & (payload == current[:, None]) & committed[:, None]
-        same[:, 0] = False
-        fresh = torch.where(same, score, torch.full_like(score, -torch.inf)).max(dim=1).values
-        score[:, 0] = torch.where(same.any(dim=1), fresh, score[:, 0])
-        valid &= ~same
+        any_committed = self._opens_committed and bool(committed.any())
+        if any_committed:
+            same = (payload == current.unsqueeze(1)) & committed.unsqueeze(1)
+            if not all_valid:
+                same &= valid
+            same.select(1, 0).fill_(False)
+            fresh = torch.where(same, score, -torch.inf).amax(dim=1)
+            score[:, 0] = torch.where(same.any(dim=1), fresh, score[:, 0])
+            valid.masked_fill_(same, False)
+            all_valid = False
 
-        cps = self._constraints.get(name, [])
-        violated = torch.zeros((n, ncol, len(cps)), dtype=torch.bool)
-        applies = torch.zeros((n, len(cps)), dtype=torch.bool)
-        for k, cp in enumerate(cps):
-            applies[:, k] = self._applies(cp, vp, cells)
-            violated[:, :, k] = self._violations(
-                cp, vp, cells, payload, valid, current, committed, snapshot, e, applies[:, k]
+        # (n, C, K) violations: each constraint's verdicts, masked by the cells it speaks about and
+        # by the candidates that exist. Masks are applied per (n, C) verdict: element-wise ops on
+        # equal shapes are vectorized, broadcasts over the short candidate axis are not.
+        cps = static.constraints
+        k = len(cps)
+        verdicts: list[Tensor] = []
+        applies_cols: list[Tensor | None] = []
+        for cp, whole, table in zip(cps, static.covers_all, static.tables):
+            verdict = self._violations(
+                cp, vp, cells, payload, valid, current, committed, any_committed, snapshot, e, table
             )
-        priority, constraint_ids = self._constraint_meta(name)
-        agree = Agree(payload, valid, score, violated, priority, col_rule, col_rep, col_slot)
+            where = None if whole else self._applies(cp, vp, cells)
+            if where is not None:
+                verdict = verdict & where.unsqueeze(1)
+            if not all_valid:
+                verdict = verdict & valid
+            verdicts.append(verdict)
+            applies_cols.append(where)
+        if k == 0:
+            violated = torch.zeros((n, ncol, 0), dtype=torch.bool)
+            violations = 0
+        else:
+            violated = verdicts[0].unsqueeze(2) if k == 1 else torch.stack(verdicts, dim=2)
+            any_violated = verdicts[0]
+            for verdict in verdicts[1:]:
+                any_violated = any_violated | verdict
+            violations = int(any_violated.count_nonzero())
+        if all(a is None for a in applies_cols):
+            applies = torch.ones((n, k), dtype=torch.bool)
+        else:
+            ones = torch.ones(n, dtype=torch.bool)
+            applies = torch.stack([ones if a is None else a for a in applies_cols], dim=1)
+
+        agree = Agree(payload, valid, score, violated, static.priority, col_rule, col_rep, col_slot)
         decision = vp.policy(agree, *vp.policy_args)
         winner = decision.winner
-        new_payload = decision.payload.to(vp.dtype)
-        changed = (winner != 0) & (~committed | (new_payload != current))
+        new_payload = decision.payload
+        if new_payload.dtype != vp.dtype:
+            new_payload = new_payload.to(vp.dtype)
+        if any_committed:
+            changed = (winner != 0) & (~committed | (new_payload != current))
+        else:
+            changed = winner != 0
         if self.plan.schedule.strategy == "confidence":
             quota = confidence_quota(
                 e, self.plan.schedule.steps or 1, vp.ncells, int(st.committed.sum())
@@ -542,27 +762,9 @@ class Engine:
                 order = torch.sort(-conf, stable=True).indices[:quota]
                 keep[order] = True
                 changed &= keep
-        # Lamport: clock = 1 + max(own clock, clock of every cell the winning rule read).
-        new_clock = st.clock[cells].clone()
-        for rp in self._by_target.get(name, []):
-            sel = changed & (col_rule[winner] == rp.id)
-            if not bool(sel.any()):
-                continue
-            rc = cells[sel]
-            read_max = torch.zeros(rc.numel(), dtype=torch.int64)
-            for rd in rp.reads:
-                clock = self.state[rd.source].clock
-                if rd.index.shape[1] == 0:
-                    continue
-                if rd.uniform:
-                    row = rd.index[0][rd.valid[0]]
-                    top = clock[row].max() if row.numel() else torch.tensor(0)
-                    read_max = torch.maximum(read_max, top.expand_as(read_max))
-                else:
-                    clocks = torch.where(rd.valid[rc], clock[rd.index[rc]], 0)
-                    read_max = torch.maximum(read_max, clocks.max(dim=1).values)
-            new_clock[sel] = 1 + torch.maximum(new_clock[sel], read_max)
-        return ValueEpoch(
+        commits = int(changed.count_nonzero())
+        new_clock = self._clocks(st, static, cells, changed, commits, col_rule, winner)
+        ve = ValueEpoch(
             name,
             cells,
             payload,
@@ -570,7 +772,7 @@ class Engine:
             score,
             col_rule,
             violated,
-            constraint_ids,
+            static.constraint_ids,
             winner,
             changed,
             new_payload,
@@ -578,6 +780,54 @@ class Engine:
             committed,
             applies,
         )
+        return ve, commits, violations
+
+    def _clocks(
+        self,
+        st: CellState,
+        static: _ValueStatic,
+        cells: Tensor,
+        changed: Tensor,
+        commits: int,
+        col_rule: Tensor,
+        winner: Tensor,
+    ) -> Tensor:
+        """(n,) Lamport clocks after the epoch: a committing cell's clock becomes 1 + max(its own
+        clock, the clock of every cell its winning rule read). Clocks are never negative (0 until
+        a cell's first commit), so an empty or invalid read contributes nothing. Computed for every
+        open cell and kept where the cell commits (no boolean row selection)."""
+        new_clock = st.clock.index_select(0, cells)
+        if commits == 0:
+            return new_clock
+        single = len(static.rules) == 1  # then every proposal column belongs to that rule
+        rule = None if single else col_rule.index_select(0, winner)
+        for rp in static.rules:
+            sel = changed if rule is None else changed & (rule == rp.id)
+            if rule is not None and not bool(sel.any()):
+                continue
+            read_max: Tensor | None = None
+            for cr in self._clock_reads[rp.id]:
+                src = self.state[cr.source].clock
+                if cr.uniform:
+                    top = src.index_select(0, cr.index).amax()  # (), broadcast over the cells
+                    read_max = top if read_max is None else torch.maximum(read_max, top)
+                    continue
+                gathered = None if cr.read is None else self._read_rows.get((rp.id, cr.read))
+                valid: Tensor | None
+                if gathered is not None and gathered[0] is cells:
+                    _, idx, valid = gathered  # the rows the model's inputs were gathered from
+                else:
+                    idx = self._rows(cr.index, cells)
+                    valid = None if cr.valid is None else self._rows(cr.valid, cells)
+                clocks = src.take(idx)  # (n, K)
+                if valid is not None:
+                    clocks = clocks * valid  # clocks are >= 0: zero is the max's identity
+                top = clocks.squeeze(1) if clocks.shape[1] == 1 else clocks.amax(dim=1)
+                read_max = top if read_max is None else torch.maximum(read_max, top)
+            bumped = (new_clock if read_max is None else torch.maximum(new_clock, read_max)) + 1
+            whole = single and commits == cells.numel()
+            new_clock = bumped if whole else torch.where(sel, bumped, new_clock)
+        return new_clock
 
     def _columns(
         self, parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]], widths: list[int]
@@ -595,18 +845,6 @@ class Engine:
             self._column_cache[key] = hit
         return hit
 
-    def _constraint_meta(self, value: str) -> tuple[Tensor, Tensor]:
-        """(K,) priorities and plan ids of the constraints evaluated on ``value``."""
-        hit = self._meta_cache.get(value)
-        if hit is None:
-            cps = self._constraints.get(value, [])
-            hit = (
-                torch.tensor([cp.priority for cp in cps], dtype=torch.int64),
-                torch.tensor([cp.id for cp in cps], dtype=torch.int64),
-            )
-            self._meta_cache[value] = hit
-        return hit
-
     def _violations(
         self,
         cp: ConstraintPlan,
@@ -616,39 +854,45 @@ class Engine:
         valid: Tensor,
         current: Tensor,
         committed: Tensor,
+        any_committed: bool,
         snapshot: Mapping[str, Tensor],
         e: int,
-        applies: Tensor,
+        table: Tensor | None,
     ) -> Tensor:
-        """(n, C) bool: candidate violates the constraint. Keep-current of an unset cell satisfies
-        every `forbid` and violates every `require` (an unset cell is in no set). ``applies``: (n,)
-        from :meth:`_applies`."""
-        applies = applies[:, None]
+        """(n, C) bool: candidate violates the constraint, before masking by the cells it speaks
+        about (:meth:`_applies`) and by the candidates that exist. Keep-current of an unset cell
+        satisfies every `forbid` and violates every `require` (an unset cell is in no set).
+        ``any_committed``: some cell is committed; ``table``: IN_SET's violation table (see
+        :class:`_ValueStatic`)."""
         forbid = cp.kind == "forbid"
-        if cp.pred == PredKind.CHANGE:
-            holds = (payload != current[:, None]) & committed[:, None]
-            holds[:, 0] = False
-        elif cp.pred == PredKind.IN_SET:
-            assert cp.table is not None
-            tok = payload.long().clamp(0, cp.table.numel() - 1)
-            holds = cp.table[tok] & (payload.long() >= 0) & (payload.long() < cp.table.numel())
-            holds[:, 0] &= committed
+        if cp.pred == PredKind.IN_SET:
+            assert table is not None
+            tok = payload if payload.dtype == torch.int64 else payload.long()
+            viol = table.take(tok.clamp(-1, table.numel() - 2))
         else:
-            holds = self._user_predicate(
-                cp, vp, cells, payload, valid, current, committed, snapshot, e
-            )
+            if cp.pred == PredKind.CHANGE:
+                holds = (payload != current[:, None]) & committed[:, None]
+                holds[:, 0] = False  # keep-current changes nothing (even a NaN payload)
+            else:
+                holds = self._user_predicate(
+                    cp, vp, cells, payload, valid, current, committed, snapshot, e
+                )
+            viol = holds if forbid else ~holds
+        # Column 0 (keep-current) of an unset cell: violates exactly the `require`s.
+        if any_committed:
             if forbid:
-                holds[:, 0] &= committed
-        viol = holds if forbid else ~holds
-        if not forbid:
-            viol[:, 0] |= ~committed
-        return viol & applies & valid
+                viol[:, 0] &= committed
+            else:
+                viol[:, 0] |= ~committed
+        else:
+            viol.select(1, 0).fill_(not forbid)
+        return viol
 
     def _applies(self, cp: ConstraintPlan, vp: ValuePlan, cells: Tensor) -> Tensor:
         """(n,) bool: the constraint speaks about the cell (its access covers it)."""
-        applies = cp.cells[cells]
+        applies = self._rows(cp.cells, cells)
         if cp.needs_inputs_region:
-            applies = applies & (self.state[vp.name].rule[cells] == INPUT_RULE)
+            applies = applies & (self.state[vp.name].rule.index_select(0, cells) == INPUT_RULE)
         return applies
 
     def _user_predicate(
@@ -665,17 +909,17 @@ class Engine:
     ) -> Tensor:
         accesses = []
         for index, avalid in cp.accesses:
-            idx = index[cells]
+            idx = self._rows(index, cells)
             src = vp.name  # accesses of a constraint read the constrained value's snapshot
-            mask = avalid[cells] & self.state[src].committed[idx]
-            accesses.append((snapshot[src][idx], mask, idx))
+            mask = self._rows(avalid, cells) & self.state[src].committed.take(idx)
+            accesses.append((snapshot[src].take(idx), mask, idx))
         ctx = PredicateInput(
             payload,
             valid,
             current,
             committed,
             cells,
-            vp.coords[cells],
+            self._rows(vp.coords, cells),
             tuple(accesses),
             cp.literals,
             e,
@@ -701,15 +945,22 @@ class Engine:
             )
         return out.clone()
 
-    def _apply(self, ve: ValueEpoch, e: int) -> None:
-        st = self.state[ve.value]
-        rows = ve.changed.nonzero().squeeze(1)
-        if rows.numel() == 0:
+    def _apply(self, ve: ValueEpoch, e: int, commits: int) -> None:
+        """Write the ``commits`` changed cells of ``ve`` (payload, metadata) at the epoch boundary."""
+        if commits == 0:
             return
-        idx = ve.cells[rows]
-        self.backend.update(self._key(ve.value), idx, ve.new_payload[rows])
-        st.committed[idx] = True
-        st.clock[idx] = ve.new_clock[rows]
-        st.rule[idx] = ve.col_rule[ve.winner[rows]]
-        st.epoch[idx] = e
-        st.score[idx] = ve.score[rows, ve.winner[rows]]
+        st = self.state[ve.value]
+        won_score = ve.score.gather(1, ve.winner.unsqueeze(1)).squeeze(1)
+        won_rule = ve.col_rule.index_select(0, ve.winner)
+        fields = [ve.cells, ve.new_payload, ve.new_clock, won_rule, won_score]
+        if commits < ve.cells.numel():
+            rows = ve.changed.nonzero().squeeze(1)
+            fields = [t.index_select(0, rows) for t in fields]
+        idx, payload, clock, rule, score = fields
+        self.backend.update(self._key(ve.value), idx, payload)
+        # index_put_ / index_fill_: `st.x[idx] = v` without the Python indexing machinery
+        st.committed.index_fill_(0, idx, True)
+        st.clock.index_put_((idx,), clock)
+        st.rule.index_put_((idx,), rule)
+        st.epoch.index_fill_(0, idx, e)
+        st.score.index_put_((idx,), score)
