@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from blockmask_checks import assert_same_blocks
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from lmpm.errors import BindError, UsageError
@@ -24,6 +25,8 @@ SMALL_VIDEO = {"T": 3, "W": 16, "H": 16, "N": 5}
 
 # Eager flex_attention (no torch.compile) is the documented dense fallback on CPU; it warns once.
 EAGER_FLEX = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+# torch.compile's import chain touches a deprecated torch.jit API (a warning, not our code).
+COMPILED = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
 
 
 def test_causal_gather_table_contract() -> None:
@@ -141,13 +144,40 @@ def test_flex_attention_matches_sdpa(kind: str) -> None:
     assert torch.allclose(out, ref, atol=1e-5)
 
 
-def test_block_mask_identical_to_create_block_mask_on_video() -> None:
+@COMPILED
+def test_flex_attention_compiled_matches_sdpa() -> None:
+    # Compiled, the CPU kernel reads the compact index tensors (eager flex only runs mask_mod).
     m = compile_masks(VIDEO, layout="tiled", **SMALL_VIDEO)
-    for block in (16, 64, 128):
-        ours = m.block_mask(block)
-        ref = create_block_mask(m.mask_mod, 1, 1, m.cells, m.cells, "cpu", BLOCK_SIZE=block)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
-            assert torch.equal(getattr(ours, name), getattr(ref, name)), (block, name)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, m.cells, 16) for _ in range(3))
+    bm = m.block_mask(32)
+    assert bm.kv_indices.stride(-2) < bm.kv_indices.shape[-1]  # compact rows
+    out = torch.compile(flex_attention)(q, k, v, block_mask=bm)
+    assert torch.allclose(out, sdpa(q, k, v, m.dense(canonical=False)), atol=1e-5)
+
+
+@pytest.mark.gpu
+@COMPILED
+def test_flex_attention_forward_and_backward_on_gpu_match_sdpa() -> None:
+    # The backward pass reads the q-side indices; FlexAttention has no CPU backward.
+    m = compile_masks(VIDEO, layout="tiled", **SMALL_VIDEO)
+    torch.manual_seed(0)
+    qkv = [torch.randn(1, 2, m.cells, 16, device="cuda", requires_grad=True) for _ in range(3)]
+    out = torch.compile(flex_attention)(*qkv, block_mask=m.block_mask(32, device="cuda"))
+    grads = torch.autograd.grad(out.sum(), qkv)
+    ref = sdpa(*qkv, m.dense(canonical=False).cuda())
+    ref_grads = torch.autograd.grad(ref.sum(), qkv)
+    assert torch.allclose(out, ref, atol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        assert torch.allclose(g, r, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [16, 64, 128, (64, 32)])
+def test_block_mask_blocks_match_create_block_mask_on_video(block: int | tuple[int, int]) -> None:
+    m = compile_masks(VIDEO, layout="tiled", **SMALL_VIDEO)
+    ours = m.block_mask(block)
+    ref = create_block_mask(m.mask_mod, 1, 1, m.cells, m.cells, "cpu", BLOCK_SIZE=block)
+    assert_same_blocks(ours, ref, block)
 
 
 def test_sliding_window_is_analytic_at_long_length() -> None:
@@ -156,7 +186,13 @@ def test_sliding_window_is_analytic_at_long_length() -> None:
     m = compile_masks(src, N=131072)
     c = m.block_counts(128)
     assert (c.full, c.partial) == (1023, 1024 + 1022)  # diagonal + two below it
-    assert m.block_mask(128).kv_num_blocks.shape == (1, 1, 1024)
+    bm = m.block_mask(128)
+    assert bm.kv_num_blocks.shape == (1, 1, 1024)
+    # Index storage is rows × (most blocks in a row), not 1024 × 1024: 2 partial, 1 full.
+    for side, width in (("kv", 2), ("full_kv", 1), ("q", 2), ("full_q", 1)):
+        idx = getattr(bm, f"{side}_indices")
+        assert idx.shape == (1, 1, 1024, 1024) and idx.stride(-2) == width, side
+        assert idx.untyped_storage().nbytes() == 4 * (1023 * width + 1024), side
 
 
 def test_current_video_example_compiles() -> None:

@@ -179,8 +179,10 @@ class Masks:
     def block_mask(
         self, block_size: int | tuple[int, int] = 128, device: str | torch.device = "cpu"
     ) -> BlockMask:
-        """The analytic BlockMask (identical to ``create_block_mask(self.mask_mod, 1, 1, cells,
-        cells, BLOCK_SIZE=block_size)``), built without an N×N tensor."""
+        """The analytic BlockMask, built without an N×N tensor: the blocks of
+        ``create_block_mask(self.mask_mod, 1, 1, cells, cells, BLOCK_SIZE=block_size)`` (same
+        partial and full blocks, same order), with compact index rows (docs/visibility.md);
+        ``lmpm.visibility.blockmask.with_dense_indices`` gives create_block_mask's exact tensors."""
         if self.cells == 0:
             raise UsageError("the program has no cells to attend over", code="U012")
         return build_block_mask(

@@ -17,27 +17,34 @@ positions) instead:
    ``qb`` *touches* kv blocks ``s//B .. e//B`` and *covers* the complete blocks inside it; both are
    ranges, added as +1/−1 to two (q blocks, kv blocks + 1) arrays and prefix-summed. A block is
    non-empty iff touched, and full iff all ``B_q`` cells of a complete q block cover it. Cost:
-   O(runs + q blocks × kv blocks) — the size of the BlockMask itself.
+   O(runs + q blocks × kv blocks) time (prefix sums), memory one group's rows of the arrays.
+4. **Pairs, stored compactly.** Each group's flags become its non-empty (q block, kv block) pairs,
+   and the BlockMask's index tensors are filled from the pairs (the q side, for the backward
+   pass, from the pairs sorted by kv block). FlexAttention reads only the first ``num_blocks``
+   entries of a row, so rows are stored with stride = the most blocks in any row
+   (:func:`_compact`): memory O(rows × that), not O(q blocks × kv blocks).
 
 Edge blocks (a partial last block) are never full, as in ``create_block_mask`` (it pads with
-False). The result is built exactly as ``create_block_mask`` builds its own (stable descending
-argsort of the dense block flags), so the tensors are identical, not just equivalent.
+False). The ``*_num_blocks`` tensors and the prefix of every index row are identical to
+``create_block_mask``'s (non-empty blocks, ascending); :func:`with_dense_indices` gives its exact
+tensors and :func:`block_sets` compares block sets whatever the layout.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Protocol
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpm.visibility._stencil import Clause, Space, serial, strides
+from lmpm.visibility._stencil import Box, Clause, Space, serial, strides, vec
 from lmpm.visibility.layout import Layout
 from lmpm.visibility.maskmod import MaskMod
 
-ROW_CHUNK = 1 << 12  # query cells processed at once; bounds memory for wide boxes
+ROW_CHUNK = 1 << 11  # query cells processed at once: a group holds ~ROW_CHUNK × runs per cell
 DIFF_CAP = 1 << 15  # entries of one group's difference arrays
 ORDER_CHUNK = 1 << 15  # flag entries ordered at once
 
@@ -67,8 +74,8 @@ def _decode(slot: Tensor, ext: Tensor) -> Tensor:
 def box_runs(
     ok: Tensor, lo: Tensor, hi: Tensor, dims: tuple[int, ...], layout: Layout, source: str
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Runs of one box at each of n cells: (start, end, valid), each (n, R), positions local to
-    the source value (add its base). ``ok`` (n,), ``lo``/``hi`` (n, r) clipped."""
+    """Runs of one box at each of n cells: (start, end, valid), each (n, R), positions int32 and
+    local to the source value (add its base). ``ok`` (n,), ``lo``/``hi`` (n, r) clipped."""
     n, r = lo.shape
     g = layout.spatial(source)
     lead = r - g
@@ -121,9 +128,14 @@ def box_runs(
         valids.append(slot.unsqueeze(0) < count.unsqueeze(1))
 
     if not starts:
-        z = torch.zeros((n, 0), dtype=torch.long)
+        z = torch.zeros((n, 0), dtype=torch.int32)
         return z, z, torch.zeros((n, 0), dtype=torch.bool)
-    return torch.cat(starts, 1), torch.cat(ends, 1), torch.cat(valids, 1)
+    # int32 from here on: positions are < cells, and the group's runs are its largest tensors.
+    return (
+        torch.cat(starts, 1).to(torch.int32),
+        torch.cat(ends, 1).to(torch.int32),
+        torch.cat(valids, 1),
+    )
 
 
 def merge_runs(start: Tensor, end: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -131,38 +143,48 @@ def merge_runs(start: Tensor, end: Tensor, valid: Tensor) -> tuple[Tensor, Tenso
 
     Returns (row, start, end), each (M,) — every merged run, row-major."""
     n, width = start.shape
-    big = torch.iinfo(torch.long).max // 4
-    s = torch.where(valid, start, big)
-    s, order = s.sort(1)
+    s, order = torch.where(valid, start, torch.iinfo(start.dtype).max).sort(1)
     e = end.gather(1, order)
     v = valid.gather(1, order)  # valid runs first in each row
+    del order
     reach = torch.where(v, e, -2).cummax(1).values  # furthest end so far, (n, R)
-    prev = torch.cat([torch.full((n, 1), -2, dtype=torch.long), reach[:, :-1]], 1)
-    first = v & (s > prev + 1)  # a run that starts a new merged run
-    nxt_breaks = torch.cat([first[:, 1:] | ~v[:, 1:], torch.ones((n, 1), dtype=torch.bool)], 1)
-    last = v & nxt_breaks  # the last run of a merged run
+    del e
+    first = v.clone()  # a run that starts a new merged run: past everything before it
+    first[:, 1:] &= s[:, 1:] > reach[:, :-1] + 1
+    last = v.clone()  # the last run of a merged run: the next one starts anew (or is absent)
+    last[:, :-1] &= first[:, 1:] | ~v[:, 1:]
     rows = torch.arange(n).unsqueeze(1).expand(n, width)
     return rows[first], s[first], reach[last]
 
 
-@serial
-def block_flags(
+def _one_box(cl: Clause, box: Box) -> tuple[Tensor, Tensor, Tensor]:
+    """One box of ``cl`` as (ok (n,), lo (n, r), hi (n, r)), clipped — ``Clause.materialize``
+    for a single box, so a group never holds every box of a clause at once."""
+    n = cl.n
+    lo = [vec(x, n).clamp(min=0) for x in box.lo]
+    hi = [vec(x, n).clamp(max=size - 1) for x, size in zip(box.hi, cl.sdims)]
+    empty = torch.zeros((n, 0), dtype=torch.long)
+    return (
+        vec(box.ok, n, torch.bool),
+        torch.stack(lo, -1) if lo else empty,
+        torch.stack(hi, -1) if hi else empty,
+    )
+
+
+def _groups(
     sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
-) -> tuple[Tensor, Tensor]:
-    """(partial, full): (q blocks, kv blocks) bool, exactly as ``create_block_mask`` finds them.
+) -> Iterator[tuple[int, Tensor, Tensor]]:
+    """(first q block, partial, full) per group of q blocks (about ``ROW_CHUNK`` query cells, in
+    layout order), each flag array (q blocks of the group, kv blocks) bool, exactly as
+    ``create_block_mask`` finds them.
 
     ``boxes_of(target, rows)``: the clauses into ``target`` expanded at its canonical ``rows``.
-    Streams over groups of q blocks (about ``ROW_CHUNK`` query cells each, in layout order): the
-    boxes of just those cells are expanded, turned into runs and counted into small int32
-    difference arrays, so peak memory is the two flag arrays plus one group's work."""
+    Only the group's boxes are expanded, turned into runs and counted into small int32 difference
+    arrays, so the work never holds more than one group."""
     cells = sp.cells
     nq, nkv = -(-cells // q_block), -(-cells // kv_block)
     complete_kv = cells // kv_block  # kv blocks with no padding; only these can be full
-    partial = torch.zeros((nq, nkv), dtype=torch.bool)
-    full = torch.zeros((nq, nkv), dtype=torch.bool)
     targets = [v for v in sp.names if boxes_of.has(v)]
-    if not targets:
-        return partial, full
     group = max(1, min(ROW_CHUNK // q_block, DIFF_CAP // (nkv + 1)))
     for qb0 in range(0, nq, group):
         qb1 = min(nq, qb0 + group)
@@ -185,19 +207,18 @@ def block_flags(
             parts_e: list[Tensor] = []
             parts_v: list[Tensor] = []
             for cl in boxes_of(target, rows):
-                bx = cl.materialize()
                 base = sp.base[cl.source]
-                for b in range(bx.count):
-                    s, e, v = box_runs(bx.ok[b], bx.lo[b], bx.hi[b], cl.sdims, layout, cl.source)
+                for box in cl.boxes:
+                    s, e, v = box_runs(*_one_box(cl, box), cl.sdims, layout, cl.source)
                     parts_s.append(s + base)
                     parts_e.append(e + base)
                     parts_v.append(v)
             if not parts_s:
                 continue
-            row, s, e = merge_runs(
-                torch.cat(parts_s, 1), torch.cat(parts_e, 1), torch.cat(parts_v, 1)
-            )
+            start, end, valid = (torch.cat(p, 1) for p in (parts_s, parts_e, parts_v))
             del parts_s, parts_e, parts_v
+            row, s, e = merge_runs(start, end, valid)
+            del start, end, valid
             # Row i sits at layout position lo_p + i.
             rowbase = ((row + lo_p) // q_block - qb0) * (nkv + 1)
             ones = torch.ones(s.shape, dtype=torch.int32)
@@ -210,8 +231,38 @@ def block_flags(
             cover.index_add_(0, (rowbase + f_hi + 1)[has], -ones[has])
         touched = touch.view(g, nkv + 1).cumsum_(1)[:, :nkv] > 0
         covered = cover.view(g, nkv + 1).cumsum_(1)[:, :nkv] == q_block
-        partial[qb0:qb1] = touched & ~covered
-        full[qb0:qb1] = covered
+        yield qb0, touched & ~covered, covered
+
+
+@serial
+def block_flags(
+    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
+) -> tuple[Tensor, Tensor]:
+    """(partial, full): (q blocks, kv blocks) bool, exactly as ``create_block_mask`` finds them."""
+    nq, nkv = -(-sp.cells // q_block), -(-sp.cells // kv_block)
+    partial = torch.zeros((nq, nkv), dtype=torch.bool)
+    full = torch.zeros((nq, nkv), dtype=torch.bool)
+    for qb0, p, f in _groups(sp, layout, boxes_of, q_block, kv_block):
+        partial[qb0 : qb0 + p.shape[0]] = p
+        full[qb0 : qb0 + f.shape[0]] = f
+    return partial, full
+
+
+@serial
+def block_pairs(
+    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
+) -> tuple[Tensor, Tensor]:
+    """(partial, full): the non-empty block pairs, each (pairs, 2) int32 (q block, kv block),
+    sorted by q block then kv block — the block structure at its own size, never
+    (q blocks × kv blocks)."""
+    parts: list[list[Tensor]] = [[], []]
+    for qb0, *flags in _groups(sp, layout, boxes_of, q_block, kv_block):
+        for out, f in zip(parts, flags):
+            pairs = f.nonzero().to(torch.int32)  # row-major: sorted as promised
+            pairs[:, 0] += qb0
+            out.append(pairs)
+    empty = torch.zeros((0, 2), dtype=torch.int32)
+    partial, full = (torch.cat([empty, *p]) for p in parts)
     return partial, full
 
 
@@ -243,6 +294,35 @@ def _ordered(flags: Tensor) -> tuple[Tensor, Tensor]:
     return num[None, None], idx[None, None]
 
 
+def _compact(pairs: Tensor, rows: int, cols: int, dev: torch.device) -> tuple[Tensor, Tensor]:
+    """(num_blocks (1, 1, rows) int32, indices (1, 1, rows, cols) int32) on ``dev`` from the
+    non-empty ``pairs`` (k, 2) (row, col), sorted by row then col.
+
+    FlexAttention reads ``indices[b, h, r, :num_blocks[b, h, r]]`` only (``BlockMask``: "the
+    values of this row after ``col_indices[i][num_blocks_in_row[i]]`` are undefined"), through
+    the tensor's strides, but its compiled CPU kernel asserts that the last dimension spans every
+    kv block. So the indices keep their (rows, cols) shape with row stride ``width`` — the most
+    blocks in any row — instead of ``cols``: a row's undefined tail aliases the next rows, and the
+    storage is ``(rows - 1) · width + cols`` entries instead of ``rows · cols``. Every row's
+    defined prefix is what ``create_block_mask`` gives: the non-empty columns, ascending."""
+    row = pairs[:, 0].long()
+    num = torch.bincount(row, minlength=rows).to(torch.int32)
+    width = max(1, int(num.max())) if rows else 1
+    first = torch.cumsum(num, 0, dtype=torch.long) - num  # each row's first pair
+    slot = torch.arange(row.numel()) - first[row]
+    size = (rows - 1) * width + cols
+    flat = torch.zeros(size, dtype=torch.int32)
+    flat[row * width + slot] = pairs[:, 1]
+    idx = flat.to(dev).as_strided((1, 1, rows, cols), (size, size, width, 1))
+    return num[None, None].to(dev), idx
+
+
+def _transposed(pairs: Tensor) -> Tensor:
+    """The same pairs as (col, row), sorted by col then row (a stable sort keeps rows ascending)."""
+    order = torch.sort(pairs[:, 1], stable=True).indices
+    return pairs[order].flip(1)
+
+
 @serial
 def build_block_mask(
     sp: Space,
@@ -254,16 +334,20 @@ def build_block_mask(
 ) -> BlockMask:
     """A real :class:`BlockMask` over the whole sequence (batch 1, head 1, broadcast by FlexAttention).
 
-    The q-side tensors (``q_num_blocks``, ``q_indices``, …) are ordered from the transposed flags
-    directly — the same tensors ``BlockMask.from_kv_blocks`` would derive, without its dense
-    round trip."""
+    Its blocks are those of ``create_block_mask(mask_mod, 1, 1, cells, cells, BLOCK_SIZE=…)``: the
+    ``*_num_blocks`` tensors are identical, and so is the prefix of every row of the ``*_indices``
+    that FlexAttention reads; the indices are stored compactly (:func:`_compact`;
+    :func:`with_dense_indices` gives ``create_block_mask``'s own layout). The q-side tensors
+    (``q_num_blocks``, ``q_indices``, …, read by the backward pass) come from the transposed
+    pairs — what ``BlockMask.from_kv_blocks`` would derive, without its dense round trip."""
     qbs, kvbs = (block_size, block_size) if isinstance(block_size, int) else block_size
-    partial, full = block_flags(sp, layout, boxes_of, qbs, kvbs)
+    nq, nkv = -(-sp.cells // qbs), -(-sp.cells // kvbs)
+    partial, full = block_pairs(sp, layout, boxes_of, qbs, kvbs)
     dev = torch.device(device)
-    kv_num, kv_idx = (x.to(dev) for x in _ordered(partial))
-    full_num, full_idx = (x.to(dev) for x in _ordered(full))
-    q_num, q_idx = (x.to(dev) for x in _ordered(partial.t()))
-    full_q_num, full_q_idx = (x.to(dev) for x in _ordered(full.t()))
+    kv_num, kv_idx = _compact(partial, nq, nkv, dev)
+    full_num, full_idx = _compact(full, nq, nkv, dev)
+    q_num, q_idx = _compact(_transposed(partial), nkv, nq, dev)
+    full_q_num, full_q_idx = _compact(_transposed(full), nkv, nq, dev)
     return BlockMask(
         seq_lengths=(sp.cells, sp.cells),
         kv_num_blocks=kv_num,
@@ -276,4 +360,58 @@ def build_block_mask(
         full_q_indices=full_q_idx,
         BLOCK_SIZE=(qbs, kvbs),
         mask_mod=mask_mod,
+    )
+
+
+SIDES = ("kv", "full_kv", "q", "full_q")  # a BlockMask's (num_blocks, indices) pairs
+
+
+def _listed(num: Tensor, idx: Tensor) -> Tensor:
+    """(rows, cols) bool: the blocks in each row's defined prefix of one (1, 1, …) pair."""
+    n, i = num[0, 0].cpu().long(), idx[0, 0].cpu()
+    rows, cols = i.shape
+    width = int(n.max()) if rows else 0
+    listed = torch.arange(width) < n.unsqueeze(1)  # (rows, width)
+    flags = torch.zeros((rows, cols), dtype=torch.bool)
+    flags[listed.nonzero()[:, 0], i[:, :width][listed].long()] = True
+    return flags
+
+
+def block_sets(bm: BlockMask) -> dict[str, Tensor]:
+    """The blocks ``bm`` (batch 1, head 1) lists, per side (``SIDES``) that it has: (rows, cols)
+    bool flags, whatever the index layout — two BlockMasks visit the same blocks iff these are
+    equal (``kv``/``full_kv``: rows are q blocks; ``q``/``full_q``: rows are kv blocks)."""
+    out: dict[str, Tensor] = {}
+    for side in SIDES:
+        num, idx = getattr(bm, f"{side}_num_blocks"), getattr(bm, f"{side}_indices")
+        if num is not None and idx is not None:
+            out[side] = _listed(num, idx)
+    return out
+
+
+def with_dense_indices(bm: BlockMask) -> BlockMask:
+    """``bm`` (batch 1, head 1) with its index tensors laid out as ``create_block_mask`` lays
+    them out: contiguous (rows, cols), each row the non-empty columns ascending, then the empty
+    ones ascending — for code that reads past ``num_blocks`` or compares raw tensors
+    (FlexAttention does neither). Memory: four dense (rows × cols) int32 tensors."""
+    dev = bm.kv_indices.device
+    dense: dict[str, tuple[Tensor | None, Tensor | None]] = dict.fromkeys(SIDES, (None, None))
+    for side, flags in block_sets(bm).items():
+        num, idx = _ordered(flags)
+        dense[side] = num.to(dev), idx.to(dev)
+    (kv_num, kv_idx), (full_num, full_idx) = dense["kv"], dense["full_kv"]
+    (q_num, q_idx), (full_q_num, full_q_idx) = dense["q"], dense["full_q"]
+    assert kv_num is not None and kv_idx is not None
+    return BlockMask(
+        seq_lengths=bm.seq_lengths,
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_num,
+        full_kv_indices=full_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=bm.BLOCK_SIZE,
+        mask_mod=bm.mask_mod,
     )
