@@ -33,8 +33,8 @@ tensors and :func:`block_sets` compares block sets whatever the layout.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -344,26 +344,29 @@ def build_block_mask(
     nq, nkv = -(-sp.cells // qbs), -(-sp.cells // kvbs)
     partial, full = block_pairs(sp, layout, boxes_of, qbs, kvbs)
     dev = torch.device(device)
-    kv_num, kv_idx = _compact(partial, nq, nkv, dev)
-    full_num, full_idx = _compact(full, nq, nkv, dev)
-    q_num, q_idx = _compact(_transposed(partial), nkv, nq, dev)
-    full_q_num, full_q_idx = _compact(_transposed(full), nkv, nq, dev)
-    return BlockMask(
-        seq_lengths=(sp.cells, sp.cells),
-        kv_num_blocks=kv_num,
-        kv_indices=kv_idx,
-        full_kv_num_blocks=full_num,
-        full_kv_indices=full_idx,
-        q_num_blocks=q_num,
-        q_indices=q_idx,
-        full_q_num_blocks=full_q_num,
-        full_q_indices=full_q_idx,
-        BLOCK_SIZE=(qbs, kvbs),
-        mask_mod=mask_mod,
-    )
+    sides = {
+        "kv": _compact(partial, nq, nkv, dev),
+        "full_kv": _compact(full, nq, nkv, dev),
+        "q": _compact(_transposed(partial), nkv, nq, dev),
+        "full_q": _compact(_transposed(full), nkv, nq, dev),
+    }
+    return _assemble(sides, (sp.cells, sp.cells), (qbs, kvbs), mask_mod)
 
 
 SIDES = ("kv", "full_kv", "q", "full_q")  # a BlockMask's (num_blocks, indices) pairs
+
+
+def _assemble(
+    sides: Mapping[str, tuple[Tensor | None, Tensor | None]],
+    seq_lengths: tuple[int, int],
+    block: tuple[int, int],
+    mask_mod: MaskMod,
+) -> BlockMask:
+    """A BlockMask from its (num_blocks, indices) pair per side of ``SIDES``."""
+    kw: dict[str, Any] = {}
+    for side in SIDES:
+        kw[f"{side}_num_blocks"], kw[f"{side}_indices"] = sides[side]
+    return BlockMask(seq_lengths=seq_lengths, BLOCK_SIZE=block, mask_mod=mask_mod, **kw)
 
 
 def _listed(num: Tensor, idx: Tensor) -> Tensor:
@@ -399,19 +402,5 @@ def with_dense_indices(bm: BlockMask) -> BlockMask:
     for side, flags in block_sets(bm).items():
         num, idx = _ordered(flags)
         dense[side] = num.to(dev), idx.to(dev)
-    (kv_num, kv_idx), (full_num, full_idx) = dense["kv"], dense["full_kv"]
-    (q_num, q_idx), (full_q_num, full_q_idx) = dense["q"], dense["full_q"]
-    assert kv_num is not None and kv_idx is not None
-    return BlockMask(
-        seq_lengths=bm.seq_lengths,
-        kv_num_blocks=kv_num,
-        kv_indices=kv_idx,
-        full_kv_num_blocks=full_num,
-        full_kv_indices=full_idx,
-        q_num_blocks=q_num,
-        q_indices=q_idx,
-        full_q_num_blocks=full_q_num,
-        full_q_indices=full_q_idx,
-        BLOCK_SIZE=bm.BLOCK_SIZE,
-        mask_mod=bm.mask_mod,
-    )
+    assert dense["kv"][0] is not None and dense["kv"][1] is not None
+    return _assemble(dense, bm.seq_lengths, bm.BLOCK_SIZE, bm.mask_mod)
