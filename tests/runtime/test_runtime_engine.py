@@ -290,8 +290,50 @@ rule R:
     run = Run.from_source(src, bindings={"Big": scores(1e308)})  # the sum overflows to inf
     run.run(1)
     assert bool(run.engine.state["A"].committed.all())
-    with pytest.raises(ModelError, match="finite"):
+    with pytest.raises(ModelError, match=r"NaN/inf in .score."):
         Run.from_source(src, bindings={"Big": scores(float("nan"))}).run(1)
+
+
+SCORED = """
+value A : Token[4] shape Seq(3)
+rule R:
+  on A[t]
+  emit proposal A[t] := RandomTokens(k=2)
+  score S(...)
+"""
+
+
+@pytest.mark.parametrize(
+    ("bad", "code", "text"),
+    [("raise", "R030", "raised ValueError: boom"), ("shape", "R031", "must be a float tensor")],
+)
+def test_a_failing_score_names_the_rule_and_the_worker_and_commits_nothing(
+    bad: str, code: str, text: str
+) -> None:
+    def score(inputs: dict[str, torch.Tensor], **_: Any) -> torch.Tensor:
+        if bad == "raise":
+            raise ValueError("boom")
+        return torch.zeros(inputs["proposal"].shape[0], dtype=torch.float64)  # (n,), not (n, k)
+
+    run = Run.from_source(SCORED, bindings={"S": score})
+    with pytest.raises(ModelError) as info:
+        run.run(1)
+    assert info.value.code == code and text in str(info.value)
+    assert info.value.where["rule"] == "R" and info.value.where["worker"] == "cpu:0"
+    assert not bool(run.engine.state["A"].committed.any()) and run.engine.epoch == 0
+
+
+def test_the_worker_scores_all_replicas_of_a_rule_in_one_call() -> None:
+    calls: list[tuple[int, ...]] = []
+
+    def score(inputs: dict[str, torch.Tensor], **kw: Any) -> torch.Tensor:
+        calls.append((kw["epoch"], *inputs["proposal"].shape))
+        return inputs["proposal"].double()  # the higher token wins
+
+    src = SCORED + "commit A[*] using quorum(2, satisfy)\n"
+    run = Run.from_source(src, bindings={"S": score})
+    run.run(2)
+    assert calls == [(0, 6, 2), (1, 6, 2)]  # 2 replicas x 3 cells, k=2 candidates, per epoch
 
 
 @pytest.mark.parametrize("kind", ["require", "forbid"])

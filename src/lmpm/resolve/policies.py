@@ -78,6 +78,9 @@ def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
     k = a.violated.shape[2]
     if k == 0:
         return eligible
+    if k == 1:
+        ok = eligible > a.violated.squeeze(2)  # eligible and not violated (bools: a > b is a & ~b)
+        return torch.where(ok.any(dim=1, keepdim=True), ok, eligible)
     sat = ~a.violated  # (n, C, K)
     priority = a.priority.tolist()
     for prio in sorted(set(priority), reverse=True):

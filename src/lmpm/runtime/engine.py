@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lmpm.errors import ConstraintEvalError, InputError, ModelError
+from lmpm.errors import ConstraintEvalError, InputError
 from lmpm.ir.nodes import TRUE, PredKind, Status
 from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan, ValuePlan, needs_input
 from lmpm.resolve.policies import Agree
@@ -165,12 +165,6 @@ def _item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]
     return out  # type: ignore[return-value]  # checked just above
 
 
-def _all_finite(t: Tensor) -> bool:
-    """No NaN or infinity in ``t``. A finite sum proves it in one reduction (a non-finite entry
-    makes the sum non-finite); only a sum that overflowed needs the element-wise check."""
-    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
-
-
 def _clock_reads(rp: RulePlan) -> tuple[_ClockRead, ...]:
     """A rule's reads grouped by source for its commits' Lamport clocks (empty reads dropped)."""
     out: list[_ClockRead] = []
@@ -249,6 +243,7 @@ class Engine:
         # (rule, read) -> (cells, index rows, valid rows) last gathered for the model's inputs, so
         # the Lamport clock of the same cells needs no second gather of these static tables.
         self._read_rows: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        self._const_cache: dict[tuple[str, tuple[int, ...], torch.dtype], Tensor] = {}
         self._column_cache: dict[
             tuple[tuple[int, int, int], ...], tuple[Tensor, Tensor, Tensor]
         ] = {}
@@ -501,6 +496,8 @@ class Engine:
                         epoch=e,
                         value=vp.name,
                         replica=rep,
+                        score=rp.score,
+                        score_inputs=self._score_keys(rp, inputs) if rp.score else (),
                     )
                 )
                 meta.append((rp, cells, rep))
@@ -511,15 +508,12 @@ class Engine:
         # check + agree per value, commit all values together at the boundary.
         per_value: dict[str, list[tuple[RulePlan, Tensor, int, Tensor, Tensor]]] = {}
         outputs = _item_outputs(results, len(items)) if results is not None else []
-        for (rp, cells, rep), (prop, raw_score) in zip(meta, outputs):
-            if rp.score is not None:
-                prop = prop.unsqueeze(1) if prop.dim() == 1 else prop
-                score, seconds = self._score(rp, cells, snapshot, prop)
-                model_seconds += seconds
-            else:
-                score = raw_score if raw_score.dtype == torch.float64 else raw_score.double()
-                if prop.dim() == 1:
-                    prop, score = prop.unsqueeze(1), score.unsqueeze(1)
+        for (rp, cells, rep), (prop, score) in zip(meta, outputs):
+            # (a rule's own score ran on the worker: (n, k) float64 already)
+            if score.dtype != torch.float64:
+                score = score.double()
+            if prop.dim() == 1:
+                prop, score = prop.unsqueeze(1), score.unsqueeze(1)
             per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
         agreed = [self._agree(name, e, parts, snapshot) for name, parts in per_value.items()]
 
@@ -598,38 +592,6 @@ class Engine:
             self._row_cache[key] = (table, cells, rows)  # both kept alive: ids stay theirs
         return rows
 
-    def _score(
-        self, rp: RulePlan, cells: Tensor, snapshot: Mapping[str, Tensor], prop: Tensor
-    ) -> tuple[Tensor, float]:
-        """(n, C) float64 scores of ``prop`` from the rule's bound score, and the seconds spent in
-        that call alone (the model's share of the epoch)."""
-        inputs = self._inputs(rp, cells, snapshot)
-        args = {k: inputs[k] for k in self._score_keys(rp, inputs)}
-        args["proposal"] = prop
-        assert rp.score is not None
-        seconds = 0.0
-        try:
-            t0 = time.perf_counter()
-            raw = rp.score(args, epoch=self.epoch)
-            seconds = time.perf_counter() - t0
-            out = torch.as_tensor(raw)
-        except Exception as exc:
-            raise ModelError(
-                f"score `{rp.ir.score.func if rp.ir.score else '?'}` raised "
-                f"{type(exc).__name__}: {exc}",
-                where={"rule": rp.name, "cells": cells[:5].tolist(), "backend": "control"},
-                span=rp.ir.score.span if rp.ir.score else None,
-                code="R030",
-            ) from exc
-        if out.shape != prop.shape[:2] or not _all_finite(out):
-            raise ModelError(
-                f"score of rule `{rp.name}` must be finite with shape {tuple(prop.shape[:2])}, "
-                f"got {tuple(out.shape)}",
-                where={"rule": rp.name, "cells": cells[:5].tolist()},
-                code="R031",
-            )
-        return (out if out.dtype == torch.float64 else out.double()), seconds
-
     def _score_keys(self, rp: RulePlan, inputs: Mapping[str, Tensor]) -> tuple[str, ...]:
         """The model inputs a rule's score call receives: cells, coords and its reads' tensors."""
         keys = tuple(inputs)
@@ -666,8 +628,13 @@ class Engine:
         widths = [p[3].shape[1] for p in parts]
         ncol = 1 + sum(widths)
         current = snapshot[name].index_select(0, cells)
-        committed = st.committed.index_select(0, cells)
-        kept_score = st.score.index_select(0, cells)
+        fresh = not self._opens_committed  # every open cell is unset: nothing to gather about it
+        if fresh:
+            committed = self._const("unset", (n,), torch.bool, False)
+            kept_score = self._const("unset", (n, 1), torch.float64, -math.inf)
+        else:
+            committed = st.committed.index_select(0, cells)
+            kept_score = st.score.index_select(0, cells).unsqueeze(1)
         col_rule, col_rep, col_slot = self._columns(parts, widths)
         all_valid = len(parts) == 1  # every (cell, candidate) exists: no padding, nothing folded
         if len(parts) == 1:
@@ -675,15 +642,15 @@ class Engine:
             _, _, _, prop, sc = parts[0]
             prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
             payload = torch.cat((current.unsqueeze(1), prop), 1)
-            valid = torch.ones((n, ncol), dtype=torch.bool)
-            score = torch.cat((kept_score.unsqueeze(1), sc), 1)
+            valid = self._const("valid", (n, ncol), torch.bool, True)
+            score = torch.cat((kept_score, sc), 1)
         else:
             payload = torch.zeros((n, ncol), dtype=vp.dtype)
             payload[:, 0] = current
             valid = torch.zeros((n, ncol), dtype=torch.bool)
             valid[:, 0] = True
             score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
-            score[:, 0] = kept_score
+            score[:, 0:1] = kept_score
             c = 1
             for (_, rcells, _, prop, sc), w in zip(parts, widths):
                 rows = torch.searchsorted(cells, rcells)
@@ -700,9 +667,9 @@ class Engine:
             if not all_valid:
                 same &= valid
             same.select(1, 0).fill_(False)
-            fresh = torch.where(same, score, -torch.inf).amax(dim=1)
-            score[:, 0] = torch.where(same.any(dim=1), fresh, score[:, 0])
-            valid.masked_fill_(same, False)
+            rescored = torch.where(same, score, -torch.inf).amax(dim=1)
+            score[:, 0] = torch.where(same.any(dim=1), rescored, score[:, 0])
+            valid = valid.masked_fill(same, False)  # (not in place: valid may be a _const)
             all_valid = False
 
         # (n, C, K) violations: each constraint's verdicts, masked by the cells it speaks about and
@@ -733,7 +700,7 @@ class Engine:
                 any_violated = any_violated | verdict
             violations = int(any_violated.count_nonzero())
         if all(a is None for a in applies_cols):
-            applies = torch.ones((n, k), dtype=torch.bool)
+            applies = self._const("applies", (n, k), torch.bool, True)
         else:
             ones = torch.ones(n, dtype=torch.bool)
             applies = torch.stack([ones if a is None else a for a in applies_cols], dim=1)
@@ -763,7 +730,7 @@ class Engine:
                 keep[order] = True
                 changed &= keep
         commits = int(changed.count_nonzero())
-        new_clock = self._clocks(st, static, cells, changed, commits, col_rule, winner)
+        new_clock = self._clocks(st, static, cells, changed, commits, col_rule, winner, fresh)
         ve = ValueEpoch(
             name,
             cells,
@@ -791,12 +758,17 @@ class Engine:
         commits: int,
         col_rule: Tensor,
         winner: Tensor,
+        fresh: bool,
     ) -> Tensor:
         """(n,) Lamport clocks after the epoch: a committing cell's clock becomes 1 + max(its own
         clock, the clock of every cell its winning rule read). Clocks are never negative (0 until
         a cell's first commit), so an empty or invalid read contributes nothing. Computed for every
-        open cell and kept where the cell commits (no boolean row selection)."""
-        new_clock = st.clock.index_select(0, cells)
+        open cell and kept where the cell commits (no boolean row selection). ``fresh``: every open
+        cell is unset, so its own clock is 0 and the max is the reads' alone."""
+        n = cells.numel()
+        new_clock = (
+            self._const("unset", (n,), torch.int64, 0) if fresh else st.clock.index_select(0, cells)
+        )
         if commits == 0:
             return new_clock
         single = len(static.rules) == 1  # then every proposal column belongs to that rule
@@ -824,10 +796,25 @@ class Engine:
                     clocks = clocks * valid  # clocks are >= 0: zero is the max's identity
                 top = clocks.squeeze(1) if clocks.shape[1] == 1 else clocks.amax(dim=1)
                 read_max = top if read_max is None else torch.maximum(read_max, top)
-            bumped = (new_clock if read_max is None else torch.maximum(new_clock, read_max)) + 1
+            if read_max is None:
+                bumped = new_clock + 1
+            elif fresh and read_max.dim() == 1:
+                bumped = read_max + 1  # max(0, read_max): clocks are never negative
+            else:
+                bumped = torch.maximum(new_clock, read_max) + 1
             whole = single and commits == cells.numel()
             new_clock = bumped if whole else torch.where(sel, bumped, new_clock)
         return new_clock
+
+    def _const(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, fill: Any) -> Tensor:
+        """A filled tensor, made once per (kind, shape, dtype): the fixed parts of an epoch's
+        record (keep-current of unset cells, all-valid candidates). Never written in place: the
+        records, policies and predicates that receive them treat their inputs as read-only."""
+        key = (kind, shape, dtype)
+        hit = self._const_cache.get(key)
+        if hit is None:
+            hit = self._const_cache[key] = torch.full(shape, fill, dtype=dtype)
+        return hit
 
     def _columns(
         self, parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]], widths: list[int]

@@ -86,6 +86,11 @@ class WorkItem:
     epoch: int = 0
     value: str | None = None  # ... the value name; None means "use the rule name"
     replica: int = 0  # quorum replica: replicas draw independent noise
+    # The rule's score, run by the worker right after the model: ``score(inputs, epoch=...)`` with
+    # the inputs named in ``score_inputs`` plus ``proposal`` (n, k); it returns (n, k) scores that
+    # replace the model's own. The control plane never calls a model.
+    score: Model | None = None
+    score_inputs: tuple[str, ...] = ()
 
     @property
     def n(self) -> int:

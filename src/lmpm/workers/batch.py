@@ -94,6 +94,8 @@ class BatchedCall:
     keys: RowKeys
     item_ids: tuple[int, ...]  # positions in the dispatched work
     offsets: tuple[int, ...]  # len(item_ids) + 1 row offsets
+    score: Model | None = None  # the rule's score (see WorkItem.score)
+    score_inputs: tuple[str, ...] = ()
 
 
 def as_items(work: Work) -> tuple[WorkItem, ...]:
@@ -122,7 +124,8 @@ def _group_key(item: WorkItem) -> Hashable:
     inputs = item.inputs
     names = tuple(sorted(k for k in inputs if not (k.endswith("_mask") and k[:-5] in inputs)))
     kw = tuple(sorted((k, _freeze(v)) for k, v in item.kwargs.items())) if item.kwargs else ()
-    return (item.rule, id(item.model), item.group, item.vocab, item.dtype, kw, names)
+    score = (id(item.score), item.score_inputs) if item.score is not None else None
+    return (item.rule, id(item.model), item.group, item.vocab, item.dtype, kw, names, score)
 
 
 Transfer = Callable[[Tensor], Tensor]
@@ -269,6 +272,8 @@ def _build_call(
         keys=keys,
         item_ids=tuple(item_ids),
         offsets=tuple(offsets),
+        score=head.score,
+        score_inputs=head.score_inputs,
     )
 
 
@@ -447,6 +452,8 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         if call.vocab is not None:
             outside = (proposal < 0) | (proposal >= call.vocab)
             bad |= _rows_any(outside).to(torch.int8) * BAD_TOKEN
+    if call.score is not None:
+        proposal, score = _rule_score(call, proposal, backend, worker)
     bad |= _rows_any(~torch.isfinite(score)).to(torch.int8) * BAD_SCORE
     result = GroupResult(
         rule=call.rule,
@@ -458,6 +465,35 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         offsets=call.offsets,
     )
     return result, bad
+
+
+def _rule_score(
+    call: BatchedCall, proposal: Tensor, backend: str, worker: str
+) -> tuple[Tensor, Tensor]:
+    """The rule's own score of every proposal: (n, k) proposals and their float64 scores."""
+    assert call.score is not None
+    prop = proposal.unsqueeze(1) if proposal.dim() == 1 else proposal
+    args = {k: call.inputs[k] for k in call.score_inputs if k in call.inputs}
+    args["proposal"] = prop
+    try:
+        with torch.no_grad():
+            raw = call.score(args, epoch=call.keys.epoch)
+        out = torch.as_tensor(raw)
+    except Exception as e:
+        raise ModelError(
+            f"the score of rule '{call.rule}' raised {type(e).__name__}: {e}",
+            where=_where(call, backend, worker),
+            code="R030",
+        ) from e
+    if out.shape != prop.shape[:2] or not out.is_floating_point():
+        # (NaN/inf is a data fault: the per-row bitmask reports it, with no device sync here.)
+        raise ModelError(
+            f"the score of rule '{call.rule}' must be a float tensor of shape "
+            f"{tuple(prop.shape[:2])} (cells, candidates), got {out.dtype} {tuple(out.shape)}",
+            where=_where(call, backend, worker),
+            code="R031",
+        )
+    return prop, out if out.dtype == torch.float64 else out.double()
 
 
 def raise_if_bad(result: GroupResult, bad: Tensor, *, backend: str, worker: str) -> None:

@@ -152,7 +152,11 @@ class CpuBackend:
         target = self.get(key)
         self._wait_readers(key)
         # index_put_ writes into the existing storage: views handed out by get() see the update.
-        target.index_put_((index.to(self.device),), values.to(self.device, target.dtype))
+        if values.dtype != target.dtype or values.device != target.device:
+            values = values.to(target.device, target.dtype)
+        if index.device != target.device:
+            index = index.to(target.device)
+        target.index_put_((index,), values)
 
     def delete(self, key: str) -> None:
         self._wait_readers(key)
