@@ -243,6 +243,7 @@ class Engine:
         # (rule, read) -> (cells, index rows, valid rows) last gathered for the model's inputs, so
         # the Lamport clock of the same cells needs no second gather of these static tables.
         self._read_rows: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        self._kwargs_base: dict[int, dict[str, Any]] = {}  # per rule: see _kwargs
         self._const_cache: dict[tuple[str, tuple[int, ...], torch.dtype], Tensor] = {}
         self._column_cache: dict[
             tuple[tuple[int, int, int], ...], tuple[Tensor, Tensor, Tensor]
@@ -350,12 +351,29 @@ class Engine:
             self._started = True
         limit = epochs if epochs is not None else max_epochs
         res = RunResult(0, False, 0, 0, 0.0, 0.0)
+        period = self.stable_period()
         t0 = time.perf_counter()
+        with torch.inference_mode():  # as in step(), entered once for the whole loop
+            self._loop(res, limit, epochs is None or until_stable, period, quiet, progress)
+        res.seconds = time.perf_counter() - t0
+        for o in self.observers:
+            o.on_end(self)
+        return res
+
+    def _loop(
+        self,
+        res: RunResult,
+        limit: int,
+        stop_when_stable: bool,
+        period: int,
+        quiet: int,
+        progress: Callable[[EpochRecord], None] | None,
+    ) -> None:
         while self.epoch < limit:
-            if quiet >= self.stable_period() and (until_stable or epochs is None):
+            if quiet >= period and stop_when_stable:
                 res.stable = True  # a resumed run that had already become stable
                 break
-            rec = self.step()
+            rec = self._step()
             res.epochs += 1
             res.commits += rec.commits
             res.attempts += rec.attempts
@@ -365,13 +383,9 @@ class Engine:
             if progress is not None:
                 progress(rec)
             quiet = quiet + 1 if rec.commits == 0 else 0
-            if quiet >= self.stable_period() and (until_stable or epochs is None):
+            if quiet >= period and stop_when_stable:
                 res.stable = True
                 break
-        res.seconds = time.perf_counter() - t0
-        for o in self.observers:
-            o.on_end(self)
-        return res
 
     def stable_period(self) -> int:
         """Epochs without a commit that prove stability: one full cycle of the schedule."""
@@ -474,21 +488,16 @@ class Engine:
             if cells.numel() == 0:
                 continue
             inputs = self._inputs(rp, cells, snapshot)
-            kwargs = dict(rp.kwargs)
-            for k, ex in rp.epoch_args.items():
-                from lmpm.ir.eval import evaluate
-
-                kwargs[k] = evaluate(ex, self.plan.env | {"e": e})
-            kwargs.setdefault("epoch", e)
-            kwargs.setdefault("vocab", vp.vocab)
-            kwargs.setdefault("seed", self.seed)
+            kwargs = self._kwargs(rp, vp, e)
+            global_cells = cells + vp.offset if vp.offset else cells
+            score_inputs = self._score_keys(rp, inputs) if rp.score else ()
             for rep in range(rp.replicas):
                 items.append(
                     WorkItem(
                         rp.name,
                         rp.model,
                         inputs,
-                        cells + vp.offset if vp.offset else cells,
+                        global_cells,
                         vp.vocab,
                         kwargs,
                         dtype=vp.dtype,
@@ -497,7 +506,7 @@ class Engine:
                         value=vp.name,
                         replica=rep,
                         score=rp.score,
-                        score_inputs=self._score_keys(rp, inputs) if rp.score else (),
+                        score_inputs=score_inputs,
                     )
                 )
                 meta.append((rp, cells, rep))
@@ -539,6 +548,25 @@ class Engine:
         for o in self.observers:
             o.on_epoch(self, rec)
         return rec
+
+    def _kwargs(self, rp: RulePlan, vp: ValuePlan, e: int) -> dict[str, Any]:
+        """The model call's keyword arguments in epoch ``e``: the rule's literals, then the ones
+        computed from ``e``, then ``epoch``, ``vocab`` and ``seed`` unless the rule sets them."""
+        if not rp.epoch_args and "epoch" not in rp.kwargs:
+            base = self._kwargs_base.get(rp.id)
+            if base is None:
+                base = self._kwargs_base[rp.id] = {"vocab": vp.vocab, "seed": self.seed}
+                base.update(rp.kwargs)
+            return {**base, "epoch": e}
+        from lmpm.ir.eval import evaluate
+
+        kwargs = dict(rp.kwargs)
+        for k, ex in rp.epoch_args.items():
+            kwargs[k] = evaluate(ex, self.plan.env | {"e": e})
+        kwargs.setdefault("epoch", e)
+        kwargs.setdefault("vocab", vp.vocab)
+        kwargs.setdefault("seed", self.seed)
+        return kwargs
 
     def _inputs(
         self, rp: RulePlan, cells: Tensor, snapshot: Mapping[str, Tensor]
