@@ -56,7 +56,8 @@ def _clause(
     # Offsets come from the same enumeration the stencil expansion uses (over all target cells),
     # so a per-cell range binder contributes the union of its ranges plus a per-cell bound check.
     full_env: dict[str, Val] = dict(env)
-    full_env.update(zip(vars_, cell_coords(sp.dims[target])))
+    if any(b.neighborhood is None for b in binders):  # only a range's bounds read the cell
+        full_env.update(zip(vars_, cell_coords(sp.dims[target])))
     combos = tuple(c.values for c in binder_combos(binders, full_env))
     ranged = tuple(
         (b.vars[0], b.lo, b.hi)
