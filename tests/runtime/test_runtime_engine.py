@@ -320,6 +320,12 @@ def test_a_failing_score_names_the_rule_and_the_worker_and_commits_nothing(
         run.run(1)
     assert info.value.code == code and text in str(info.value)
     assert info.value.where["rule"] == "R" and info.value.where["worker"] == "cpu:0"
+    span = info.value.span  # the `score S(...)` call in the source
+    assert (
+        span is not None
+        and span.line == 6
+        and SCORED.splitlines()[span.line - 1][span.col - 1 :].startswith("S(")
+    )
     assert not bool(run.engine.state["A"].committed.any()) and run.engine.epoch == 0
 
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lmpm.errors import ConstraintEvalError, InputError
+from lmpm.errors import ConstraintEvalError, InputError, ModelError
 from lmpm.ir.nodes import TRUE, PredKind, Status
 from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan, ValuePlan, needs_input
 from lmpm.resolve.policies import Agree
@@ -511,7 +511,11 @@ class Engine:
                 )
                 meta.append((rp, cells, rep))
         tm = time.perf_counter()
-        results = self.backend.collect(self.backend.dispatch(items)) if items else None
+        try:
+            results = self.backend.collect(self.backend.dispatch(items)) if items else None
+        except ModelError as exc:
+            self._locate_score_error(exc)
+            raise
         model_seconds = time.perf_counter() - tm
 
         # check + agree per value, commit all values together at the boundary.
@@ -548,6 +552,16 @@ class Engine:
         for o in self.observers:
             o.on_epoch(self, rec)
         return rec
+
+    def _locate_score_error(self, exc: ModelError) -> None:
+        """A rule's score failed on the worker (R030/R031): point the error at the `score` call in
+        the source (file:line:col), which the worker does not know."""
+        if exc.span is not None or exc.code not in ("R030", "R031"):
+            return
+        for rp in self.plan.rules:
+            if rp.name == exc.where.get("rule") and rp.ir.score is not None:
+                exc.span = rp.ir.score.span
+                return
 
     def _kwargs(self, rp: RulePlan, vp: ValuePlan, e: int) -> dict[str, Any]:
         """The model call's keyword arguments in epoch ``e``: the rule's literals, then the ones
