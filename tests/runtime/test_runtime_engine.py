@@ -272,28 +272,6 @@ rule RB:
     assert checked == ["b", "a", "b", "a"]
 
 
-def test_scores_with_an_overflowing_sum_are_finite_and_nan_is_not() -> None:
-    src = """
-value A : Token[4] shape Seq(3)
-rule R:
-  on A[t]
-  emit proposal A[t] := RandomTokens(k=2)
-  score Big(...)
-"""
-
-    def scores(value: float) -> Any:
-        def score(inputs: dict[str, torch.Tensor], **_: Any) -> torch.Tensor:
-            return torch.full(inputs["proposal"].shape, value, dtype=torch.float64)
-
-        return score
-
-    run = Run.from_source(src, bindings={"Big": scores(1e308)})  # the sum overflows to inf
-    run.run(1)
-    assert bool(run.engine.state["A"].committed.all())
-    with pytest.raises(ModelError, match=r"NaN/inf in .score."):
-        Run.from_source(src, bindings={"Big": scores(float("nan"))}).run(1)
-
-
 SCORED = """
 value A : Token[4] shape Seq(3)
 rule R:
@@ -301,6 +279,20 @@ rule R:
   emit proposal A[t] := RandomTokens(k=2)
   score S(...)
 """
+
+
+def test_scores_with_an_overflowing_sum_are_finite_and_nan_is_not() -> None:
+    def scores(value: float) -> Any:
+        def score(inputs: dict[str, torch.Tensor], **_: Any) -> torch.Tensor:
+            return torch.full(inputs["proposal"].shape, value, dtype=torch.float64)
+
+        return score
+
+    run = Run.from_source(SCORED, bindings={"S": scores(1e308)})  # the sum overflows to inf
+    run.run(1)
+    assert bool(run.engine.state["A"].committed.all())
+    with pytest.raises(ModelError, match=r"NaN/inf in .score."):
+        Run.from_source(SCORED, bindings={"S": scores(float("nan"))}).run(1)
 
 
 @pytest.mark.parametrize(
