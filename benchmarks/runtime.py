@@ -61,7 +61,7 @@ def caption(run: Run) -> None:
     payload[: len(text)] = torch.tensor(list(text))
     mask = torch.zeros(vp.ncells, dtype=torch.bool)
     mask[: len(text)] = True
-    run.engine.set_input("Txt", payload, mask)
+    run.set_input("Txt", payload, mask)
 
 
 def throughput(epochs: int) -> dict[str, Any]:
@@ -102,7 +102,7 @@ def vs_reference(epochs: int) -> dict[str, Any]:
         "Txt",
         [
             int(x) if bool(c) else None
-            for x, c in zip(run.engine.payload("Txt").tolist(), committed.tolist())
+            for x, c in zip(run.payload("Txt").tolist(), committed.tolist())
         ],
     )
     assert vp.ncells == len(ref.payload["Txt"])
@@ -113,7 +113,7 @@ def vs_reference(epochs: int) -> dict[str, Any]:
     for _ in range(epochs):
         ref.step()
     slow = time.perf_counter() - t
-    got = torch.where(run.engine.state["Vid"].committed, run.engine.payload("Vid"), -1).tolist()
+    got = torch.where(run.engine.state["Vid"].committed, run.payload("Vid"), -1).tolist()
     want = [x if c else -1 for x, c in zip(ref.payload["Vid"], ref.committed["Vid"])]
     assert got == want, "vectorized runtime and reference interpreter disagree"
     assert run.engine.state["Vid"].clock.tolist() == ref.clock["Vid"]

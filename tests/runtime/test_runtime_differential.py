@@ -160,7 +160,7 @@ def test_vectorized_runtime_equals_reference(case: tuple[str, dict[str, Any]]) -
         assert rec.commits == commits, src
     name = info["target"]
     state = run.engine.state[name]
-    got = torch.where(state.committed, run.engine.payload(name), -1).tolist()
+    got = torch.where(state.committed, run.payload(name), -1).tolist()
     want = [p if c else -1 for p, c in zip(ref.payload[name], ref.committed[name])]
     assert got == want, src
     assert state.clock.tolist() == ref.clock[name], src
@@ -197,7 +197,7 @@ def test_clocks_of_several_reads_of_one_source_equal_reference(strategy: str) ->
     run = Run(front, bindings=BINDINGS, seed=1)
     ref = Reference(front.ir, bindings=BINDINGS, seed=1)
     given: list[int | None] = [None if i % 3 == 0 else i % 5 for i in range(12)]
-    run.engine.set_input(
+    run.set_input(
         "S",
         torch.tensor([-1 if v is None else v for v in given]),
         torch.tensor([v is not None for v in given]),
@@ -211,6 +211,6 @@ def test_clocks_of_several_reads_of_one_source_equal_reference(strategy: str) ->
     for _ in range(6):
         assert run.engine.step().commits == ref.step()
         state = run.engine.state["G"]
-        got = torch.where(state.committed, run.engine.payload("G"), -1).tolist()
+        got = torch.where(state.committed, run.payload("G"), -1).tolist()
         assert got == [p if c else -1 for p, c in zip(ref.payload["G"], ref.committed["G"])]
         assert state.clock.tolist() == ref.clock["G"]

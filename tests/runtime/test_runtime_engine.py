@@ -39,7 +39,9 @@ def grid(strategy: str, model: str = "RandomTokens(nb)", **kw: Any) -> Run:
 def test_red_black_never_opens_axis_neighbours_together() -> None:
     run = grid("red-black")
     for e in range(4):
-        m = run.engine._open(e)["G"].view(6, 5)
+        m = torch.zeros(30, dtype=torch.bool)
+        m[run.engine.open_cells(e)["G"]] = True
+        m = m.view(6, 5)
         assert not bool((m[1:, :] & m[:-1, :]).any()) and not bool((m[:, 1:] & m[:, :-1]).any())
 
 
@@ -344,12 +346,12 @@ rule R:
 constraint S: {kind} A[t] in Set(0, 5) priority 3
 """
     run = Run.from_source(src)
-    eng = run.engine
-    cp = eng._static["A"].constraints[0]
-    table = eng._static["A"].tables[0]
+    worker = run.dataplane
+    cp = worker._tables["A"].constraints[0]
+    table = worker._tables["A"].tables[0]
     payload = torch.tensor([[0, -7, -1, 5, 6, 99], [4, 0, 5, 1, 2, 3]])
     committed = torch.tensor([True, False])
-    viol = eng._violations(
+    viol = worker._violations(
         cp,
         run.plan.values["A"],
         torch.tensor([0, 1]),
@@ -358,7 +360,6 @@ constraint S: {kind} A[t] in Set(0, 5) priority 3
         payload[:, 0],
         committed,
         True,
-        {"A": eng.payload("A")},
         0,
         table,
     )

@@ -63,7 +63,7 @@ def test_average_needs_numbers() -> None:
     with pytest.raises(BindError, match="numeric"):
         get_policy("average")(a)
     f = Agree(
-        torch.tensor([[0.0, 1.0, 3.0]]),
+        torch.tensor([[0, 1, 3]]),
         torch.ones(1, 3, dtype=torch.bool),
         torch.zeros(1, 3, dtype=torch.float64),
         torch.zeros(1, 3, 0, dtype=torch.bool),
@@ -71,8 +71,11 @@ def test_average_needs_numbers() -> None:
         torch.tensor([-1, 0, 0]),
         torch.tensor([-1, 0, 0]),
         torch.tensor([-1, 0, 1]),
+        True,
     )
-    assert get_policy("average")(f).payload.tolist() == [2.0]
+    d = get_policy("average")(f)
+    assert d.winner.tolist() == [1] and d.weights is not None
+    assert d.weights.tolist() == [[0.0, 1.0, 1.0]]  # the worker averages columns 1 and 2
 
 
 def test_quorum_requires_agreeing_replicas() -> None:
@@ -86,7 +89,7 @@ def test_quorum_requires_agreeing_replicas() -> None:
         slot=[-1, 0, 0],
     )
     d = get_policy("quorum")(a, 2, "satisfy")
-    assert d.payload.tolist() == [3, 0]
+    assert d.winner.tolist() == [1, 0]  # row 0: replicas agree (checksum 3); row 1: they differ
 
 
 def test_unknown_policy_lists_the_known_ones() -> None:
@@ -99,10 +102,10 @@ def _satisfy_by_hand(a: Agree) -> list[int]:
     constraints per priority level, highest level first; score; -column)."""
     levels = sorted(set(a.priority.tolist()), reverse=True)
     winners = []
-    for i in range(a.payload.shape[0]):
+    for i in range(a.checksum.shape[0]):
         best: tuple[Any, ...] | None = None
         win = 0
-        for c in range(a.payload.shape[1]):
+        for c in range(a.checksum.shape[1]):
             if not a.valid[i, c]:
                 continue
             sat = tuple(
@@ -144,4 +147,4 @@ def test_satisfy_equals_its_definition_on_random_candidates(seed: int) -> None:
     d = get_policy("satisfy")(a)
     want = _satisfy_by_hand(a)
     assert d.winner.tolist() == want
-    assert d.payload.tolist() == [int(a.payload[i, w]) for i, w in enumerate(want)]
+    assert d.winner.tolist() == want

@@ -64,7 +64,7 @@ EPOCHS = 24
 OUTPUTS = ("G.npy", "G.json")
 LOG = (
     "SELECT epoch, value, first, last, step, count, rule, clock_min, clock_max, score_min, "
-    "score_max, crc, payload, clocks, scores FROM commits ORDER BY epoch, value, first",
+    "score_max, crc, sums, clocks, scores FROM commits ORDER BY epoch, value, first",
     "SELECT * FROM trace_summary ORDER BY epoch, constraint_id, rule",
     "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, maskplan "
     "FROM epochs ORDER BY epoch",
@@ -114,6 +114,17 @@ def _log(db: Path) -> list[list[tuple[object, ...]]]:
     conn = sqlite3.connect(db)
     try:
         return [conn.execute(q).fetchall() for q in LOG]
+    finally:
+        conn.close()
+
+
+def _store(run_dir: Path) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(run_dir / "payload" / "cpu-0.db")
+    try:
+        return conn.execute(
+            "SELECT epoch, value, first, step, count, crc, payload FROM rows "
+            "ORDER BY epoch, value, first"
+        ).fetchall()
     finally:
         conn.close()
 
@@ -176,8 +187,9 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
         assert "resumed at epoch" in errs[seed]
         for name in OUTPUTS:
             assert (out / name).read_bytes() == (ref / name).read_bytes(), (seed, name)
-        # the log itself is the uninterrupted run's
+        # the log itself is the uninterrupted run's, and so is the worker's payload store
         assert _log(out / "lmpm.db") == _log(ref / "lmpm.db"), seed
+        assert _store(out) == _store(ref), seed
 
 
 def test_a_run_killed_while_starting_leaves_no_log(tmp_path: Path) -> None:

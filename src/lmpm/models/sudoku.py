@@ -55,7 +55,7 @@ from torch import Tensor
 from lmpm.workers import rng
 
 if TYPE_CHECKING:
-    from lmpm.runtime.engine import PredicateInput
+    from lmpm.runtime.dataplane import PredicateInput
 
 MARKS = 512  # 9-bit pencil-mark mask; the calm and alarm counters sit above it
 ALARM = (

@@ -62,6 +62,7 @@ class ValuePlan:
     policy: Policy
     policy_args: tuple[Any, ...]
     policy_text: str
+    cell_shape: tuple[int, ...] = ()  # payload dims of one cell: (D,) for Tensor[D], () otherwise
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,11 +188,24 @@ def resolve(
             n *= d
         vocab = evaluate(v.vocab, env) if v.vocab is not None and v.dtype == DType.TOKEN else None
         dtype = torch.float32 if v.dtype in (DType.FLOAT, DType.TENSOR) else torch.int64
+        cell_shape: tuple[int, ...] = ()
+        if v.dtype == DType.TENSOR and v.vocab is not None:
+            cell_shape = (int(evaluate(v.vocab, env)),)
         pcall = policies.get(v.name, DEFAULT_POLICY)
         policy = get_policy(pcall.func)
         args = tuple(_literal(a, env) for a in pcall.args)
         values[v.name] = ValuePlan(
-            v.name, dims, n, offset, vocab, dtype, coords_of(dims), policy, args, call_str(pcall)
+            v.name,
+            dims,
+            n,
+            offset,
+            vocab,
+            dtype,
+            coords_of(dims),
+            policy,
+            args,
+            call_str(pcall),
+            cell_shape,
         )
         offset += n
 

@@ -4,6 +4,11 @@ Every policy sees all candidates of all open cells at once (tensors), never a Py
 Column 0 of every candidate tensor is *keep current* (the committed payload, or unset). Ties break
 deterministically by the lowest candidate column, so keep-current wins every tie.
 
+Policies run on the control plane, which holds metadata only: a policy sees each candidate's score,
+validity, constraint verdicts and a payload *checksum* (equal payloads have equal checksums), never
+the payload itself. A policy that aggregates payload (``average``) says so with per-column weights in
+its :class:`Decision`; the worker holding the payload computes the aggregate.
+
 Add a policy::
 
     from lmpm.resolve.policies import register, Agree, Decision
@@ -29,7 +34,7 @@ from lmpm.errors import BindError
 class Agree:
     """The candidates of ``n`` open cells. C = 1 (keep) + all proposals; K = constraints."""
 
-    payload: Tensor  # (n, C) candidate payloads (int64 tokens or float values)
+    checksum: Tensor  # (n, C) int64 payload checksum: equal payloads, equal checksums
     valid: Tensor  # (n, C) bool: the candidate exists (padding is False; keep is always True)
     score: Tensor  # (n, C) float64; keep's score is the committed score (-inf when unset)
     violated: Tensor  # (n, C, K) bool
@@ -37,12 +42,17 @@ class Agree:
     rule: Tensor  # (C,) int64 rule index of each column; -1 for keep
     replica: Tensor  # (C,) int64 quorum replica of each column; -1 for keep
     slot: Tensor  # (C,) int64 proposal slot within its rule (replicas share slots); -1 for keep
+    numeric: bool = False  # the value's payload is numeric (Float, Tensor[D]): it can be averaged
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """A policy's verdict. ``winner`` 0 keeps the cell; with ``weights`` (aggregating policies) a
+    cell whose winner is not 0 commits ``sum_c w[c] * candidate[c] / sum_c w[c]``, which the worker
+    computes (the control plane never sees payload)."""
+
     winner: Tensor  # (n,) int64 column index; 0 = keep current
-    payload: Tensor  # (n,) the payload to commit (the winner's, or an aggregate)
+    weights: Tensor | None = None  # (n, C) float64 aggregation weights, or None: take the winner
 
 
 Policy = Callable[..., Decision]
@@ -59,10 +69,6 @@ def register(name: str) -> Callable[[Policy], Policy]:
 
 # Policies run every epoch on tensors that may be tiny (one open cell), where each operation's fixed
 # cost dominates: they use the cheapest equivalent forms (gather, amax, a uint8 view of a bool).
-
-
-def _take(a: Agree, winner: Tensor) -> Decision:
-    return Decision(winner, a.payload.gather(1, winner.unsqueeze(1)).squeeze(1))
 
 
 def best_by_score(score: Tensor, eligible: Tensor) -> Tensor:
@@ -105,7 +111,7 @@ def satisfy(a: Agree, mode: str = "max_constraints_then_score", *_: Any) -> Deci
             code="B030",
         )
     eligible = lexicographic(a, a.valid)  # never written in place
-    return _take(a, best_by_score(a.score, eligible))
+    return Decision(best_by_score(a.score, eligible))
 
 
 @register("winner_takes_all")
@@ -116,33 +122,31 @@ def winner_takes_all(a: Agree, *_: Any) -> Decision:
     any_prop = proposals.any(dim=1)
     winner = best_by_score(a.score, proposals)
     winner = torch.where(any_prop, winner, torch.zeros_like(winner))
-    return _take(a, winner)
+    return Decision(winner)
 
 
 @register("average")
 def average(a: Agree, *_: Any) -> Decision:
-    """Numeric values: the mean of the valid proposals (keep when a cell has none)."""
-    if not a.payload.is_floating_point():
+    """Numeric values: the mean of the valid proposals (keep when a cell has none). The mean is
+    computed by the worker from the weights (1 per valid proposal)."""
+    if not a.numeric:
         raise BindError(
-            "average() needs a numeric value (Float); this value holds tokens",
+            "average() needs a numeric value (Float, Tensor[D]); this value holds tokens",
             code="B031",
             hint="use satisfy(max_constraints_then_score) for tokens",
         )
     proposals = a.valid.clone()
     proposals[:, 0] = False
-    count = proposals.sum(dim=1)
-    total = torch.where(proposals, a.payload, torch.zeros_like(a.payload)).sum(dim=1)
-    mean = total / count.clamp(min=1)
-    has = count > 0
-    winner = torch.where(has, torch.ones_like(count), torch.zeros_like(count)).to(torch.int64)
-    payload = torch.where(has, mean.to(a.payload.dtype), a.payload[:, 0])
-    return Decision(winner, payload)
+    has = proposals.any(dim=1)
+    # the first valid proposal names the winning rule (provenance); the payload is the mean
+    winner = torch.where(has, proposals.view(torch.uint8).argmax(dim=1), 0)
+    return Decision(winner, proposals.to(torch.float64))
 
 
 @register("quorum")
 def quorum(a: Agree, k: int = 2, inner: Any = "satisfy", *inner_args: Any) -> Decision:
     """A proposal is eligible only if ≥ k replicas of its rule proposed the same payload (checksum)."""
-    same = a.payload[:, :, None] == a.payload[:, None, :]  # (n, C, C)
+    same = a.checksum[:, :, None] == a.checksum[:, None, :]  # (n, C, C)
     same &= (a.rule[:, None] == a.rule[None, :]) & (a.slot[:, None] == a.slot[None, :])
     same &= a.valid[:, None, :]
     votes = same.sum(dim=2)  # (n, C)
@@ -152,7 +156,7 @@ def quorum(a: Agree, k: int = 2, inner: Any = "satisfy", *inner_args: Any) -> De
         inner_name, args = inner[0], tuple(inner[1])
     fn = get_policy(str(inner_name))
     narrowed = Agree(
-        a.payload, eligible, a.score, a.violated, a.priority, a.rule, a.replica, a.slot
+        a.checksum, eligible, a.score, a.violated, a.priority, a.rule, a.replica, a.slot, a.numeric
     )
     return fn(narrowed, *args)
 

@@ -98,3 +98,143 @@ def confidence_quota(epoch: int, steps: int, total: int, committed: int) -> int:
     frac = 1.0 - math.cos(math.pi / 2 * min(epoch + 1, steps) / steps)
     target = total if epoch + 1 >= steps else math.ceil(total * frac)
     return max(target - committed, 0)
+
+
+# ---- schedules as objects -------------------------------------------------------------------------
+# The control plane asks its schedule which cells are open in each epoch. A schedule sees metadata
+# only (committed flags, coordinates, colours) and answers with sorted, unique flat cell ids.
+
+
+class Schedule:
+    """Which cells of each proposed value are open in epoch ``e``.
+
+    ``period``: epochs without a commit that prove stability (one full cycle of the schedule).
+    ``opens_committed``: the schedule may open committed cells (else it opens unset cells only, so
+    no proposal can fold into keep-current and every commit is a first commit).
+    """
+
+    name = "all"
+    period = 1
+    opens_committed = True
+
+    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+        """(n,) int64 open cells of ``value`` (``committed``: (ncells,) bool)."""
+        return self._all(value, committed.numel())
+
+    def quota(self, e: int, ncells: int, ncommitted: int) -> int | None:
+        """At most this many cells may commit in epoch ``e`` (None: no limit)."""
+        return None
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, int], Tensor] = {}
+
+    def _all(self, value: str, n: int) -> Tensor:
+        hit = self._cache.get((value, -1))
+        if hit is None:
+            hit = self._cache[(value, -1)] = torch.arange(n)
+        return hit
+
+
+class _Cyclic(Schedule):
+    """Fixed cell sets visited in turn (red-black parities, independent-set colours): each phase's
+    cells are computed once, so the same tensor comes back every cycle (callers may cache by it)."""
+
+    def __init__(self, phases: dict[str, Tensor]) -> None:
+        super().__init__()
+        self._phases = phases  # value -> (ncells,) int64 phase of each cell
+        self._count = {v: int(p.max()) + 1 if p.numel() else 1 for v, p in phases.items()}
+        self.period = max(self._count.values(), default=1)
+
+    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+        phases = self._phases.get(value)
+        if phases is None:
+            return self._all(value, committed.numel())
+        phase = e % self._count[value]
+        hit = self._cache.get((value, phase))
+        if hit is None:
+            hit = self._cache[(value, phase)] = (phases == phase).nonzero().squeeze(1)
+        return hit
+
+
+class RedBlack(_Cyclic):
+    name = "red-black"
+
+    def __init__(self, coords: dict[str, Tensor]) -> None:
+        super().__init__({v: red_black(c) for v, c in coords.items()})
+        self._count = dict.fromkeys(coords, 2)  # two phases even where one parity is empty
+        self.period = 2
+
+
+class Independent(_Cyclic):
+    name = "independent"
+
+
+class Raster(Schedule):
+    """The first ``k`` unset cells in row-major order (causal generation with k = 1)."""
+
+    name = "raster"
+    opens_committed = False
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k = k
+
+    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+        return (~committed).nonzero().squeeze(1)[: self.k]
+
+
+class Random(Schedule):
+    """``k`` unset cells drawn by counter-based noise keyed by (seed, value, cell, epoch)."""
+
+    name = "random"
+    opens_committed = False
+
+    def __init__(self, k: int, seed: int) -> None:
+        super().__init__()
+        self.k, self.seed = k, seed
+
+    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+        from lmpm.workers import rng
+
+        n = committed.numel()
+        u = rng.uniform(self.seed, value, self._all(value, n), e, "schedule")[:, 0]
+        u = torch.where(committed, torch.full_like(u, 2.0), u)
+        m = torch.zeros(n, dtype=torch.bool)
+        m[u.argsort()[: self.k]] = True
+        return (m & ~committed).nonzero().squeeze(1)
+
+
+class Confidence(Schedule):
+    """MaskGIT: every unset cell proposes; the most confident commit, a cosine share per epoch."""
+
+    name = "confidence"
+    opens_committed = False
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+        return (~committed).nonzero().squeeze(1)
+
+    def quota(self, e: int, ncells: int, ncommitted: int) -> int | None:
+        return confidence_quota(e, self.steps, ncells, ncommitted)
+
+
+def make_schedule(
+    spec: ScheduleSpec, coords: dict[str, Tensor], colors: dict[str, Tensor], seed: int
+) -> Schedule:
+    """The schedule object of a plan's spec; ``coords`` and ``colors`` cover the proposed values."""
+    match spec.strategy:
+        case "raster":
+            return Raster(spec.k)
+        case "random":
+            return Random(spec.k, seed)
+        case "confidence":
+            return Confidence(spec.steps or 1)
+        case "red-black":
+            return RedBlack(coords)
+        case "independent":
+            return Independent({v: colors[v] for v in coords if v in colors})
+        case _:
+            return Schedule()

@@ -2,12 +2,18 @@
 
 Commit is the sole causal interface between a run and the world, so what a run committed is never
 lost. Each epoch is one SQLite transaction (WAL mode) holding the epoch's row, its commits and its
-constraint trace (:mod:`lmpm.runtime.trace`); an epoch is in the log entirely or not at all. Every
-``checkpoint_every`` epochs the whole state (payload, committed flags, clocks, provenance, scores) is
-also written as a safetensors file *beside* the database and renamed into place before the
-transaction that references it commits. A killed run resumes from its newest checkpoint plus the
-commits logged after it, which is exactly the state after its last complete epoch: with the
-counter-based RNG, the rest of the run is then identical to an uninterrupted one.
+constraint trace (:mod:`lmpm.runtime.trace`); an epoch is in the log entirely or not at all.
+
+The log is the control plane's and holds metadata only: which cells committed, by which rule, with
+which clocks, scores and payload checksums. The payload is made durable by the worker holding it
+(:mod:`lmpm.runtime.store`, ``RUN_DIR/payload/<worker>.db``) *before* the epoch is logged here (a
+two-step commit). Every ``checkpoint_every`` epochs the control plane's state (committed flags,
+clocks, provenance, scores) is written as a safetensors file beside the database, and each worker
+writes its payload shard; the control checkpoint names the shards (and their sha256) in its
+metadata. Files are renamed into place before the transaction that references them commits. A
+killed run resumes from its newest checkpoint plus the commits logged after it, which is exactly
+the state after its last complete epoch: with the counter-based RNG, the rest of the run is then
+identical to an uninterrupted one.
 
 This module imports no torch at module level: ``lmpm trace`` reads the log without it.
 
@@ -16,7 +22,7 @@ Schema (version :data:`SCHEMA_VERSION`; every table is plain SQL, see ``docs/tra
     meta(key, value)                      run metadata, values JSON-encoded
     value_defs / rule_defs / constraint_defs   what the ids in the other tables mean
     epochs(epoch, open_cells, attempts, candidates, commits, violations, decided, ...)
-    commits(epoch, value, first, last, step, count, rule, clock_min, clock_max, ..., payload, ...)
+    commits(epoch, value, first, last, step, count, rule, clock_min, clock_max, ..., sums, ...)
     checkpoints(epoch, file, bytes, sha256, created)
     resumes(id, at, from_epoch, argv)
     trace_summary / trace_cells / trace_candidates   (written by the tracer)
@@ -54,7 +60,7 @@ if TYPE_CHECKING:
     from lmpm.runtime.engine import Engine, EpochRecord
     from lmpm.runtime.trace import Tracer
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: payload moved to the workers' stores; commits carry checksums
 DB_NAME = "lmpm.db"
 CHECKPOINT_DIR = "checkpoints"
 DEFAULT_CHECKPOINT_EVERY = (
@@ -82,7 +88,7 @@ CREATE TABLE commits (
   epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,
   step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,
   clock_min INTEGER NOT NULL, clock_max INTEGER NOT NULL, score_min REAL, score_max REAL,
-  crc INTEGER NOT NULL, payload BLOB NOT NULL, clocks BLOB, scores BLOB);
+  crc INTEGER NOT NULL, sums BLOB, clocks BLOB, scores BLOB);
 CREATE INDEX commits_by_epoch ON commits (epoch);
 CREATE TABLE checkpoints (
   epoch INTEGER PRIMARY KEY, file TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL,
@@ -183,6 +189,7 @@ def remove_run(run_dir: str | Path) -> None:
     for suffix in ("", "-wal", "-shm", "-journal"):
         (d / f"{DB_NAME}{suffix}").unlink(missing_ok=True)
     shutil.rmtree(d / CHECKPOINT_DIR, ignore_errors=True)
+    shutil.rmtree(d / "payload", ignore_errors=True)
 
 
 def connect(
@@ -222,8 +229,11 @@ def connect(
             )
         if version < SCHEMA_VERSION:
             raise RunDirError(
-                f"{path} has log schema {version}; this version reads {SCHEMA_VERSION} only",
+                f"{path} has log schema {version}; this version reads {SCHEMA_VERSION} only "
+                "(schema 2 moved the payload out of the log into the workers' stores); "
+                "nothing was changed",
                 code="D005",
+                hint="rerun the program with this version of lmpm to get a run it can resume",
             )
         if check:
             bad = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall() if r[0] != "ok"]
@@ -322,7 +332,8 @@ def cell_runs(cells: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def commit_rows(record: EpochRecord, vocab: Mapping[str, int | None]) -> list[tuple[Any, ...]]:
-    """The ``commits`` rows of one epoch: one per arithmetic run of cells with one winning rule."""
+    """The ``commits`` rows of one epoch: one per arithmetic run of cells with one winning rule.
+    ``sums``: the committed payloads' checksums (int64, from the worker); ``crc``: their CRC-32."""
     out: list[tuple[Any, ...]] = []
     e = record.epoch
     for ve in record.values:
@@ -332,9 +343,13 @@ def commit_rows(record: EpochRecord, vocab: Mapping[str, int | None]) -> list[tu
         win = ve.winner.cpu().numpy()[rows]
         cells = ve.cells.cpu().numpy()[rows]
         rule = ve.col_rule.cpu().numpy()[win]
-        payload = ve.new_payload.cpu().numpy()[rows]
         clock = ve.new_clock.cpu().numpy()[rows]
         score = ve.score.cpu().numpy()[rows, win]
+        sums = (
+            np.zeros(rows.size, np.int64)
+            if ve.checksum is None
+            else ve.checksum.cpu().numpy()[rows]
+        )
         starts, counts, steps = cell_runs(cells, rule)
         ends = starts + counts
         run_of = np.repeat(np.arange(starts.size), counts)
@@ -342,15 +357,13 @@ def commit_rows(record: EpochRecord, vocab: Mapping[str, int | None]) -> list[tu
         cmax = np.maximum.reduceat(clock, starts)
         smin = np.minimum.reduceat(score, starts)
         smax = np.maximum.reduceat(score, starts)
-        ptag = payload_tag(vocab[ve.value])
-        praw = np.ascontiguousarray(payload, dtype=_TAGS[ptag]).tobytes()
-        pw = np.dtype(_TAGS[ptag]).itemsize
+        kraw = np.ascontiguousarray(sums, dtype="<i8").tobytes()
         delta = clock - cmin[run_of]
         ctag = _uint_tag(int(delta.max()) + 1)
         craw = np.ascontiguousarray(delta, dtype=_TAGS[ctag]).tobytes()
         cw = np.dtype(_TAGS[ctag]).itemsize
         sraw = np.ascontiguousarray(score, dtype="<f8").tobytes()
-        pt, ct = ptag.encode(), ctag.encode()
+        ct = ctag.encode()
         for s, n, st, c0, c1, s0, s1, end in zip(
             starts.tolist(),
             counts.tolist(),
@@ -361,7 +374,7 @@ def commit_rows(record: EpochRecord, vocab: Mapping[str, int | None]) -> list[tu
             smax.tolist(),
             ends.tolist(),
         ):
-            p = praw[s * pw : end * pw]
+            k = kraw[s * 8 : end * 8]
             out.append(
                 (
                     e,
@@ -375,8 +388,8 @@ def commit_rows(record: EpochRecord, vocab: Mapping[str, int | None]) -> list[tu
                     c1,
                     s0,
                     s1,
-                    zlib.crc32(p),
-                    pt + p,
+                    zlib.crc32(k),
+                    b"q" + k,
                     None if c0 == c1 else ct + craw[s * cw : end * cw],
                     None if s0 == s1 else b"d" + sraw[s * 8 : end * 8],
                 )
@@ -389,10 +402,9 @@ STATE_FIELDS = ("committed", "clock", "rule", "epoch", "score")
 
 
 def state_arrays(engine: Engine) -> dict[str, np.ndarray]:
-    """The engine's whole state as numpy arrays named ``VALUE.payload``, ``VALUE.clock``, ..."""
+    """The control plane's state as numpy arrays named ``VALUE.clock``, ``VALUE.rule``, ..."""
     out: dict[str, np.ndarray] = {}
     for name in engine.plan.values:
-        out[f"{name}.payload"] = engine.payload(name).detach().cpu().numpy()
         st = engine.state[name]
         for f in STATE_FIELDS:
             out[f"{name}.{f}"] = getattr(st, f).detach().cpu().numpy()
@@ -400,18 +412,39 @@ def state_arrays(engine: Engine) -> dict[str, np.ndarray]:
 
 
 def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> tuple[str, int, str]:
-    """Write the state at the start of epoch ``label`` beside, fsync, rename. (file, bytes, sha256)."""
+    """Checkpoint the state at the start of epoch ``label``: the worker writes its payload shard
+    first, then the control plane's file (naming the shard and its sha256) is written beside,
+    fsynced and renamed. Returns the control file's (file, bytes, sha256)."""
     from safetensors.numpy import save
 
+    wfile, wbytes, wsha = engine.dataplane.checkpoint(label)
+    shards = {engine.dataplane.worker: {"file": wfile, "bytes": wbytes, "sha256": wsha}}
     data = save(
         state_arrays(engine),
-        metadata={"epoch": str(label), "program_hash": phash, "schema": str(SCHEMA_VERSION)},
+        metadata={
+            "epoch": str(label),
+            "program_hash": phash,
+            "schema": str(SCHEMA_VERSION),
+            "shards": json.dumps(shards, sort_keys=True),
+        },
     )
     rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors"
     path = run_dir / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, data)
     return rel, len(data), hashlib.sha256(data).hexdigest()
+
+
+def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
+    """The worker shards a control checkpoint names: worker -> {file, bytes, sha256}."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(run_dir / rel), framework="numpy") as f:
+            meta = f.metadata() or {}
+        return dict(json.loads(meta.get("shards", "{}")))
+    except Exception as e:
+        raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
 
 
 def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
@@ -476,7 +509,7 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
     state: dict[str, dict[str, np.ndarray]] = {}
     for name, vp in engine.plan.values.items():
         vals = {}
-        for f in ("payload", *STATE_FIELDS):
+        for f in STATE_FIELDS:
             a = arrays.get(f"{name}.{f}")
             if a is None or a.shape != (vp.ncells,):
                 raise RunDirError(
@@ -486,28 +519,51 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
             vals[f] = a.copy()
         state[name] = vals
     replayed = 0
+    counts: dict[tuple[int, str], int] = {}
     cur = conn.execute(
         "SELECT epoch, value, first, step, count, rule, clock_min, clocks, score_min, scores, "
-        "payload, crc FROM commits WHERE epoch >= ? AND epoch < ? ORDER BY epoch, rowid",
+        "sums, crc FROM commits WHERE epoch >= ? AND epoch < ? ORDER BY epoch, rowid",
         (label, nxt),
     )
-    for e, value, first, step, count, rule, cmin, clocks, smin, scores, payload, crc in cur:
+    for e, value, first, step, count, rule, cmin, clocks, smin, scores, sums, crc in cur:
         into = state.get(value)
-        if into is None or zlib.crc32(payload[1:]) != crc:
+        if into is None or sums is None or zlib.crc32(sums[1:]) != crc:
             raise RunDirError(
                 f"commit of epoch {e} for `{value}` is corrupt (checksum mismatch)", code="D006"
             )
+        counts[(e, value)] = counts.get((e, value), 0) + count
         idx = first + step * np.arange(count)
-        into["payload"][idx] = decode(payload)
         into["committed"][idx] = True
         into["clock"][idx] = cmin if clocks is None else cmin + decode(clocks).astype(np.int64)
         into["rule"][idx] = rule
         into["epoch"][idx] = e
         into["score"][idx] = smin if scores is None else decode(scores)
         replayed += 1
+    shards = checkpoint_shards(d, rel)
+    shard = shards.get(engine.dataplane.worker)
+    if shard is None:
+        raise RunDirError(
+            f"checkpoint {d / rel} names no payload shard of worker `{engine.dataplane.worker}` "
+            f"(it has: {', '.join(shards) or 'none'}); nothing was changed",
+            code="D007",
+        )
+    engine.dataplane.open_store(d)
+    try:
+        engine.dataplane.restore(
+            label,
+            str(shard["file"]),
+            str(shard["sha256"]),
+            nxt,
+            counts,
+            {n: torch.from_numpy(v["committed"]) for n, v in state.items()},
+            {n: torch.from_numpy(v["rule"] == INPUT_RULE) for n, v in state.items()},
+        )
+    except BaseException:
+        engine.dataplane.close_store()
+        raise
     for name, vals in state.items():
         cs = CellState(*(torch.from_numpy(vals[f]) for f in STATE_FIELDS))
-        engine.restore(name, torch.from_numpy(vals["payload"]), cs)
+        engine.restore(name, cs)
     engine.epoch = nxt
     mp = ORSet("control")
     for (elem,) in conn.execute("SELECT maskplan FROM epochs ORDER BY epoch"):
@@ -625,6 +681,10 @@ class CommitLog:
     # Observer protocol
     def on_start(self, engine: Engine) -> None:
         self._vocab = {n: vp.vocab for n, vp in engine.plan.values.items()}
+        self._dataplane = engine.dataplane  # its store is closed with the log
+        engine.checksums = True  # the committed rows' checksums go into the log
+        if self.tracer is not None and self.tracer.level == "cells":
+            engine.record = self.tracer.recorded_cells()  # the worker stores their candidates
         if self.conn is not None:
             self._resume_start(engine)
             return
@@ -637,6 +697,8 @@ class CommitLog:
         conn = sqlite3.connect(str(tmp), isolation_level=None)
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
+        shutil.rmtree(self.run_dir / "payload", ignore_errors=True)  # a half-started run's
+        engine.dataplane.open_store(self.run_dir)
         rel, nbytes, sha = write_checkpoint(
             self.run_dir, engine, engine.epoch, self.info.program_hash
         )
@@ -790,17 +852,25 @@ class CommitLog:
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        dp = getattr(self, "_dataplane", None)
+        if dp is not None:
+            dp.close_store()
 
     def _prune_files(self) -> None:
         """Delete checkpoint files no committed row references (pruned ones, or a crash's orphan)."""
         assert self.conn is not None
         keep = {str(r[0]) for r in self.conn.execute("SELECT file FROM checkpoints")}
+        # a control checkpoint's worker shards share its "epoch-NNNNNNNN." prefix
+        prefixes = {Path(f).name.split(".")[0] + "." for f in keep}
         folder = self.run_dir / CHECKPOINT_DIR
         if not folder.is_dir():
             return
         for p in folder.iterdir():
-            if f"{CHECKPOINT_DIR}/{p.name}" not in keep:
-                p.unlink(missing_ok=True)
+            if f"{CHECKPOINT_DIR}/{p.name}" in keep:
+                continue
+            if p.name.split(".")[0] + "." in prefixes and p.name.count(".") >= 2:
+                continue
+            p.unlink(missing_ok=True)
 
 
 def _lmpm_version() -> str:

@@ -27,6 +27,8 @@ JSON_LIMIT = 100_000  # cells; larger values are written as .npy only
 
 
 def _expect(vp: ValuePlan) -> str:
+    if vp.cell_shape:
+        return f"shape {[*vp.dims, *vp.cell_shape]} ({vp.ncells} cells of {list(vp.cell_shape)})"
     return f"shape {list(vp.dims)} ({vp.ncells} cells)"
 
 
@@ -65,6 +67,23 @@ def load_input(path: str | Path, vp: ValuePlan) -> tuple[Tensor, Tensor]:
 
 
 def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    if vp.cell_shape:
+        full = (*vp.dims, *vp.cell_shape)
+        if tuple(arr.shape) != full and tuple(arr.shape) != (vp.ncells, *vp.cell_shape):
+            raise InputError(
+                f"input for `{vp.name}` has shape {list(arr.shape)}; expected {_expect(vp)}",
+                where=where,
+                code="R004",
+            )
+        if arr.dtype == torch.bool or arr.is_complex():
+            raise InputError(
+                f"input for `{vp.name}` is {arr.dtype}; expected real numbers",
+                where=where,
+                code="R005",
+            )
+        arr = arr.to(torch.float32).reshape(vp.ncells, *vp.cell_shape)
+        mask = ~torch.isnan(arr).flatten(1).any(dim=1)  # a cell with any NaN is unset
+        return torch.nan_to_num(arr, nan=0.0), mask
     if tuple(arr.shape) != vp.dims and not (arr.dim() == 1 and arr.numel() == vp.ncells):
         raise InputError(
             f"input for `{vp.name}` has shape {list(arr.shape)}; expected {_expect(vp)}",
@@ -172,8 +191,9 @@ def output_array(vp: ValuePlan, payload: Tensor, committed: Tensor) -> np.ndarra
     if vp.vocab is not None:
         out = torch.where(committed, payload, torch.full_like(payload, -1))
         return out.reshape(vp.dims).numpy().astype(np.int64)
-    out = torch.where(committed, payload.float(), torch.full_like(payload.float(), float("nan")))
-    return out.reshape(vp.dims).numpy()
+    mask = committed.reshape(-1, *([1] * len(vp.cell_shape)))
+    out = torch.where(mask, payload.float(), torch.full_like(payload.float(), float("nan")))
+    return out.reshape(*vp.dims, *vp.cell_shape).numpy()
 
 
 def write_outputs(

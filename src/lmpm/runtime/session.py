@@ -20,6 +20,7 @@ True
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from typing import Any
 from torch import Tensor
 
 from lmpm.bindings import Bindings
+from lmpm.errors import InputError
 from lmpm.ir import Frontend, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
 from lmpm.runtime.engine import Engine, Observer, RunResult
@@ -48,12 +50,16 @@ class Run:
         backend: str = "cpu",
         epochs: int | None = None,
         observers: Sequence[Observer] = (),
+        guard: bool = False,
     ) -> None:
         self.front = front
         self.params = dict(params or {})
         self.bindings = Bindings(bind, dict(bindings or {}))
         self.plan: Plan = resolve(front.ir, self.params, self.bindings, epochs=epochs)
-        self.engine = Engine(self.plan, backend=backend, seed=seed, observers=observers)
+        self.engine = Engine(
+            self.plan, backend=backend, seed=seed, observers=observers, guard=guard
+        )
+        self.dataplane = self.engine.dataplane
         for name, path in (inputs or {}).items():
             vp = self.plan.values.get(name)
             if vp is None:
@@ -65,7 +71,7 @@ class Run:
                     code="U020",
                 )
             payload, mask = load_input(path, vp)
-            self.engine.set_input(name, payload, mask)
+            self.set_input(name, payload, mask)
 
     @classmethod
     def from_source(cls, text: str, file: str = "<input>", **kw: Any) -> Run:
@@ -78,20 +84,48 @@ class Run:
     def run(self, epochs: int | None = None, *, until_stable: bool = False, **kw: Any) -> RunResult:
         return self.engine.run(epochs, until_stable=until_stable, **kw)
 
+    def set_input(self, value: str, payload: Tensor, mask: Tensor) -> None:
+        """Commit ``payload[mask]`` of ``value`` as given input: the payload goes to the worker,
+        the control plane records which cells are committed (provenance INPUT, clock 1)."""
+        vp = self.plan.values.get(value)
+        if vp is None:
+            raise InputError(
+                f"there is no value `{value}` with cells to take input",
+                code="R010",
+                hint="values: " + ", ".join(self.plan.values),
+            )
+        if payload.numel() != vp.ncells * math.prod(vp.cell_shape):
+            raise InputError(
+                f"input for `{value}` has {payload.numel()} elements; `{value}` has shape "
+                f"{vp.dims} = {vp.ncells} cells"
+                + (f" of {vp.cell_shape}" if vp.cell_shape else ""),
+                where={"value": value},
+                code="R011",
+            )
+        cells = self.dataplane.set_input(value, payload, mask)
+        self.engine.mark_input(value, cells)
+
+    def payload(self, value: str) -> Tensor:
+        """The committed payload of ``value`` ((ncells, *cell), fetched from the worker; unset
+        cells hold 0)."""
+        return self.dataplane.read(value)[0]
+
     def outputs(self) -> dict[str, Any]:
         """Committed values as numpy arrays (unset: -1 for tokens, NaN for numbers)."""
-        return {
-            name: output_array(vp, self.engine.payload(name), self.engine.state[name].committed)
-            for name, vp in self.plan.values.items()
-        }
+        out = {}
+        for name, vp in self.plan.values.items():
+            payload, committed = self.dataplane.read(name)
+            out[name] = output_array(vp, payload, committed)
+        return out
 
     def payloads(self) -> dict[str, Tensor]:
-        return {name: self.engine.payload(name) for name in self.plan.values}
+        return {name: self.payload(name) for name in self.plan.values}
 
     def write(self, run_dir: str | Path) -> list[Path]:
+        reads = {name: self.dataplane.read(name) for name in self.plan.values}
         return write_outputs(
             run_dir,
             self.plan.values,
-            self.payloads(),
-            {n: s.committed for n, s in self.engine.state.items()},
+            {n: r[0] for n, r in reads.items()},
+            {n: r[1] for n, r in reads.items()},
         )

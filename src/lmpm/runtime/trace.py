@@ -249,6 +249,14 @@ class Tracer:
                 hint="use --trace summary",
             )
 
+    def recorded_cells(self) -> dict[str, Tensor]:
+        """The cells whose candidate payloads the worker records (``--trace cells``)."""
+        import torch
+
+        if self._regions:
+            return {v: m.reshape(-1).nonzero().squeeze(1) for v, m in self._regions.items()}
+        return {name: torch.arange(vp.ncells) for name, vp in self.plan.values.items()}
+
     def record(self, engine: Engine, record: EpochRecord) -> TraceRows:
         out = TraceRows()
         for ve in record.values:
@@ -332,14 +340,13 @@ class Tracer:
         winner = ve.winner.cpu()[rows]
         changed = ve.changed.cpu()[rows]
         was = ve.was_committed.cpu()[rows]
-        payload = ve.payload.cpu()[rows]
         score = ve.score.cpu()[rows]
-        new_payload = ve.new_payload.cpu()[rows]
-        after = torch.where(changed, new_payload, payload[:, 0])
+        # payloads stay with the worker (its store records this region's candidates): the story
+        # reader joins them in (lmpm.runtime.store)
         coords = self.plan.values[ve.value].coords[cells[rows]]
         decided = resp[rows]
         cell_ids = cells[rows].tolist()
-        for i, (cell, crd, nc, w, f, ch, wa, a, clk, cov, dec) in enumerate(
+        for i, (cell, crd, nc, w, f, ch, _wa, clk, cov, dec) in enumerate(
             zip(
                 cell_ids,
                 coords.tolist(),
@@ -348,7 +355,6 @@ class Tracer:
                 fav[rows].tolist(),
                 changed.tolist(),
                 was.tolist(),
-                after.tolist(),
                 ve.new_clock.cpu()[rows].tolist(),
                 covered.tolist(),
                 decided.tolist(),
@@ -366,18 +372,13 @@ class Tracer:
                     int(col_rule[w]),
                     f,
                     int(ch),
-                    a if (ch or wa) else None,
+                    None,
                     clk,
                     cov,
                     json.dumps(by) if by else None,
                 )
             )
-            vrow, prow, srow, ok = (
-                vbits[i].tolist(),
-                payload[i].tolist(),
-                score[i].tolist(),
-                valid[i],
-            )
+            vrow, srow, ok = vbits[i].tolist(), score[i].tolist(), valid[i]
             for c in ok.nonzero().squeeze(1).tolist():
                 s = srow[c]
                 out.candidates.append(
@@ -387,7 +388,7 @@ class Tracer:
                         cell,
                         c,
                         int(col_rule[c]),
-                        None if c == 0 and not wa else prow[c],
+                        None,
                         s if np.isfinite(s) else None,
                         vrow[c],
                     )
@@ -573,18 +574,28 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
         "commits": [],
         "attempts": [],
     }
+    # Payload lives in the workers' stores (lmpm.runtime.store); the log holds metadata.
+    from lmpm.runtime.commitlog import checkpoint_shards
+    from lmpm.runtime.store import read_candidates, read_cell_payload
+
+    workers = list(checkpoint_shards(Path(run_dir), _first_checkpoint(conn) or ""))
+    committed_payload: dict[int, Any] = {}
+    for w in workers:
+        committed_payload.update(
+            {e: _val(a) for e, a in read_cell_payload(run_dir, w, value, cell).items()}
+        )
     # The state before epoch 0 (inputs), from the first checkpoint.
     row = conn.execute("SELECT file, sha256 FROM checkpoints WHERE epoch = 0").fetchone()
     if row is not None:
         arrays = load_checkpoint(Path(run_dir), str(row[0]), str(row[1]))
         if bool(arrays[f"{value}.committed"][cell]):
             story["start"] = {
-                "payload": arrays[f"{value}.payload"][cell].item(),
+                "payload": _shard_payload(Path(run_dir), str(row[0]), value, cell),
                 "clock": int(arrays[f"{value}.clock"][cell]),
                 "rule": rules.get(int(arrays[f"{value}.rule"][cell]), "input"),
             }
-    for e, rule, first, step, cmin, clocks, smin, scores, payload in conn.execute(
-        "SELECT epoch, rule, first, step, clock_min, clocks, score_min, scores, payload "
+    for e, rule, first, step, cmin, clocks, smin, scores in conn.execute(
+        "SELECT epoch, rule, first, step, clock_min, clocks, score_min, scores "
         "FROM commits WHERE value = ? AND first <= ? AND last >= ? AND (? - first) % step = 0 "
         "ORDER BY epoch",
         (value, cell, cell, cell),
@@ -594,7 +605,7 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
             {
                 "epoch": e,
                 "rule": rules.get(rule, str(rule)),
-                "payload": decode(payload)[j].item(),
+                "payload": committed_payload.get(int(e)),
                 "clock": int(cmin if clocks is None else cmin + int(decode(clocks)[j])),
                 "score": float(smin if scores is None else decode(scores)[j]),
             }
@@ -606,13 +617,26 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
     story["traced"] = covered
     if covered:
         cands: dict[int, list[tuple[Any, ...]]] = {}
+        cand_payload: dict[tuple[int, int], Any] = {}
+        for w in workers:
+            cand_payload.update(
+                {k: _val(a) for k, a in read_candidates(run_dir, w, value, cell).items()}
+            )
+        current = story["start"]["payload"] if story["start"] else None
+        after_of: dict[int, Any] = {}
+        for e in range(completed_epochs(conn)):
+            current = committed_payload.get(e, current)
+            after_of[e] = current
         for r in conn.execute(
-            "SELECT epoch, col, rule, payload, score, violated FROM trace_candidates "
+            "SELECT epoch, col, rule, score, violated FROM trace_candidates "
             "WHERE value = ? AND cell = ? ORDER BY epoch, col",
             (value, cell),
         ):
-            cands.setdefault(int(r[0]), []).append(r[1:])
-        for e, w, fav, committed, after, clock, cov, dec in conn.execute(
+            e, col = int(r[0]), int(r[1])
+            before = after_of.get(e - 1, story["start"]["payload"] if story["start"] else None)
+            pay = cand_payload.get((e, col)) if (col or before is not None) else None
+            cands.setdefault(e, []).append((col, r[2], pay, r[3], r[4]))
+        for e, w, fav, committed, _after, clock, cov, dec in conn.execute(
             "SELECT epoch, winner, favourite, committed, payload, clock, covered, decided_by "
             "FROM trace_cells WHERE value = ? AND cell = ? ORDER BY epoch",
             (value, cell),
@@ -646,13 +670,37 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
                     "winner": w,
                     "favourite": fav,
                     "committed": bool(committed),
-                    "payload": after,
+                    "payload": after_of.get(int(e)),
                     "clock": clock,
                     "decided_by": decided,
                     "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, meta),
                 }
             )
     return story
+
+
+def _val(a: Any) -> Any:
+    """A cell's payload for the story: a number, or a list for a vector cell."""
+    arr = np.asarray(a)
+    return arr.reshape(-1)[0].item() if arr.size == 1 else arr.tolist()
+
+
+def _first_checkpoint(conn: sqlite3.Connection) -> str | None:
+    row = conn.execute("SELECT file FROM checkpoints ORDER BY epoch LIMIT 1").fetchone()
+    return None if row is None else str(row[0])
+
+
+def _shard_payload(run_dir: Path, rel: str, value: str, cell: int) -> Any:
+    """A cell's payload in the worker shards of control checkpoint ``rel``."""
+    from safetensors.numpy import load_file
+
+    from lmpm.runtime.commitlog import checkpoint_shards
+
+    for shard in checkpoint_shards(run_dir, rel).values():
+        arrays = load_file(str(run_dir / str(shard["file"])))
+        if f"{value}.payload" in arrays:
+            return _val(arrays[f"{value}.payload"][cell])
+    return None
 
 
 def _why(

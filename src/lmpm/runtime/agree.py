@@ -1,0 +1,78 @@
+"""Agreement: one value's candidates (metadata) → which cells commit, and with which column.
+
+A pure function of the worker's :class:`~lmpm.runtime.protocol.Candidates` and the control plane's
+cell metadata; it never sees payload. The commit policy picks a winner per cell (or aggregation
+weights); a schedule with a quota (confidence) keeps the most confident commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lmpm.resolve import policies
+from lmpm.resolve.plan import ValuePlan
+from lmpm.resolve.policies import Agree, Decision
+from lmpm.runtime.protocol import Candidates
+
+# The policies shipped with LMPM never write into their inputs; any other policy gets copies.
+_TRUSTED = frozenset(
+    (policies.satisfy, policies.winner_takes_all, policies.average, policies.quorum)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Agreed:
+    score: Tensor  # (n, C) float64 with keep-current's score filled in
+    winner: Tensor  # (n,) int64 chosen column (0: keep)
+    changed: Tensor  # (n,) bool: the cell commits (before the worker's aggregate check)
+    weights: Tensor | None  # (n, C) aggregation weights of an aggregating policy
+
+
+def agree(
+    vp: ValuePlan,
+    cand: Candidates,
+    kept_score: Tensor,
+    priority: Tensor,
+    quota: int | None,
+) -> Agreed:
+    """Run ``vp``'s policy on ``cand``. ``kept_score``: (n,) committed score of each open cell
+    (-inf when unset); ``priority``: (K,) constraint priorities; ``quota``: at most this many cells
+    commit, the highest-scoring winners first (ties: lower cell)."""
+    score = cand.score
+    col0 = (
+        kept_score
+        if cand.refreshed is None
+        else torch.where(cand.refreshed, score[:, 0], kept_score)
+    )
+    score[:, 0] = col0
+    checksum = cand.checksum if cand.checksum is not None else torch.empty(0, dtype=torch.int64)
+    a = Agree(
+        checksum,
+        cand.valid,
+        score,
+        cand.violated,
+        priority,
+        cand.col_rule,
+        cand.col_replica,
+        cand.col_slot,
+        vp.dtype.is_floating_point,
+    )
+    if vp.policy not in _TRUSTED:
+        a = Agree(*(t.clone() if isinstance(t, Tensor) else t for t in _fields(a)))  # type: ignore[arg-type]
+    decision: Decision = vp.policy(a, *vp.policy_args)
+    winner = decision.winner
+    changed = winner != 0
+    if quota is not None and int(changed.count_nonzero()) > quota:
+        n = winner.numel()
+        conf = torch.where(changed, score[torch.arange(n), winner], -torch.inf)
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[torch.sort(-conf, stable=True).indices[:quota]] = True  # stable: lower cell first
+        changed = changed & keep
+    return Agreed(score, winner, changed, decision.weights)
+
+
+def _fields(a: Agree) -> tuple[object, ...]:
+    return tuple(getattr(a, f) for f in a.__dataclass_fields__)

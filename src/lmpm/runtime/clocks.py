@@ -1,0 +1,104 @@
+"""Lamport clocks on commit: ``clock(cell) = 1 + max(clock(cell), clock of every cell read)``.
+
+Control-plane metadata: the reads a commit depends on come from the plan's static gather tables
+(indices), never from payload. Per rule, its reads of one source are merged into one table, so a
+commit's clock costs one gather per source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lmpm.resolve.plan import RulePlan
+
+
+@dataclass(frozen=True, slots=True)
+class ClockRead:
+    """The cells of one source a rule's commit takes the clock max over."""
+
+    source: str
+    uniform: bool  # every cell reads the same cells: ``index`` is their (valid) flat ids
+    index: Tensor  # uniform: (R,) cells; else (target cells, K) flat source index
+    valid: Tensor | None  # (target cells, K) bool; None: every entry counts
+
+
+def clock_reads(rp: RulePlan) -> tuple[ClockRead, ...]:
+    """A rule's reads grouped by source (empty reads dropped)."""
+    out: list[ClockRead] = []
+    for source in dict.fromkeys(rd.source for rd in rp.reads):
+        reads = [rd for rd in rp.reads if rd.source == source]
+        rows = [rd.index[0][rd.valid[0]] for rd in reads if rd.uniform]
+        if rows and sum(r.numel() for r in rows):
+            out.append(ClockRead(source, True, torch.cat(rows), None))
+        gathered = [rd for rd in reads if not rd.uniform and rd.index.shape[1]]
+        if len(gathered) == 1:
+            out.append(ClockRead(source, False, gathered[0].index, gathered[0].valid))
+        elif gathered:
+            index = torch.cat([rd.index for rd in gathered], dim=1)
+            valid = torch.cat([rd.valid for rd in gathered], dim=1)
+            if source == rp.target:
+                # A cell's own clock is in the max anyway: pointing the invalid entries at the
+                # cell itself makes them count for nothing, with no mask at run time.
+                own = torch.arange(index.shape[0]).unsqueeze(1)
+                out.append(ClockRead(source, False, torch.where(valid, index, own), None))
+            else:
+                out.append(ClockRead(source, False, index, valid))
+    return tuple(out)
+
+
+class Clocks:
+    """New clocks of an epoch's committing cells. ``rows(table, cells)`` gathers a static table's
+    rows (the engine's cached row gather)."""
+
+    def __init__(self, rules: list[RulePlan]) -> None:
+        self.reads = {rp.id: clock_reads(rp) for rp in rules}
+
+    def advance(
+        self,
+        clocks: Mapping[str, Tensor],
+        rules: tuple[RulePlan, ...],
+        own: Tensor,
+        cells: Tensor,
+        changed: Tensor,
+        commits: int,
+        won_rule: Tensor | None,
+        rows,
+        fresh: bool,
+    ) -> Tensor:
+        """(n,) clocks of the open ``cells`` after the epoch: a committing cell (``changed``) gets
+        1 + max(its own clock ``own``, the clocks its winning rule read); the others keep ``own``.
+        ``commits``: how many cells commit. ``won_rule``: (n,) rule id of each cell's winner (None: the value has one rule).
+        ``fresh``: every open cell is unset (own clocks are 0). Clocks are never negative, so an
+        invalid read contributes 0, the max's identity."""
+        new_clock = own
+        single = won_rule is None
+        n = cells.numel()
+        for rp in rules:
+            sel = changed if single else changed & (won_rule == rp.id)
+            if not single and not bool(sel.any()):
+                continue
+            read_max: Tensor | None = None
+            for cr in self.reads[rp.id]:
+                src = clocks[cr.source]
+                if cr.uniform:
+                    top = src.index_select(0, cr.index).amax()  # (), broadcast over the cells
+                else:
+                    idx = rows(cr.index, cells)
+                    got = src.take(idx)  # (n, K)
+                    if cr.valid is not None:
+                        got = got * rows(cr.valid, cells)
+                    top = got.squeeze(1) if got.shape[1] == 1 else got.amax(dim=1)
+                read_max = top if read_max is None else torch.maximum(read_max, top)
+            if read_max is None:
+                bumped = new_clock + 1
+            elif fresh and read_max.dim() == 1:
+                bumped = read_max + 1  # max(0, read_max)
+            else:
+                bumped = torch.maximum(new_clock, read_max) + 1
+            whole = single and commits == n
+            new_clock = bumped if whole else torch.where(sel, bumped, new_clock)
+        return new_clock

@@ -1,0 +1,718 @@
+"""The data plane: a worker that owns payload and runs an epoch's work where the payload lives.
+
+A :class:`DataPlane` holds the payload of its cells (today: every cell of every value; one worker)
+on its backend's device for the whole run, and answers the control plane's messages
+(:mod:`lmpm.runtime.protocol`):
+
+- ``propose``: gather every fired rule's reads from the resident payload (the plan's gather tables),
+  dispatch all models (and their scores) to the backend before collecting any, build each value's
+  candidate table (column 0 keep-current, a proposal equal to the committed payload folded into it),
+  evaluate every constraint on every candidate, and return metadata only;
+- ``apply``: write the winners it is told (by column, or an aggregate from weights), append the
+  committed rows to its store (durable before the control plane logs the epoch), return which rows
+  changed.
+
+What the worker needs of the cells' metadata (committed, given as input) it mirrors itself from the
+inputs and commits it applies; Lamport clocks, provenance and scores stay on the control plane.
+
+Everything handed to user code (models, scores, predicates) is a fresh tensor: a model that writes
+into its inputs cannot change the payload, the plan's tables or a later epoch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import ConstraintEvalError, InputError, ModelError, RunDirError
+from lmpm.ir.nodes import PredKind, Status
+from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan, ValuePlan
+from lmpm.runtime.protocol import (
+    Applied,
+    ApplyReply,
+    ApplyRequest,
+    Candidates,
+    ProposeReply,
+    ProposeRequest,
+)
+from lmpm.workers import Results, WorkItem, get_backend
+
+# splitmix64's multipliers as signed int64 (torch has no uint64 arithmetic); products wrap.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _mix(z: Tensor) -> Tensor:
+    z = (z ^ (z >> 30)) * _MIX1
+    z = (z ^ (z >> 27)) * _MIX2
+    return z ^ (z >> 31)
+
+
+def checksum(payload: Tensor, cell_dims: int) -> Tensor:
+    """int64 checksum of each cell's payload: ``payload`` (..., *cell) -> (...). Integer arithmetic
+    on the payload's bits, so it is identical on every device; equal payloads, equal checksums.
+
+    >>> import torch
+    >>> a = checksum(torch.tensor([[1.0, 2.0], [1.0, 2.0], [2.0, 1.0]]), 1)
+    >>> bool(a[0] == a[1]), bool(a[0] == a[2])
+    (True, False)
+    """
+    x = payload
+    if x.is_floating_point():
+        x = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    elif x.dtype != torch.int64:
+        x = x.to(torch.int64)
+    if cell_dims:
+        x = x.flatten(-cell_dims)
+        pos = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=torch.int64) * _GOLDEN
+        x = _mix(x + pos).sum(dim=-1)
+    return _mix(x + _GOLDEN)
+
+
+@dataclass(frozen=True, slots=True)
+class _ValueTables:
+    """What the worker needs about one proposed value, built once and kept on its device."""
+
+    rules: tuple[RulePlan, ...]
+    constraints: tuple[ConstraintPlan, ...]
+    covers_all: tuple[bool, ...]  # per constraint: it speaks about every cell
+    # IN_SET: (vocab + 2,) bool violation table indexed by the token clamped to [-1, vocab]: the
+    # set for `forbid`, its complement for `require`, two trailing entries for out-of-vocabulary
+    tables: tuple[Tensor | None, ...]
+    cells: tuple[Tensor, ...]  # per constraint: (ncells,) bool cells it speaks about
+    checksums: bool  # the value's policy compares payloads (quorum, user policies)
+
+
+def _item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]:
+    """(proposal, score) of every dispatched item, in dispatch order."""
+    out: list[tuple[Tensor, Tensor] | None] = [None] * n_items
+    for g in results.groups:
+        if len(g.item_ids) == 1:
+            out[g.item_ids[0]] = (g.proposal, g.score)
+            continue
+        for slot, item in enumerate(g.item_ids):
+            lo, hi = g.offsets[slot], g.offsets[slot + 1]
+            out[item] = (g.proposal[lo:hi], g.score[lo:hi])
+    assert all(o is not None for o in out), "every item belongs to exactly one group"
+    return out  # type: ignore[return-value]  # checked just above
+
+
+@dataclass(frozen=True, slots=True)
+class PredicateInput:
+    """What a user-bound predicate receives (n open cells, C candidates each). Copies: a predicate
+    that writes into them changes nothing."""
+
+    candidates: Tensor  # (n, C, *cell) candidate payloads
+    valid: Tensor  # (n, C) bool
+    current: Tensor  # (n, *cell) committed payload (undefined where not committed)
+    committed: Tensor  # (n,) bool
+    cells: Tensor  # (n,) flat cell index within the value
+    coords: Tensor  # (n, rank)
+    accesses: tuple[tuple[Tensor, Tensor, Tensor], ...]  # per extra access: payload, mask, index
+    args: tuple[Any, ...]  # literal arguments
+    epoch: int
+
+
+@dataclass(slots=True)
+class _Staged:
+    """One value's candidate table between propose and apply (never leaves the worker)."""
+
+    cells: Tensor  # (n,) on the device
+    table: Tensor  # (n, C, *cell) candidate payloads; column 0 is the committed payload
+    committed: Tensor  # (n,) bool before the epoch
+
+
+class DataPlane:
+    """One worker: resident payload, models, constraint checks, commits. See the module doc."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        *,
+        backend: str | Any = "cpu",
+        seed: int = 0,
+        worker: str | None = None,
+        checksum_policies: frozenset[str] = frozenset(),
+    ) -> None:
+        self.plan = plan
+        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.device: torch.device = self.backend.device
+        self.worker = worker or self.backend.worker
+        self.seed = int(seed)
+        dev = self.device
+        self.payload: dict[str, Tensor] = {}
+        self.committed: dict[str, Tensor] = {}
+        self.from_input: dict[str, Tensor] = {}
+        for name, vp in plan.values.items():
+            self.payload[name] = torch.zeros(
+                (vp.ncells, *vp.cell_shape), dtype=vp.dtype, device=dev
+            )
+            self.committed[name] = torch.zeros(vp.ncells, dtype=torch.bool, device=dev)
+            self.from_input[name] = torch.zeros(vp.ncells, dtype=torch.bool, device=dev)
+        self._dev_cache: dict[int, tuple[Tensor, Tensor]] = {}
+        self._tables: dict[str, _ValueTables] = {}
+        by_target: dict[str, list[RulePlan]] = {}
+        for rp in plan.rules:
+            by_target.setdefault(rp.target, []).append(rp)
+        live: dict[str, list[ConstraintPlan]] = {}
+        for cp in plan.constraints:
+            if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
+                continue  # decided at compile time
+            live.setdefault(cp.target, []).append(cp)
+        for name, rules in by_target.items():
+            cps = tuple(live.get(name, []))
+            tables: list[Tensor | None] = []
+            for cp in cps:
+                if cp.pred == PredKind.IN_SET:
+                    assert cp.table is not None
+                    table = torch.cat([cp.table, torch.zeros(2, dtype=torch.bool)])
+                    tables.append(self._dev(table if cp.kind == "forbid" else ~table))
+                else:
+                    tables.append(None)
+            self._tables[name] = _ValueTables(
+                tuple(rules),
+                cps,
+                tuple(bool(cp.cells.all()) and not cp.needs_inputs_region for cp in cps),
+                tuple(tables),
+                tuple(self._dev(cp.cells) for cp in cps),
+                plan.values[name].policy_text.split("(")[0] in checksum_policies,
+            )
+        self._staged: dict[str, _Staged] = {}
+        self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
+        self._kwargs_base: dict[int, dict[str, Any]] = {}
+        self.store: Any = None  # a PayloadStore (lmpm.runtime.store) once the run has a directory
+
+    # ---- device-resident static tables -----------------------------------------------------------
+    def _dev(self, t: Tensor) -> Tensor:
+        """The device copy of a static plan table (made once; the CPU tensor itself on CPU)."""
+        if t.device == self.device:
+            return t
+        hit = self._dev_cache.get(id(t))
+        if hit is None or hit[0] is not t:
+            hit = self._dev_cache[id(t)] = (t, t.to(self.device))
+        return hit[1]
+
+    # ---- state -----------------------------------------------------------------------------------
+    def set_input(self, value: str, payload: Tensor, mask: Tensor) -> Tensor:
+        """Commit ``payload[mask]`` as given input; returns the (cpu) cells committed."""
+        vp = self.plan.values[value]
+        payload = payload.to(vp.dtype).reshape(vp.ncells, *vp.cell_shape)
+        mask = mask.reshape(-1).bool()
+        if vp.vocab is not None:
+            bad = mask & ((payload < 0) | (payload >= vp.vocab))
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0, 0])
+                raise InputError(
+                    f"input for `{value}` has token {int(payload[i])} outside the "
+                    f"vocabulary [0, {vp.vocab})",
+                    where={"value": value, "cell": i},
+                    code="R012",
+                )
+        idx = mask.nonzero().squeeze(1)
+        didx = idx.to(self.device)
+        self.payload[value].index_copy_(0, didx, payload.index_select(0, idx).to(self.device))
+        self.committed[value].index_fill_(0, didx, True)
+        self.from_input[value].index_fill_(0, didx, True)
+        return idx
+
+    def load(self, value: str, payload: Tensor, committed: Tensor, from_input: Tensor) -> None:
+        """Replace a value's whole state (resume from the store)."""
+        vp = self.plan.values[value]
+        self.payload[value] = (
+            payload.to(vp.dtype).reshape(vp.ncells, *vp.cell_shape).to(self.device)
+        )
+        self.committed[value] = committed.bool().to(self.device).clone()
+        self.from_input[value] = from_input.bool().to(self.device).clone()
+
+    # ---- durability ------------------------------------------------------------------------------
+    def open_store(self, run_dir: str | Path) -> None:
+        """Persist committed payload under ``run_dir`` from now on (lmpm.runtime.store)."""
+        from lmpm.runtime.store import PayloadStore
+
+        self.store = PayloadStore(run_dir, self.worker, self.plan)
+
+    def close_store(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+    def checkpoint(self, label: int) -> tuple[str, int, str]:
+        """Write this worker's payload checkpoint for the start of epoch ``label``."""
+        assert self.store is not None, "open_store first"
+        return self.store.checkpoint(
+            label, {name: t.cpu().numpy() for name, t in self.payload.items()}
+        )
+
+    def restore(
+        self,
+        label: int,
+        file: str,
+        sha256: str,
+        upto: int,
+        counts: dict[tuple[int, str], int],
+        committed: Mapping[str, Tensor],
+        from_input: Mapping[str, Tensor],
+    ) -> None:
+        """Resume: the payload after epoch ``upto - 1`` from the store (checkpoint ``file`` of
+        epoch ``label`` + committed rows); ``committed``/``from_input`` come from the control
+        plane's metadata."""
+        assert self.store is not None, "open_store first"
+        arrays = self.store.restore(label, file, sha256, upto, counts)
+        for name, vp in self.plan.values.items():
+            arr = arrays.get(name)
+            if arr is None or arr.shape != (vp.ncells, *vp.cell_shape):
+                raise RunDirError(
+                    f"payload checkpoint {file} does not fit value `{name}` "
+                    f"({vp.ncells} cells of {vp.cell_shape or '()'})",
+                    code="D007",
+                )
+            self.load(name, torch.from_numpy(arr), committed[name], from_input[name])
+
+    def read(self, value: str) -> tuple[Tensor, Tensor]:
+        """(payload, committed) of a value, copied to the host: outputs and checkpoints. Never
+        called by the control plane."""
+        return self.payload[value].cpu().clone(), self.committed[value].cpu().clone()
+
+    # ---- propose ---------------------------------------------------------------------------------
+    def propose(self, req: ProposeRequest) -> ProposeReply:
+        e = req.epoch
+        items: list[WorkItem] = []
+        meta: list[tuple[RulePlan, Tensor, int]] = []
+        inputs_of: dict[int, dict[str, Tensor]] = {}
+        for rw in req.rules:
+            rp = self.plan.rules[rw.rule]
+            vp = self.plan.values[rp.target]
+            cells = rw.cells.to(self.device)
+            inputs = inputs_of[rp.id] = self._inputs(rp, cells)
+            kwargs = self._kwargs(rp, vp, e)
+            global_cells = cells + vp.offset if vp.offset else cells.clone()
+            score_inputs = self._score_keys(rp, inputs) if rp.score else ()
+            for rep in range(rp.replicas):
+                items.append(
+                    WorkItem(
+                        rp.name,
+                        rp.model,
+                        inputs,
+                        global_cells,
+                        vp.vocab,
+                        kwargs,
+                        dtype=vp.dtype,
+                        seed=self.seed,
+                        epoch=e,
+                        value=vp.name,
+                        replica=rep,
+                        score=rp.score,
+                        score_inputs=score_inputs,
+                    )
+                )
+                meta.append((rp, cells, rep))
+        tm = time.perf_counter()
+        try:
+            results = self.backend.collect(self.backend.dispatch(items)) if items else None
+        except ModelError as exc:
+            self._locate_score_error(exc)
+            raise
+        model_seconds = time.perf_counter() - tm
+
+        per_value: dict[str, list[tuple[RulePlan, Tensor, int, Tensor, Tensor]]] = {}
+        outputs = _item_outputs(results, len(items)) if results is not None else []
+        for (rp, cells, rep), (prop, score) in zip(meta, outputs):
+            vp = self.plan.values[rp.target]
+            prop, score = self._shape(rp, vp, prop, score)
+            per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
+        self._staged = {}
+        values = {
+            name: self._candidates(name, e, parts, req.fresh.get(name, False))
+            for name, parts in per_value.items()
+        }
+        if req.record and self.store is not None:
+            for name, cells in req.record.items():
+                st = self._staged.get(name)
+                if st is not None:
+                    self.store.record_candidates(e, name, st.cells, st.table, cells)
+        return ProposeReply(self.worker, values, model_seconds)
+
+    def _shape(
+        self, rp: RulePlan, vp: ValuePlan, prop: Tensor, score: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Proposals as (n, k, *cell) and scores as (n, k) float64; a wrong rank is the model's
+        fault, named with its rule."""
+        if score.dtype != torch.float64:
+            score = score.double()
+        cdims = len(vp.cell_shape)
+        if prop.dim() == 1 + cdims and score.dim() == 1:
+            prop, score = prop.unsqueeze(1), score.unsqueeze(1)
+        if prop.dim() != 2 + cdims or tuple(prop.shape[2:]) != vp.cell_shape:
+            raise ModelError(
+                f"rule `{rp.name}` proposed a tensor of shape {tuple(prop.shape)}; `{vp.name}` "
+                f"holds cells of shape {vp.cell_shape or '()'}, so proposals must be "
+                f"(cells, k{''.join(', ' + str(d) for d in vp.cell_shape)}) or "
+                f"(cells{''.join(', ' + str(d) for d in vp.cell_shape)})",
+                where={"rule": rp.name, "backend": self.backend.name, "worker": self.worker},
+                code="R032",
+            )
+        return prop, score
+
+    def _locate_score_error(self, exc: ModelError) -> None:
+        """A rule's score failed (R030/R031): point the error at the `score` call in the source."""
+        if exc.span is not None or exc.code not in ("R030", "R031"):
+            return
+        for rp in self.plan.rules:
+            if rp.name == exc.where.get("rule") and rp.ir.score is not None:
+                exc.span = rp.ir.score.span
+                return
+
+    def _kwargs(self, rp: RulePlan, vp: ValuePlan, e: int) -> dict[str, Any]:
+        """The model call's keyword arguments in epoch ``e``: the rule's literals, then the ones
+        computed from ``e``, then ``epoch``, ``vocab`` and ``seed`` unless the rule sets them."""
+        if not rp.epoch_args and "epoch" not in rp.kwargs:
+            base = self._kwargs_base.get(rp.id)
+            if base is None:
+                base = self._kwargs_base[rp.id] = {"vocab": vp.vocab, "seed": self.seed}
+                base.update(rp.kwargs)
+            return {**base, "epoch": e}
+        from lmpm.ir.eval import evaluate
+
+        kwargs = dict(rp.kwargs)
+        for k, ex in rp.epoch_args.items():
+            kwargs[k] = evaluate(ex, self.plan.env | {"e": e})
+        kwargs.setdefault("epoch", e)
+        kwargs.setdefault("vocab", vp.vocab)
+        kwargs.setdefault("seed", self.seed)
+        return kwargs
+
+    def _rows(self, table: Tensor, cells: Tensor) -> Tensor:
+        """``table[cells]`` (a copy) for a static per-cell plan table."""
+        return self._dev(table).index_select(0, cells)
+
+    def _inputs(self, rp: RulePlan, cells: Tensor) -> dict[str, Tensor]:
+        """The model's inputs for ``cells``: per read, payload / mask / index, each (n, K[, *cell]).
+        Every tensor is freshly gathered: writing into one changes nothing outside this call."""
+        vp = self.plan.values[rp.target]
+        n = cells.numel()
+        inputs: dict[str, Tensor] = {"cells": cells.clone(), "coords": self._rows(vp.coords, cells)}
+        for rd in rp.reads:
+            committed = self.committed[rd.source]
+            payload = self.payload[rd.source]
+            if rd.uniform:
+                # Every cell reads the same cells: one gathered row, broadcast (an expanded view
+                # cannot be written in place).
+                row = self._dev(rd.index)[0]
+                k = row.numel()
+                idx = row.expand(n, k)
+                mask = (self._dev(rd.valid)[0] & committed.index_select(0, row)).expand(n, k)
+                data = payload.index_select(0, row)
+                data = data.expand(n, k, *data.shape[1:])
+            else:
+                idx = self._rows(rd.index, cells)  # (n, K)
+                valid = self._rows(rd.valid, cells)
+                mask = valid & committed.take(idx)
+                if payload.dim() == 1:
+                    data = payload.take(idx)  # the flat gather of a 1-D state tensor
+                else:
+                    data = payload.index_select(0, idx.reshape(-1)).reshape(
+                        *idx.shape, *payload.shape[1:]
+                    )
+            for name in rd.args:
+                inputs[name] = data  # (n, K[, *cell]) payload of the read cells
+                inputs[f"{name}_mask"] = mask  # (n, K) visible and committed
+                inputs[f"{name}_index"] = idx  # (n, K) flat index into the source value
+        return inputs
+
+    def _score_keys(self, rp: RulePlan, inputs: Mapping[str, Tensor]) -> tuple[str, ...]:
+        """The model inputs a rule's score call receives: cells, coords and its reads' tensors."""
+        return tuple(
+            k
+            for k in inputs
+            if k in ("cells", "coords")
+            or k.removesuffix("_mask").removesuffix("_index") in rp.score_args
+        )
+
+    def _columns(
+        self, parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]], widths: list[int]
+    ) -> tuple[Tensor, ...]:
+        """(C,) rule id, replica and slot of each candidate column (-1: keep); per layout."""
+        key = tuple((p[0].id, p[2], w) for p, w in zip(parts, widths))
+        hit = self._columns_cache.get(key)
+        if hit is None:
+            rule, rep, slot = [-1], [-1], [-1]
+            for rid, replica, w in key:
+                rule += [rid] * w
+                rep += [replica] * w
+                slot += list(range(w))
+            hit = (torch.tensor(rule), torch.tensor(rep), torch.tensor(slot))
+            self._columns_cache[key] = hit
+        # copies: the control plane's policies receive them
+        return tuple(t.clone() for t in hit)
+
+    def _candidates(
+        self,
+        name: str,
+        e: int,
+        parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]],
+        fresh: bool,
+    ) -> Candidates:
+        """Build, fold and check one value's candidate table; stage it for apply."""
+        vp = self.plan.values[name]
+        tabs = self._tables[name]
+        dev = self.device
+        cells = parts[0][1] if len(parts) == 1 else torch.unique(torch.cat([p[1] for p in parts]))
+        n = cells.numel()
+        widths = [p[3].shape[1] for p in parts]
+        ncol = 1 + sum(widths)
+        current = self.payload[name].index_select(0, cells)  # (n, *cell)
+        if fresh:
+            committed = torch.zeros(n, dtype=torch.bool, device=dev)
+        else:
+            committed = self.committed[name].index_select(0, cells)
+        if len(parts) == 1:
+            prop, sc = parts[0][3], parts[0][4]
+            prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
+            table = torch.cat((current.unsqueeze(1), prop), 1)
+            valid = torch.ones((n, ncol), dtype=torch.bool, device=dev)
+            score = torch.cat(
+                (torch.full((n, 1), -torch.inf, dtype=torch.float64, device=dev), sc), 1
+            )
+            all_valid = True
+        else:
+            table = torch.zeros((n, ncol, *vp.cell_shape), dtype=vp.dtype, device=dev)
+            table[:, 0] = current
+            valid = torch.zeros((n, ncol), dtype=torch.bool, device=dev)
+            valid[:, 0] = True
+            score = torch.full((n, ncol), -torch.inf, dtype=torch.float64, device=dev)
+            c = 1
+            for (_, rcells, _, prop, sc), w in zip(parts, widths):
+                rows = torch.searchsorted(cells, rcells)
+                table[rows, c : c + w] = prop.to(vp.dtype)
+                valid[rows, c : c + w] = True
+                score[rows, c : c + w] = sc
+                c += w
+            all_valid = False
+
+        # A proposal equal to the committed payload *is* keep-current, freshly scored: fold it into
+        # column 0 so a stale committed score never outranks the rule's current opinion.
+        refreshed: Tensor | None = None
+        any_committed = not fresh and bool(committed.any())
+        if any_committed:
+            same = table == current.unsqueeze(1)
+            if vp.cell_shape:
+                same = same.flatten(2).all(dim=2)
+            same &= committed.unsqueeze(1)
+            if not all_valid:
+                same &= valid
+            same[:, 0] = False
+            refreshed = same.any(dim=1)
+            score[:, 0] = torch.where(same, score, -torch.inf).amax(dim=1)
+            valid = valid & ~same
+            all_valid = False
+
+        violated, applies = self._check(
+            name, vp, tabs, e, cells, table, valid, current, committed, any_committed, all_valid
+        )
+        col_rule, col_rep, col_slot = self._columns(parts, widths)
+        sums = checksum(table, len(vp.cell_shape)) if tabs.checksums else None
+        self._staged[name] = _Staged(cells, table, committed)
+        cpu = torch.device("cpu")
+        return Candidates(
+            name,
+            cells.to(cpu),
+            valid.to(cpu),
+            score.to(cpu),
+            violated.to(cpu),
+            applies.to(cpu),
+            col_rule,
+            col_rep,
+            col_slot,
+            None if refreshed is None else refreshed.to(cpu),
+            None if sums is None else sums.to(cpu),
+        )
+
+    # ---- check -----------------------------------------------------------------------------------
+    def _check(
+        self,
+        name: str,
+        vp: ValuePlan,
+        tabs: _ValueTables,
+        e: int,
+        cells: Tensor,
+        table: Tensor,
+        valid: Tensor,
+        current: Tensor,
+        committed: Tensor,
+        any_committed: bool,
+        all_valid: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """(n, C, K) violations, masked by the cells each constraint speaks about and by the
+        candidates that exist, and the (n, K) applies mask."""
+        n, ncol = valid.shape
+        k = len(tabs.constraints)
+        dev = self.device
+        if k == 0:
+            return (
+                torch.zeros((n, ncol, 0), dtype=torch.bool, device=dev),
+                torch.ones((n, 0), dtype=torch.bool, device=dev),
+            )
+        verdicts: list[Tensor] = []
+        applies_cols: list[Tensor] = []
+        for cp, whole, vtable, ccells in zip(
+            tabs.constraints, tabs.covers_all, tabs.tables, tabs.cells
+        ):
+            verdict = self._violations(
+                cp, vp, cells, table, valid, current, committed, any_committed, e, vtable
+            )
+            if whole:
+                where = torch.ones(n, dtype=torch.bool, device=dev)
+            else:
+                where = ccells.index_select(0, cells)
+                if cp.needs_inputs_region:
+                    where = where & self.from_input[name].index_select(0, cells)
+                verdict = verdict & where.unsqueeze(1)
+            if not all_valid:
+                verdict = verdict & valid
+            verdicts.append(verdict)
+            applies_cols.append(where)
+        violated = verdicts[0].unsqueeze(2) if k == 1 else torch.stack(verdicts, dim=2)
+        applies = applies_cols[0].unsqueeze(1) if k == 1 else torch.stack(applies_cols, dim=1)
+        return violated, applies
+
+    def _violations(
+        self,
+        cp: ConstraintPlan,
+        vp: ValuePlan,
+        cells: Tensor,
+        table: Tensor,
+        valid: Tensor,
+        current: Tensor,
+        committed: Tensor,
+        any_committed: bool,
+        e: int,
+        vtable: Tensor | None,
+    ) -> Tensor:
+        """(n, C) bool: candidate violates the constraint, before masking. Keep-current of an
+        unset cell satisfies every `forbid` and violates every `require`."""
+        forbid = cp.kind == "forbid"
+        if cp.pred == PredKind.IN_SET:
+            assert vtable is not None
+            tok = table if table.dtype == torch.int64 else table.long()
+            viol = vtable.take(tok.clamp(-1, vtable.numel() - 2))
+        else:
+            if cp.pred == PredKind.CHANGE:
+                differs = table != current.unsqueeze(1)
+                if vp.cell_shape:
+                    differs = differs.flatten(2).any(dim=2)
+                holds = differs & committed.unsqueeze(1)
+                holds[:, 0] = False  # keep-current changes nothing (even a NaN payload)
+            else:
+                holds = self._user_predicate(cp, vp, cells, table, valid, current, committed, e)
+            viol = holds if forbid else ~holds
+        if any_committed:
+            if forbid:
+                viol[:, 0] &= committed
+            else:
+                viol[:, 0] |= ~committed
+        else:
+            viol.select(1, 0).fill_(not forbid)
+        return viol
+
+    def _user_predicate(
+        self,
+        cp: ConstraintPlan,
+        vp: ValuePlan,
+        cells: Tensor,
+        table: Tensor,
+        valid: Tensor,
+        current: Tensor,
+        committed: Tensor,
+        e: int,
+    ) -> Tensor:
+        accesses = []
+        payload = self.payload[vp.name]
+        for index, avalid in cp.accesses:
+            idx = self._rows(index, cells)
+            mask = self._rows(avalid, cells) & self.committed[vp.name].take(idx)
+            data = payload.index_select(0, idx.reshape(-1)).reshape(*idx.shape, *vp.cell_shape)
+            accesses.append((data, mask, idx))
+        ctx = PredicateInput(
+            table.clone(),
+            valid.clone(),
+            current.clone(),
+            committed.clone(),
+            cells.clone(),
+            self._rows(vp.coords, cells),
+            tuple(accesses),
+            cp.literals,
+            e,
+        )
+        assert cp.predicate is not None
+        try:
+            out = torch.as_tensor(cp.predicate(ctx))
+        except Exception as exc:
+            raise ConstraintEvalError(
+                f"predicate `{cp.ir.call.func if cp.ir.call else '?'}` of constraint `{cp.name}` "
+                f"raised {type(exc).__name__}: {exc}",
+                where={"constraint": cp.name, "epoch": e, "worker": self.worker},
+                span=cp.ir.span,
+                code="R040",
+            ) from exc
+        if tuple(out.shape) != tuple(valid.shape) or out.dtype != torch.bool:
+            raise ConstraintEvalError(
+                f"predicate of constraint `{cp.name}` must return a bool tensor of shape "
+                f"{tuple(valid.shape)} (cells, candidates), got {out.dtype} {tuple(out.shape)}",
+                where={"constraint": cp.name, "epoch": e, "worker": self.worker},
+                span=cp.ir.span,
+                code="R041",
+            )
+        return out.to(self.device).clone()
+
+    # ---- apply -----------------------------------------------------------------------------------
+    def apply(self, req: ApplyRequest) -> ApplyReply:
+        """Write the winners of every value, make them durable, report what changed."""
+        out: dict[str, Applied] = {}
+        for name, d in req.values.items():
+            st = self._staged[name]
+            vp = self.plan.values[name]
+            cdims = len(vp.cell_shape)
+            rows = None if d.rows is None else d.rows.to(self.device)
+            winner = d.winner.to(self.device)
+            table = st.table if rows is None else st.table.index_select(0, rows)
+            cells = st.cells if rows is None else st.cells.index_select(0, rows)
+            changed: Tensor | None = None
+            if d.weights is None:
+                new = table[torch.arange(table.shape[0], device=self.device), winner]
+            else:
+                w = d.weights.to(self.device).to(torch.float64)
+                wv = w.reshape(*w.shape, *([1] * cdims))
+                total = (wv * table.to(torch.float64)).sum(dim=1)
+                new = (total / w.sum(dim=1).clamp(min=1e-300).reshape(-1, *([1] * cdims))).to(
+                    vp.dtype
+                )
+                was = st.committed if rows is None else st.committed.index_select(0, rows)
+                same = new == table[:, 0]
+                if cdims:
+                    same = same.flatten(1).all(dim=1)
+                changed = ~(same & was)
+                if not bool(changed.all()):
+                    keep = changed.nonzero().squeeze(1)
+                    cells, new = cells.index_select(0, keep), new.index_select(0, keep)
+            self.payload[name].index_copy_(0, cells, new)
+            self.committed[name].index_fill_(0, cells, True)
+            self.from_input[name].index_fill_(0, cells, False)
+            sums = checksum(new, cdims) if req.checksums else None
+            if self.store is not None:
+                self.store.append_commits(req.epoch, name, cells, new)
+            out[name] = Applied(
+                None if changed is None else changed.cpu(),
+                None if sums is None else sums.cpu(),
+            )
+        durable = self.store is not None
+        if durable:
+            self.store.sync(req.epoch)
+        self._staged = {}
+        return ApplyReply(self.worker, out, durable)

@@ -1,0 +1,123 @@
+"""The messages between the control plane and the data plane (the workers). Metadata only.
+
+An epoch is two round trips. The control plane sends a :class:`ProposeRequest` (the epoch, and per
+rule the cells it fires on); each worker gathers the reads from its resident payload, runs the
+models and scores, checks every constraint on every candidate and answers with a
+:class:`ProposeReply`: per value, per open cell and candidate, the score, the violation bits, the
+validity and (where the policy asks) a payload checksum. After agreement the control plane sends an
+:class:`ApplyRequest` (per value, the rows that commit and their winning column, or aggregation
+weights); the worker writes the winners into its payload, makes them durable when it has a store,
+and answers with an :class:`ApplyReply` (which rows really changed, their checksums for the log).
+
+No message carries payload: every tensor in them is a cell index, a flag, a score, a verdict, a
+column id or a checksum, so their size does not depend on the payload's width (``Token[16]`` and
+``Tensor[256]`` values cost the same bytes per epoch). :func:`nbytes` measures them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RuleWork:
+    """One rule fired on ``cells`` (sorted flat cell ids of its target value)."""
+
+    rule: int  # RulePlan.id
+    cells: Tensor  # (m,) int64
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeRequest:
+    epoch: int
+    rules: tuple[RuleWork, ...]
+    # per value: the schedule opens unset cells only (no proposal can equal a committed payload)
+    fresh: Mapping[str, bool]
+    # per value: the cells whose candidate payloads the worker records in its store (--trace cells)
+    record: Mapping[str, Tensor] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidates:
+    """One value's candidates in one epoch: n open cells that had proposals, C columns (column 0
+    is keep-current), K constraints evaluated at run time."""
+
+    value: str
+    cells: Tensor  # (n,) int64 sorted open cells
+    valid: Tensor  # (n, C) bool: the candidate exists (padding and folded duplicates are False)
+    score: Tensor  # (n, C) float64; column 0: the fresh score of a proposal equal to the committed
+    #                payload where ``refreshed``, else undefined (the control plane knows it)
+    violated: Tensor  # (n, C, K) bool: masked by ``applies`` and ``valid``
+    applies: Tensor  # (n, K) bool: the constraint speaks about the cell
+    col_rule: Tensor  # (C,) int64 rule id per column (-1: keep)
+    col_replica: Tensor  # (C,) int64
+    col_slot: Tensor  # (C,) int64
+    refreshed: Tensor | None  # (n,) bool: a proposal equalled the committed payload (folded)
+    checksum: Tensor | None  # (n, C) int64 payload checksums, when the policy compares payloads
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeReply:
+    worker: str
+    values: Mapping[str, Candidates]
+    model_seconds: float  # time in dispatch + collect of the models
+
+
+@dataclass(frozen=True, slots=True)
+class ValueDecision:
+    """What commits in one value: ``rows`` index the open cells of the epoch's :class:`Candidates`."""
+
+    rows: Tensor | None  # (m,) int64 rows that commit; None: every row
+    winner: Tensor  # (m,) int64 winning column per committing row
+    weights: Tensor | None  # (m, C) float64: aggregate the candidates instead of taking the winner
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyRequest:
+    epoch: int
+    values: Mapping[str, ValueDecision]
+    checksums: bool  # return the committed rows' payload checksums (the commit log wants them)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    changed: Tensor | None  # (m,) bool: the row's payload changed (None: every row did)
+    checksum: Tensor | None  # (m,) int64 checksum of each committed row's new payload
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyReply:
+    worker: str
+    values: Mapping[str, Applied]
+    durable: bool  # the committed rows are in the worker's store (written and synced)
+
+
+def nbytes(message: Any) -> int:
+    """Bytes of tensor data in a message (recursively): what would cross the wire."""
+    if isinstance(message, Tensor):
+        return message.numel() * message.element_size()
+    if dataclasses.is_dataclass(message) and not isinstance(message, type):
+        return sum(nbytes(getattr(message, f.name)) for f in dataclasses.fields(message))
+    if isinstance(message, Mapping):
+        return sum(nbytes(v) for v in message.values())
+    if isinstance(message, tuple | list):
+        return sum(nbytes(v) for v in message)
+    return 0
+
+
+def tensors(message: Any) -> list[Tensor]:
+    """Every tensor in a message (recursively)."""
+    if isinstance(message, Tensor):
+        return [message]
+    if dataclasses.is_dataclass(message) and not isinstance(message, type):
+        return [t for f in dataclasses.fields(message) for t in tensors(getattr(message, f.name))]
+    if isinstance(message, Mapping):
+        return [t for v in message.values() for t in tensors(v)]
+    if isinstance(message, tuple | list):
+        return [t for v in message for t in tensors(v)]
+    return []

@@ -1,0 +1,258 @@
+"""A worker's durable payload: ``RUN_DIR/payload/<worker>.db`` and its checkpoint shards.
+
+The control plane's commit log (``lmpm.db``, :mod:`lmpm.runtime.commitlog`) holds metadata only:
+which cells committed in which epoch, by which rule, with which clocks, scores and payload
+checksums. The payload itself is written by the worker that holds it, here:
+
+    rows(epoch, value, first, step, count, crc, payload)   committed payload, one row per
+                                                           arithmetic run of cells (crc: CRC-32 of
+                                                           the payload bytes after the type tag)
+    candidates(epoch, value, cell, col, payload)            candidate payloads of the cells a
+                                                           ``--trace cells`` region asks for
+
+and, every ``checkpoint_every`` epochs, ``checkpoints/epoch-NNNNNNNN.<worker>.safetensors`` with each
+value's whole payload.
+
+An epoch commits in two steps: the worker appends its rows and commits its transaction
+(:meth:`PayloadStore.sync`), *then* the control plane logs the epoch. A run killed between the two
+has payload rows for an epoch the log does not have; resume drops them (:meth:`restore`) and redoes
+the epoch, which is identical (counter-based randomness).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sqlite3
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lmpm.errors import RunDirError
+from lmpm.runtime.commitlog import _TAGS, CHECKPOINT_DIR, cell_runs, decode, payload_tag
+from lmpm.runtime.io import atomic_write
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from lmpm.resolve.plan import Plan
+
+STORE_DIR = "payload"
+STORE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rows (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, step INTEGER NOT NULL,
+  count INTEGER NOT NULL, crc INTEGER NOT NULL, payload BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS rows_by_epoch ON rows (epoch);
+CREATE TABLE IF NOT EXISTS candidates (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
+  payload BLOB NOT NULL, PRIMARY KEY (value, cell, epoch, col));
+"""
+
+
+def worker_file(worker: str) -> str:
+    """A worker's name as a file name ("cpu:0" -> "cpu-0")."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", worker)
+
+
+def store_path(run_dir: str | Path, worker: str) -> Path:
+    return Path(run_dir) / STORE_DIR / f"{worker_file(worker)}.db"
+
+
+class PayloadStore:
+    """The durable payload of one worker (see the module doc)."""
+
+    def __init__(self, run_dir: str | Path, worker: str, plan: Plan) -> None:
+        self.run_dir = Path(run_dir)
+        self.worker = worker
+        self.path = store_path(run_dir, worker)
+        self.tags = {name: payload_tag(vp.vocab) for name, vp in plan.values.items()}
+        self.cell_size = {
+            name: int(np.prod(vp.cell_shape)) if vp.cell_shape else 1
+            for name, vp in plan.values.items()
+        }
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(str(self.path), isolation_level=None)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            self.conn.executescript(STORE_SCHEMA)
+        except (OSError, sqlite3.Error) as e:
+            raise RunDirError(
+                f"cannot open the payload store {self.path}: {e}", code="D012"
+            ) from None
+        self._open = False
+
+    def _begin(self) -> None:
+        if not self._open:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self._open = True
+
+    def append_commits(self, epoch: int, value: str, cells: Tensor, payload: Tensor) -> None:
+        """Stage the committed rows of ``value`` in ``epoch`` (written at :meth:`sync`)."""
+        cells_np = cells.cpu().numpy()
+        if cells_np.size == 0:
+            return
+        order = np.argsort(cells_np, kind="stable")
+        cells_np = cells_np[order]
+        tag = self.tags[value]
+        width = self.cell_size[value]
+        raw = np.ascontiguousarray(payload.cpu().numpy()[order], dtype=_TAGS[tag]).tobytes()
+        size = np.dtype(_TAGS[tag]).itemsize * width
+        starts, counts, steps = cell_runs(cells_np, np.zeros(cells_np.size, np.int64))
+        rows = []
+        for s, n, st in zip(starts.tolist(), counts.tolist(), steps.tolist()):
+            p = raw[s * size : (s + n) * size]
+            rows.append((epoch, value, int(cells_np[s]), st, n, zlib.crc32(p), tag.encode() + p))
+        self._begin()
+        self.conn.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", rows)
+
+    def record_candidates(
+        self, epoch: int, value: str, cells: Tensor, table: Tensor, which: Tensor
+    ) -> None:
+        """Stage the candidate payloads of the open ``cells`` that are in ``which``."""
+        cells_np = cells.cpu().numpy()
+        pick = np.isin(cells_np, which.cpu().numpy())
+        if not pick.any():
+            return
+        rows_idx = np.flatnonzero(pick)
+        tab = table.cpu().numpy()[rows_idx]  # (m, C, *cell)
+        tag = self.tags[value]
+        out = []
+        for i, r in enumerate(rows_idx.tolist()):
+            for col in range(tab.shape[1]):
+                raw = np.ascontiguousarray(tab[i, col], dtype=_TAGS[tag]).tobytes()
+                out.append((epoch, value, int(cells_np[r]), col, tag.encode() + raw))
+        self._begin()
+        self.conn.executemany("INSERT OR REPLACE INTO candidates VALUES (?,?,?,?,?)", out)
+
+    def sync(self, epoch: int) -> None:
+        """Make everything staged for ``epoch`` durable (before the control plane logs it)."""
+        if self._open:
+            self.conn.execute("COMMIT")
+            self._open = False
+
+    def rollback(self) -> None:
+        if self._open:
+            self.conn.execute("ROLLBACK")
+            self._open = False
+
+    def checkpoint(self, label: int, payloads: dict[str, np.ndarray]) -> tuple[str, int, str]:
+        """Write the payload at the start of epoch ``label``: (file, bytes, sha256)."""
+        from safetensors.numpy import save
+
+        arrays = {
+            f"{name}.payload": np.ascontiguousarray(a) for name, a in sorted(payloads.items())
+        }
+        data = save(arrays, metadata={"epoch": str(label), "worker": self.worker})
+        rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.{worker_file(self.worker)}.safetensors"
+        path = self.run_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, data)
+        return rel, len(data), hashlib.sha256(data).hexdigest()
+
+    def restore(
+        self, label: int, rel: str, sha: str, upto: int, counts: dict[tuple[int, str], int]
+    ) -> dict[str, np.ndarray]:
+        """The payload after epoch ``upto - 1``: checkpoint ``rel`` (taken at the start of epoch
+        ``label``) plus the committed rows of epochs ``label .. upto - 1``, each checked against
+        its CRC and, per (epoch, value), against the cell ``counts`` the control plane logged.
+        Rows of epochs the control plane never logged (a kill between the two commit steps) are
+        dropped."""
+        from safetensors.numpy import load
+
+        path = self.run_dir / rel
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise RunDirError(
+                f"payload checkpoint {path} is missing ({e.strerror}); nothing was changed",
+                code="D007",
+            ) from None
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise RunDirError(
+                f"payload checkpoint {path} is corrupt or truncated (checksum mismatch); "
+                "nothing was changed",
+                code="D007",
+            )
+        arrays = {k.removesuffix(".payload"): v.copy() for k, v in load(data).items()}
+        seen: dict[tuple[int, str], int] = {}
+        cur = self.conn.execute(
+            "SELECT epoch, value, first, step, count, crc, payload FROM rows "
+            "WHERE epoch >= ? AND epoch < ? ORDER BY epoch, rowid",
+            (label, upto),
+        )
+        for ep, value, first, step, count, crc, payload in cur:
+            into = arrays.get(value)
+            if into is None or zlib.crc32(payload[1:]) != crc:
+                raise RunDirError(
+                    f"payload of epoch {ep} for `{value}` in {self.path} is corrupt (CRC mismatch); "
+                    "nothing was changed",
+                    code="D006",
+                )
+            idx = first + step * np.arange(count)
+            into[idx] = decode(payload).reshape(count, *into.shape[1:])
+            seen[(ep, value)] = seen.get((ep, value), 0) + count
+        want = {k: v for k, v in counts.items() if label <= k[0] < upto and v}
+        if seen != want:
+            bad = sorted(set(seen.items()) ^ set(want.items()))[0]
+            raise RunDirError(
+                f"the payload store {self.path} and the commit log disagree on epoch {bad[0][0]} "
+                f"of `{bad[0][1]}` (log: {want.get(bad[0], 0)} cells, store: "
+                f"{seen.get(bad[0], 0)}); nothing was changed",
+                code="D013",
+            )
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute("DELETE FROM rows WHERE epoch >= ?", (upto,))
+        self.conn.execute("DELETE FROM candidates WHERE epoch >= ?", (upto,))
+        self.conn.execute("COMMIT")
+        return arrays
+
+    def close(self) -> None:
+        self.rollback()
+        self.conn.close()
+
+
+def read_cell_payload(
+    run_dir: str | Path, worker: str, value: str, cell: int
+) -> dict[int, np.ndarray]:
+    """epoch -> the payload ``cell`` of ``value`` committed in that epoch (``lmpm trace --cell``)."""
+    path = store_path(run_dir, worker)
+    out: dict[int, np.ndarray] = {}
+    if not path.is_file():
+        return out
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        for e, first, step, count, payload in conn.execute(
+            "SELECT epoch, first, step, count, payload FROM rows WHERE value = ? AND first <= ? "
+            "ORDER BY epoch",
+            (value, cell),
+        ):
+            j, r = divmod(cell - first, step)
+            if r == 0 and j < count:
+                arr = decode(payload)
+                out[int(e)] = arr.reshape(count, -1)[j]
+    finally:
+        conn.close()
+    return out
+
+
+def read_candidates(
+    run_dir: str | Path, worker: str, value: str, cell: int
+) -> dict[tuple[int, int], np.ndarray]:
+    """(epoch, column) -> the recorded candidate payload of ``cell`` (``--trace cells``)."""
+    path = store_path(run_dir, worker)
+    out: dict[tuple[int, int], np.ndarray] = {}
+    if not path.is_file():
+        return out
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        for e, col, payload in conn.execute(
+            "SELECT epoch, col, payload FROM candidates WHERE value = ? AND cell = ?",
+            (value, cell),
+        ):
+            out[(int(e), int(col))] = decode(payload)
+    finally:
+        conn.close()
+    return out
