@@ -43,7 +43,9 @@ EX = ROOT / "examples"
 
 
 class Offered:
-    """Per cell of one value: did any valid candidate ever hold a token of ``members``?"""
+    """Per cell of one value: did any valid candidate ever hold a token of ``members``? An
+    observer of the run (its start) that taps the worker's candidate tables (the payload stays
+    on the worker)."""
 
     def __init__(self, value: str, members: list[int]) -> None:
         self.value = value
@@ -60,15 +62,20 @@ class Offered:
         self.vocab = vp.vocab or max(self.members) + 1
         self.table = torch.zeros(self.vocab + 2, dtype=torch.bool)
         self.table[self.members] = True
+        engine.dataplane.taps.append(self.tap)
+
+    def tap(
+        self, e: int, value: str, cells: torch.Tensor, table: torch.Tensor, valid: torch.Tensor
+    ) -> None:
+        assert self.mask is not None and self.table is not None
+        if value != self.value:
+            return
+        member = self.table.take(table.clamp(-1, self.vocab))  # token payloads
+        hit = (member & valid).any(dim=1)
+        self.mask.index_put_((cells,), hit, accumulate=True)  # OR (cells are unique)
 
     def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
-        assert self.mask is not None and self.table is not None
-        for ve in record.values:
-            if ve.value != self.value:
-                continue
-            member = self.table.take(ve.payload.clamp(-1, self.vocab))  # token payloads
-            hit = (member & ve.valid).any(dim=1)
-            self.mask.index_put_((ve.cells,), hit, accumulate=True)  # OR (cells are unique)
+        pass
 
     def on_end(self, engine: Engine) -> None:
         pass

@@ -65,7 +65,7 @@ def one(
     payload[: len(text)] = torch.tensor(list(text))
     mask = torch.zeros(n, dtype=torch.bool)
     mask[: len(text)] = True
-    engine.set_input("Txt", payload, mask)
+    engine.mark_input("Txt", engine.dataplane.set_input("Txt", payload, mask))
     log = None
     if config != "none":
         level = "off" if config == "off" else config
@@ -94,7 +94,8 @@ def one(
     if log is not None:
         out["log_seconds"] = log.log_seconds
         log.close()
-        out["db_bytes"] = float(sum(f.stat().st_size for f in run_dir.glob(f"{DB_NAME}*")))
+        files = [*run_dir.glob(f"{DB_NAME}*"), *run_dir.glob("payload/*.db*")]  # log + store
+        out["db_bytes"] = float(sum(f.stat().st_size for f in files))
     return out
 
 

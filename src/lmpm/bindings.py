@@ -48,6 +48,10 @@ BUILTINS: dict[str, str] = {
     "region": "lmpm.models.world:region",
     "ByteLM": "lmpm.models.text:byte_lm",
     "TextScore": "lmpm.models.text:text_score",
+    "Amplify": "lmpm.models.latent:amplify",
+    "NormAtMost": "lmpm.models.latent:norm_at_most",
+    "Copy": "lmpm.models.latent:copy",
+    "BoxMean": "lmpm.models.latent:box_mean",
 }
 
 _DECORATED: dict[str, Any] = {}  # filled by @bind while a --bind module is imported

@@ -125,6 +125,11 @@ class Schedule:
         """At most this many cells may commit in epoch ``e`` (None: no limit)."""
         return None
 
+    def phase(self, value: str, e: int) -> int | None:
+        """The fixed cell set ``open_cells`` returns in epoch ``e`` (cyclic schedules: the same
+        phase, the same cells), or None when the open cells depend on the state."""
+        return 0
+
     def __init__(self) -> None:
         self._cache: dict[tuple[str, int], Tensor] = {}
 
@@ -144,6 +149,9 @@ class _Cyclic(Schedule):
         self._phases = phases  # value -> (ncells,) int64 phase of each cell
         self._count = {v: int(p.max()) + 1 if p.numel() else 1 for v, p in phases.items()}
         self.period = max(self._count.values(), default=1)
+
+    def phase(self, value: str, e: int) -> int | None:
+        return e % self._count[value] if value in self._phases else 0
 
     def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
         phases = self._phases.get(value)
@@ -175,6 +183,9 @@ class Raster(Schedule):
     name = "raster"
     opens_committed = False
 
+    def phase(self, value: str, e: int) -> int | None:
+        return None
+
     def __init__(self, k: int) -> None:
         super().__init__()
         self.k = k
@@ -188,6 +199,9 @@ class Random(Schedule):
 
     name = "random"
     opens_committed = False
+
+    def phase(self, value: str, e: int) -> int | None:
+        return None
 
     def __init__(self, k: int, seed: int) -> None:
         super().__init__()
@@ -209,6 +223,9 @@ class Confidence(Schedule):
 
     name = "confidence"
     opens_committed = False
+
+    def phase(self, value: str, e: int) -> int | None:
+        return None
 
     def __init__(self, steps: int) -> None:
         super().__init__()

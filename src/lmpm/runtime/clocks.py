@@ -51,11 +51,35 @@ def clock_reads(rp: RulePlan) -> tuple[ClockRead, ...]:
 
 
 class Clocks:
-    """New clocks of an epoch's committing cells. ``rows(table, cells)`` gathers a static table's
-    rows (the engine's cached row gather)."""
+    """New clocks of an epoch's committing cells."""
 
     def __init__(self, rules: list[RulePlan]) -> None:
         self.reads = {rp.id: clock_reads(rp) for rp in rules}
+        # (rule, read, phase) -> rows of the read's tables for that phase's cells: a cyclic
+        # schedule opens the same cells every few epochs, so they are gathered once
+        self._rows: dict[tuple[int, int, int], tuple[Tensor, Tensor | None]] = {}
+
+    def _gather(
+        self, rp: RulePlan, j: int, cr: ClockRead, cells: Tensor, phase: int | None
+    ) -> tuple[Tensor, Tensor | None]:
+        if phase is not None:
+            hit = self._rows.get((rp.id, j, phase))
+            if hit is not None:
+                return hit
+        if cells.numel() == 1:  # one open cell (causal generation): views of its row
+            c = int(cells[0])
+            out = (
+                cr.index.narrow(0, c, 1),
+                None if cr.valid is None else cr.valid.narrow(0, c, 1),
+            )
+        else:
+            out = (
+                cr.index.index_select(0, cells),
+                None if cr.valid is None else cr.valid.index_select(0, cells),
+            )
+        if phase is not None:
+            self._rows[(rp.id, j, phase)] = out
+        return out
 
     def advance(
         self,
@@ -66,12 +90,13 @@ class Clocks:
         changed: Tensor,
         commits: int,
         won_rule: Tensor | None,
-        rows,
+        phase: int | None,
         fresh: bool,
     ) -> Tensor:
         """(n,) clocks of the open ``cells`` after the epoch: a committing cell (``changed``) gets
         1 + max(its own clock ``own``, the clocks its winning rule read); the others keep ``own``.
         ``commits``: how many cells commit. ``won_rule``: (n,) rule id of each cell's winner (None: the value has one rule).
+        ``phase``: the schedule's phase (the same cells every time it recurs) or None.
         ``fresh``: every open cell is unset (own clocks are 0). Clocks are never negative, so an
         invalid read contributes 0, the max's identity."""
         new_clock = own
@@ -82,15 +107,15 @@ class Clocks:
             if not single and not bool(sel.any()):
                 continue
             read_max: Tensor | None = None
-            for cr in self.reads[rp.id]:
+            for j, cr in enumerate(self.reads[rp.id]):
                 src = clocks[cr.source]
                 if cr.uniform:
                     top = src.index_select(0, cr.index).amax()  # (), broadcast over the cells
                 else:
-                    idx = rows(cr.index, cells)
+                    idx, valid = self._gather(rp, j, cr, cells, phase)
                     got = src.take(idx)  # (n, K)
-                    if cr.valid is not None:
-                        got = got * rows(cr.valid, cells)
+                    if valid is not None:
+                        got = got * valid
                     top = got.squeeze(1) if got.shape[1] == 1 else got.amax(dim=1)
                 read_max = top if read_max is None else torch.maximum(read_max, top)
             if read_max is None:

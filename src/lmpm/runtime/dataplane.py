@@ -188,6 +188,9 @@ class DataPlane:
         self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
         self._kwargs_base: dict[int, dict[str, Any]] = {}
         self.store: Any = None  # a PayloadStore (lmpm.runtime.store) once the run has a directory
+        # Worker-side instrumentation: tap(epoch, value, cells, table (n, C, *cell), valid (n, C))
+        # sees every candidate table where the payload lives (benchmarks, debugging).
+        self.taps: list[Any] = []
 
     # ---- device-resident static tables -----------------------------------------------------------
     def _dev(self, t: Tensor) -> Tensor:
@@ -519,6 +522,8 @@ class DataPlane:
         col_rule, col_rep, col_slot = self._columns(parts, widths)
         sums = checksum(table, len(vp.cell_shape)) if tabs.checksums else None
         self._staged[name] = _Staged(cells, table, committed)
+        for tap in self.taps:
+            tap(e, name, cells, table, valid)
         cpu = torch.device("cpu")
         return Candidates(
             name,

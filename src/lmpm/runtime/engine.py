@@ -200,11 +200,13 @@ class Engine:
         )
         self._fresh = {name: not self.schedule.opens_committed for name in by_target}
         self._triggered = {rp.id: rp.trigger != TRUE for rp in plan.rules}
+        # values with a rule whose `when` guard picks cells: their open cells vary within a phase
+        self._guarded = {
+            name: any(self._triggered[rp.id] for rp in st.rules)
+            for name, st in self._static.items()
+        }
         self._clocks = Clocks(plan.rules)
         self._started = False
-        # (id(table), id(cells)) -> rows: the fixed cell sets of cyclic schedules recur every few
-        # epochs, so the rows of a static table (gather tables for clocks) are gathered once.
-        self._row_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
 
     # ---- state -----------------------------------------------------------------------------------
     def mark_input(self, value: str, cells: Tensor) -> None:
@@ -459,7 +461,7 @@ class Engine:
                 changed,
                 commits,
                 won_rule,
-                self._rows,
+                None if self._guarded[name] else self.schedule.phase(name, e),
                 fresh,
             )
             fields = [
@@ -491,18 +493,3 @@ class Engine:
             was,
             cand.applies,
         )
-
-    def _rows(self, table: Tensor, cells: Tensor) -> Tensor:
-        """``table[cells]`` for a static per-cell table of the plan. One open cell (causal
-        generation): a view of its row. The fixed cell sets of the cyclic schedules recur every
-        few epochs: their rows are gathered once."""
-        if cells.numel() == 1:
-            return table.narrow(0, int(cells[0]), 1)
-        key = (id(table), id(cells))
-        hit = self._row_cache.get(key)
-        if hit is not None and hit[0] is table and hit[1] is cells:
-            return hit[2]
-        rows = table.index_select(0, cells)
-        if self.schedule.opens_committed:  # cyclic: the same cells tensor comes back
-            self._row_cache[key] = (table, cells, rows)  # both kept alive: ids stay theirs
-        return rows

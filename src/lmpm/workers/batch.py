@@ -474,7 +474,7 @@ def _rule_score(
     assert call.score is not None
     prop = proposal.unsqueeze(1) if proposal.dim() == 1 else proposal
     args = {k: call.inputs[k] for k in call.score_inputs if k in call.inputs}
-    args["proposal"] = prop
+    args["proposal"] = prop.clone()  # a score that writes into it cannot change the proposals
     try:
         with torch.no_grad():
             raw = call.score(args, epoch=call.keys.epoch)
