@@ -23,6 +23,9 @@ _TRUSTED = frozenset(
 )
 
 
+_NO_CHECKSUMS = torch.empty(0, dtype=torch.int64)  # the policy does not compare payloads
+
+
 @dataclass(frozen=True, slots=True)
 class Agreed:
     score: Tensor  # (n, C) float64 with keep-current's score filled in
@@ -48,7 +51,7 @@ def agree(
         else torch.where(cand.refreshed, score[:, 0], kept_score)
     )
     score[:, 0] = col0
-    checksum = cand.checksum if cand.checksum is not None else torch.empty(0, dtype=torch.int64)
+    checksum = cand.checksum if cand.checksum is not None else _NO_CHECKSUMS
     a = Agree(
         checksum,
         cand.valid,

@@ -144,6 +144,7 @@ class DataPlane:
         self.plan = plan
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.device: torch.device = self.backend.device
+        self._host = self.device.type == "cpu"  # replies need no copy to the host
         self.worker = worker or self.backend.worker
         self.seed = int(seed)
         dev = self.device
@@ -185,6 +186,10 @@ class DataPlane:
                 plan.values[name].policy_text.split("(")[0] in checksum_policies,
             )
         self._staged: dict[str, _Staged] = {}
+        self._ones_cache: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+        # values whose `inputs()` region some constraint reads: the only ones whose input flags
+        # the worker must keep up to date
+        self._tracks_inputs = {cp.target for cp in plan.constraints if cp.needs_inputs_region}
         self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
         self._kwargs_base: dict[int, dict[str, Any]] = {}
         self.store: Any = None  # a PayloadStore (lmpm.runtime.store) once the run has a directory
@@ -201,6 +206,29 @@ class DataPlane:
         if hit is None or hit[0] is not t:
             hit = self._dev_cache[id(t)] = (t, t.to(self.device))
         return hit[1]
+
+    def _ones(self, shape: tuple[int, int]) -> Tensor:
+        """An all-True (n, C) mask, made once per shape. Replies share it: the control plane
+        only reads replies (a user policy gets copies, lmpm.runtime.agree)."""
+        return self._fill("ones", shape, torch.bool, True)
+
+    def _fill(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, value: Any) -> Tensor:
+        """A filled tensor made once per (kind, shape): never written in place, never handed to
+        user code as its own (predicates get copies)."""
+        key = (kind, shape)
+        hit = self._ones_cache.get(key)
+        if hit is None:
+            hit = torch.full(shape, value, dtype=dtype, device=self.device)
+            self._ones_cache[key] = hit
+        return hit
+
+    def _here(self, t: Tensor) -> Tensor:
+        """A request's tensor on this worker's device."""
+        return t if self._host else t.to(self.device)
+
+    def _meta(self, t: Tensor) -> Tensor:
+        """A reply's metadata tensor on the host."""
+        return t if self._host else t.cpu()
 
     # ---- state -----------------------------------------------------------------------------------
     def set_input(self, value: str, payload: Tensor, mask: Tensor) -> Tensor:
@@ -292,10 +320,11 @@ class DataPlane:
         for rw in req.rules:
             rp = self.plan.rules[rw.rule]
             vp = self.plan.values[rp.target]
-            cells = rw.cells.to(self.device)
+            cells = self._here(rw.cells)
             inputs = inputs_of[rp.id] = self._inputs(rp, cells)
             kwargs = self._kwargs(rp, vp, e)
-            global_cells = cells + vp.offset if vp.offset else cells.clone()
+            own = inputs["cells"]  # a copy: the model may write into it
+            global_cells = own + vp.offset if vp.offset else own
             score_inputs = self._score_keys(rp, inputs) if rp.score else ()
             for rep in range(rp.replicas):
                 items.append(
@@ -452,8 +481,7 @@ class DataPlane:
                 slot += list(range(w))
             hit = (torch.tensor(rule), torch.tensor(rep), torch.tensor(slot))
             self._columns_cache[key] = hit
-        # copies: the control plane's policies receive them
-        return tuple(t.clone() for t in hit)
+        return hit  # (the engine hands policies it does not ship copies)
 
     def _candidates(
         self,
@@ -472,14 +500,14 @@ class DataPlane:
         ncol = 1 + sum(widths)
         current = self.payload[name].index_select(0, cells)  # (n, *cell)
         if fresh:
-            committed = torch.zeros(n, dtype=torch.bool, device=dev)
+            committed = self._fill("unset", (n,), torch.bool, False)
         else:
             committed = self.committed[name].index_select(0, cells)
         if len(parts) == 1:
             prop, sc = parts[0][3], parts[0][4]
             prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
             table = torch.cat((current.unsqueeze(1), prop), 1)
-            valid = torch.ones((n, ncol), dtype=torch.bool, device=dev)
+            valid = self._ones((n, ncol))
             score = torch.cat(
                 (torch.full((n, 1), -torch.inf, dtype=torch.float64, device=dev), sc), 1
             )
@@ -524,19 +552,19 @@ class DataPlane:
         self._staged[name] = _Staged(cells, table, committed)
         for tap in self.taps:
             tap(e, name, cells, table, valid)
-        cpu = torch.device("cpu")
+        meta = self._meta
         return Candidates(
             name,
-            cells.to(cpu),
-            valid.to(cpu),
-            score.to(cpu),
-            violated.to(cpu),
-            applies.to(cpu),
+            meta(cells),
+            meta(valid),
+            meta(score),
+            meta(violated),
+            meta(applies),
             col_rule,
             col_rep,
             col_slot,
-            None if refreshed is None else refreshed.to(cpu),
-            None if sums is None else sums.to(cpu),
+            None if refreshed is None else meta(refreshed),
+            None if sums is None else meta(sums),
         )
 
     # ---- check -----------------------------------------------------------------------------------
@@ -565,7 +593,7 @@ class DataPlane:
                 torch.ones((n, 0), dtype=torch.bool, device=dev),
             )
         verdicts: list[Tensor] = []
-        applies_cols: list[Tensor] = []
+        applies_cols: list[Tensor | None] = []
         for cp, whole, vtable, ccells in zip(
             tabs.constraints, tabs.covers_all, tabs.tables, tabs.cells
         ):
@@ -573,7 +601,7 @@ class DataPlane:
                 cp, vp, cells, table, valid, current, committed, any_committed, e, vtable
             )
             if whole:
-                where = torch.ones(n, dtype=torch.bool, device=dev)
+                where = None
             else:
                 where = ccells.index_select(0, cells)
                 if cp.needs_inputs_region:
@@ -584,7 +612,11 @@ class DataPlane:
             verdicts.append(verdict)
             applies_cols.append(where)
         violated = verdicts[0].unsqueeze(2) if k == 1 else torch.stack(verdicts, dim=2)
-        applies = applies_cols[0].unsqueeze(1) if k == 1 else torch.stack(applies_cols, dim=1)
+        if all(a is None for a in applies_cols):
+            applies = self._ones((n, k))
+        else:
+            ones = torch.ones(n, dtype=torch.bool, device=dev)
+            applies = torch.stack([ones if a is None else a for a in applies_cols], dim=1)
         return violated, applies
 
     def _violations(
@@ -684,15 +716,17 @@ class DataPlane:
             st = self._staged[name]
             vp = self.plan.values[name]
             cdims = len(vp.cell_shape)
-            rows = None if d.rows is None else d.rows.to(self.device)
-            winner = d.winner.to(self.device)
+            rows = None if d.rows is None else self._here(d.rows)
+            winner = self._here(d.winner)
             table = st.table if rows is None else st.table.index_select(0, rows)
             cells = st.cells if rows is None else st.cells.index_select(0, rows)
             changed: Tensor | None = None
-            if d.weights is None:
+            if d.weights is None and not cdims:
+                new = table.gather(1, winner.unsqueeze(1)).squeeze(1)
+            elif d.weights is None:
                 new = table[torch.arange(table.shape[0], device=self.device), winner]
             else:
-                w = d.weights.to(self.device).to(torch.float64)
+                w = self._here(d.weights).to(torch.float64)
                 wv = w.reshape(*w.shape, *([1] * cdims))
                 total = (wv * table.to(torch.float64)).sum(dim=1)
                 new = (total / w.sum(dim=1).clamp(min=1e-300).reshape(-1, *([1] * cdims))).to(
@@ -708,13 +742,14 @@ class DataPlane:
                     cells, new = cells.index_select(0, keep), new.index_select(0, keep)
             self.payload[name].index_copy_(0, cells, new)
             self.committed[name].index_fill_(0, cells, True)
-            self.from_input[name].index_fill_(0, cells, False)
+            if name in self._tracks_inputs:
+                self.from_input[name].index_fill_(0, cells, False)
             sums = checksum(new, cdims) if req.checksums else None
             if self.store is not None:
                 self.store.append_commits(req.epoch, name, cells, new)
             out[name] = Applied(
-                None if changed is None else changed.cpu(),
-                None if sums is None else sums.cpu(),
+                None if changed is None else self._meta(changed),
+                None if sums is None else self._meta(sums),
             )
         durable = self.store is not None
         if durable:

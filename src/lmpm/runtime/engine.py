@@ -207,6 +207,7 @@ class Engine:
         }
         self._clocks = Clocks(plan.rules)
         self._started = False
+        self._consts: dict[tuple[str, int, torch.dtype], Tensor] = {}
 
     # ---- state -----------------------------------------------------------------------------------
     def mark_input(self, value: str, cells: Tensor) -> None:
@@ -365,9 +366,9 @@ class Engine:
             cells = cand.cells
             fresh = self._fresh[name]
             n = cells.numel()
-            if fresh:
-                kept = torch.full((n,), -torch.inf, dtype=torch.float64)
-                was = torch.zeros(n, dtype=torch.bool)
+            if fresh:  # every open cell is unset (never written: see _const)
+                kept = self._const("kept", n, torch.float64, -torch.inf)
+                was = self._const("was", n, torch.bool, False)
             else:
                 kept = st.score.index_select(0, cells)
                 was = st.committed.index_select(0, cells)
@@ -414,8 +415,10 @@ class Engine:
             values.append(ve)
             commits += n_commits
             attempts += int(cand.cells.numel())
-            if cand.violated.shape[2]:
-                violations += int(cand.violated.any(dim=2).count_nonzero())
+            k = cand.violated.shape[2]
+            if k:
+                viol = cand.violated.select(2, 0) if k == 1 else cand.violated.any(dim=2)
+                violations += int(viol.count_nonzero())
         self.epoch = e + 1
         rec = EpochRecord(
             e,
@@ -448,7 +451,7 @@ class Engine:
         cells = cand.cells
         fresh = self._fresh[name]
         n = cells.numel()
-        own = torch.zeros(n, dtype=torch.int64) if fresh else st.clock.index_select(0, cells)
+        own = self._const("own", n, torch.int64, 0) if fresh else st.clock.index_select(0, cells)
         new_clock = own
         if commits:
             single = len(static.rules) == 1
@@ -493,3 +496,12 @@ class Engine:
             was,
             cand.applies,
         )
+
+    def _const(self, kind: str, n: int, dtype: torch.dtype, fill: Any) -> Tensor:
+        """A filled (n,) tensor made once: the metadata of unset cells. Only ever read (records
+        and agreement copy from it; no user code receives it)."""
+        key = (kind, n, dtype)
+        hit = self._consts.get(key)
+        if hit is None:
+            hit = self._consts[key] = torch.full((n,), fill, dtype=dtype)
+        return hit
