@@ -186,6 +186,8 @@ class DataPlane:
                 plan.values[name].policy_text.split("(")[0] in checksum_policies,
             )
         self._staged: dict[str, _Staged] = {}
+        self._phase: dict[str, int | None] = {}  # this epoch's schedule phase per value
+        self._row_cache: dict[tuple[Any, ...], Tensor] = {}  # see _rows
         self._ones_cache: dict[tuple[str, tuple[int, ...]], Tensor] = {}
         # values whose `inputs()` region some constraint reads: the only ones whose input flags
         # the worker must keep up to date
@@ -314,6 +316,7 @@ class DataPlane:
     # ---- propose ---------------------------------------------------------------------------------
     def propose(self, req: ProposeRequest) -> ProposeReply:
         e = req.epoch
+        self._phase = dict(req.phases or {})
         items: list[WorkItem] = []
         meta: list[tuple[RulePlan, Tensor, int]] = []
         inputs_of: dict[int, dict[str, Tensor]] = {}
@@ -420,17 +423,30 @@ class DataPlane:
         kwargs.setdefault("seed", self.seed)
         return kwargs
 
-    def _rows(self, table: Tensor, cells: Tensor) -> Tensor:
-        """``table[cells]`` (a copy) for a static per-cell plan table."""
-        return self._dev(table).index_select(0, cells)
+    def _rows(self, table: Tensor, cells: Tensor, key: tuple[Any, ...] | None = None) -> Tensor:
+        """``table[cells]`` for a static per-cell plan table. With a ``key`` naming the table and
+        the schedule's phase, the rows are kept for the next time the phase recurs: callers must
+        then copy them before handing them to user code."""
+        if key is None:
+            return self._dev(table).index_select(0, cells)
+        hit = self._row_cache.get(key)
+        if hit is None or hit.shape[0] != cells.numel():
+            hit = self._row_cache[key] = self._dev(table).index_select(0, cells)
+        return hit
 
     def _inputs(self, rp: RulePlan, cells: Tensor) -> dict[str, Tensor]:
         """The model's inputs for ``cells``: per read, payload / mask / index, each (n, K[, *cell]).
         Every tensor is freshly gathered: writing into one changes nothing outside this call."""
         vp = self.plan.values[rp.target]
         n = cells.numel()
-        inputs: dict[str, Tensor] = {"cells": cells.clone(), "coords": self._rows(vp.coords, cells)}
-        for rd in rp.reads:
+        phase = self._phase.get(rp.target)
+        key = None if phase is None else (rp.id, phase)
+        coords = self._rows(vp.coords, cells, key and ("coords", *key))
+        inputs: dict[str, Tensor] = {
+            "cells": cells.clone(),
+            "coords": coords.clone() if key else coords,
+        }
+        for j, rd in enumerate(rp.reads):
             committed = self.committed[rd.source]
             payload = self.payload[rd.source]
             if rd.uniform:
@@ -443,8 +459,8 @@ class DataPlane:
                 data = payload.index_select(0, row)
                 data = data.expand(n, k, *data.shape[1:])
             else:
-                idx = self._rows(rd.index, cells)  # (n, K)
-                valid = self._rows(rd.valid, cells)
+                idx = self._rows(rd.index, cells, key and ("index", j, *key))  # (n, K)
+                valid = self._rows(rd.valid, cells, key and ("valid", j, *key))
                 mask = valid & committed.take(idx)
                 if payload.dim() == 1:
                     data = payload.take(idx)  # the flat gather of a 1-D state tensor
@@ -452,6 +468,8 @@ class DataPlane:
                     data = payload.index_select(0, idx.reshape(-1)).reshape(
                         *idx.shape, *payload.shape[1:]
                     )
+                if key is not None:
+                    idx = idx.clone()  # the model gets its own copy of the kept rows
             for name in rd.args:
                 inputs[name] = data  # (n, K[, *cell]) payload of the read cells
                 inputs[f"{name}_mask"] = mask  # (n, K) visible and committed
@@ -603,7 +621,8 @@ class DataPlane:
             if whole:
                 where = None
             else:
-                where = ccells.index_select(0, cells)
+                phase = self._phase.get(name)
+                where = self._rows(ccells, cells, None if phase is None else ("cp", cp.id, phase))
                 if cp.needs_inputs_region:
                     where = where & self.from_input[name].index_select(0, cells)
                 verdict = verdict & where.unsqueeze(1)

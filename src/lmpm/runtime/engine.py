@@ -348,7 +348,10 @@ class Engine:
         t0 = time.perf_counter()
         open_ = self.open_cells(e)
         self.maskplan.add(("open", e, tuple(sorted((k, v.numel()) for k, v in open_.items()))))
-        req = ProposeRequest(e, self._work(e, open_), self._fresh, self.record)
+        phases = {
+            name: None if self._guarded[name] else self.schedule.phase(name, e) for name in open_
+        }
+        req = ProposeRequest(e, self._work(e, open_), self._fresh, self.record, phases)
         reply: ProposeReply = self.dataplane.propose(req)
         if self.guard:
             from lmpm.runtime.guard import check_message

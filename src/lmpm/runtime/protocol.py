@@ -40,6 +40,9 @@ class ProposeRequest:
     fresh: Mapping[str, bool]
     # per value: the cells whose candidate payloads the worker records in its store (--trace cells)
     record: Mapping[str, Tensor] | None = None
+    # per value: the schedule's phase when the open cells are a fixed set that recurs (the worker
+    # may keep the rows of its static tables for that set), or None
+    phases: Mapping[str, int | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
