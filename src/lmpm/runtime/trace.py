@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -275,6 +276,7 @@ class Tracer:
             raise UsageError(f"--trace {level}: use one of {', '.join(LEVELS)}", code="U032")
         self.level = level
         self.plan = plan
+        self.seconds = 0.0  # time spent turning epochs into rows (the trace's cost, less SQLite)
         self._priority = {cp.id: cp.priority for cp in plan.constraints}
         self._constraints: dict[tuple[str, tuple[int, ...]], _Constraints] = {}
         self._coords: dict[str, np.ndarray] = {}  # (rank, ncells) per value, on first use
@@ -292,9 +294,11 @@ class Tracer:
             )
 
     def record(self, engine: Engine, record: EpochRecord) -> TraceRows:
+        t0 = time.perf_counter()
         out = TraceRows()
         for ve in record.values:
             self._value(ve, record.epoch, out)
+        self.seconds += time.perf_counter() - t0
         return out
 
     def _static(self, ve: ValueEpoch) -> _Constraints:
@@ -355,16 +359,18 @@ class Tracer:
         col_rule = ve.col_rule.cpu().tolist()
         rules = sorted(set(col_rule))
         col_r = np.array([rules.index(r) for r in col_rule], dtype=np.int64)  # (C,) rule index
-        applies_t = np.ascontiguousarray(ve.applies.cpu().numpy().T)  # (K, n)
+        applies = ve.applies.cpu().numpy()  # (n, K)
+        # (K, n), or None when every constraint covers every open cell (the common case)
+        applies_t = None if applies.all() else np.ascontiguousarray(applies.T)
         per_col = [int(np.count_nonzero(valid_t[c])) for c in range(ncol)]
         checked = [[0] * nk for _ in rules]  # (R, K): valid candidates in covered cells
         viol = [[0] * nk for _ in rules]  # (R, K)
         for k in range(nk):
-            whole = bool(applies_t[k].all())
+            cover = None if applies_t is None or applies_t[k].all() else applies_t[k]  # (n,)
             for c in range(ncol):
                 r = col_r[c]
                 checked[r][k] += (
-                    per_col[c] if whole else int(np.count_nonzero(valid_t[c] & applies_t[k]))
+                    per_col[c] if cover is None else int(np.count_nonzero(valid_t[c] & cover))
                 )
                 viol[r][k] += int(np.count_nonzero(violated[:, c, k]))
         fr, wr = col_r[fav[sub]], col_r[winner[sub]]  # (m,) rule index of favourite / winner
