@@ -5,7 +5,9 @@ Recording (:class:`Tracer`, fed each epoch by the commit log, written in the epo
 - ``summary`` — per epoch × constraint × rule (``rule = -1`` is the keep-current candidate):
   candidates *checked* (valid candidates of that rule in cells the constraint speaks about),
   *violations* (those that violate it), and decisions *lost* / *won* because of it (below), with the
-  bounding box of the cells where it was violated / where it decided (``Vid[0..3, 0..63, 0..15]``).
+  bounding box of the cells where it decided (``Vid[0..3, 0..63, 0..15]``).
+  Computed from the epoch's metadata alone (validity, scores, column rules, violation bits,
+  coverage, winners), never from a payload.
 - ``cells`` — additionally, per cell and attempt in a region (default: every cell): its candidates
   (payload, score, rule, a bitmask of the constraints each violates), the constraints covering the
   cell, the score favourite, the winner, whether it committed and the clock after the epoch.
