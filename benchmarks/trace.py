@@ -7,7 +7,8 @@ interleaved; the minimum wall time of the epoch loop (observers included) is kep
 
 Prints JSON lines:
 - ``trace_overhead``: ``--trace summary`` against ``--trace off`` (both with the commit log).
-  Goal ≤ 10 %.
+  Goal ≤ 10 %. ``trace_ms_per_epoch_measured`` is the tracer's own time per epoch (turning the
+  epoch's metadata into rows; SQLite not included), steadier than the ratio on a busy machine.
 - ``trace_cells``: ``--trace cells`` on a 32×32 region (``Vid[0, 0..31, 0..31]``) against off.
 - ``commit_log``: the log's cost per epoch (ms; with the log against no log at all, and as
   measured inside the observer) and the database size per million committed cells.
@@ -67,6 +68,7 @@ def one(
     mask[: len(text)] = True
     engine.mark_input("Txt", engine.dataplane.set_input("Txt", payload, mask))
     log = None
+    tracer = None
     if config != "none":
         level = "off" if config == "off" else config
         region = None
@@ -93,6 +95,7 @@ def one(
     out = {"seconds": res.seconds, "commits": float(res.commits)}
     if log is not None:
         out["log_seconds"] = log.log_seconds
+        out["trace_seconds"] = 0.0 if tracer is None else tracer.seconds
         log.close()
         files = [*run_dir.glob(f"{DB_NAME}*"), *run_dir.glob("payload/*.db*")]  # log + store
         out["db_bytes"] = float(sum(f.stat().st_size for f in files))
@@ -136,6 +139,9 @@ def main() -> None:
                 "summary_s": round(best["summary"], 4),
                 "overhead": round(best["summary"] / best["off"] - 1, 4),
                 "overhead_median": round(med["summary"] / med["off"] - 1, 4),
+                "trace_ms_per_epoch_measured": round(
+                    min(r["trace_seconds"] for r in runs["summary"]) / e * 1000, 3
+                ),
                 "goal": 0.10,
             }
         ),

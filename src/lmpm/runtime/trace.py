@@ -5,7 +5,9 @@ Recording (:class:`Tracer`, fed each epoch by the commit log, written in the epo
 - ``summary`` — per epoch × constraint × rule (``rule = -1`` is the keep-current candidate):
   candidates *checked* (valid candidates of that rule in cells the constraint speaks about),
   *violations* (those that violate it), and decisions *lost* / *won* because of it (below), with the
-  bounding box of the cells where it was violated / where it decided (``Vid[0..3, 0..63, 0..15]``).
+  bounding box of the cells where it decided (``Vid[0..3, 0..63, 0..15]``).
+  Computed from the epoch's metadata alone (validity, scores, column rules, violation bits,
+  coverage, winners), never from a payload.
 - ``cells`` — additionally, per cell and attempt in a region (default: every cell): its candidates
   (payload, score, rule, a bitmask of the constraints each violates), the constraints covering the
   cell, the score favourite, the winner, whether it committed and the clock after the epoch.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,48 +185,89 @@ class TraceRows:
             )
 
 
-def attribute(
-    score: Tensor, valid: Tensor, violated: Tensor, priority: Tensor, winner: Tensor
-) -> tuple[Tensor, Tensor]:
-    """(favourite (n,), responsible (n, K) bool): see the module docstring for the definition."""
-    import torch
+_NONE = np.iinfo(np.int64).min  # "the favourite was never eliminated"
 
-    n = valid.shape[0]
-    s = torch.where(valid, score, torch.full_like(score, -torch.inf))
-    hit = valid & (s == s.max(dim=1, keepdim=True).values)
-    fav = hit.to(torch.uint8).argmax(dim=1)  # the lowest column among the best scores
-    k = violated.shape[2]
-    responsible = torch.zeros((n, k), dtype=torch.bool)
-    # Only cells whose winner is not the favourite can have been decided by a constraint; they are
-    # usually few, so the level-by-level narrowing runs on them alone.
-    sub = (winner != fav).nonzero().squeeze(1)
-    if k == 0 or sub.numel() == 0:
-        return fav, responsible
-    rows = torch.arange(sub.numel())
-    f, w, viol = fav[sub], winner[sub], violated[sub]
-    none = torch.iinfo(torch.int64).min
-    elim = torch.full((sub.numel(),), none, dtype=torch.int64)  # level the favourite fell at
-    eligible = valid[sub]
-    sat = ~viol
-    for prio in torch.unique(priority, sorted=True).flip(0).tolist():
-        level = priority == prio
-        count = sat[:, :, level].sum(dim=2)  # (m, C)
-        count = torch.where(eligible, count, torch.full_like(count, -1))
-        narrowed = eligible & (count == count.max(dim=1, keepdim=True).values)
-        gone = eligible[rows, f] & ~narrowed[rows, f]
-        elim = torch.where(gone, torch.full_like(elim, prio), elim)
+
+@dataclass(frozen=True, slots=True)
+class _Constraints:
+    """A value's evaluated constraints as the summary needs them (fixed by the plan, built once)."""
+
+    ids: tuple[int, ...]  # (K,) ids into plan.constraints, in the epoch's column order
+    priority: np.ndarray  # (K,) int64
+    # The satisfy policy's levels, highest priority first: (priority, indices into the K axis).
+    levels: tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def favourite(valid: np.ndarray, score: np.ndarray) -> np.ndarray:
+    """(n,) the score favourite of each cell: the highest score among valid candidates, ties to the
+    lowest column (0, keep-current, when no candidate is valid or a valid score is NaN).
+
+    ``valid`` is (C, n) and ``score`` (C, n) or its transpose's view: candidates along the first
+    axis, so every step is one vectorized pass over the cells (NumPy reduces slowly along a short
+    trailing axis).
+
+    >>> favourite(np.array([[True, True], [True, False]]), np.array([[0.0, 1.0], [2.0, 5.0]]))
+    array([1, 0])
+    """
+    s = np.where(valid, score, -np.inf)  # (C, n)
+    best = s[0].copy()
+    for c in range(1, s.shape[0]):
+        np.maximum(best, s[c], out=best)  # NaN propagates, as in a max: then no column hits
+    fav = np.zeros(best.shape[0], dtype=np.int64)
+    for c in range(s.shape[0] - 1, -1, -1):  # the lowest column among the hits is written last
+        hit = s[c] == best
+        hit &= valid[c]
+        fav[hit] = c
+    return fav
+
+
+def attribute(
+    valid: np.ndarray,
+    violated: np.ndarray,
+    priority: np.ndarray,
+    levels: Sequence[tuple[int, Sequence[int]]],
+    fav: np.ndarray,
+    winner: np.ndarray,
+) -> np.ndarray:
+    """(m, K) bool: the constraints responsible for each decision (see the module docstring).
+
+    Arguments are the m cells whose winner is not the score favourite (the only ones a constraint
+    can have decided; usually few): ``valid`` (m, C), ``violated`` (m, C, K), their favourite and
+    winner (m,); ``priority`` (K,) and ``levels`` as in :class:`_Constraints`.
+    """
+    m = valid.shape[0]
+    rows = np.arange(m)
+    elim = np.full(m, _NONE, dtype=np.int64)  # the level the favourite fell at
+    eligible = valid
+    fav_viol = violated[rows, fav]  # (m, K)
+    for prio, ks in levels:
+        count = (~violated[:, :, ks[0]]).astype(np.int64)  # (m, C) satisfied at this level
+        for k in ks[1:]:
+            count += ~violated[:, :, k]
+        count[~eligible] = -1
+        most = count[:, 0].copy()
+        for c in range(1, count.shape[1]):  # (NumPy reduces slowly along the short axis)
+            np.maximum(most, count[:, c], out=most)
+        narrowed = eligible & (count == most[:, None])
+        gone = eligible[rows, fav] & ~narrowed[rows, fav]
+        elim[gone] = prio
         eligible = narrowed
-    responsible[sub] = (
-        (elim != none)[:, None]
+    return (
+        (elim != _NONE)[:, None]
         & (priority[None, :] == elim[:, None])
-        & viol[rows, f]
-        & ~viol[rows, w]
+        & fav_viol
+        & ~violated[rows, winner]
     )
-    return fav, responsible
 
 
 class Tracer:
-    """Turns each epoch's :class:`~lmpm.runtime.engine.EpochRecord` into trace rows."""
+    """Turns each epoch's :class:`~lmpm.runtime.engine.EpochRecord` into trace rows.
+
+    The summary reads only the epoch's metadata (validity, scores, column rules, violations,
+    coverage, winners, cells), never a payload: it stays on the control plane's side of the
+    runtime. Its cost is a few vectorized passes over each value's open cells; the level-by-level
+    attribution runs on the cells whose winner is not the score favourite alone.
+    """
 
     def __init__(
         self, plan: Plan, level: str = DEFAULT_LEVEL, region: Region | None = None
@@ -234,8 +278,10 @@ class Tracer:
             raise UsageError(f"--trace {level}: use one of {', '.join(LEVELS)}", code="U032")
         self.level = level
         self.plan = plan
+        self.seconds = 0.0  # time spent turning epochs into rows (the trace's cost, less SQLite)
         self._priority = {cp.id: cp.priority for cp in plan.constraints}
-        self._prio_cache: dict[tuple[int, ...], Tensor] = {}
+        self._constraints: dict[tuple[str, tuple[int, ...]], _Constraints] = {}
+        self._coords: dict[str, np.ndarray] = {}  # (rank, ncells) per value, on first use
         self._regions: dict[str, Tensor] = {}
         if region is not None:
             dims = plan.values[region.value].dims
@@ -258,67 +304,104 @@ class Tracer:
         return {name: torch.arange(vp.ncells) for name, vp in self.plan.values.items()}
 
     def record(self, engine: Engine, record: EpochRecord) -> TraceRows:
+        t0 = time.perf_counter()
         out = TraceRows()
         for ve in record.values:
             self._value(ve, record.epoch, out)
+        self.seconds += time.perf_counter() - t0
         return out
 
+    def _static(self, ve: ValueEpoch) -> _Constraints:
+        """The value's constraint table, built on its first epoch (the ids are fixed by the plan)."""
+        ids = tuple(ve.constraint_ids.tolist())
+        key = (ve.value, ids)
+        found = self._constraints.get(key)
+        if found is None:
+            prio = [self._priority[i] for i in ids]
+            levels = tuple(
+                (p, tuple(k for k, q in enumerate(prio) if q == p))
+                for p in sorted(set(prio), reverse=True)
+            )
+            found = _Constraints(ids, np.array(prio, dtype=np.int64), levels)
+            self._constraints[key] = found
+        return found
+
     def _value(self, ve: ValueEpoch, e: int, out: TraceRows) -> None:
-        import torch
-
-        ids = ve.constraint_ids.tolist()
-        ncol = ve.valid.shape[1]
-        priority = self._prio_cache.get(tuple(ids))
-        if priority is None:
-            priority = torch.tensor([self._priority[i] for i in ids], dtype=torch.int64)
-            self._prio_cache[tuple(ids)] = priority
-        valid, violated = ve.valid.cpu(), ve.violated.cpu()
-        winner = ve.winner.cpu()
-        fav, resp = attribute(ve.score.cpu(), valid, violated, priority, winner)
-        out.decided += int(resp.any(dim=1).sum())
+        static = self._static(ve)
+        ids = static.ids
+        if not ids and self.level != "cells":
+            return  # nothing to count, nothing decided by a constraint
+        valid = ve.valid.cpu().numpy()  # (n, C)
+        violated = ve.violated.cpu().numpy()  # (n, C, K)
+        winner = ve.winner.cpu().numpy()  # (n,)
+        valid_t = np.ascontiguousarray(valid.T)  # (C, n): per-candidate passes are contiguous
+        fav = favourite(valid_t, ve.score.cpu().numpy().T)
+        sub = np.flatnonzero(winner != fav)  # the only cells a constraint can have decided
+        resp = attribute(
+            valid[sub], violated[sub], static.priority, static.levels, fav[sub], winner[sub]
+        )  # (m, K)
+        out.decided += int(np.count_nonzero(resp.any(axis=1)))
         if ids:
-            rules, col_r = torch.unique(ve.col_rule.cpu(), return_inverse=True)
-            onehot = torch.zeros((ncol, rules.numel()), dtype=torch.float64)  # (C, R)
-            onehot[torch.arange(ncol), col_r] = 1.0
-            applies = ve.applies.cpu().double()  # (n, K)
-            checked_ck = valid.double().T @ applies  # (C, K)
-            viol_ck = violated.sum(dim=0).double()  # (C, K)
-            checked = (onehot.T @ checked_ck).round().long().tolist()  # (R, K)
-            viol = (onehot.T @ viol_ck).round().long().tolist()
-            fr, wr = col_r[fav], col_r[winner]
-            zero = torch.zeros((rules.numel(), len(ids)), dtype=torch.int64)  # (R, K)
-            won = zero.clone().index_add_(0, wr, resp.long()).tolist()
-            lost = zero.index_add_(0, fr, resp.long()).tolist()
-            # Bounding boxes in numpy: a handful of masks over the open cells, no small torch ops.
-            cells = ve.cells.cpu().numpy()
-            coords = self.plan.values[ve.value].coords.numpy()
-            rnp, frn = resp.numpy(), fr.numpy()
-            for r, rule in enumerate(rules.tolist()):
-                for k, cid in enumerate(ids):
-                    if checked[r][k] == 0:
-                        continue
-                    bwhere = None
-                    if lost[r][k]:
-                        bwhere = self._box(ve.value, coords, cells, rnp[:, k] & (frn == r))
-                    out.summary.append(
-                        (
-                            e,
-                            cid,
-                            rule,
-                            checked[r][k],
-                            viol[r][k],
-                            won[r][k],
-                            lost[r][k],
-                            bwhere,
-                        )
-                    )
+            self._summary(ve, e, static, valid_t, violated, fav, winner, sub, resp, out)
         if self.level == "cells":
-            self._cells(ve, e, fav, resp, out)
+            import torch
 
-    @staticmethod
-    def _box(value: str, coords: np.ndarray, cells: np.ndarray, mask: np.ndarray) -> str:
-        sel = coords[cells[mask]]
-        return box_text(value, sel.min(axis=0).tolist(), sel.max(axis=0).tolist())
+            full = np.zeros((valid.shape[0], len(ids)), dtype=bool)
+            full[sub] = resp
+            self._cells(ve, e, torch.from_numpy(fav), torch.from_numpy(full), out)
+
+    def _summary(
+        self,
+        ve: ValueEpoch,
+        e: int,
+        static: _Constraints,
+        valid_t: np.ndarray,
+        violated: np.ndarray,
+        fav: np.ndarray,
+        winner: np.ndarray,
+        sub: np.ndarray,
+        resp: np.ndarray,
+        out: TraceRows,
+    ) -> None:
+        """Rows per constraint × rule, from per-column counts ((C, K): a handful of numbers)."""
+        ids = static.ids
+        ncol, nk = valid_t.shape[0], len(ids)
+        col_rule = ve.col_rule.cpu().tolist()
+        rules = sorted(set(col_rule))
+        col_r = np.array([rules.index(r) for r in col_rule], dtype=np.int64)  # (C,) rule index
+        applies = ve.applies.cpu().numpy()  # (n, K)
+        # (K, n), or None when every constraint covers every open cell (the common case)
+        applies_t = None if applies.all() else np.ascontiguousarray(applies.T)
+        per_col = [int(np.count_nonzero(valid_t[c])) for c in range(ncol)]
+        checked = [[0] * nk for _ in rules]  # (R, K): valid candidates in covered cells
+        viol = [[0] * nk for _ in rules]  # (R, K)
+        for k in range(nk):
+            cover = None if applies_t is None or applies_t[k].all() else applies_t[k]  # (n,)
+            for c in range(ncol):
+                r = col_r[c]
+                checked[r][k] += (
+                    per_col[c] if cover is None else int(np.count_nonzero(valid_t[c] & cover))
+                )
+                viol[r][k] += int(np.count_nonzero(violated[:, c, k]))
+        fr, wr = col_r[fav[sub]], col_r[winner[sub]]  # (m,) rule index of favourite / winner
+        won = [np.bincount(wr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
+        lost = [np.bincount(fr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
+        cells = ve.cells.cpu().numpy()
+        coords = self._coords.get(ve.value)
+        if coords is None:  # (rank, ncells): a box's bounds reduce along contiguous rows
+            coords = np.ascontiguousarray(self.plan.values[ve.value].coords.numpy().T)
+            self._coords[ve.value] = coords
+        for r, rule in enumerate(rules):
+            for k, cid in enumerate(ids):
+                if checked[r][k] == 0:
+                    continue
+                where = None
+                if lost[k][r]:
+                    sel = coords[:, cells[sub[resp[:, k] & (fr == r)]]]  # (rank, cells)
+                    where = box_text(ve.value, sel.min(axis=1).tolist(), sel.max(axis=1).tolist())
+                out.summary.append(
+                    (e, cid, rule, checked[r][k], viol[r][k], won[k][r], lost[k][r], where)
+                )
 
     def _cells(self, ve: ValueEpoch, e: int, fav: Tensor, resp: Tensor, out: TraceRows) -> None:
         import torch

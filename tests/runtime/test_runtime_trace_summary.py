@@ -1,0 +1,188 @@
+"""The trace's summary rows against a plain restatement of their definition.
+
+``summary_reference`` is the tracer's previous implementation (torch, one pass per priority level over
+every cell): the vectorized summary must produce exactly its rows, in its order, and never read a
+payload (the control plane has none: the ValueEpochs here carry ``None`` for both payload fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmpm.ir import compile_source
+from lmpm.resolve.plan import Plan
+from lmpm.runtime.engine import Engine, EpochRecord, ValueEpoch
+from lmpm.runtime.session import Run
+from lmpm.runtime.trace import Tracer, box_text
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_runtime_differential import BINDINGS, programs
+from test_runtime_trace import CELLS
+
+
+def _attribute_reference(
+    score: torch.Tensor,
+    valid: torch.Tensor,
+    violated: torch.Tensor,
+    priority: torch.Tensor,
+    winner: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(favourite (n,), responsible (n, K)), level by level over every cell."""
+    n = valid.shape[0]
+    s = torch.where(valid, score, torch.full_like(score, -torch.inf))
+    hit = valid & (s == s.max(dim=1, keepdim=True).values)
+    fav = hit.to(torch.uint8).argmax(dim=1)
+    k = violated.shape[2]
+    rows = torch.arange(n)
+    none = torch.iinfo(torch.int64).min
+    elim = torch.full((n,), none, dtype=torch.int64)
+    eligible = valid
+    sat = ~violated
+    for prio in torch.unique(priority, sorted=True).flip(0).tolist():
+        level = priority == prio
+        count = sat[:, :, level].sum(dim=2)
+        count = torch.where(eligible, count, torch.full_like(count, -1))
+        narrowed = eligible & (count == count.max(dim=1, keepdim=True).values)
+        gone = eligible[rows, fav] & ~narrowed[rows, fav]
+        elim = torch.where(gone, torch.full_like(elim, prio), elim)
+        eligible = narrowed
+    if k == 0:
+        return fav, torch.zeros((n, 0), dtype=torch.bool)
+    decided = (winner != fav) & (elim != none)
+    responsible = (
+        decided[:, None]
+        & (priority[None, :] == elim[:, None])
+        & violated[rows, fav]
+        & ~violated[rows, winner]
+    )
+    return fav, responsible
+
+
+def summary_reference(plan: Plan, ve: ValueEpoch, e: int) -> tuple[list[tuple[Any, ...]], int]:
+    """(summary rows, decisions decided by a constraint) of one value's epoch."""
+    ids = ve.constraint_ids.tolist()
+    prio = {cp.id: cp.priority for cp in plan.constraints}
+    priority = torch.tensor([prio[i] for i in ids], dtype=torch.int64)
+    fav, resp = _attribute_reference(ve.score, ve.valid, ve.violated, priority, ve.winner)
+    rows: list[tuple[Any, ...]] = []
+    coords = plan.values[ve.value].coords
+    for rule in torch.unique(ve.col_rule).tolist():
+        cols = ve.col_rule == rule
+        for k, cid in enumerate(ids):
+            checked = int((ve.valid[:, cols] & ve.applies[:, k : k + 1]).sum())
+            if checked == 0:
+                continue
+            viol = int(ve.violated[:, cols, k].sum())
+            won_at = resp[:, k] & (ve.col_rule[ve.winner] == rule)
+            lost_at = resp[:, k] & (ve.col_rule[fav] == rule)
+            where = None
+            if lost_at.any():
+                sel = coords[ve.cells[lost_at]]
+                where = box_text(ve.value, sel.amin(dim=0).tolist(), sel.amax(dim=0).tolist())
+            rows.append((e, cid, rule, checked, viol, int(won_at.sum()), int(lost_at.sum()), where))
+    return rows, int(resp.any(dim=1).sum())
+
+
+def _metadata_only(ve: ValueEpoch) -> ValueEpoch:
+    return dataclasses.replace(ve, payload=None, new_payload=None)  # type: ignore[arg-type]
+
+
+def _check(plan: Plan, engine: Engine, records: list[EpochRecord]) -> None:
+    tracer = Tracer(plan, "summary")
+    for record in records:
+        values = [_metadata_only(ve) for ve in record.values]
+        got = tracer.record(engine, dataclasses.replace(record, values=values))
+        want: list[tuple[Any, ...]] = []
+        decided = 0
+        for ve in record.values:
+            rows, d = summary_reference(plan, ve, record.epoch)
+            want += rows
+            decided += d
+        assert got.summary == want
+        assert got.decided == decided
+        assert not got.cells and not got.candidates
+
+
+class _Keep:
+    def __init__(self) -> None:
+        self.records: list[EpochRecord] = []
+
+    def on_start(self, engine: Engine) -> None: ...
+
+    def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
+        self.records.append(record)
+
+    def on_end(self, engine: Engine) -> None: ...
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_summary_rows_equal_the_reference_on_random_programs(
+    case: tuple[str, dict[str, Any]],
+) -> None:
+    src, info = case
+    run = Run(compile_source(src, raise_errors=False), bindings=BINDINGS, seed=info["seed"])
+    keep = _Keep()
+    run.engine.observers.append(keep)
+    run.run(info["epochs"])
+    _check(run.plan, run.engine, keep.records)
+
+
+_GRID = Run(compile_source(CELLS), seed=0)  # G 4×4; Lock (100), Low (10) and Diff (10)
+
+
+@st.composite
+def value_epochs(draw: st.DrawFn) -> ValueEpoch:
+    """Random metadata of one epoch of G: ties, unset (-inf) and NaN scores, several rules, any
+    coverage, any winner; more structure than the engine ever produces, never a payload."""
+    plan = _GRID.plan
+    ids = [cp.id for cp in plan.constraints if cp.target == "G"]
+    k = draw(st.integers(0, len(ids)))
+    chosen = sorted(draw(st.permutations(ids))[:k])
+    cells = sorted(draw(st.sets(st.integers(0, 15), min_size=1, max_size=16)))
+    n, c = len(cells), draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = np.random.default_rng(seed)
+    scores = np.array([-np.inf, 0.0, 0.5, 1.0, np.nan])
+    p_nan = draw(st.sampled_from([0.0, 0.05]))
+    score = g.choice(scores[:4], size=(n, c))
+    score[g.random((n, c)) < p_nan] = np.nan
+    valid = g.random((n, c)) < draw(st.sampled_from([0.5, 0.9, 1.0]))
+    valid[:, 0] |= draw(st.booleans())
+    applies = g.random((n, k)) < draw(st.sampled_from([0.5, 1.0]))
+    violated = g.random((n, c, k)) < draw(st.sampled_from([0.1, 0.5, 0.9]))
+    if draw(st.booleans()):  # as the engine masks them
+        violated &= valid[:, :, None] & applies[:, None, :]
+    col_rule = np.concatenate([[-1], g.integers(0, 3, size=c - 1)])
+    changed = g.random(n) < 0.5
+    return ValueEpoch(
+        "G",
+        torch.tensor(cells, dtype=torch.int64),
+        None,  # type: ignore[arg-type]  # payload: the summary never reads it
+        torch.from_numpy(valid),
+        torch.from_numpy(score),
+        torch.from_numpy(col_rule),
+        torch.from_numpy(violated),
+        torch.tensor(chosen, dtype=torch.int64),
+        torch.from_numpy(g.integers(0, c, size=n)),
+        torch.from_numpy(changed),
+        None,  # type: ignore[arg-type]  # new_payload
+        torch.from_numpy(g.integers(0, 9, size=n)),
+        torch.from_numpy(g.random(n) < 0.5),
+        torch.from_numpy(applies),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(value_epochs(), min_size=1, max_size=3))
+def test_summary_rows_equal_the_reference_on_random_metadata(values: list[ValueEpoch]) -> None:
+    records = [EpochRecord(e, [ve], 0, 0, 0, 0, 0.0, 0.0) for e, ve in enumerate(values)]
+    _check(_GRID.plan, _GRID.engine, records)
