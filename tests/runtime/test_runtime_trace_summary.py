@@ -2,7 +2,7 @@
 
 ``summary_reference`` is the tracer's previous implementation (torch, one pass per priority level over
 every cell): the vectorized summary must produce exactly its rows, in its order, and never read a
-payload (the control plane has none: the ValueEpochs here carry ``None`` for both payload fields).
+payload (the control plane has none: a ValueEpoch is metadata only).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def summary_reference(plan: Plan, ve: ValueEpoch, e: int) -> tuple[list[tuple[An
 
 
 def _metadata_only(ve: ValueEpoch) -> ValueEpoch:
-    return dataclasses.replace(ve, payload=None, new_payload=None)  # type: ignore[arg-type]
+    return dataclasses.replace(ve)  # (payload fields no longer exist: nothing to strip)
 
 
 def _check(plan: Plan, engine: Engine, records: list[EpochRecord]) -> None:
@@ -163,21 +163,19 @@ def value_epochs(draw: st.DrawFn) -> ValueEpoch:
         violated &= valid[:, :, None] & applies[:, None, :]
     col_rule = np.concatenate([[-1], g.integers(0, 3, size=c - 1)])
     changed = g.random(n) < 0.5
-    return ValueEpoch(
-        "G",
-        torch.tensor(cells, dtype=torch.int64),
-        None,  # type: ignore[arg-type]  # payload: the summary never reads it
-        torch.from_numpy(valid),
-        torch.from_numpy(score),
-        torch.from_numpy(col_rule),
-        torch.from_numpy(violated),
-        torch.tensor(chosen, dtype=torch.int64),
-        torch.from_numpy(g.integers(0, c, size=n)),
-        torch.from_numpy(changed),
-        None,  # type: ignore[arg-type]  # new_payload
-        torch.from_numpy(g.integers(0, 9, size=n)),
-        torch.from_numpy(g.random(n) < 0.5),
-        torch.from_numpy(applies),
+    return ValueEpoch(  # metadata only: the control plane has no payload
+        value="G",
+        cells=torch.tensor(cells, dtype=torch.int64),
+        valid=torch.from_numpy(valid),
+        score=torch.from_numpy(score),
+        col_rule=torch.from_numpy(col_rule),
+        violated=torch.from_numpy(violated),
+        constraint_ids=torch.tensor(chosen, dtype=torch.int64),
+        winner=torch.from_numpy(g.integers(0, c, size=n)),
+        changed=torch.from_numpy(changed),
+        new_clock=torch.from_numpy(g.integers(0, 9, size=n)),
+        was_committed=torch.from_numpy(g.random(n) < 0.5),
+        applies=torch.from_numpy(applies),
     )
 
 
