@@ -12,7 +12,6 @@ half-written output.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import Tensor
 
 from lmpm.errors import InputError
 from lmpm.resolve.plan import ValuePlan
+from lmpm.runtime.lock import atomic_write, os_error
 
 JSON_LIMIT = 100_000  # cells; larger values are written as .npy only
 
@@ -158,16 +158,6 @@ def _from_text(data: bytes, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tenso
     return payload, mask
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write beside, fsync, rename: readers see the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def output_array(vp: ValuePlan, payload: Tensor, committed: Tensor) -> np.ndarray:
     if vp.vocab is not None:
         out = torch.where(committed, payload, torch.full_like(payload, -1))
@@ -186,7 +176,10 @@ def write_outputs(
     import io as _io
 
     d = Path(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, "create the run directory", d) from None
     written: list[Path] = []
     for name, vp in values.items():
         arr = output_array(vp, payloads[name], committed[name])
