@@ -127,9 +127,9 @@ def run(args: argparse.Namespace) -> int:
             f"--epochs must be between 1 and {MAX_EPOCHS:,}, got {args.epochs}", code="U022"
         )
     if args.trust_bind and not args.resume:
-        raise UsageError("--trust-bind only applies to --resume", code="U032")
+        raise UsageError("--trust-bind only applies to --resume", code="U041")
     if args.seed is not None and not -(2**63) <= args.seed < 2**63:
-        raise UsageError(f"--seed must fit in 64 bits, got {args.seed}", code="U033")
+        raise UsageError(f"--seed must fit in 64 bits, got {args.seed}", code="U042")
     if args.resume:
         return _resume(args)
     if args.file is None:
@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     every = _checkpoint_every(args.checkpoint_every)
     out_dir = Path(args.out) if args.out else Path("runs") / path.stem
     if holds_run(out_dir) and not args.force:
+        RunLock(out_dir, create_dir=False).acquire().release()  # a live run: say so, not "exists"
         refuse_existing(out_dir)
     front = compile_file(path, overrides=params, raise_errors=False)
     unknown_params(front)  # an unknown --set name is a usage error (exit 2), listing the params
@@ -296,7 +297,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
         mods = " --bind ".join(meta["bind"])
         raise UsageError(
             MSG_BIND_RESUME.format(dir=run_dir, mods=mods),
-            code="U031",
+            code="U040",
             hint=f"give --bind {mods} again (or --trust-bind to import what {run_dir} names)",
         )
     for spec, sha in dict(meta.get("bind_sha256", {})).items():

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import RunDirError
-from lmpm.runtime.lock import atomic_write, fsync_dir, os_error, sqlite_error
+from lmpm.runtime.lock import atomic_write, fsync_dir, is_io_error, os_error, sqlite_error
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -241,6 +241,8 @@ def connect(
         raise
     except (sqlite3.Error, ValueError) as e:
         conn.close()
+        if isinstance(e, sqlite3.Error) and is_io_error(e):
+            raise sqlite_error(e, "open", path) from None
         raise RunDirError(
             f"{path} is corrupt or truncated ({e}); nothing was changed",
             code="D006",
@@ -795,8 +797,14 @@ class CommitLog:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={'FULL' if self.info.durable else 'NORMAL'}")
             self._fill(engine, conn)
+            # Move the WAL into the file now, where a failure (disk full) raises: close() would
+            # swallow it, and the rename would then move a file whose data is still in the WAL.
+            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         finally:
-            conn.close()  # checkpoints the WAL into the file: the rename moves everything
+            conn.close()
+        wal = Path(f"{tmp}-wal")
+        if busy or (wal.exists() and wal.stat().st_size > 0):
+            raise sqlite3.OperationalError("the new log could not be checkpointed")
         tmp.replace(db_path(self.run_dir))
         fsync_dir(self.run_dir)
 

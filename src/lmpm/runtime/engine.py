@@ -956,7 +956,9 @@ class Engine:
         assert cp.predicate is not None
         try:
             out = torch.as_tensor(cp.predicate(ctx))
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too: a predicate must not end the run
             raise ConstraintEvalError(
                 f"predicate `{cp.ir.call.func if cp.ir.call else '?'}` of constraint `{cp.name}` raised "
                 f"{type(exc).__name__}: {exc}",

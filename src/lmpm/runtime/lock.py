@@ -50,11 +50,28 @@ def sqlite_error(e: sqlite3.Error, action: str, path: str | Path) -> RunDirError
     """A RunDirError for a failed write of the commit log (disk full, read-only, I/O error)."""
     name = getattr(e, "sqlite_errorname", "") or type(e).__name__
     hint = None
-    if name in ("SQLITE_FULL", "SQLITE_IOERR_WRITE", "SQLITE_IOERR"):
+    free = _free_bytes(Path(path).parent)
+    if free is not None and free < 1 << 20 and not name.startswith("SQLITE_READONLY"):
+        name += f"; the filesystem is full: {free:,} bytes free"
+    if name.startswith(("SQLITE_FULL", "SQLITE_IOERR")):
         hint = "free space, then `lmpm run --resume` the directory: committed epochs are kept"
     elif name.startswith("SQLITE_READONLY"):
         hint = "give an --out directory you can write"
     return RunDirError(f"cannot {action} {path}: {e} ({name})", code="D031", hint=hint)
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def is_io_error(e: sqlite3.Error) -> bool:
+    """SQLite failed to read or write the disk (full, read-only, I/O): not a damaged database."""
+    name = getattr(e, "sqlite_errorname", "") or ""
+    return name.startswith(("SQLITE_FULL", "SQLITE_IOERR", "SQLITE_READONLY", "SQLITE_CANTOPEN"))
 
 
 class RunLock:
@@ -69,6 +86,13 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> RunLock:
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise RunDirError(
+                f"cannot use {self.run_dir} as a run directory: it is a file, not a directory "
+                "(ENOTDIR)",
+                code="D030",
+                hint="--out must name a directory (it is created if missing)",
+            )
         if self.create_dir:
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
