@@ -145,6 +145,7 @@ def test_a_live_run_locks_its_directory(prog: tuple[Path, Path], tmp_path: Path)
     conn.close()
 
 
+@pytest.mark.slow
 def test_a_killed_run_leaves_no_stale_lock(prog: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "run"
     base = ["run", str(prog[0]), "--bind", str(prog[1]), "--epochs", "40", "--quiet"]
@@ -372,6 +373,7 @@ def test_model_fault_marks_the_run_failed(
 
 
 # ---- byte-reproducible checkpoints ------------------------------------------------------------------
+@pytest.mark.slow  # also covered: test_runtime_resume compares checkpoint sha256s
 def test_identical_runs_write_identical_checkpoints(
     prog: tuple[Path, Path], tmp_path: Path
 ) -> None:
