@@ -518,7 +518,14 @@ def main() -> None:
         help="also time the Monty model with its elementwise part under torch.compile",
     )
     parser.add_argument("--only", choices=["monty", "small_model", "cuda"], default=None)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run for the benchmark summary (python -m benchmarks)",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.scale, args.repeat = 0.25, 1
     torch.set_num_threads(args.threads)
     cpu = get_backend("cpu")
     if args.only in (None, "monty"):

@@ -203,15 +203,23 @@ def main() -> None:
         "--threads", type=int, default=1, help="torch intra-op threads (small models: 1)"
     )
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per program (median)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run for the benchmark summary (python -m benchmarks)",
+    )
     args = ap.parse_args()
+    if args.quick:  # the timed runs only: model quality is not a speed goal
+        args.epochs, args.repeats = 6, 1
     torch.set_num_threads(args.threads)
     from lmpm.models import text, video
 
     text.load(), video.load_local(), video.load_coarse()  # one-time weight loads, not timed
     print(json.dumps(video_run(args.epochs, args.repeats)), flush=True)
     print(json.dumps(text_run(args.repeats)), flush=True)
-    print(json.dumps(text_model()), flush=True)
-    print(json.dumps(video_model()), flush=True)
+    if not args.quick:
+        print(json.dumps(text_model()), flush=True)
+        print(json.dumps(video_model()), flush=True)
 
 
 if __name__ == "__main__":

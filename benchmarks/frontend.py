@@ -100,7 +100,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--lines", type=int, default=5000)
     ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run for the benchmark summary (python -m benchmarks)",
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.lines, args.runs = 2000, 3
     n, secs, cpu = bench_frontend(args.lines, args.runs, cold=False)
     _, cold, _ = bench_frontend(args.lines, args.runs, cold=True)
     check = [sys.executable, "-m", "lmpm.cli", "check", "examples/video.lmpm"]

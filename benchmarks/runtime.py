@@ -134,7 +134,14 @@ def vs_reference(epochs: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run for the benchmark summary (python -m benchmarks)",
+    )
     args = ap.parse_args()
+    if args.quick:
+        args.epochs = 3
     torch.set_num_threads(2)
     print(json.dumps(throughput(args.epochs)), flush=True)
     print(json.dumps(vs_reference(2)), flush=True)

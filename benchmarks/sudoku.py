@@ -49,6 +49,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's own)")
     ap.add_argument("--no-cli", action="store_true", help="skip the whole-process `lmpm run`")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run for the benchmark summary (python -m benchmarks)" + ": 10 puzzles",
+    )
     args = ap.parse_args()
 
     import torch
@@ -60,6 +65,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     front = compile_file(PROGRAM)
     puzzles = json.loads(PUZZLES.read_text())
+    if args.quick:
+        puzzles, args.no_cli = puzzles[:10], True
     ok, epochs, walls = 0, [], []
     with tempfile.TemporaryDirectory() as tmp:
         for p in puzzles:

@@ -70,7 +70,7 @@ def one(
     log = None
     tracer = None
     if config != "none":
-        level = "off" if config == "off" else config
+        level = {"off": "off", "durable": "summary"}.get(config, config)
         region = None
         if level == "cells":
             region = parse_region(REGION, {n: vp.dims for n, vp in plan.values.items()})
@@ -88,6 +88,7 @@ def one(
             level,
             None if region is None else str(region),
             10_000,
+            durable=config == "durable",
         )
         log = CommitLog(run_dir, info, tracer=tracer)
         engine.observers.append(log)
@@ -107,12 +108,19 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run for the benchmark summary (python -m benchmarks)",
+    )
+    ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)"
     )
     args = ap.parse_args()
+    if args.quick:
+        args.epochs, args.repeat = 4, 1
     torch.set_num_threads(args.threads)
     front, plan, p = setup()
-    configs = ["none", "off", "summary", "cells"]
+    configs = ["none", "off", "summary", "cells", "durable"]
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):
@@ -158,6 +166,20 @@ def main() -> None:
                 "overhead": round(best["cells"] / best["off"] - 1, 4),
                 "overhead_median": round(med["cells"] / med["off"] - 1, 4),
                 "db_mb": round(runs["cells"][0]["db_bytes"] / 2**20, 2),
+            }
+        ),
+        flush=True,
+    )
+    print(
+        json.dumps(
+            {
+                "benchmark": "trace",
+                "case": "durable",
+                "epochs": e,
+                "summary_s": round(best["summary"], 4),
+                "durable_s": round(best["durable"], 4),
+                "overhead": round(best["durable"] / best["summary"] - 1, 4),
+                "fsync_ms_per_epoch": round((best["durable"] - best["summary"]) / e * 1000, 2),
             }
         ),
         flush=True,

@@ -118,15 +118,20 @@ def _log(db: Path) -> list[list[tuple[object, ...]]]:
         conn.close()
 
 
-def _store(run_dir: Path) -> list[tuple[object, ...]]:
-    conn = sqlite3.connect(run_dir / "payload" / "cpu-0.db")
+def _query(db: Path, q: str) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(db)
     try:
-        return conn.execute(
-            "SELECT epoch, value, first, step, count, crc, payload FROM rows "
-            "ORDER BY epoch, value, first"
-        ).fetchall()
+        return conn.execute(q).fetchall()
     finally:
         conn.close()
+
+
+def _store(run_dir: Path) -> list[tuple[object, ...]]:
+    return _query(
+        run_dir / "payload" / "cpu-0.db",
+        "SELECT epoch, value, first, step, count, crc, payload FROM rows "
+        "ORDER BY epoch, value, first",
+    )
 
 
 def _kill_and_resume(prog: Path, common: list[str], out: Path, seed: int, kills: int) -> str:
@@ -144,7 +149,11 @@ def _kill_and_resume(prog: Path, common: list[str], out: Path, seed: int, kills:
             proc.communicate()
         assert not (out / "G.npy").exists()  # outputs appear only once the run is complete
         last = k == kills - 1
-        proc = _spawn(["run", "--resume", str(out), "--quiet"], sleep=0.0 if last else 0.03)
+        # the --bind module is named again: resume imports nothing the command does not name
+        bind = common[common.index("--bind") + 1]
+        proc = _spawn(
+            ["run", "--resume", str(out), "--bind", bind, "--quiet"], sleep=0.0 if last else 0.03
+        )
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err.decode()
     assert killed >= 1
@@ -190,6 +199,9 @@ def test_sigkill_then_resume_is_byte_identical(tmp_path: Path) -> None:
         # the log itself is the uninterrupted run's, and so is the worker's payload store
         assert _log(out / "lmpm.db") == _log(ref / "lmpm.db"), seed
         assert _store(out) == _store(ref), seed
+        # and so are the checkpoints, byte for byte (their sha256 is in both logs)
+        q = "SELECT epoch, sha256 FROM checkpoints ORDER BY epoch"
+        assert _query(out / "lmpm.db", q) == _query(ref / "lmpm.db", q), seed
 
 
 def test_a_run_killed_while_starting_leaves_no_log(tmp_path: Path) -> None:

@@ -144,3 +144,30 @@ def test_fault_in_batched_call_names_global_cells() -> None:
     with pytest.raises(ModelError) as e:
         be.collect(be.dispatch(items))
     assert e.value.where["cells"] == [901]
+
+
+def _exit(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    raise SystemExit(0)
+
+
+@pytest.mark.parametrize(
+    ("model", "item", "code"),
+    [
+        (lambda inputs: 1 / 0, {}, "R050"),
+        (_exit, {}, "R051"),
+        (lambda inputs: [1, 2], {}, "R052"),
+        (lambda inputs: inputs["x"][:5], {}, "R053"),
+        (lambda inputs: torch.zeros(6, 2, 3, dtype=torch.int64), {"vocab": 4}, "R054"),
+        (lambda inputs: torch.tensor(1.0), {}, "R054"),
+        (lambda inputs: inputs["x"], {"vocab": 10}, "R055"),
+        (lambda inputs: inputs["x"] * float("nan"), {}, "R056"),
+        (lambda inputs: torch.full((6,), 12), {"vocab": 10}, "R057"),
+    ],
+)
+def test_every_model_fault_has_its_own_code(
+    model: Callable[..., Any], item: dict[str, Any], code: str
+) -> None:
+    with pytest.raises(ModelError) as e:
+        run(model, **item)
+    assert e.value.code == code, str(e.value)
+    assert e.value.where["rule"] == "Txt.gen" and e.value.where["worker"] == "worker-3"

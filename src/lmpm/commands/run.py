@@ -7,19 +7,25 @@ docs/trace.md); `lmpm run --resume RUN_DIR` continues a killed run from its last
 from __future__ import annotations
 
 import argparse
+import sqlite3
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
 from lmpm.commands.check import unknown_params
-from lmpm.errors import RunDirError, UsageError
+from lmpm.errors import LmpmError, RunDirError, UsageError
 
 if TYPE_CHECKING:
     from lmpm.runtime.commitlog import CommitLog
     from lmpm.runtime.session import Run
 
 DEFAULT_CHECKPOINT_EVERY = 20  # mirrors lmpm.runtime.commitlog (not imported: keeps --help light)
+MAX_EPOCHS = 2**31 - 1  # epochs numbered beyond this would not fit the log's and trace's counters
+MSG_BIND_RESUME = (
+    "{dir} was started with --bind {mods}. Resuming imports no Python module you did not name on "
+    "this command line (a run directory from elsewhere could name any module); nothing was changed."
+)
 
 HELP = "run a program: epochs of compute → propose → check → agree → commit"
 
@@ -53,6 +59,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="continue the run in RUN_DIR from its last complete epoch (settings come from RUN_DIR)",
     )
     p.add_argument(
+        "--trust-bind",
+        action="store_true",
+        help="with --resume: import the --bind modules recorded in RUN_DIR without naming them",
+    )
+    p.add_argument(
+        "--durable",
+        action="store_true",
+        help="fsync the log at every epoch (SQLite synchronous=FULL): no epoch lost to a power cut",
+    )
+    p.add_argument(
         "--force",
         action="store_true",
         help="start over in an --out directory that already holds a run (deletes its log)",
@@ -77,11 +93,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _inputs(items: list[str]) -> dict[str, str]:
-    out = {}
+    out: dict[str, str] = {}
     for item in items:
         name, sep, path = item.partition("=")
-        if not sep or not name or not path:
+        if not sep or not name.strip() or not path.strip():
             raise UsageError(f"--input expects NAME=PATH, got {item!r}", code="U021")
+        if name.strip() in out:
+            raise UsageError(
+                f"--input {name.strip()} is given twice ({out[name.strip()]} and {path.strip()}); "
+                "give each value one input file",
+                code="U029",
+            )
         out[name.strip()] = path.strip()
     return out
 
@@ -100,8 +122,14 @@ def _checkpoint_every(value: int | None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.epochs is not None and args.epochs < 1:
-        raise UsageError("--epochs must be at least 1", code="U022")
+    if args.epochs is not None and not 1 <= args.epochs <= MAX_EPOCHS:
+        raise UsageError(
+            f"--epochs must be between 1 and {MAX_EPOCHS:,}, got {args.epochs}", code="U022"
+        )
+    if args.trust_bind and not args.resume:
+        raise UsageError("--trust-bind only applies to --resume", code="U041")
+    if args.seed is not None and not -(2**63) <= args.seed < 2**63:
+        raise UsageError(f"--seed must fit in 64 bits, got {args.seed}", code="U042")
     if args.resume:
         return _resume(args)
     if args.file is None:
@@ -116,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         refuse_existing,
         remove_run,
     )
+    from lmpm.runtime.lock import RunLock
     from lmpm.runtime.session import Run
 
     path = program_path(args.file)
@@ -126,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     every = _checkpoint_every(args.checkpoint_every)
     out_dir = Path(args.out) if args.out else Path("runs") / path.stem
     if holds_run(out_dir) and not args.force:
+        RunLock(out_dir, create_dir=False).acquire().release()  # a live run: say so, not "exists"
         refuse_existing(out_dir)
     front = compile_file(path, overrides=params, raise_errors=False)
     unknown_params(front)  # an unknown --set name is a usage error (exit 2), listing the params
@@ -159,11 +189,22 @@ def run(args: argparse.Namespace) -> int:
         trace_region=region,
         checkpoint_every=every,
         inputs={k: str(Path(v).resolve()) for k, v in inputs.items()},
+        durable=args.durable,
     )
-    if args.force:
-        remove_run(out_dir)
-    log = CommitLog(out_dir, info, tracer=tracer, argv=sys.argv[1:])
-    return _execute(session, log, args, out_dir, args.epochs, args.until, quiet=0, note="")
+    # Every writer holds the directory's lock for the run's life; the checks above are repeated
+    # under it, since another process may have started a run there meanwhile.
+    with RunLock(out_dir, what="delete (--force)" if args.force else "write"):
+        if holds_run(out_dir) and not args.force:
+            refuse_existing(out_dir)
+        if args.force:
+            try:
+                remove_run(out_dir)
+            except OSError as e:
+                from lmpm.runtime.lock import os_error
+
+                raise os_error(e, "delete the old run in", out_dir) from None
+        log = CommitLog(out_dir, info, tracer=tracer, argv=sys.argv[1:])
+        return _execute(session, log, args, out_dir, args.epochs, args.until, quiet=0, note="")
 
 
 def _tracer(session: Run, level: str, region_text: str | None) -> tuple[Any, str | None]:
@@ -178,11 +219,27 @@ def _tracer(session: Run, level: str, region_text: str | None) -> tuple[Any, str
 
 
 def _resume(args: argparse.Namespace) -> int:
+    from lmpm.runtime.commitlog import connect
+    from lmpm.runtime.lock import RunLock
+
+    run_dir = Path(args.resume)
+    if args.force:
+        raise UsageError("--resume continues a run and --force deletes it; give one", code="U026")
+    if args.out and Path(args.out).resolve() != run_dir.resolve():
+        raise UsageError(f"--out {args.out} differs from --resume {args.resume}", code="U027")
+    if not run_dir.is_dir():
+        connect(run_dir)  # raises the RunDirError for a missing run
+    with RunLock(run_dir, what="resume", create_dir=False):
+        return _resume_locked(args, run_dir)
+
+
+def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
     from lmpm.ir import compile_file, compile_source
     from lmpm.runtime.commitlog import (
         MSG_FOREIGN,
         CommitLog,
         RunInfo,
+        check_epochs,
         connect,
         file_sha256,
         program_hash,
@@ -192,16 +249,13 @@ def _resume(args: argparse.Namespace) -> int:
     from lmpm.runtime.session import Run
     from lmpm.runtime.trace import parse_region
 
-    run_dir = Path(args.resume)
-    if args.force:
-        raise UsageError("--resume continues a run and --force deletes it; give one", code="U026")
-    if args.out and Path(args.out).resolve() != run_dir.resolve():
-        raise UsageError(f"--out {args.out} differs from --resume {args.resume}", code="U027")
     conn = connect(run_dir, readonly=True, check=True)
     try:
         meta = read_meta(conn)
+        check_epochs(conn, run_dir)
     finally:
         conn.close()
+    _check_meta(meta, run_dir)
     params = dict(meta["params"])
     if args.file is not None:
         front = compile_file(program_path(args.file), overrides=params, raise_errors=False)
@@ -239,6 +293,13 @@ def _resume(args: argparse.Namespace) -> int:
             "--input is not needed with --resume: the inputs are in RUN_DIR's first checkpoint",
             code="U028",
         )
+    if meta["bind"] and not args.bind and not args.trust_bind:
+        mods = " --bind ".join(meta["bind"])
+        raise UsageError(
+            MSG_BIND_RESUME.format(dir=run_dir, mods=mods),
+            code="U040",
+            hint=f"give --bind {mods} again (or --trust-bind to import what {run_dir} names)",
+        )
     for spec, sha in dict(meta.get("bind_sha256", {})).items():
         if Path(spec).is_file() and file_sha256(spec) != sha:
             sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
@@ -265,7 +326,8 @@ def _resume(args: argparse.Namespace) -> int:
                 code="D011",
             )
     tracer, region = _tracer(session, meta["trace"], region_text)
-    conn = connect(run_dir, readonly=False)
+    durable = bool(args.durable or meta.get("durable", False))
+    conn = connect(run_dir, readonly=False, durable=durable)
     try:
         restored = restore(session.engine, conn, run_dir)
     except BaseException:
@@ -285,13 +347,53 @@ def _resume(args: argparse.Namespace) -> int:
         trace_region=region,
         checkpoint_every=int(meta["checkpoint_every"]),
         inputs=dict(meta.get("inputs", {})),
+        durable=durable,
     )
     log = CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=sys.argv[1:])
     note = (
         f"resumed at epoch {restored.epoch} (checkpoint {restored.checkpoint} + "
-        f"{restored.replayed} commit rows); "
+        f"{restored.replayed} commit rows"
+        + (f", {restored.skipped} damaged newer checkpoint(s) skipped" if restored.skipped else "")
+        + "); "
     )
     return _execute(session, log, args, run_dir, epochs, until, quiet=restored.quiet, note=note)
+
+
+# What `--resume` reads from the run's metadata, with the JSON type each must have.
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "params": (dict,),
+    "source": (str,),
+    "program_file": (str,),
+    "program_hash": (str,),
+    "bind": (list,),
+    "seed": (int,),
+    "backend": (str,),
+    "trace": (str,),
+    "checkpoint_every": (int,),
+}
+
+
+def _check_meta(meta: dict[str, Any], run_dir: Path) -> None:
+    """A hand-damaged ``meta`` table is a RunDirError naming the key, never an internal error."""
+    for key, types in _META_TYPES.items():
+        if key not in meta:
+            raise RunDirError(
+                f"{run_dir}/lmpm.db lacks the run's `{key}` (meta table damaged); nothing was "
+                "changed",
+                code="D006",
+            )
+        if not isinstance(meta[key], types) or isinstance(meta[key], bool):
+            raise RunDirError(
+                f"{run_dir}/lmpm.db has a damaged `{key}` ({str(meta[key])[:40]!r}); nothing was "
+                "changed",
+                code="D006",
+            )
+    bad_params = [k for k, v in meta["params"].items() if not isinstance(v, int)]
+    bad_bind = [b for b in meta["bind"] if not isinstance(b, str)]
+    if bad_params or bad_bind or meta["checkpoint_every"] < 1:
+        raise RunDirError(
+            f"{run_dir}/lmpm.db has damaged run settings; nothing was changed", code="D006"
+        )
 
 
 def _execute(
@@ -339,6 +441,27 @@ def _execute(
             )
         files = session.write(out_dir)
         log.finish(files)
+    except LmpmError as e:
+        log.mark("failed", e.render())
+        raise
+    except KeyboardInterrupt:
+        log.mark("interrupted")
+        raise
+    except OSError as e:
+        from lmpm.runtime.lock import os_error
+
+        err = os_error(e, "write", out_dir)
+        log.mark("failed", err.render())
+        raise err from None
+    except sqlite3.Error as e:
+        from lmpm.runtime.lock import sqlite_error
+
+        err = sqlite_error(e, "write", out_dir / "lmpm.db")
+        log.mark("failed", err.render())
+        raise err from None
+    except BaseException as e:
+        log.mark("failed", f"internal error: {type(e).__name__}: {e}")
+        raise
     finally:
         log.close()
     state = "stable" if res.stable else "stopped"

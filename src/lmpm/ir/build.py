@@ -83,7 +83,15 @@ def _too_deep(item: ast.Item) -> bool:
         for name in getattr(node, "__slots__", ()):
             child = getattr(node, name)
             if isinstance(child, tuple):
-                stack.extend((c, d + 1) for c in child)
+                for c in child:
+                    # a short one-line child cannot be deep (as above): not even pushed
+                    sp = getattr(c, "span", None)
+                    if not (
+                        sp is not None
+                        and sp.line == sp.end_line
+                        and sp.end_col - sp.col < MAX_DEPTH - d - 1
+                    ):
+                        stack.append((c, d + 1))
             elif hasattr(child, "__slots__") and not isinstance(child, Span):
                 stack.append((child, d + 1))
     return False

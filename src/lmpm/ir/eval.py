@@ -231,7 +231,9 @@ def _py(e: Expr, names: dict[str, str]) -> str:
     """Python source for ``e``; ``names`` maps variables to the generated function's arguments."""
     op = e.op
     if op == Op.CONST:
-        return f"({e.value})"
+        if type(e.value) is not int:  # only ever an int: nothing else is turned into code
+            raise EvalError(f"constant {e.value!r} is not an integer")
+        return f"({int(e.value)!r})"
     if op == Op.VAR or op == Op.PARAM:
         assert isinstance(e.value, str)
         arg = names.get(e.value)

@@ -21,7 +21,7 @@ from typing import Any
 
 from lmpm.errors import LmpmError, Span
 from lmpm.ir import nodes
-from lmpm.ir.nodes import IR_VERSION, Program
+from lmpm.ir.nodes import IR_VERSION, Expr, Op, Program
 
 _NODE_TYPES: dict[str, type] = {
     name: obj
@@ -66,9 +66,53 @@ class IRFormatError(LmpmError):
     """The JSON is not an IR document this version can read."""
 
 
+_ARITY = {Op.CONST: 0, Op.VAR: 0, Op.PARAM: 0, Op.NEG: 1, Op.NOT: 1}  # others: 2
+
+
+def _check_expr(e: Expr) -> Expr:
+    """An expression read from JSON is data: a CONST holds an int, a VAR/PARAM an identifier, and
+    operators the right number of operands. (Expressions are compiled to Python for speed; a
+    string smuggled into a CONST must never reach that compiler.)"""
+    if e.op == Op.CONST:
+        ok = type(e.value) is int and not e.args
+    elif e.op in (Op.VAR, Op.PARAM):
+        ok = isinstance(e.value, str) and e.value.isidentifier() and not e.args
+    else:
+        ok = e.value is None and len(e.args) == _ARITY.get(e.op, 2)
+    if not ok:
+        raise IRFormatError(
+            f"malformed IR expression: op {e.op.value!r} with value {e.value!r} and "
+            f"{len(e.args)} operand(s)",
+            code="I004",
+        )
+    return e
+
+
+def _primitive(x: Any, hint: Any) -> bool:
+    """Does a JSON scalar fit a field's primitive type (bool is not an int here)?"""
+    if hint is bool:
+        return isinstance(x, bool)
+    if hint is int:
+        return type(x) is int
+    if hint is str:
+        return isinstance(x, str)
+    if hint is type(None):
+        return x is None
+    return True
+
+
 def _decode(x: Any, hint: Any, file: str) -> Any:
     origin = typing.get_origin(hint)
+    if hint in (int, str, bool):
+        if not _primitive(x, hint):
+            raise IRFormatError(
+                f"malformed IR document: {json.dumps(x)[:40]} is not a {hint.__name__}",
+                code="I002",
+            )
+        return x
     if hint is Span:
+        if not (isinstance(x, list) and len(x) == 4 and all(type(i) is int for i in x)):
+            raise IRFormatError(f"malformed IR span {json.dumps(x)[:40]}", code="I002")
         return Span.from_json(file, x)
     if origin in (typing.Union, types.UnionType):
         opts = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -80,10 +124,18 @@ def _decode(x: Any, hint: Any, file: str) -> Any:
             if isinstance(o, type) and issubclass(o, enum.Enum):
                 return o(x)
             if o is Span:
-                return Span.from_json(file, x)
+                return _decode(x, Span, file)
+        if not any(_primitive(x, o) for o in opts if o in (int, str, bool)):
+            raise IRFormatError(
+                f"malformed IR document: {json.dumps(x)[:40]} is not one of {hint}", code="I002"
+            )
         return x
     if origin is tuple:
         (elem, _ellipsis) = typing.get_args(hint)
+        if not isinstance(x, list):
+            raise IRFormatError(
+                f"malformed IR document: expected a list, got {x!r:.40}", code="I002"
+            )
         return tuple(_decode(i, elem, file) for i in x)
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(x)
@@ -105,7 +157,8 @@ def _decode_node(d: dict[str, Any], file: str) -> Any:
         if f.name not in d:
             raise IRFormatError(f"IR node {cls.__name__} lacks field {f.name!r}", code="I002")
         kwargs[f.name] = _decode(d[f.name], hints[f.name], file)
-    return cls(**kwargs)
+    node = cls(**kwargs)
+    return _check_expr(node) if isinstance(node, Expr) else node
 
 
 def from_dict(d: dict[str, Any]) -> Program:

@@ -166,6 +166,40 @@ def _visible(
     return g.index, g.valid
 
 
+BYTES_PER_CELL = 64  # control-plane metadata + payload + coordinates per cell, a lower bound
+
+
+def _check_size(program: Program, env: dict[str, int]) -> None:
+    """Refuse values too big for this machine's memory *before* allocating anything (a huge
+    ``--set`` would otherwise try an absurd allocation, or swap the machine to a halt)."""
+    import os
+
+    from lmpm.errors import UsageError
+
+    sizes: dict[str, int] = {}
+    for v in program.values:
+        if v.shape == ShapeKind.SET:
+            continue
+        n = 1
+        for d in v.dims:
+            n *= evaluate(d, env)
+        sizes[v.name] = n
+    total = sum(sizes.values())
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return
+    if total * BYTES_PER_CELL > ram:
+        big = max(sizes, key=lambda k: sizes[k])
+        raise UsageError(
+            f"the values have {total:,} cells in all (`{big}`: {sizes[big]:,}); that needs at "
+            f"least {total * BYTES_PER_CELL / 2**30:,.1f} GiB, and this machine has "
+            f"{ram / 2**30:,.1f} GiB",
+            code="U043",
+            hint="--set smaller dimensions",
+        )
+
+
 def resolve(
     program: Program,
     overrides: Mapping[str, int] | None = None,
@@ -178,6 +212,7 @@ def resolve(
     env = bind_params(program, overrides, require_all=True)
     values: dict[str, ValuePlan] = {}
     policies = {cm.access.value: cm.policy for cm in program.commits}
+    _check_size(program, env)
     offset = 0
     for v in program.values:
         if v.shape == ShapeKind.SET:

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import RunDirError
-from lmpm.runtime.io import atomic_write
+from lmpm.runtime.lock import atomic_write, fsync_dir, is_io_error, os_error, sqlite_error
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -146,6 +146,7 @@ class RunInfo:
     trace_region: str | None  # --trace-region (cells level)
     checkpoint_every: int
     inputs: dict[str, str] = field(default_factory=dict)  # --input NAME -> absolute path
+    durable: bool = False  # --durable: synchronous=FULL (every epoch fsynced), see docs/trace.md
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -183,6 +184,11 @@ def holds_run(run_dir: str | Path) -> bool:
     return db_path(run_dir).exists()
 
 
+def _unlink_db(path: Path) -> None:
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
 def remove_run(run_dir: str | Path) -> None:
     """Delete a run's commit log and checkpoints (``--force``). Outputs are overwritten later."""
     d = Path(run_dir)
@@ -193,7 +199,7 @@ def remove_run(run_dir: str | Path) -> None:
 
 
 def connect(
-    run_dir: str | Path, *, readonly: bool = True, check: bool = False
+    run_dir: str | Path, *, readonly: bool = True, check: bool = False, durable: bool = False
 ) -> sqlite3.Connection:
     """Open RUN_DIR's log and validate it: an LMPM database of a schema this version reads.
 
@@ -206,6 +212,7 @@ def connect(
             code="D001",
             hint="give the --out directory of an `lmpm run`",
         )
+    _check_header(path)
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}"
     try:
         conn = sqlite3.connect(
@@ -244,15 +251,48 @@ def connect(
         raise
     except (sqlite3.Error, ValueError) as e:
         conn.close()
+        if isinstance(e, sqlite3.Error) and is_io_error(e):
+            raise sqlite_error(e, "open", path) from None
         raise RunDirError(
             f"{path} is corrupt or truncated ({e}); nothing was changed",
             code="D006",
             hint="start a new run with --force, or restore the directory from a copy",
         ) from None
     if not readonly:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        except sqlite3.Error as e:
+            conn.close()
+            raise sqlite_error(e, "open for writing", path) from None
     return conn
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _check_header(path: Path) -> None:
+    """Refuse a file that is not an SQLite database *before* SQLite opens it: SQLite treats an
+    empty or foreign file as a new database and may then discard the ``-wal`` beside it, which
+    holds the run's commits."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError as e:
+        raise RunDirError(f"cannot read {path}: {e.strerror}", code="D002") from None
+    if head == SQLITE_HEADER:
+        return
+    wal = Path(f"{path}-wal")
+    kept = ""
+    if wal.is_file() and wal.stat().st_size > 0:
+        kept = f"; its write-ahead log {wal.name} ({wal.stat().st_size:,} bytes) was left as it is"
+    what = "empty (0 bytes)" if not head else "not an SQLite database"
+    raise RunDirError(
+        f"{path} is {what}{kept}; nothing was changed",
+        code="D003",
+        hint="restore lmpm.db from a copy (the -wal file alone cannot be read without it), "
+        "or start a new run in another directory",
+    )
 
 
 def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
@@ -411,15 +451,51 @@ def state_arrays(engine: Engine) -> dict[str, np.ndarray]:
     return out
 
 
+_ST_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "uint32": "U32",
+    "int32": "I32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+}
+
+
+def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """The safetensors file of ``arrays``, byte-for-byte the same for the same arrays: tensors in
+    name order, the header's keys sorted (``safetensors.numpy.save`` orders the metadata by a hash
+    map, so two identical runs' checkpoints differed in their sha256). Readable by safetensors."""
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    chunks: list[bytes] = []
+    offset = 0
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {
+            "dtype": _ST_DTYPES[a.dtype.name],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        chunks.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    return len(head).to_bytes(8, "little") + head + b"".join(chunks)
+
+
 def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> tuple[str, int, str]:
     """Checkpoint the state at the start of epoch ``label``: the worker writes its payload shard
     first, then the control plane's file (naming the shard and its sha256) is written beside,
     fsynced and renamed. Returns the control file's (file, bytes, sha256)."""
-    from safetensors.numpy import save
-
     wfile, wbytes, wsha = engine.dataplane.checkpoint(label)
     shards = {engine.dataplane.worker: {"file": wfile, "bytes": wbytes, "sha256": wsha}}
-    data = save(
+    data = safetensors_bytes(
         state_arrays(engine),
         metadata={
             "epoch": str(label),
@@ -430,7 +506,10 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
     )
     rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors"
     path = run_dir / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, "create the checkpoint folder", path.parent) from None
     atomic_write(path, data)
     return rel, len(data), hashlib.sha256(data).hexdigest()
 
@@ -475,6 +554,7 @@ class Restored:
     quiet: int  # trailing epochs without a commit (for the stability test)
     checkpoint: int  # the checkpoint it started from
     replayed: int  # commit rows replayed on top of it
+    skipped: int = 0  # newer checkpoints that were missing or damaged
 
 
 def _maskplan_element(data: Any) -> Hashable:
@@ -484,40 +564,78 @@ def _maskplan_element(data: Any) -> Hashable:
     return tup(data)
 
 
+def check_epochs(conn: sqlite3.Connection, run_dir: str | Path) -> int:
+    """The number of complete epochs, after checking the epoch rows are 0..n-1 with no gap (a
+    deleted row would otherwise go unnoticed, and resume would skip that epoch's commits)."""
+    count, top = conn.execute("SELECT count(*), max(epoch) FROM epochs").fetchone()
+    n = 0 if top is None else int(top) + 1
+    if int(count) != n:
+        have = {int(r[0]) for r in conn.execute("SELECT epoch FROM epochs")}
+        missing = [e for e in range(n) if e not in have]
+        shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+        raise RunDirError(
+            f"{db_path(run_dir)} lacks the rows of epoch(s) {shown} of 0..{n - 1} (a gap in the "
+            "epochs table: the log was edited or damaged); nothing was changed",
+            code="D012",
+            hint="restore lmpm.db from a copy",
+        )
+    return n
+
+
 def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
-    """Bring a fresh engine to the state after the run's last complete epoch (newest checkpoint at
-    or before it, then the commits logged after the checkpoint, each checked against its CRC)."""
+    """Bring a fresh engine to the state after the run's last complete epoch (newest usable
+    checkpoint at or before it, then the commits logged after the checkpoint, each checked against
+    its CRC). A missing or damaged checkpoint is skipped for an older one: the commits table holds
+    every epoch, so any checkpoint plus the replay gives the same state."""
+    try:
+        return _restore(engine, conn, run_dir)
+    except RunDirError:
+        raise
+    except (sqlite3.Error, ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+        raise RunDirError(
+            f"{db_path(run_dir)} has a damaged row ({type(e).__name__}: {e}); nothing was changed",
+            code="D006",
+            hint="restore lmpm.db from a copy",
+        ) from None
+
+
+def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
+    import sys
+
     import torch
 
     from lmpm.runtime.crdt import ORSet
     from lmpm.runtime.engine import CellState
 
     d = Path(run_dir)
-    nxt = completed_epochs(conn)
-    row = conn.execute(
-        "SELECT epoch, file, sha256 FROM checkpoints WHERE epoch <= ? ORDER BY epoch DESC LIMIT 1",
+    nxt = check_epochs(conn, d)
+    rows = conn.execute(
+        "SELECT epoch, file, sha256 FROM checkpoints WHERE epoch <= ? ORDER BY epoch DESC",
         (nxt,),
-    ).fetchone()
-    if row is None:
+    ).fetchall()
+    if not rows:
         raise RunDirError(
             f"{d} has no checkpoint to resume from (the run never started)",
             code="D008",
             hint="start it again with --force",
         )
-    label, rel, sha = int(row[0]), str(row[1]), str(row[2])
-    arrays = load_checkpoint(d, rel, sha)
-    state: dict[str, dict[str, np.ndarray]] = {}
-    for name, vp in engine.plan.values.items():
-        vals = {}
-        for f in STATE_FIELDS:
-            a = arrays.get(f"{name}.{f}")
-            if a is None or a.shape != (vp.ncells,):
-                raise RunDirError(
-                    f"checkpoint {d / rel} does not fit value `{name}` ({vp.ncells} cells)",
-                    code="D007",
-                )
-            vals[f] = a.copy()
-        state[name] = vals
+    state: dict[str, dict[str, np.ndarray]] | None = None
+    skipped: list[str] = []
+    label = -1
+    shard: dict[str, Any] = {}
+    for ep, rel, sha in rows:
+        label, rel = int(ep), str(rel)
+        try:
+            state = _checkpoint_state(engine, d, rel, str(sha))
+            shard = _shard_of(engine, d, rel)
+            break
+        except RunDirError as e:
+            state = None
+            skipped.append(e.message)
+    if state is None:
+        raise RunDirError(f"{d}: no checkpoint is usable; " + "; ".join(skipped), code="D007")
+    for msg in skipped:
+        sys.stderr.write(f"note: {msg.removesuffix('; nothing was changed')}; using an older one\n")
     replayed = 0
     counts: dict[tuple[int, str], int] = {}
     cur = conn.execute(
@@ -525,28 +643,28 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
         "sums, crc FROM commits WHERE epoch >= ? AND epoch < ? ORDER BY epoch, rowid",
         (label, nxt),
     )
-    for e, value, first, step, count, rule, cmin, clocks, smin, scores, sums, crc in cur:
+    for epoch, value, first, step, count, rule, cmin, clocks, smin, scores, sums, crc in cur:
         into = state.get(value)
-        if into is None or sums is None or zlib.crc32(sums[1:]) != crc:
+        if into is None or not isinstance(sums, bytes) or zlib.crc32(sums[1:]) != crc:
             raise RunDirError(
-                f"commit of epoch {e} for `{value}` is corrupt (checksum mismatch)", code="D006"
+                f"commit of epoch {epoch} for `{value}` is corrupt (checksum mismatch)", code="D006"
             )
-        counts[(e, value)] = counts.get((e, value), 0) + count
+        counts[(epoch, value)] = counts.get((epoch, value), 0) + count
         idx = first + step * np.arange(count)
+        data = decode(sums)
+        n = into["committed"].size
+        if count < 1 or data.size != count or int(idx.min()) < 0 or int(idx.max()) >= n:
+            raise RunDirError(
+                f"commit of epoch {epoch} for `{value}` does not fit the value ({count} cells from "
+                f"{first} step {step}; {n} cells)",
+                code="D006",
+            )
         into["committed"][idx] = True
         into["clock"][idx] = cmin if clocks is None else cmin + decode(clocks).astype(np.int64)
         into["rule"][idx] = rule
-        into["epoch"][idx] = e
+        into["epoch"][idx] = epoch
         into["score"][idx] = smin if scores is None else decode(scores)
         replayed += 1
-    shards = checkpoint_shards(d, rel)
-    shard = shards.get(engine.dataplane.worker)
-    if shard is None:
-        raise RunDirError(
-            f"checkpoint {d / rel} names no payload shard of worker `{engine.dataplane.worker}` "
-            f"(it has: {', '.join(shards) or 'none'}); nothing was changed",
-            code="D007",
-        )
     engine.dataplane.open_store(d)
     try:
         engine.dataplane.restore(
@@ -574,7 +692,53 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
         if commits:
             break
         quiet += 1
-    return Restored(nxt, quiet, label, replayed)
+    return Restored(nxt, quiet, label, replayed, len(skipped))
+
+
+def _checkpoint_state(
+    engine: Engine, d: Path, rel: str, sha: str
+) -> dict[str, dict[str, np.ndarray]]:
+    arrays = load_checkpoint(d, rel, sha)
+    state: dict[str, dict[str, np.ndarray]] = {}
+    for name, vp in engine.plan.values.items():
+        vals = {}
+        for f in STATE_FIELDS:
+            a = arrays.get(f"{name}.{f}")
+            if a is None or a.shape != (vp.ncells,):
+                raise RunDirError(
+                    f"checkpoint {d / rel} does not fit value `{name}` ({vp.ncells} cells)",
+                    code="D007",
+                )
+            vals[f] = a.copy()
+        state[name] = vals
+    return state
+
+
+def _shard_of(engine: Engine, d: Path, rel: str) -> dict[str, Any]:
+    """The worker's payload shard that control checkpoint ``rel`` names, checked (sha256)."""
+    shards = checkpoint_shards(d, rel)
+    shard = shards.get(engine.dataplane.worker)
+    if shard is None:
+        raise RunDirError(
+            f"checkpoint {d / rel} names no payload shard of worker `{engine.dataplane.worker}` "
+            f"(it has: {', '.join(shards) or 'none'}); nothing was changed",
+            code="D007",
+        )
+    path = d / str(shard["file"])
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise RunDirError(
+            f"payload checkpoint {path} is missing ({e.strerror}); nothing was changed",
+            code="D007",
+        ) from None
+    if hashlib.sha256(data).hexdigest() != shard["sha256"]:
+        raise RunDirError(
+            f"payload checkpoint {path} is corrupt or truncated (checksum mismatch); "
+            "nothing was changed",
+            code="D007",
+        )
+    return dict(shard)
 
 
 # ---- the observer ---------------------------------------------------------------------------------
@@ -688,15 +852,45 @@ class CommitLog:
         if self.conn is not None:
             self._resume_start(engine)
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         # Built under a temporary name and renamed once complete: a run killed while starting
-        # leaves no half-made log (a plain rerun works, no --force needed).
+        # leaves no half-made log (a plain rerun works, no --force needed); a run that cannot
+        # start (disk full, read-only) leaves no temporary file.
         tmp = self.run_dir / f".{DB_NAME}.tmp"
-        for suffix in ("", "-wal", "-shm", "-journal"):
-            Path(f"{tmp}{suffix}").unlink(missing_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            _unlink_db(tmp)
+            self._create(engine, tmp)
+        except BaseException as e:
+            try:
+                _unlink_db(tmp)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise os_error(e, "create the commit log", tmp) from None
+            if isinstance(e, sqlite3.Error):
+                raise sqlite_error(e, "create the commit log", tmp) from None
+            raise
+        self.conn = connect(self.run_dir, readonly=False, durable=self.info.durable)
+        self._checkpointed = engine.epoch
+
+    def _create(self, engine: Engine, tmp: Path) -> None:
         conn = sqlite3.connect(str(tmp), isolation_level=None)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={'FULL' if self.info.durable else 'NORMAL'}")
+            self._fill(engine, conn)
+            # Move the WAL into the file now, where a failure (disk full) raises: close() would
+            # swallow it, and the rename would then move a file whose data is still in the WAL.
+            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            conn.close()
+        wal = Path(f"{tmp}-wal")
+        if busy or (wal.exists() and wal.stat().st_size > 0):
+            raise sqlite3.OperationalError("the new log could not be checkpointed")
+        tmp.replace(db_path(self.run_dir))
+        fsync_dir(self.run_dir)
+
+    def _fill(self, engine: Engine, conn: sqlite3.Connection) -> None:
         shutil.rmtree(self.run_dir / "payload", ignore_errors=True)  # a half-started run's
         engine.dataplane.open_store(self.run_dir)
         rel, nbytes, sha = write_checkpoint(
@@ -738,12 +932,17 @@ class CommitLog:
             (engine.epoch, rel, nbytes, sha, time.time()),
         )
         conn.execute("COMMIT")
-        conn.close()  # checkpoints the WAL into the file: the rename moves everything
-        tmp.replace(db_path(self.run_dir))
-        self.conn = connect(self.run_dir, readonly=False)
-        self._checkpointed = engine.epoch
 
     def _resume_start(self, engine: Engine) -> None:
+        assert self.conn is not None
+        try:
+            self._resume_rows(engine)
+        except sqlite3.Error as e:
+            _rollback(self.conn)
+            raise sqlite_error(e, "record the resume in", db_path(self.run_dir)) from None
+        self._prune_files()
+
+    def _resume_rows(self, engine: Engine) -> None:
         assert self.conn is not None
         row = self.conn.execute("SELECT max(epoch) FROM checkpoints").fetchone()
         self._checkpointed = int(row[0]) if row[0] is not None else -1
@@ -752,16 +951,15 @@ class CommitLog:
             "INSERT INTO resumes (at, from_epoch, argv) VALUES (?,?,?)",
             (time.time(), engine.epoch, json.dumps(self.argv)),
         )
-        for key in ("epochs", "until", "backend"):
+        for key in ("epochs", "until", "backend", "durable"):
             self.conn.execute(
-                "UPDATE meta SET value = ? WHERE key = ?",
-                (json.dumps(getattr(self.info, key)), key),
+                "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                (key, json.dumps(getattr(self.info, key))),
             )
         self.conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'status'", (json.dumps("running"),)
         )
         self.conn.execute("COMMIT")
-        self._prune_files()
 
     def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
         assert self.conn is not None
@@ -809,8 +1007,14 @@ class CommitLog:
                 ),
             )
             conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
+        except BaseException as e:
+            _rollback(conn)
+            if ckpt is not None:  # no committed row references it
+                (self.run_dir / ckpt[0]).unlink(missing_ok=True)
+            if isinstance(e, sqlite3.Error):
+                raise sqlite_error(
+                    e, f"append epoch {record.epoch} to the commit log", db_path(self.run_dir)
+                ) from None
             raise
         if ckpt is not None:
             self._checkpointed = label
@@ -824,16 +1028,47 @@ class CommitLog:
         rel, nbytes, sha = write_checkpoint(
             self.run_dir, engine, engine.epoch, self.info.program_hash
         )
-        self.conn.execute(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)",
-            (engine.epoch, rel, nbytes, sha, time.time()),
-        )
+        try:
+            self.conn.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)",
+                (engine.epoch, rel, nbytes, sha, time.time()),
+            )
+        except sqlite3.Error as e:
+            (self.run_dir / rel).unlink(missing_ok=True)
+            raise sqlite_error(e, "record the final checkpoint in", db_path(self.run_dir)) from None
         self._checkpointed = engine.epoch
+
+    def mark(self, status: str, error: str | None = None) -> None:
+        """Record how the run ended when it did not finish ("failed" with the error, or
+        "interrupted"). Best effort: on a full disk the log keeps "running", which resume handles
+        the same way."""
+        if self.conn is None:
+            return
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.execute(
+                "UPDATE meta SET value = ? WHERE key = 'status'", (json.dumps(status),)
+            )
+            self.conn.execute(
+                "INSERT OR REPLACE INTO meta VALUES ('error', ?)", (json.dumps(error),)
+            )
+            self.conn.execute("COMMIT")
+        except sqlite3.Error:
+            _rollback(self.conn)
 
     def finish(self, outputs: Iterable[Path] = ()) -> None:
         """Mark the run finished (its outputs are written) and close the log."""
         if self.conn is None:
             return
+        try:
+            self._finish(outputs)
+        except sqlite3.Error as e:
+            _rollback(self.conn)
+            raise sqlite_error(e, "mark the run finished in", db_path(self.run_dir)) from None
+        self.close()
+
+    def _finish(self, outputs: Iterable[Path]) -> None:
+        assert self.conn is not None
         self.conn.execute("BEGIN IMMEDIATE")
         self.conn.execute(
             "UPDATE meta SET value = ? WHERE key = 'status'", (json.dumps("finished"),)
@@ -845,8 +1080,8 @@ class CommitLog:
         self.conn.execute(
             "INSERT OR REPLACE INTO meta VALUES ('finished_at', ?)", (json.dumps(time.time()),)
         )
+        self.conn.execute("DELETE FROM meta WHERE key = 'error'")
         self.conn.execute("COMMIT")
-        self.close()
 
     def close(self) -> None:
         if self.conn is not None:
@@ -871,6 +1106,15 @@ class CommitLog:
             if p.name.split(".")[0] + "." in prefixes and p.name.count(".") >= 2:
                 continue
             p.unlink(missing_ok=True)
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """Roll back if a transaction is open (SQLite rolls back by itself on SQLITE_FULL)."""
+    if conn.in_transaction:
+        try:
+            conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
 
 
 def _lmpm_version() -> str:

@@ -391,7 +391,7 @@ class DataPlane:
                 f"(cells, k{''.join(', ' + str(d) for d in vp.cell_shape)}) or "
                 f"(cells{''.join(', ' + str(d) for d in vp.cell_shape)})",
                 where={"rule": rp.name, "backend": self.backend.name, "worker": self.worker},
-                code="R032",
+                code="R054",  # the wrong rank (lmpm.workers.batch.R_RANK)
             )
         return prop, score
 
@@ -709,7 +709,9 @@ class DataPlane:
         assert cp.predicate is not None
         try:
             out = torch.as_tensor(cp.predicate(ctx))
-        except Exception as exc:
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # SystemExit too: a predicate must not end the run
             raise ConstraintEvalError(
                 f"predicate `{cp.ir.call.func if cp.ir.call else '?'}` of constraint `{cp.name}` "
                 f"raised {type(exc).__name__}: {exc}",

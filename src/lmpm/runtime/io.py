@@ -12,7 +12,6 @@ half-written output.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import Tensor
 
 from lmpm.errors import InputError
 from lmpm.resolve.plan import ValuePlan
+from lmpm.runtime.lock import atomic_write, os_error
 
 JSON_LIMIT = 100_000  # cells; larger values are written as .npy only
 
@@ -41,7 +41,7 @@ def load_input(path: str | Path, vp: ValuePlan) -> tuple[Tensor, Tensor]:
     suffix = p.suffix.lower()
     try:
         if suffix == ".npy":
-            arr = torch.from_numpy(np.load(p, allow_pickle=False))
+            arr = _numpy_to_tensor(np.load(p, allow_pickle=False), vp, where)
         elif suffix == ".pt":
             obj = torch.load(p, map_location="cpu", weights_only=True)
             if not isinstance(obj, Tensor):
@@ -66,6 +66,41 @@ def load_input(path: str | Path, vp: ValuePlan) -> tuple[Tensor, Tensor]:
     return _from_array(arr, vp, where)
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _expect_form(vp: ValuePlan) -> str:
+    if vp.vocab is not None:
+        return f"integer tokens in [0, {vp.vocab}) or -1 for unset"
+    return f"real numbers within ±{FLOAT32_MAX:.3g} (float32) or NaN for unset"
+
+
+def _bad(vp: ValuePlan, where: dict[str, Any], what: str, code: str) -> InputError:
+    return InputError(
+        f"input for `{vp.name}` {what}; expected {_expect_form(vp)}, {_expect(vp)}",
+        where=where,
+        code=code,
+    )
+
+
+def _numpy_to_tensor(a: np.ndarray, vp: ValuePlan, where: dict[str, Any]) -> Tensor:
+    """A .npy array as a tensor torch can check: complex, text, dates and objects are refused."""
+    if a.dtype.kind == "c":
+        raise _bad(vp, where, f"is complex ({a.dtype})", "R013")
+    if a.dtype.kind not in "biuf":
+        raise _bad(vp, where, f"has dtype {a.dtype} (not numbers)", "R013")
+    if a.dtype.kind == "u" and a.size and int(a.max()) >= 2**63:
+        i = int(a.argmax())
+        raise _bad(vp, where, f"has {int(a.reshape(-1)[i])} at cell {i}", "R015")
+    if a.dtype.kind in "iu" or a.dtype.kind == "b":
+        return torch.from_numpy(a.astype(np.int64 if a.dtype.kind != "b" else np.bool_))
+    return torch.from_numpy(a.astype(np.float64))
+
+
+def _first(mask: Tensor) -> int:
+    return int(mask.nonzero()[0, 0])
+
+
 def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor, Tensor]:
     if vp.cell_shape:
         full = (*vp.dims, *vp.cell_shape)
@@ -75,12 +110,16 @@ def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tens
                 where=where,
                 code="R004",
             )
-        if arr.dtype == torch.bool or arr.is_complex():
+        if arr.is_complex():
+            raise _bad(vp, where, f"is complex ({arr.dtype})", "R013")
+        if arr.dtype == torch.bool:
             raise InputError(
                 f"input for `{vp.name}` is {arr.dtype}; expected real numbers",
                 where=where,
                 code="R005",
             )
+        if arr.is_floating_point() and bool(torch.isinf(arr).any()):
+            raise _bad(vp, where, "holds ±inf (use NaN for an unset cell)", "R014")
         arr = arr.to(torch.float32).reshape(vp.ncells, *vp.cell_shape)
         mask = ~torch.isnan(arr).flatten(1).any(dim=1)  # a cell with any NaN is unset
         return torch.nan_to_num(arr, nan=0.0), mask
@@ -90,39 +129,62 @@ def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tens
             where=where,
             code="R004",
         )
+    if arr.is_complex():
+        raise _bad(vp, where, f"is complex ({arr.dtype})", "R013")
     arr = arr.reshape(-1)
+    if arr.is_floating_point():
+        arr = arr.to(torch.float64)
+        inf = torch.isinf(arr)
+        if bool(inf.any()):
+            i = _first(inf)
+            raise _bad(vp, where, f"has {float(arr[i])} at cell {i}", "R014")
     if vp.vocab is not None:
+        if arr.dtype == torch.bool:
+            raise _bad(vp, where, "is boolean", "R005")
         if arr.is_floating_point():
-            if bool((~torch.isnan(arr) & (arr != arr.round())).any()):
-                raise InputError(
-                    f"input for `{vp.name}` holds non-integer numbers; tokens are integers",
-                    where=where,
-                    code="R005",
-                )
-            mask = ~torch.isnan(arr)
-            arr = torch.nan_to_num(arr, nan=-1.0)
-        elif arr.dtype == torch.bool:
-            raise InputError(
-                f"input for `{vp.name}` is boolean; expected integer tokens",
-                where=where,
-                code="R005",
-            )
+            frac = ~torch.isnan(arr) & (arr != arr.round())
+            if bool(frac.any()):
+                i = _first(frac)
+                raise _bad(vp, where, f"has the non-integer {float(arr[i])} at cell {i}", "R005")
+            unset = torch.isnan(arr) | (arr == -1)
+            arr = torch.where(unset, torch.zeros_like(arr), arr)
         else:
-            mask = arr >= 0
-        payload = arr.to(torch.int64)
-        bad = mask & (payload >= vp.vocab)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
+            unset = arr == -1
+        low = ~unset & (arr < 0)
+        if bool(low.any()):
+            i = _first(low)
+            raise _bad(
+                vp,
+                where,
+                f"has the negative token {_num(arr[i])} at cell {i} (-1 alone is unset)",
+                "R016",
+            )
+        high = ~unset & (arr >= vp.vocab)
+        if bool(high.any()):
+            i = _first(high)
             raise InputError(
-                f"input for `{vp.name}` has token {int(payload[i])} at cell {i}, outside "
+                f"input for `{vp.name}` has token {_num(arr[i])} at cell {i}, outside "
                 f"the vocabulary [0, {vp.vocab}); use -1 (or null) for unset",
                 where=where,
                 code="R006",
             )
-        return torch.where(mask, payload, torch.zeros_like(payload)), mask
-    arr = arr.to(torch.float32)
+        mask = ~unset
+        payload = torch.where(mask, arr, torch.zeros_like(arr)).to(torch.int64)
+        return payload, mask
+    if arr.dtype == torch.bool:
+        raise _bad(vp, where, "is boolean", "R013")
+    arr = arr.to(torch.float64)
+    big = torch.abs(arr) > FLOAT32_MAX
+    if bool(big.any()):
+        i = _first(big)
+        raise _bad(vp, where, f"has {float(arr[i]):.6g} at cell {i}, beyond float32", "R015")
     mask = ~torch.isnan(arr)
-    return torch.nan_to_num(arr, nan=0.0), mask
+    return torch.nan_to_num(arr, nan=0.0).to(torch.float32), mask
+
+
+def _num(x: Tensor) -> str:
+    v = float(x) if x.is_floating_point() else int(x)
+    return f"{v:.6g}" if isinstance(v, float) and abs(v) >= 1e15 else str(int(v))
 
 
 def _from_json(data: Any, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor, Tensor]:
@@ -151,7 +213,14 @@ def _from_json(data: Any, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor,
             walk(y, depth + 1, f"{path}[{i}]")
 
     walk(data, 0, "")
-    arr = torch.tensor([float("nan") if x is None else float(x) for x in flat], dtype=torch.float64)
+    try:
+        nums = [float("nan") if x is None else float(x) for x in flat]
+    except OverflowError:
+        i = next(i for i, x in enumerate(flat) if isinstance(x, int) and abs(x) > 1e308)
+        raise _bad(
+            vp, where, f"has a {len(str(flat[i]))}-digit integer at cell {i}", "R015"
+        ) from None
+    arr = torch.tensor(nums, dtype=torch.float64)
     return _from_array(arr, vp, where)
 
 
@@ -177,16 +246,6 @@ def _from_text(data: bytes, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tenso
     return payload, mask
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write beside, fsync, rename: readers see the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def output_array(vp: ValuePlan, payload: Tensor, committed: Tensor) -> np.ndarray:
     if vp.vocab is not None:
         out = torch.where(committed, payload, torch.full_like(payload, -1))
@@ -206,7 +265,10 @@ def write_outputs(
     import io as _io
 
     d = Path(run_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, "create the run directory", d) from None
     written: list[Path] = []
     for name, vp in values.items():
         arr = output_array(vp, payloads[name], committed[name])

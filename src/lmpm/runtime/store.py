@@ -33,6 +33,7 @@ import numpy as np
 from lmpm.errors import RunDirError
 from lmpm.runtime.commitlog import _TAGS, CHECKPOINT_DIR, cell_runs, decode, payload_tag
 from lmpm.runtime.io import atomic_write
+from lmpm.runtime.lock import os_error, sqlite_error
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -105,8 +106,11 @@ class PayloadStore:
         for s, n, st in zip(starts.tolist(), counts.tolist(), steps.tolist()):
             p = raw[s * size : (s + n) * size]
             rows.append((epoch, value, int(cells_np[s]), st, n, zlib.crc32(p), tag.encode() + p))
-        self._begin()
-        self.conn.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", rows)
+        try:
+            self._begin()
+            self.conn.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", rows)
+        except sqlite3.Error as e:
+            raise sqlite_error(e, "write the payload store", self.path) from None
 
     def record_candidates(
         self, epoch: int, value: str, cells: Tensor, table: Tensor, which: Tensor
@@ -124,31 +128,41 @@ class PayloadStore:
             for col in range(tab.shape[1]):
                 raw = np.ascontiguousarray(tab[i, col], dtype=_TAGS[tag]).tobytes()
                 out.append((epoch, value, int(cells_np[r]), col, tag.encode() + raw))
-        self._begin()
-        self.conn.executemany("INSERT OR REPLACE INTO candidates VALUES (?,?,?,?,?)", out)
+        try:
+            self._begin()
+            self.conn.executemany("INSERT OR REPLACE INTO candidates VALUES (?,?,?,?,?)", out)
+        except sqlite3.Error as e:
+            raise sqlite_error(e, "write the payload store", self.path) from None
 
     def sync(self, epoch: int) -> None:
         """Make everything staged for ``epoch`` durable (before the control plane logs it)."""
         if self._open:
-            self.conn.execute("COMMIT")
+            try:
+                self.conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                raise sqlite_error(e, "commit the payload store", self.path) from None
             self._open = False
 
     def rollback(self) -> None:
         if self._open:
-            self.conn.execute("ROLLBACK")
+            try:
+                self.conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass  # nothing was committed; the connection is closed next
             self._open = False
 
     def checkpoint(self, label: int, payloads: dict[str, np.ndarray]) -> tuple[str, int, str]:
         """Write the payload at the start of epoch ``label``: (file, bytes, sha256)."""
-        from safetensors.numpy import save
+        from lmpm.runtime.commitlog import safetensors_bytes
 
-        arrays = {
-            f"{name}.payload": np.ascontiguousarray(a) for name, a in sorted(payloads.items())
-        }
-        data = save(arrays, metadata={"epoch": str(label), "worker": self.worker})
+        arrays = {f"{name}.payload": np.ascontiguousarray(a) for name, a in payloads.items()}
+        data = safetensors_bytes(arrays, {"epoch": str(label), "worker": self.worker})
         rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.{worker_file(self.worker)}.safetensors"
         path = self.run_dir / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise os_error(e, "create the checkpoint folder", path.parent) from None
         atomic_write(path, data)
         return rel, len(data), hashlib.sha256(data).hexdigest()
 

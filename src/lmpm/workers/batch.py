@@ -55,6 +55,15 @@ BAD_PROPOSAL = 1  # NaN/inf in a float proposal
 BAD_SCORE = 2  # NaN/inf in the score
 BAD_TOKEN = 4  # token outside [0, vocab)
 BAD_LOGITS = 8  # NaN/+inf logit, or every logit of a row is -inf
+# Model fault codes (docs/runtime.md, "Faults"): every one names rule, cells, backend and worker.
+R_RAISED = "R050"  # the model raised an Exception
+R_EXITED = "R051"  # the model raised a BaseException (SystemExit, ...) that would end the process
+R_TYPE = "R052"  # the output is not a tensor / mapping with 'proposal' or 'logits'
+R_SHAPE = "R053"  # a dim has the wrong size (leading dim != cells, logits over the wrong vocab)
+R_RANK = "R054"  # the wrong number of dims (scalar, (n, k, m) proposals, 1-D logits)
+R_DTYPE = "R055"  # the wrong dtype (float tokens, int logits, proposals not the value's dtype)
+R_NONFINITE = "R056"  # NaN/inf in proposals, scores or logits (or a row of all -inf logits)
+R_VOCAB = "R057"  # a token outside [0, vocab)
 _BAD_TEXT = {
     BAD_PROPOSAL: "NaN/inf in 'proposal'",
     BAD_SCORE: "NaN/inf in 'score'",
@@ -350,11 +359,24 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         raise ModelError(
             f"the model bound to rule '{call.rule}' raised {type(e).__name__}: {e}",
             where=_where(call, backend, worker),
+            code=R_RAISED,
+        ) from e
+    except KeyboardInterrupt:
+        raise  # Ctrl-C: the run stops as interrupted (status "interrupted", exit 130)
+    except BaseException as e:  # SystemExit, GeneratorExit...: a model must not end the run
+        raise ModelError(
+            f"the model bound to rule '{call.rule}' raised {type(e).__name__}({e}), which would "
+            "have ended the whole process",
+            where=_where(call, backend, worker),
+            code=R_EXITED,
+            hint="a model reports a fault by raising an Exception, never SystemExit",
         ) from e
 
-    def fail(msg: str) -> ModelError:
+    def fail(msg: str, code: str) -> ModelError:
         return ModelError(
-            f"the model bound to rule '{call.rule}' {msg}", where=_where(call, backend, worker)
+            f"the model bound to rule '{call.rule}' {msg}",
+            where=_where(call, backend, worker),
+            code=code,
         )
 
     n = int(call.cells.shape[0])
@@ -364,17 +386,19 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         raise ModelError(
             MSG_OUTPUT_TYPE.format(rule=call.rule, what=return_what),
             where=_where(call, backend, worker),
+            code=R_TYPE,
         )
     proposal = fields.pop("proposal", None)
     score = fields.pop("score", None)
     logits = fields.pop("logits", None)
     for name, t in [("proposal", proposal), ("score", score), ("logits", logits), *fields.items()]:
         if t is not None and not isinstance(t, Tensor):
-            raise fail(f"returned a {type(t).__name__} for '{name}'; expected a tensor")
+            raise fail(f"returned a {type(t).__name__} for '{name}'; expected a tensor", R_TYPE)
         if isinstance(t, Tensor) and (t.dim() == 0 or t.shape[0] != n):
             raise fail(
                 f"returned '{name}' of shape {tuple(t.shape)}; expected leading dim {n} "
-                "(one row per cell of the batched call)"
+                "(one row per cell of the batched call)",
+                R_RANK if t.dim() == 0 else R_SHAPE,
             )
     aux: dict[str, Tensor] = fields
     device = call.cells.device
@@ -384,23 +408,27 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         raise ModelError(
             MSG_OUTPUT_TYPE.format(rule=call.rule, what="neither 'proposal' nor 'logits'"),
             where=_where(call, backend, worker),
+            code=R_TYPE,
         )
     if proposal is not None and logits is not None:
-        raise fail("returned both 'proposal' and 'logits'; return one of them")
+        raise fail("returned both 'proposal' and 'logits'; return one of them", R_TYPE)
 
     if logits is not None:
         if not logits.is_floating_point() or logits.dim() not in (2, 3):
             raise fail(
                 f"returned logits {logits.dtype} {tuple(logits.shape)}; expected a float tensor "
-                "(n, vocab) or (n, k, vocab)"
+                "(n, vocab) or (n, k, vocab)",
+                R_DTYPE if logits.dim() in (2, 3) else R_RANK,
             )
         if call.vocab is not None and logits.shape[-1] != call.vocab:
             raise fail(
-                f"returned logits over {logits.shape[-1]} tokens; the vocabulary has {call.vocab}"
+                f"returned logits over {logits.shape[-1]} tokens; the vocabulary has {call.vocab}",
+                R_SHAPE,
             )
         if score is not None:
             raise fail(
-                "returned both 'logits' and 'score'; the score of a sampled token is its log-prob"
+                "returned both 'logits' and 'score'; the score of a sampled token is its log-prob",
+                R_TYPE,
             )
         k = call.keys
         proposal = rng.categorical(
@@ -422,7 +450,16 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         assert proposal is not None
         if call.dtype is not None and proposal.dtype != call.dtype:
             raise fail(
-                f"returned proposals of dtype {proposal.dtype}; the value holds {call.dtype}"
+                f"returned proposals of dtype {proposal.dtype}; the value holds {call.dtype}",
+                R_DTYPE,
+            )
+        if call.vocab is not None and proposal.dim() > 2:
+            # a token cell holds one number: (n,) or (n, k) candidates, nothing per cell beyond
+            # (numeric values may hold vectors: the worker checks their cell shape)
+            raise fail(
+                f"returned proposals of shape {tuple(proposal.shape)} (rank {proposal.dim()}); "
+                "expected (n,) or (n, k): one number per cell and candidate",
+                R_RANK,
             )
         if call.vocab is not None:
             if (
@@ -432,7 +469,8 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             ):
                 raise fail(
                     f"returned proposals of dtype {proposal.dtype}; tokens (vocab={call.vocab}) "
-                    "must be an integer dtype"
+                    "must be an integer dtype",
+                    R_DTYPE,
                 )
             proposal = proposal.to(torch.int64)
         if score is None:
@@ -445,7 +483,12 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             raise fail(
                 f"returned score {score.dtype} {tuple(score.shape)} for proposals "
                 f"{tuple(proposal.shape)}; expected a float tensor of shape (n,) or (n, k) "
-                "matching the leading dims of 'proposal'"
+                "matching the leading dims of 'proposal'",
+                R_DTYPE
+                if not score.is_floating_point()
+                else R_RANK
+                if score.dim() not in (1, 2)
+                else R_SHAPE,
             )
         if proposal.is_floating_point() or proposal.is_complex():
             bad |= _rows_any(~torch.isfinite(proposal)).to(torch.int8) * BAD_PROPOSAL
@@ -479,7 +522,9 @@ def _rule_score(
         with torch.no_grad():
             raw = call.score(args, epoch=call.keys.epoch)
         out = torch.as_tensor(raw)
-    except Exception as e:
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # SystemExit too: a score must not end the run
         raise ModelError(
             f"the score of rule '{call.rule}' raised {type(e).__name__}: {e}",
             where=_where(call, backend, worker),
@@ -509,6 +554,7 @@ def raise_if_bad(result: GroupResult, bad: Tensor, *, backend: str, worker: str)
     raise ModelError(
         f"the model bound to rule '{result.rule}' returned {what} for {rows.numel()} of "
         f"{bad.numel()} cells",
+        code=R_VOCAB if kinds == BAD_TOKEN else R_NONFINITE,
         where={
             "rule": result.rule,
             "cells": first_cells(cells, rows),

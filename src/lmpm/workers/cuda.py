@@ -209,6 +209,7 @@ class CudaBackend:
             cells = [first_cells(r.cells) for p in state.pending for r, _ in p.outputs]
             raise ModelError(
                 f"a CUDA error surfaced while waiting for rules {list(state.rules)}: {e}",
+                code="R058",
                 where={
                     "rule": ",".join(state.rules),
                     "cells": cells[0] if cells else [],
