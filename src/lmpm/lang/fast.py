@@ -46,6 +46,19 @@ KEYWORDS = frozenset(
         "in",
         "forbid",
         "require",
+        # workflow words: a `workflow` item is left to lark (the fast path declines it), and so is
+        # any text using one of these words as a name (lark's contextual lexer may accept it)
+        "workflow",
+        "zone",
+        "feed",
+        "generate",
+        "max",
+        "until",
+        "jump",
+        "limit",
+        "capture",
+        "call",
+        "tag",
     ]
 )
 
