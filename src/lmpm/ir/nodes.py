@@ -311,7 +311,7 @@ class Zone:
     max_tokens: Expr | None  # generation ends (advance) after this many tokens
     allowed: Call | None  # `generate in Set(...)`: the tokens the model may write here
     exits: tuple[Exit, ...]
-    capture: str | None  # the generated text (trigger excluded) is kept under this name
+    capture: str | None  # the text generated in the zone (trigger included) is kept under this name
     tool: Call | None  # role "tool": a bound callable on captures; its result is fed back
     tags: tuple[str, ...]  # painted onto every token committed in the zone
     span: Span

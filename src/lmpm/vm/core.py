@@ -113,7 +113,7 @@ class Core:
         self.truncated = torch.zeros(b, dtype=torch.bool, device=dev)
         c = max(len(ins.capture_names), 1)
         self.cap_start = torch.zeros(b, dtype=i64, device=dev)  # where this zone's generation began
-        self.cap_span = torch.full((b, c, 3), -1, dtype=i64, device=dev)  # start, end, cut bytes
+        self.cap_span = torch.full((b, c, 2), -1, dtype=i64, device=dev)  # [start, end) positions
         # history, aligned with the raw stream
         self.tokens = torch.full((b, n), -1, dtype=i64, device=dev)
         self.st_zone = torch.full((b, n), -1, dtype=i64, device=dev)
@@ -243,11 +243,6 @@ class Core:
         limit = self.exit_limit[first] if fired.shape[1] else torch.zeros_like(self.pc)
         jumping = any_fired & (target >= 0) & (self.jumps[self.ar, first] < limit)
         self.jumps[self.ar, first] += jumping.long()
-        cut = torch.where(
-            any_fired,
-            self.pattern_len[self.exit_pattern[first]] if fired.shape[1] else self.pc * 0,
-            torch.zeros_like(self.pc),
-        )
         max_hit = gen & (self.gen_num >= self.max_tokens[pc])
         leave = active & ~f.from_tool & (self.pc < self.Z) & (any_fired | max_hit)
         # a zone without generation ends with its prompt
@@ -255,7 +250,7 @@ class Core:
         leave |= (
             active & ~f.from_tool & (self.pc < self.Z) & ~self.generate[pc] & (self.tok_num >= plen)
         )
-        self._leave(leave, torch.where(jumping, target, self.pc + 1), cut)
+        self._leave(leave, torch.where(jumping, target, self.pc + 1))
         full = ~self.finished & (self.pos >= self.N)
         self.truncated |= full
         self.pc = torch.where(full, torch.full_like(self.pc, self.Z), self.pc)
@@ -264,15 +259,15 @@ class Core:
         self._settle(active)
         return StepOut(tok, active, kind, tags, self.pc.clone(), self.tok_num.clone(), bits)
 
-    def _leave(self, leave: Tensor, new_pc: Tensor, cut: Tensor) -> None:
+    def _leave(self, leave: Tensor, new_pc: Tensor) -> None:
         """Streams in ``leave`` end their zone: capture, queue the tool, enter ``new_pc``."""
         pc = self.pc.clamp(max=self.Z - 1)
         slot = self.capture[pc]
         capturing = leave & (slot >= 0)
         c = self.cap_span.shape[1]
-        flat = self.cap_span.view(-1, 3)
+        flat = self.cap_span.view(-1, 2)
         row = self.ar * c + slot.clamp(min=0)
-        span = torch.stack([self.cap_start, self.pos, cut], 1)
+        span = torch.stack([self.cap_start, self.pos], 1)
         flat[row] = torch.where(capturing[:, None], span, flat[row])
         calling = leave & (self.tool[pc] >= 0)
         self.waiting |= calling
@@ -302,7 +297,7 @@ class Core:
             )
             if not bool(empty.any()):
                 return
-            self._leave(empty, self.pc + 1, torch.zeros_like(self.pc))
+            self._leave(empty, self.pc + 1)
 
     # ---- tool results ----------------------------------------------------------------------------
     def feed_results(self, rows: Tensor, results: list[list[int]]) -> None:

@@ -161,11 +161,9 @@ class VM:
         spans = core.cap_span[b].tolist()
         row = core.tokens[b].tolist()
         out: dict[str, str] = {}
-        for name, (s, e, cut) in zip(self.ins.capture_names, spans):
-            if s < 0:
-                continue
-            raw = b"".join(self.tok.token_bytes[t] for t in row[s:e])
-            out[name] = raw[: len(raw) - cut].decode("utf-8", errors="replace")
+        for name, (s, e) in zip(self.ins.capture_names, spans):
+            if s >= 0:
+                out[name] = self.tok.decode(row[s:e])
         return out
 
     def extract(self) -> list[dict[str, str]]:
