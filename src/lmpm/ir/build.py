@@ -993,12 +993,12 @@ class Builder:
                 z.name_span,
                 "add `generate` (triggers and captures watch generated tokens)",
             )
-        if gen is not None and gen.max is None and not any(e.target is None for e in exits):
+        if gen is not None and gen.max is None and not exits:
             raise self._fail(
                 "E146",
-                f"zone `{z.name}` can generate forever: no `max` and no `until` that advances",
+                f"zone `{z.name}` can generate forever: no `max` and no `until`",
                 gen.span,
-                "add `max N` or an `until` without `jump`",
+                'add `max N` or `until "pattern"`',
             )
         if gen is None and not feeds:
             raise self._fail(

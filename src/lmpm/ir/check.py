@@ -380,8 +380,9 @@ class Checker:
                     "one `commit` per value",
                 )
             seen[v] = cm.span
+        driven = {w.value for w in self.p.workflows}  # the VM commits these values
         for r in self.p.rules:
-            if r.kind == RuleKind.LOCAL and r.target not in seen:
+            if r.kind == RuleKind.LOCAL and r.target not in seen and r.target not in driven:
                 self.sink.warning(
                     "W207",
                     f"`{r.target}` has proposals (rule `{r.name}`) but no "

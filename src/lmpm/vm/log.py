@@ -34,6 +34,7 @@ from lmpm.runtime.commitlog import (
     SCHEMA_VERSION,
     commit_rows,
     connect,
+    holds_run,
     program_hash,
     refuse_existing,
 )
@@ -84,7 +85,8 @@ class VMLog:
     def __init__(self, run_dir: str | Path, run: WorkflowRun, source: str) -> None:
         self.run_dir = Path(run_dir)
         self.run = run
-        refuse_existing(self.run_dir)
+        if holds_run(self.run_dir):
+            refuse_existing(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ins = run.ins
         self.rule_id = 0
