@@ -125,7 +125,7 @@ def test_tool_callbacks_for_all_ready_streams_at_once() -> None:
 
 
 def test_tool_errors_are_typed() -> None:
-    ins = instructions('  zone a:\n    generate max 1\n    capture n\n    call T(n)\n', streams=2)
+    ins = instructions("  zone a:\n    generate max 1\n    capture n\n    call T(n)\n", streams=2)
     vm = VM(ins, tools={"T": lambda args: ["only one"]})
     with pytest.raises(WorkflowError, match="one string per stream"):
         scripted(vm, [text("a"), text("b")])
@@ -160,7 +160,9 @@ def test_streams_finish_at_different_steps_and_done() -> None:
 
 
 def test_truncation_at_the_stream_length() -> None:
-    ins = instructions('  zone a:\n    feed "abc"\n    generate\n    until "."\n', streams=1, length=6)
+    ins = instructions(
+        '  zone a:\n    feed "abc"\n    generate\n    until "."\n', streams=1, length=6
+    )
     vm = VM(ins)
     scripted(vm, [text("xxxxxxx")])
     assert vm.done and vm.stream_status() == ["truncated"]

@@ -51,7 +51,9 @@ def errors(src: str) -> list[tuple[str, int]]:
     try:
         compile_source(src)
     except CheckError as e:
-        return [(d.code, d.span.line if d.span else 0) for d in e.diagnostics if d.severity == "error"]
+        return [
+            (d.code, d.span.line if d.span else 0) for d in e.diagnostics if d.severity == "error"
+        ]
     return []
 
 
@@ -77,7 +79,7 @@ def test_format_roundtrip_and_ir_json() -> None:
     ir = compile_source(GOOD).ir
     assert from_json(to_json(ir)) == ir
     text = print_ir(ir)
-    assert "until 'no' -> jump ask limit 3" in text and "call Count(answer, \"x\", 2)" in text
+    assert "until 'no' -> jump ask limit 3" in text and 'call Count(answer, "x", 2)' in text
 
 
 def test_ir_of_zone() -> None:
@@ -110,7 +112,7 @@ def test_ir_of_zone() -> None:
         # a feed that is neither text nor an input
         ("  zone a:\n    feed 3\n", "E142", 10),
         # tool on something never captured
-        ('  zone a:\n    generate max 2\n    call Count(nothing)\n', "E147", 11),
+        ("  zone a:\n    generate max 2\n    call Count(nothing)\n", "E147", 11),
         # duplicate zone
         ('  zone a:\n    feed "x"\n  zone a:\n    feed "y"\n', "E141", 11),
         # max must be >= 1
@@ -152,7 +154,7 @@ def test_trigger_outside_the_program_constraint_never_matches() -> None:
 
 
 def test_workflow_needs_a_token_value_and_a_model() -> None:
-    src = "value V : Float shape Seq(4)\nworkflow W on V:\n  zone a:\n    feed \"x\"\n"
+    src = 'value V : Float shape Seq(4)\nworkflow W on V:\n  zone a:\n    feed "x"\n'
     assert ("E140", 2) in errors(src)
     src = 'value V : Token[Byte] shape Seq(4)\nworkflow W on V:\n  zone a:\n    feed "x"\n'
     assert ("E243", 2) in errors(src)

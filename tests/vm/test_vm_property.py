@@ -119,6 +119,6 @@ def test_any_batch_split_gives_identical_streams(zones: str, seed: int, cut: int
         vm = VM(ins, streams=hi - lo, inputs={"who": WHO[lo:hi]}, tools={"Echo": echo})
         run_vm(vm, seed, offset=lo)
         parts.append(vm)
-    assert whole.generative_sequence() == sum((p.generative_sequence() for p in parts), [])
-    assert whole.decisions() == sum((p.decisions() for p in parts), [])
+    assert whole.generative_sequence() == [t for p in parts for t in p.generative_sequence()]
+    assert whole.decisions() == [d for p in parts for d in p.decisions()]
     assert torch.equal(whole.raw_stream, torch.cat([p.raw_stream for p in parts]))

@@ -73,7 +73,10 @@ def test_model_asked_only_for_generating_streams_and_constraints_hold() -> None:
 def test_identical_results_for_any_batch_split() -> None:
     whole = make(4, seed=11).run()
     parts = [make(2, seed=11, stream_offset=k).run() for k in (0, 2)]
-    assert whole.generative_sequence() == parts[0].generative_sequence() + parts[1].generative_sequence()
+    assert (
+        whole.generative_sequence()
+        == parts[0].generative_sequence() + parts[1].generative_sequence()
+    )
     assert whole.extract() == parts[0].extract() + parts[1].extract()
     assert torch.equal(whole.raw_stream, torch.cat([p.raw_stream for p in parts]))
 

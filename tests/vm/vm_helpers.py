@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -90,7 +90,7 @@ def text(s: str) -> list[int]:
 class PairTokenizer(ByteTokenizer):
     """256 tokens: bytes, except ids 1..4 which are multi-byte tokens (triggers span them)."""
 
-    PAIRS = {1: b"xy", 2: b"yz", 3: b"zq", 4: b"xyzq"}
+    PAIRS: ClassVar[dict[int, bytes]] = {1: b"xy", 2: b"yz", 3: b"zq", 4: b"xyzq"}
 
     def __init__(self) -> None:
         super().__init__(256)

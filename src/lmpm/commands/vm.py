@@ -1,8 +1,8 @@
 """`lmpm vm`: run a program's workflow on the token-stream VM, and show its streams.
 
-    lmpm vm run examples/vm.lmpm --bind examples/vm/tools.py --out runs/vm
-    lmpm vm status runs/vm                 # every stream: status, zone path, captures
-    lmpm vm status runs/vm --stream 0      # one stream token by token: zone, token_num, triggers
+lmpm vm run examples/vm.lmpm --bind examples/vm/tools.py --out runs/vm
+lmpm vm status runs/vm                 # every stream: status, zone path, captures
+lmpm vm status runs/vm --stream 0      # one stream token by token: zone, token_num, triggers
 """
 
 from __future__ import annotations
@@ -118,7 +118,13 @@ def _streams(vm: Any) -> list[dict[str, Any]]:
         vm.stream_status(),
     )
     return [
-        {"stream": b, "status": status[b], "decisions": dec[b], "captures": caps[b], "text": text[b]}
+        {
+            "stream": b,
+            "status": status[b],
+            "decisions": dec[b],
+            "captures": caps[b],
+            "text": text[b],
+        }
         for b in range(len(text))
     ]
 

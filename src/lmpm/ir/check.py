@@ -17,9 +17,9 @@ from lmpm.errors import DiagnosticSink, Span
 from lmpm.ir.eval import EvalError, bind_params, compile_expr, evaluate, fold, names_in
 from lmpm.ir.nodes import (
     ArgKind,
-    Call,
     Axis,
     AxisKind,
+    Call,
     Constraint,
     Expr,
     Op,

@@ -114,9 +114,7 @@ def _stmt_lines(item: ast.Item) -> list[_Line]:
             when = f" when {fmt_expr(g)}" if g is not None else ""
             return [(f"visible {fmt_expr(t)} <- {fmt_expr(s)}{when}", item, item.span.line)]
         case ast.Rule(name=n, body=body):
-            out: list[_Line] = [
-                (f"rule {n}:", None, item.span.line)
-            ]
+            out: list[_Line] = [(f"rule {n}:", None, item.span.line)]
             for st in body:
                 out.append((INDENT + _rule_stmt(st), st, st.span.line))
             return out
@@ -128,9 +126,7 @@ def _stmt_lines(item: ast.Item) -> list[_Line]:
         case ast.Commit(target=t, policy=p):
             return [(f"commit {fmt_expr(t)} using {fmt_expr(p)}", item, item.span.line)]
         case ast.Workflow(name=n, value=v, zones=zones):
-            lines: list[_Line] = [
-                (f"workflow {n} on {v}:", None, item.span.line)
-            ]
+            lines: list[_Line] = [(f"workflow {n} on {v}:", None, item.span.line)]
             for z in zones:
                 lines.append((f"{INDENT}zone {z.name}:", None, z.span.line))
                 for zs in z.body:

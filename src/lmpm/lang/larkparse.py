@@ -379,9 +379,7 @@ class _Builder(Transformer[Token, Any]):
         self, kw: Token, name: Token, _colon: Token, _nl: Token, _indent: Token, *rest: Any
     ) -> ast.Zone:
         body = tuple(r for r in rest if not isinstance(r, Token))
-        return ast.Zone(
-            str(name), body, self._join(self._tok(kw), body[-1].span), self._tok(name)
-        )
+        return ast.Zone(str(name), body, self._join(self._tok(kw), body[-1].span), self._tok(name))
 
     def workflow(
         self, kw: Token, name: Token, _on: Token, value: Token, _colon: Token, *rest: Any

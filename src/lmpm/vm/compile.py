@@ -265,7 +265,9 @@ def compile_workflow(
         has_input=torch.tensor(has_input, dtype=torch.bool),
         generate=torch.tensor(gen, dtype=torch.bool),
         max_tokens=torch.tensor(maxes, dtype=i64),
-        allowed=torch.stack(allowed_rows) if allowed_rows else torch.ones(0, vocab, dtype=torch.bool),
+        allowed=torch.stack(allowed_rows)
+        if allowed_rows
+        else torch.ones(0, vocab, dtype=torch.bool),
         value_allowed=value_allowed,
         capture=torch.tensor(caps, dtype=i64),
         tool=torch.tensor(tools, dtype=i64),

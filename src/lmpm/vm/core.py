@@ -178,7 +178,7 @@ class Core:
                 data.extend(row)
                 pend[k, z] = len(data)
         dev = self.device
-        tensor = torch.tensor(data + [0], dtype=torch.int64, device=dev)  # +1: a safe gather slot
+        tensor = torch.tensor([*data, 0], dtype=torch.int64, device=dev)  # +1: a safe gather slot
         return tensor, pstart.to(dev), pend.to(dev)
 
     # ---- properties ------------------------------------------------------------------------------

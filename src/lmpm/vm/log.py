@@ -149,8 +149,18 @@ class VMLog:
             text = " ".join(x.strip() for x in lines[sp.line - 1 : sp.end_line]) if lines else None
             conn.execute(
                 "INSERT INTO constraint_defs VALUES (?,?,?,?,?,?,?,?,?,?)",
-                (cid, c.name, ins.value, c.kind, c.pred.value, c.priority, "evaluated", str(sp),
-                 text, b * n),
+                (
+                    cid,
+                    c.name,
+                    ins.value,
+                    c.kind,
+                    c.pred.value,
+                    c.priority,
+                    "evaluated",
+                    str(sp),
+                    text,
+                    b * n,
+                ),
             )
             members = next(m for name, _, m in ins.constraints if name == c.name)
             table = torch.zeros(ins.vocab, dtype=torch.bool)
@@ -322,5 +332,3 @@ def stream_report(conn: sqlite3.Connection, stream: int | None = None) -> dict[s
             )
         ]
     return out
-
-

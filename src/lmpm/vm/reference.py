@@ -52,8 +52,10 @@ class Stream:
         length: int,
         inputs: Mapping[str, str],
         tokenizer: ByteTokenizer,
+        patterns: list[bytes],
     ) -> None:
         self.zones = zones
+        self.patterns = patterns
         self.length = length
         self.tok = tokenizer
         self.prompts = []
@@ -110,8 +112,7 @@ class Stream:
         if kind == GENERATED:
             self.gen_num += 1
             self.out += self.tok.token_bytes[token]
-            pats = self.pattern_ids
-            for p, pat in enumerate(pats):
+            for p, pat in enumerate(self.patterns):
                 if self.out.endswith(pat):
                     trig |= 1 << p
             for e, pat, target, limit in z.exits:
@@ -140,8 +141,6 @@ class Stream:
             self.waiting = None
             self.inj, self.inj_pos = [], 0
         self._settle()
-
-    pattern_ids: list[bytes] = []
 
     def _leave(self, new_pc: int) -> None:
         z = self.zones[self.pc]
@@ -174,7 +173,9 @@ class Stream:
 
     def tool_args(self, call: Any) -> list[Any]:
         caps = self.captures()
-        return [caps.get(str(a.value), "") if a.kind == ArgKind.NAME else a.value for a in call.args]
+        return [
+            caps.get(str(a.value), "") if a.kind == ArgKind.NAME else a.value for a in call.args
+        ]
 
     def feed(self, result: str) -> None:
         self.inj = self.tok.encode(result)
@@ -199,7 +200,7 @@ class Reference:
         self.tok = tokenizer or ByteTokenizer(min(ins.vocab, 256))
         b = ins.streams if streams is None else streams
         zones = [Zone(ins, z) for z in range(ins.zones)]
-        Stream.pattern_ids = [p.encode("utf-8") for p in ins.pattern_text]
+        patterns = [p.encode("utf-8") for p in ins.pattern_text]
         self.tools = dict(tools or {})
         given = dict(inputs or {})
         self.streams = []
@@ -207,7 +208,7 @@ class Reference:
             mine = {}
             for name, v in given.items():
                 mine[name] = v if isinstance(v, str) else (v[0] if len(v) == 1 else v[k])
-            self.streams.append(Stream(zones, ins.length, mine, self.tok))
+            self.streams.append(Stream(zones, ins.length, mine, self.tok, patterns))
 
     @property
     def done(self) -> bool:
@@ -217,7 +218,7 @@ class Reference:
         for s in self.streams:
             if s.waiting is not None:
                 fn = self.tools[s.waiting.func]
-                s.feed(list(fn([s.tool_args(s.waiting)]))[0])
+                s.feed(next(iter(fn([s.tool_args(s.waiting)]))))
 
     def step(self, sample: Callable[[int, int, set[int]], int]) -> None:
         """One step: ``sample(stream, position, allowed)`` proposes a token where none is forced."""
