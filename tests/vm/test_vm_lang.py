@@ -11,7 +11,7 @@ import pytest
 
 from lmpm.cli import main
 from lmpm.errors import CheckError
-from lmpm.ir import compile_source
+from lmpm.ir import compile_source, lint
 from lmpm.ir.printer import print_ir
 from lmpm.ir.serialize import from_json, to_json
 from lmpm.lang import fast
@@ -57,13 +57,19 @@ def errors(src: str) -> list[tuple[str, int]]:
     return []
 
 
-def test_parse_builds_the_workflow_and_fast_path_declines() -> None:
+def test_parse_builds_the_workflow_identically_on_both_paths() -> None:
     prog = parse(GOOD)
     wf = prog.items[-1]
     assert type(wf).__name__ == "Workflow" and [z.name for z in wf.zones] == ["ask", "close"]
     assert prog == parse_lark(GOOD)
+    assert tuple(fast.parse_items(GOOD, "<input>")) == prog.items
+
+
+def test_fast_path_declines_workflow_words_used_as_zone_names() -> None:
+    src = HEAD + 'workflow Q on Txt:\n  zone shape:\n    feed "x"\n'
     with pytest.raises(fast.Fallback):
-        fast.parse_items(GOOD, "<input>")
+        fast.parse_items(src, "<input>")
+    assert parse(src).items[-1].zones[0].name == "shape"  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("word", ["feed", "zone", "max", "jump", "tag", "capture"])
@@ -78,6 +84,7 @@ def test_format_roundtrip_and_ir_json() -> None:
     assert compile_source(out).ir.workflows[0].zones == compile_source(GOOD).ir.workflows[0].zones
     ir = compile_source(GOOD).ir
     assert from_json(to_json(ir)) == ir
+    assert lint(ir) == []
     text = print_ir(ir)
     assert "until 'no' -> jump ask limit 3" in text and 'call Count(answer, "x", 2)' in text
 

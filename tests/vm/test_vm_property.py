@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from lmpm.errors import CheckError
 from lmpm.ir import compile_source
+from lmpm.lang import fast
+from lmpm.lang.parser import parse_lark
 from lmpm.vm import VM, compile_workflow
 from lmpm.vm.reference import Reference
 
@@ -76,6 +78,13 @@ def _compile(zones: str, streams: int, length: int) -> Any:
 
 
 WHO = ["", "a", "ab.", "b", "..", "ba"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(zones=workflows())
+def test_fast_parser_builds_lark_s_ast(zones: str) -> None:
+    text = program(zones, 2, 8)
+    assert tuple(fast.parse_items(text, "f")) == parse_lark(text, "f").items
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -775,4 +775,16 @@ def lint(program: Program) -> list[str]:
     for c in program.constraints:
         if c.access is not None and c.access.value not in values:
             problems.append(f"constraint {c.name} refers to an unknown value")
+    for w in program.workflows:
+        if w.value not in values:
+            problems.append(f"workflow {w.name} runs on an unknown value")
+        zones = [z.name for z in w.zones]
+        if len(set(zones)) != len(zones):
+            problems.append(f"workflow {w.name} has duplicate zones")
+        for z in w.zones:
+            for x in z.exits:
+                if x.target is not None and x.target not in zones:
+                    problems.append(f"zone {z.name} of {w.name} jumps to an unknown zone")
+            if (z.exits or z.capture is not None) and not z.generate:
+                problems.append(f"zone {z.name} of {w.name} has exits but no generation")
     return problems

@@ -510,6 +510,8 @@ def _line_end_span(text: str, file: str, tok: Token) -> Span:
     lines = text.split("\n")
     if tok.type in ("_INDENT", "_DEDENT"):
         line = tok.end_line or line
+        if line >= len(lines):  # a block closed by the end of the file (a nested block at EOF)
+            return _eof_span(text, file)
         text_line = lines[line - 1] if line - 1 < len(lines) else ""
         indent = len(text_line) - len(text_line.lstrip(" \t"))
         return Span(file, line, indent + 1, line, indent + 2)
