@@ -192,6 +192,10 @@ class ConstraintEvalError(RuntimeFault):
     """A user-bound predicate raised or returned something that is not a boolean per candidate."""
 
 
+class WorkflowError(RuntimeFault):
+    """A workflow cannot run: a missing input, a tool that raised or returned the wrong thing."""
+
+
 class InputError(RuntimeFault):
     """An input file does not fit the value it is bound to (shape, dtype, range, format)."""
 

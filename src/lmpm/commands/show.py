@@ -24,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="text outline (default), Graphviz dot, svg (needs graphviz), mermaid, or IR text",
     )
     p.add_argument("--plan", action="store_true", help="show the resolved execution plan")
+    p.add_argument("--vm", action="store_true", help="show workflows as VM instruction tensors")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
 
 
@@ -38,7 +39,16 @@ def run(args: argparse.Namespace) -> int:
     print_diagnostics(front.diagnostics, False)
     if front.errors:
         return 1
-    if args.plan:
+    if args.vm:
+        from lmpm.vm import compile_workflow, instructions_text
+
+        if not front.ir.workflows:
+            raise LmpmError(f"{path} has no workflow", code="U011", hint="add `workflow`")
+        out = "\n".join(
+            instructions_text(compile_workflow(front.ir, w.name, overrides))
+            for w in front.ir.workflows
+        )
+    elif args.plan:
         from lmpm.resolve.plan import plan_text
 
         out = plan_text(front.ir, overrides)

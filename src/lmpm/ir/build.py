@@ -26,7 +26,9 @@ from lmpm.ir.nodes import (
     Commit,
     Constraint,
     DType,
+    Exit,
     Expr,
+    Feed,
     Op,
     Param,
     PredKind,
@@ -39,6 +41,8 @@ from lmpm.ir.nodes import (
     Status,
     Stencil,
     Value,
+    Workflow,
+    Zone,
 )
 from lmpm.lang import ast
 
@@ -130,6 +134,7 @@ class Builder:
         rules: list[Rule] = []
         constraints: list[Constraint] = []
         commits: list[Commit] = []
+        workflows: list[Workflow] = []
         for item in prog.items:
             if isinstance(item, ast.Visible):
                 self._guarded(item, lambda i: stencils.append(self._visible(i)))
@@ -139,6 +144,8 @@ class Builder:
                 self._guarded(item, lambda i: constraints.append(self._constraint(i)))
             elif isinstance(item, ast.Commit):
                 self._guarded(item, lambda i: commits.append(self._commit(i)))
+            elif isinstance(item, ast.Workflow):
+                self._guarded(item, lambda i: workflows.append(self._workflow(i)))
         return Program(
             IR_VERSION,
             self.file,
@@ -148,6 +155,7 @@ class Builder:
             tuple(rules),
             tuple(constraints),
             tuple(commits),
+            tuple(workflows),
         )
 
     def _guarded(self, item: ast.Item, fn: object) -> None:
@@ -205,6 +213,8 @@ class Builder:
             self._claim(item.name, "rule", item.name_span)
         elif isinstance(item, ast.Constraint):
             self._claim(item.name, "constraint", item.name_span)
+        elif isinstance(item, ast.Workflow):
+            self._claim(item.name, "workflow", item.name_span)
 
     def _declared_param(self, name: str) -> bool:
         # An implicit parameter (a free name elsewhere) does not stop a statement from using the
@@ -907,6 +917,158 @@ class Builder:
             )
         policy = self._bound_call(item.policy, "policy", (), _Scope())
         return Commit(access, policy, item.span)
+
+    # ---- workflows -----------------------------------------------------------------------------
+    def _workflow(self, item: ast.Workflow) -> Workflow:
+        value = self._lookup_value(item.value, item.value_span)
+        if value.dtype != DType.TOKEN or value.shape not in (ShapeKind.SEQ, ShapeKind.GRID2D):
+            raise self._fail(
+                "E140",
+                f"workflow `{item.name}` runs on `{value.name}`, a {value.dtype.value} "
+                f"{value.shape.value} value; workflows run on token streams",
+                item.value_span,
+                "declare `value Txt : Token[Byte] shape Grid2D(B, N)` (B streams of N tokens)",
+            )
+        names: dict[str, Span] = {}
+        for z in item.zones:
+            if z.name in names:
+                raise self._fail(
+                    "E141",
+                    f"zone `{z.name}` is already declared at line {names[z.name].line}",
+                    z.name_span,
+                    "zone names are unique within a workflow",
+                )
+            names[z.name] = z.name_span
+        captures = {st.name for z in item.zones for st in z.body if isinstance(st, ast.Capture)}
+        zones = tuple(self._zone(z, list(names), captures) for z in item.zones)
+        return Workflow(item.name, value.name, zones, item.span)
+
+    def _zone(self, z: ast.Zone, zones: list[str], captures: set[str]) -> Zone:
+        feeds: list[Feed] = []
+        exits: list[Exit] = []
+        tags: list[str] = []
+        gen: ast.Generate | None = None
+        capture: ast.Capture | None = None
+        tool: ast.ToolCall | None = None
+        for st in z.body:
+            match st:
+                case ast.Feed(value=ast.Str(value=text)):
+                    feeds.append(Feed(text, None, st.span))
+                case ast.Feed(value=ast.Name(id=name)):
+                    feeds.append(Feed(None, name, st.span))
+                case ast.Feed(value=v):
+                    raise self._fail(
+                        "E142",
+                        f"`feed` takes a string or the name of an input, got {_describe(v)}",
+                        v.span,
+                        'write `feed "text"` or `feed question` (an input given per stream)',
+                    )
+                case ast.Generate():
+                    if gen is not None:
+                        raise self._fail("E143", "a zone generates once", st.span)
+                    gen = st
+                case ast.Until(pattern=pat):
+                    if not isinstance(pat, ast.Str) or not pat.value:
+                        raise self._fail(
+                            "E144",
+                            f"`until` takes a non-empty string pattern, got {_describe(pat)}",
+                            pat.span,
+                            'write `until "."` or `until "no" jump ask`',
+                        )
+                    if st.jump is not None and st.jump not in zones:
+                        raise self._fail(
+                            "E145",
+                            f"unknown zone `{st.jump}`",
+                            st.span,
+                            _suggest(st.jump, zones) or "jump to a zone of this workflow",
+                        )
+                    limit = self._count(st.limit, "limit") if st.limit is not None else None
+                    exits.append(Exit(pat.value, st.jump, limit, st.span))
+                case ast.Capture():
+                    if capture is not None:
+                        raise self._fail("E143", "a zone captures once", st.span)
+                    capture = st
+                case ast.ToolCall():
+                    if tool is not None:
+                        raise self._fail("E143", "a zone calls one tool", st.span)
+                    tool = st
+                case ast.Tag(name=name):
+                    tags.append(name)
+        if gen is None and (exits or capture is not None):
+            raise self._fail(
+                "E146",
+                f"zone `{z.name}` has `until` or `capture` but no `generate`",
+                z.name_span,
+                "add `generate` (triggers and captures watch generated tokens)",
+            )
+        if gen is not None and gen.max is None and not exits:
+            raise self._fail(
+                "E146",
+                f"zone `{z.name}` can generate forever: no `max` and no `until`",
+                gen.span,
+                'add `max N` or `until "pattern"`',
+            )
+        if gen is None and not feeds:
+            raise self._fail(
+                "E146",
+                f"zone `{z.name}` neither feeds nor generates",
+                z.name_span,
+                'add `feed "..."` or `generate`',
+            )
+        allowed: Call | None = None
+        max_tokens: Expr | None = None
+        if gen is not None:
+            if gen.max is not None:
+                max_tokens = self._count(gen.max, "max")
+            if gen.allowed is not None:
+                if not (isinstance(gen.allowed, ast.Call) and gen.allowed.func == "Set"):
+                    raise self._fail(
+                        "E116",
+                        f"`generate in` takes a `Set(...)` literal, got {_describe(gen.allowed)}",
+                        gen.allowed.span,
+                    )
+                allowed = self._set_literal(gen.allowed)
+        call: Call | None = None
+        if tool is not None:
+            call = self._bound_call(tool.call, "tool", (), _Scope())
+            for a in call.args:
+                if a.kind == ArgKind.NAME and a.value not in captures:
+                    raise self._fail(
+                        "E147",
+                        f"`{a.value}` is not captured by any zone of this workflow",
+                        tool.call.span,
+                        _suggest(str(a.value), sorted(captures))
+                        or "tools take captures (`capture NAME`), strings and integers",
+                    )
+                if a.kind not in (ArgKind.NAME, ArgKind.STR, ArgKind.INT):
+                    raise self._fail(
+                        "E147",
+                        "tools take captures (`capture NAME`), strings and integers",
+                        tool.call.span,
+                    )
+        return Zone(
+            z.name,
+            tuple(feeds),
+            gen is not None,
+            max_tokens,
+            allowed,
+            tuple(exits),
+            capture.name if capture is not None else None,
+            call,
+            tuple(tags),
+            z.span,
+        )
+
+    def _count(self, e: ast.Expr, what: str) -> Expr:
+        """A positive count (`max`, `limit`): an integer or a parameter expression."""
+        out = self._expr(e, _Scope())
+        try:
+            n = evaluate(out, self._param_defaults())
+        except EvalError:
+            return out  # decided by the checker once parameters are bound
+        if n < 1:
+            raise self._fail("E148", f"`{what}` must be at least 1, got {n}", e.span)
+        return out
 
     def _param_defaults(self) -> dict[str, int]:
         # Declarations are complete before any constraint is built, so compute this once.

@@ -16,8 +16,10 @@ from dataclasses import replace
 from lmpm.errors import DiagnosticSink, Span
 from lmpm.ir.eval import EvalError, bind_params, compile_expr, evaluate, fold, names_in
 from lmpm.ir.nodes import (
+    ArgKind,
     Axis,
     AxisKind,
+    Call,
     Constraint,
     Expr,
     Op,
@@ -30,6 +32,7 @@ from lmpm.ir.nodes import (
     Status,
     Stencil,
     Value,
+    Workflow,
 )
 from lmpm.ir.printer import expr_str, read_str
 from lmpm.ir.probe import Compiled, compiled, probe_cells, probe_indices, shape_of
@@ -79,6 +82,8 @@ class Checker:
         for r in self.p.rules:
             self._rule(r)
         constraints = tuple(self._constraint(c) for c in self.p.constraints)
+        for w in self.p.workflows:
+            self._workflow(w)
         self._strict_names()
         return replace(self.p, constraints=constraints)
 
@@ -375,8 +380,9 @@ class Checker:
                     "one `commit` per value",
                 )
             seen[v] = cm.span
+        driven = {w.value for w in self.p.workflows}  # the VM commits these values
         for r in self.p.rules:
-            if r.kind == RuleKind.LOCAL and r.target not in seen:
+            if r.kind == RuleKind.LOCAL and r.target not in seen and r.target not in driven:
                 self.sink.warning(
                     "W207",
                     f"`{r.target}` has proposals (rule `{r.name}`) but no "
@@ -385,6 +391,88 @@ class Checker:
                     f"add `commit {r.target}[*] using satisfy(max_constraints_then_score)`",
                 )
                 seen[r.target] = r.span
+
+    # ---- workflows -------------------------------------------------------------------------------
+    def _workflow(self, w: Workflow) -> None:
+        """Zones reachable, counts positive, every trigger able to match what the stream can hold."""
+        if w.value not in self.proposed:
+            self.sink.error(
+                "E243",
+                f"workflow `{w.name}` needs a model: no rule proposes `{w.value}`",
+                w.span,
+                f"add a rule that emits proposals for `{w.value}` (its model writes the streams)",
+            )
+        for z in w.zones:
+            for what, e, span in [("max", z.max_tokens, z.span)] + [
+                ("limit", x.limit, x.span) for x in z.exits
+            ]:
+                if e is None:
+                    continue
+                try:
+                    n = evaluate(e, self.env)
+                except EvalError as err:
+                    self.sink.error("E148", f"`{what}` of zone `{z.name}`: {err}", span)
+                    continue
+                if n < 1:
+                    self.sink.error("E148", f"`{what}` of zone `{z.name}` must be at least 1", span)
+        reach = workflow_reachable(w)
+        for z, ok in zip(w.zones, reach):
+            if not ok:
+                self.sink.error(
+                    "E241",
+                    f"zone `{z.name}` is unreachable: no zone advances or jumps into it",
+                    z.span,
+                    "give the zone before it a way to advance (`max N` or an `until` without "
+                    "`jump`), jump to it, or remove it",
+                )
+        vocab = self._vocab_of(w.value)
+        value_allowed = self._value_allowed(w.value, vocab)
+        for z in w.zones:
+            allowed = value_allowed
+            if z.allowed is not None:
+                allowed = allowed & set_members(z.allowed, self.env)
+            for x in z.exits:
+                bad = [b for b in x.pattern.encode("utf-8") if b not in allowed]
+                if bad:
+                    why = (
+                        f"byte {bad[0]} is outside the vocabulary (size {vocab})"
+                        if bad[0] >= vocab
+                        else f"{bytes([bad[0]])!r} is never allowed in zone `{z.name}`"
+                    )
+                    self.sink.error(
+                        "E242",
+                        f"trigger {x.pattern!r} can never match: {why}",
+                        x.span,
+                        "use a pattern made of tokens the zone may generate",
+                    )
+            jumps_unbounded = [x for x in z.exits if x.target is not None and x.limit is None]
+            for x in jumps_unbounded:
+                self.sink.warning(
+                    "W240",
+                    f"`jump {x.target}` has no limit: a stream may loop until it is full",
+                    x.span,
+                    "add `limit K` (after K jumps the zone advances instead)",
+                )
+
+    def _vocab_of(self, value: str) -> int:
+        v = self.values[value]
+        try:
+            return evaluate(v.vocab, self.env) if v.vocab is not None else 256
+        except EvalError:
+            return 256
+
+    def _value_allowed(self, value: str, vocab: int) -> set[int]:
+        """Tokens the program's `in Set(...)` constraints over ``value`` let a stream hold."""
+        allowed = set(range(vocab))
+        for c in self.p.constraints:
+            if c.pred != PredKind.IN_SET or c.access is None or c.access.value != value:
+                continue
+            assert c.set is not None
+            if c.set.func != "Set":
+                continue
+            members = set_members(c.set, self.env)
+            allowed = allowed & members if c.kind == "require" else allowed - members
+        return allowed
 
     def _strict_names(self) -> None:
         if self.known is None:
@@ -595,6 +683,49 @@ def _reads_later(cover: tuple[Axis, ...], sc: Compiled, tgt: tuple[int, ...]) ->
     return None
 
 
+def set_members(c: Call, env: Mapping[str, int]) -> set[int]:
+    """The tokens of a `Set(...)` literal: integers, `lo..hi` ranges, strings (their UTF-8 bytes)."""
+    out: set[int] = set()
+    lo: int | None = None
+    for a in c.args:
+        if a.kind == ArgKind.INT:
+            out.add(int(a.value))  # type: ignore[arg-type]
+        elif a.kind == ArgKind.STR:
+            out.update(str(a.value).encode("utf-8"))
+        elif a.kind == ArgKind.EXPR and a.expr is not None:
+            n = evaluate(a.expr, env)
+            if a.key == "lo":
+                lo = n
+            elif a.key == "hi" and lo is not None:
+                out.update(range(lo, n + 1))
+                lo = None
+            else:
+                out.add(n)
+    return out
+
+
+def workflow_reachable(w: Workflow) -> list[bool]:
+    """Which zones a stream can enter, starting in the first one."""
+    index = {z.name: i for i, z in enumerate(w.zones)}
+    seen = [False] * len(w.zones)
+    stack = [0] if w.zones else []
+    while stack:
+        i = stack.pop()
+        if i >= len(w.zones) or seen[i]:
+            continue
+        seen[i] = True
+        z = w.zones[i]
+        advances = (
+            not z.generate
+            or z.max_tokens is not None
+            or any(x.target is None or x.limit is not None for x in z.exits)
+        )
+        if advances:
+            stack.append(i + 1)
+        stack.extend(index[x.target] for x in z.exits if x.target is not None)
+    return seen
+
+
 def check(
     program: Program,
     sink: DiagnosticSink | None = None,
@@ -644,4 +775,16 @@ def lint(program: Program) -> list[str]:
     for c in program.constraints:
         if c.access is not None and c.access.value not in values:
             problems.append(f"constraint {c.name} refers to an unknown value")
+    for w in program.workflows:
+        if w.value not in values:
+            problems.append(f"workflow {w.name} runs on an unknown value")
+        zones = [z.name for z in w.zones]
+        if len(set(zones)) != len(zones):
+            problems.append(f"workflow {w.name} has duplicate zones")
+        for z in w.zones:
+            for x in z.exits:
+                if x.target is not None and x.target not in zones:
+                    problems.append(f"zone {z.name} of {w.name} jumps to an unknown zone")
+            if (z.exits or z.capture is not None) and not z.generate:
+                problems.append(f"zone {z.name} of {w.name} has exits but no generation")
     return problems

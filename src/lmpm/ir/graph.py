@@ -160,4 +160,10 @@ def to_text(p: Program) -> str:
                     out.append(f"    -> {e.label} {label.get(e.dst, e.dst)}")
                 if e.dst == n.id and kind == "rule":
                     out.append(f"    <- read {e.label}")
+    if p.workflows:
+        from lmpm.ir.printer import workflow_lines
+
+        out.append("workflows:")
+        for w in p.workflows:
+            out.extend("  " + line for line in workflow_lines(w))
     return "\n".join(out) + "\n"

@@ -280,6 +280,54 @@ class Commit:
 
 
 @dataclass(frozen=True, slots=True)
+class Feed:
+    """Teacher-forced text of a zone: a literal, or a per-stream input named ``input``."""
+
+    text: str | None
+    input: str | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """`until pattern [jump target [limit k]]`: the zone ends when the stream generates ``pattern``.
+
+    ``target`` None advances to the next zone. A jump taken ``limit`` times by a stream advances
+    instead (the loop bound)."""
+
+    pattern: str
+    target: str | None
+    limit: Expr | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Zone:
+    """One instruction of a workflow: feed (teacher forcing), then generate until an exit fires."""
+
+    name: str
+    feeds: tuple[Feed, ...]
+    generate: bool
+    max_tokens: Expr | None  # generation ends (advance) after this many tokens
+    allowed: Call | None  # `generate in Set(...)`: the tokens the model may write here
+    exits: tuple[Exit, ...]
+    capture: str | None  # the text generated in the zone (trigger included) is kept under this name
+    tool: Call | None  # role "tool": a bound callable on captures; its result is fed back
+    tags: tuple[str, ...]  # painted onto every token committed in the zone
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Workflow:
+    """Zones run in order for every stream (the first axis of a Grid2D value; Seq: one stream)."""
+
+    name: str
+    value: str
+    zones: tuple[Zone, ...]
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Program:
     version: int
     file: str
@@ -289,6 +337,7 @@ class Program:
     rules: tuple[Rule, ...]
     constraints: tuple[Constraint, ...]
     commits: tuple[Commit, ...]
+    workflows: tuple[Workflow, ...] = ()
 
     def value(self, name: str) -> Value:
         for v in self.values:
@@ -331,4 +380,8 @@ class Program:
             walk(c.call)
         for cm in self.commits:
             walk(cm.policy)
+        for w in self.workflows:
+            for z in w.zones:
+                walk(z.allowed)
+                walk(z.tool)
         return out

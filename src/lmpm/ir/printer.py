@@ -21,6 +21,7 @@ from lmpm.ir.nodes import (
     Program,
     Read,
     ReadKind,
+    Workflow,
 )
 
 # Binding strength of each operator; higher binds tighter.
@@ -183,4 +184,33 @@ def print_ir(p: Program) -> str:
         )
     for cm in p.commits:
         out.append(f"commit {access_str(cm.access)} using {call_str(cm.policy)}")
+    for w in p.workflows:
+        out.extend(workflow_lines(w))
     return "\n".join(out) + "\n"
+
+
+def workflow_lines(w: Workflow) -> list[str]:
+    """A workflow as text: one line per zone statement (``lmpm show`` and ``print_ir``)."""
+    out = [f"workflow {w.name} on {w.value}"]
+    for k, z in enumerate(w.zones):
+        out.append(f"  zone {k} {z.name}")
+        for f in z.feeds:
+            out.append(f"    feed {f.input}" if f.input is not None else f"    feed {f.text!r}")
+        if z.generate:
+            gen = "    generate"
+            if z.max_tokens is not None:
+                gen += f" max {expr_str(z.max_tokens)}"
+            if z.allowed is not None:
+                gen += f" in {call_str(z.allowed)}"
+            out.append(gen)
+        for x in z.exits:
+            go = "advance" if x.target is None else f"jump {x.target}"
+            lim = f" limit {expr_str(x.limit)}" if x.limit is not None else ""
+            out.append(f"    until {x.pattern!r} -> {go}{lim}")
+        if z.capture is not None:
+            out.append(f"    capture {z.capture}")
+        if z.tool is not None:
+            out.append(f"    call {call_str(z.tool)}")
+        if z.tags:
+            out.append(f"    tag {', '.join(z.tags)}")
+    return out

@@ -252,7 +252,78 @@ class Commit:
     span: Span
 
 
-Item = Param | Value | Visible | Rule | Constraint | Commit
+# ---- workflows (the token-stream VM, docs/vm.md) -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Feed:
+    """`feed "text"` or `feed name`: teacher-force a string literal or a per-stream input."""
+
+    value: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """`generate [max N] [in Set(...)]`: let the model write freely."""
+
+    max: Expr | None
+    allowed: Expr | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Until:
+    """`until "pattern" [jump ZONE [limit K]]`: leave the zone when the pattern is generated."""
+
+    pattern: Expr
+    jump: str | None  # None: advance to the next zone
+    limit: Expr | None
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Capture:
+    name: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """`call Tool(capture, ...)`: a bound tool on captures; its result is fed back."""
+
+    call: Expr
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Tag:
+    name: str
+    span: Span
+
+
+ZoneStmt = Feed | Generate | Until | Capture | ToolCall | Tag
+
+
+@dataclass(frozen=True, slots=True)
+class Zone:
+    name: str
+    body: tuple[ZoneStmt, ...]
+    span: Span
+    name_span: Span
+
+
+@dataclass(frozen=True, slots=True)
+class Workflow:
+    name: str
+    value: str
+    zones: tuple[Zone, ...]
+    span: Span
+    name_span: Span
+    value_span: Span
+
+
+Item = Param | Value | Visible | Rule | Constraint | Commit | Workflow
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,19 @@ KEYWORDS = frozenset(
         "in",
         "forbid",
         "require",
+        # workflow words: lark's contextual lexer accepts them as names elsewhere, so text using
+        # one as a name is left to lark
+        "workflow",
+        "zone",
+        "feed",
+        "generate",
+        "max",
+        "until",
+        "jump",
+        "limit",
+        "capture",
+        "call",
+        "tag",
     ]
 )
 
@@ -269,6 +282,8 @@ class Parser:
                 items.append(self._constraint())
             elif word == "commit":
                 items.append(self._commit())
+            elif word == "workflow":
+                items.append(self._workflow())
             else:
                 raise Fallback
 
@@ -420,6 +435,92 @@ class Parser:
         policy = self.expr()
         self._expect(NL)
         return ast.Commit(target, policy, self._join(self._span(kw), policy.span))
+
+    def _workflow(self) -> ast.Workflow:
+        kw = self._kw("workflow")
+        name = self._name()
+        self._kw("on")
+        value = self._name()
+        self._op(":")
+        self._expect(NL)
+        self._expect(INDENT)
+        zones: list[ast.Zone] = []
+        while True:
+            tok = self.toks[self.i]
+            if tok[0] == DEDENT and zones:
+                self.i += 1
+                break
+            zones.append(self._zone())
+        return ast.Workflow(
+            name[1],
+            value[1],
+            tuple(zones),
+            self._join(self._span(kw), zones[-1].span),
+            self._span(name),
+            self._span(value),
+        )
+
+    def _zone(self) -> ast.Zone:
+        kw = self._kw("zone")
+        name = self._name()
+        self._op(":")
+        self._expect(NL)
+        self._expect(INDENT)
+        body: list[Any] = []
+        while True:
+            tok = self.toks[self.i]
+            if tok[0] == DEDENT and body:
+                self.i += 1
+                break
+            if tok[0] != NAME:
+                raise Fallback
+            word = tok[1]
+            start = self._span(tok)
+            self.i += 1
+            if word == "feed":
+                value = self.expr()
+                body.append(ast.Feed(value, self._join(start, value.span)))
+            elif word == "generate":
+                max_: Any = None
+                allowed: Any = None
+                end = start
+                if self._is_kw("max"):
+                    self.i += 1
+                    max_ = self.expr(_SUM_PREC)
+                    end = max_.span
+                if self._is_kw("in"):
+                    self.i += 1
+                    allowed = self.expr()
+                    end = allowed.span
+                body.append(ast.Generate(max_, allowed, self._join(start, end)))
+            elif word == "until":
+                pattern = self.expr()
+                end = pattern.span
+                jump: str | None = None
+                limit: Any = None
+                if self._is_kw("jump"):
+                    self.i += 1
+                    target = self._name()
+                    jump = target[1]
+                    end = self._span(target)
+                    if self._is_kw("limit"):
+                        self.i += 1
+                        limit = self.expr(_SUM_PREC)
+                        end = limit.span
+                body.append(ast.Until(pattern, jump, limit, self._join(start, end)))
+            elif word in ("capture", "tag"):
+                target = self._name()
+                cls = ast.Capture if word == "capture" else ast.Tag
+                body.append(cls(target[1], self._join(start, self._span(target))))
+            elif word == "call":
+                call = self.expr()
+                body.append(ast.ToolCall(call, self._join(start, call.span)))
+            else:
+                raise Fallback
+            self._expect(NL)
+        return ast.Zone(
+            name[1], tuple(body), self._join(self._span(kw), body[-1].span), self._span(name)
+        )
 
     # ---- expressions ---------------------------------------------------------------------------
     # Precedence climbing over the grammar's levels (loosest first): or, and, not (prefix), cmp/in

@@ -86,7 +86,10 @@ def fmt_arg(a: ast.Arg) -> str:
     return f"{a.name}={fmt_expr(a.value)}" if a.name is not None else fmt_expr(a.value)
 
 
-def _stmt_lines(item: ast.Item) -> list[tuple[str, ast.Item | ast.RuleStmt | None, int]]:
+_Line = tuple[str, ast.Item | ast.RuleStmt | ast.ZoneStmt | None, int]
+
+
+def _stmt_lines(item: ast.Item) -> list[_Line]:
     """(text, node, source line) per output line of a top-level item."""
     match item:
         case ast.Param(name=n, default=d):
@@ -111,9 +114,7 @@ def _stmt_lines(item: ast.Item) -> list[tuple[str, ast.Item | ast.RuleStmt | Non
             when = f" when {fmt_expr(g)}" if g is not None else ""
             return [(f"visible {fmt_expr(t)} <- {fmt_expr(s)}{when}", item, item.span.line)]
         case ast.Rule(name=n, body=body):
-            out: list[tuple[str, ast.Item | ast.RuleStmt | None, int]] = [
-                (f"rule {n}:", None, item.span.line)
-            ]
+            out: list[_Line] = [(f"rule {n}:", None, item.span.line)]
             for st in body:
                 out.append((INDENT + _rule_stmt(st), st, st.span.line))
             return out
@@ -124,7 +125,39 @@ def _stmt_lines(item: ast.Item) -> list[tuple[str, ast.Item | ast.RuleStmt | Non
             ]
         case ast.Commit(target=t, policy=p):
             return [(f"commit {fmt_expr(t)} using {fmt_expr(p)}", item, item.span.line)]
+        case ast.Workflow(name=n, value=v, zones=zones):
+            lines: list[_Line] = [(f"workflow {n} on {v}:", None, item.span.line)]
+            for z in zones:
+                lines.append((f"{INDENT}zone {z.name}:", None, z.span.line))
+                for zs in z.body:
+                    lines.append((INDENT * 2 + _zone_stmt(zs), zs, zs.span.line))
+            return lines
     raise AssertionError(type(item))
+
+
+def _zone_stmt(st: ast.ZoneStmt) -> str:
+    match st:
+        case ast.Feed(value=v):
+            return f"feed {fmt_expr(v)}"
+        case ast.Generate(max=m, allowed=a):
+            return (
+                "generate"
+                + (f" max {fmt_expr(m)}" if m is not None else "")
+                + (f" in {fmt_expr(a)}" if a is not None else "")
+            )
+        case ast.Until(pattern=p, jump=j, limit=lim):
+            return (
+                f"until {fmt_expr(p)}"
+                + (f" jump {j}" if j is not None else "")
+                + (f" limit {fmt_expr(lim)}" if lim is not None else "")
+            )
+        case ast.Capture(name=n):
+            return f"capture {n}"
+        case ast.ToolCall(call=c):
+            return f"call {fmt_expr(c)}"
+        case ast.Tag(name=n):
+            return f"tag {n}"
+    raise AssertionError(type(st))
 
 
 def _rule_stmt(st: ast.RuleStmt) -> str:

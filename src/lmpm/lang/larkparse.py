@@ -339,6 +339,61 @@ class _Builder(Transformer[Token, Any]):
     def commit(self, kw: Token, target: Any, _using: Token, policy: Any, _nl: Token) -> ast.Commit:
         return ast.Commit(target, policy, self._join(self._tok(kw), policy.span))
 
+    # workflows ----------------------------------------------------------------------------------
+    def _stmt_end(self, kw: Token, rest: tuple[Any, ...]) -> Span:
+        return self._join(self._tok(kw), self._end(rest, kw))
+
+    def feed_stmt(self, kw: Token, value: Any, _nl: Token) -> ast.Feed:
+        return ast.Feed(value, self._join(self._tok(kw), value.span))
+
+    def gen_stmt(self, kw: Token, *rest: Any) -> ast.Generate:
+        max_: Any = None
+        allowed: Any = None
+        for i, r in enumerate(rest):
+            if isinstance(r, Token) and r.type == "MAX":
+                max_ = rest[i + 1]
+            elif isinstance(r, Token) and r.type == "IN":
+                allowed = rest[i + 1]
+        return ast.Generate(max_, allowed, self._stmt_end(kw, rest))
+
+    def until_stmt(self, kw: Token, pattern: Any, *rest: Any) -> ast.Until:
+        jump: str | None = None
+        limit: Any = None
+        for i, r in enumerate(rest):
+            if isinstance(r, Token) and r.type == "JUMP":
+                jump = str(rest[i + 1])
+            elif isinstance(r, Token) and r.type == "LIMIT":
+                limit = rest[i + 1]
+        return ast.Until(pattern, jump, limit, self._stmt_end(kw, (pattern, *rest)))
+
+    def capture_stmt(self, kw: Token, name: Token, _nl: Token) -> ast.Capture:
+        return ast.Capture(str(name), self._join(self._tok(kw), self._tok(name)))
+
+    def call_stmt(self, kw: Token, call: Any, _nl: Token) -> ast.ToolCall:
+        return ast.ToolCall(call, self._join(self._tok(kw), call.span))
+
+    def tag_stmt(self, kw: Token, name: Token, _nl: Token) -> ast.Tag:
+        return ast.Tag(str(name), self._join(self._tok(kw), self._tok(name)))
+
+    def zone(
+        self, kw: Token, name: Token, _colon: Token, _nl: Token, _indent: Token, *rest: Any
+    ) -> ast.Zone:
+        body = tuple(r for r in rest if not isinstance(r, Token))
+        return ast.Zone(str(name), body, self._join(self._tok(kw), body[-1].span), self._tok(name))
+
+    def workflow(
+        self, kw: Token, name: Token, _on: Token, value: Token, _colon: Token, *rest: Any
+    ) -> ast.Workflow:
+        zones = tuple(r for r in rest if isinstance(r, ast.Zone))
+        return ast.Workflow(
+            str(name),
+            str(value),
+            zones,
+            self._join(self._tok(kw), zones[-1].span),
+            self._tok(name),
+            self._tok(value),
+        )
+
     def start(self, *items: Any) -> list[Any]:
         return [i for i in items if not isinstance(i, Token)]
 
@@ -455,6 +510,8 @@ def _line_end_span(text: str, file: str, tok: Token) -> Span:
     lines = text.split("\n")
     if tok.type in ("_INDENT", "_DEDENT"):
         line = tok.end_line or line
+        if line >= len(lines):  # a block closed by the end of the file (a nested block at EOF)
+            return _eof_span(text, file)
         text_line = lines[line - 1] if line - 1 < len(lines) else ""
         indent = len(text_line) - len(text_line.lstrip(" \t"))
         return Span(file, line, indent + 1, line, indent + 2)

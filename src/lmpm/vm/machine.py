@@ -1,0 +1,222 @@
+"""The VM: the core plus tools, extraction and the debug views (the seed's ``MOA_VM``).
+
+>>> import torch
+>>> from lmpm.ir import compile_source
+>>> from lmpm.vm import VM, compile_workflow
+>>> src = '''value Txt : Token[Byte] shape Grid2D(2, 32)
+... visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
+... rule R:
+...   on Txt[b, t]
+...   read {context = Txt[b, 0..t-1]}
+...   emit proposal Txt[b, t] := ByteLM(context)
+... workflow W on Txt:
+...   zone ask:
+...     feed "Q:"
+...     generate max 3
+...     capture a
+... '''
+>>> vm = VM(compile_workflow(compile_source(src).ir))
+>>> while not vm.done:
+...     out = vm.step(torch.tensor([ord("x"), ord("y")]))   # what a sampler proposed
+>>> vm.generative_sequence(), vm.extract()
+(['Q:xxx', 'Q:yyy'], [{'a': 'xxx'}, {'a': 'yyy'}])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import WorkflowError
+from lmpm.ir.nodes import ArgKind
+from lmpm.vm.compile import ByteTokenizer, Instructions
+from lmpm.vm.core import Core, Forced, StepOut
+
+Tool = Callable[[list[Any]], Sequence[str]]
+
+
+class VM:
+    """One workflow over B streams: feed it the sampled tokens of a step, get the tokens to commit.
+
+    ``tools`` maps tool names to callables (or is a :class:`lmpm.bindings.Bindings`). A tool is
+    called once per step for all streams whose zone just ended, with one argument list per stream
+    (each argument a capture's text or a literal), and returns one string per stream.
+    """
+
+    def __init__(
+        self,
+        ins: Instructions,
+        *,
+        streams: int | None = None,
+        inputs: Mapping[str, Sequence[str] | str] | None = None,
+        tools: Mapping[str, Tool] | Any = None,
+        tokenizer: ByteTokenizer | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.ins = ins
+        self.tok = tokenizer or ByteTokenizer(min(ins.vocab, 256))
+        self.core = Core(ins, streams=streams, inputs=inputs, tokenizer=self.tok, device=device)
+        self._tools = tools
+        self._tool_fns: dict[int, Tool] = {}
+        self.steps = 0
+        self.tool_calls = 0  # callables invoked (one per tool per step with ready streams)
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def forced(self) -> Forced:
+        """What this step forces; the model is only needed for ``forced().ask``."""
+        return self.core.forced()
+
+    def step(self, sampled: Tensor, forced: Forced | None = None) -> StepOut:
+        """Commit a step: forced tokens where the workflow forces, ``sampled`` elsewhere."""
+        if self.callbacks_ready:
+            self.resolve_callbacks()
+            forced = None
+        out = self.core.commit(sampled, forced)
+        self.steps += 1
+        return out
+
+    @property
+    def done(self) -> bool:
+        """Every stream has left its last zone (or filled its length)."""
+        return bool(self.core.finished.all())
+
+    @property
+    def callbacks_ready(self) -> bool:
+        """Some stream waits for a tool result."""
+        return bool(self.core.waiting.any())
+
+    def resolve_callbacks(self) -> int:
+        """Call every pending tool once for all its waiting streams; feed the results back."""
+        core = self.core
+        waiting = core.waiting.nonzero().flatten()
+        if waiting.numel() == 0:
+            return 0
+        tool_ids = core.tool[core.cb_zone[waiting]]
+        for tid in sorted(set(tool_ids.tolist())):
+            rows = waiting[tool_ids == tid]
+            call = self.ins.tool_calls[tid]
+            fn = self._tool(tid)
+            args = [self._args(call, int(b)) for b in rows.tolist()]
+            try:
+                results = list(fn(args))
+            except Exception as e:
+                raise WorkflowError(
+                    f"tool `{call.func}` raised {type(e).__name__}: {e}",
+                    where={"workflow": self.ins.workflow.name, "streams": len(args)},
+                    span=call.span,
+                    code="R153",
+                ) from e
+            if len(results) != len(args) or not all(isinstance(r, str) for r in results):
+                raise WorkflowError(
+                    f"tool `{call.func}` must return one string per stream "
+                    f"({len(args)}), got {type(results).__name__} of {len(results)}",
+                    where={"workflow": self.ins.workflow.name},
+                    span=call.span,
+                    code="R154",
+                    hint="a tool takes a list of argument lists and returns a list of strings",
+                )
+            self.tool_calls += 1
+            core.feed_results(rows, [self.tok.encode(r) for r in results])
+        return int(waiting.numel())
+
+    def _tool(self, tid: int) -> Tool:
+        fn = self._tool_fns.get(tid)
+        if fn is not None:
+            return fn
+        name = self.ins.tool_calls[tid].func
+        tools = self._tools
+        if tools is None:
+            from lmpm.bindings import Bindings
+
+            tools = Bindings()
+        if isinstance(tools, Mapping):
+            if name not in tools:
+                raise WorkflowError(
+                    f"tool `{name}` is not bound",
+                    where={"workflow": self.ins.workflow.name},
+                    span=self.ins.tool_calls[tid].span,
+                    code="R155",
+                    hint=f'pass tools={{"{name}": fn}} or bind it with --bind MODULE',
+                )
+            fn = tools[name]
+        else:
+            fn = tools.get(name, "tool")
+        self._tool_fns[tid] = fn
+        return fn
+
+    def _args(self, call: Any, b: int) -> list[Any]:
+        caps = self.captures(b)
+        out: list[Any] = []
+        for a in call.args:
+            out.append(caps.get(str(a.value), "") if a.kind == ArgKind.NAME else a.value)
+        return out
+
+    # ---- extraction and debugging ---------------------------------------------------------------
+    def captures(self, b: int) -> dict[str, str]:
+        """Stream ``b``'s captured outputs so far (the last capture of each name)."""
+        core = self.core
+        spans = core.cap_span[b].tolist()
+        row = core.tokens[b].tolist()
+        out: dict[str, str] = {}
+        for name, (s, e) in zip(self.ins.capture_names, spans):
+            if s >= 0:
+                out[name] = self.tok.decode(row[s:e])
+        return out
+
+    def extract(self) -> list[dict[str, str]]:
+        """Per stream, its captured outputs as a dict (capture name → text)."""
+        return [self.captures(b) for b in range(self.core.B)]
+
+    def generative_sequence(self) -> list[str]:
+        """Per stream, the text the model saw: prompts, its own tokens, tool results."""
+        rows = self.core.tokens.tolist()
+        return [self.tok.decode([t for t in r if t >= 0]) for r in rows]
+
+    def decisions(self) -> list[list[str]]:
+        """Per stream, the zones it entered in order (``<end>`` when it finished)."""
+        names = [*self.ins.zone_names, "<end>"]
+        out: list[list[str]] = [[names[0]] for _ in range(self.core.B)]
+        if not self.core.visits:
+            return out
+        pcs = torch.stack(self.core.visits).T.tolist()  # (B, transitions)
+        moved = torch.stack(self.core.visits_mask).T.tolist()
+        for b in range(self.core.B):
+            out[b].extend(names[min(p, len(names) - 1)] for p, m in zip(pcs[b], moved[b]) if m)
+        return out
+
+    @property
+    def raw_stream(self) -> Tensor:
+        """(B, N) int64: the tokens of every stream, -1 past its end."""
+        return self.core.tokens
+
+    @property
+    def status(self) -> dict[str, Tensor]:
+        """Per token of the raw stream (B, N): zone, token_num in zone, trigger bits, kind, tags."""
+        c = self.core
+        return {
+            "zone": c.st_zone,
+            "token_num": c.st_num,
+            "triggers": c.st_trig,
+            "kind": c.st_kind,
+            "tags": c.st_tags,
+        }
+
+    def stream_status(self) -> list[str]:
+        """Per stream: ``done``, ``truncated``, ``waiting`` (a tool) or ``zone NAME``."""
+        c = self.core
+        names = self.ins.zone_names
+        fin, trunc, wait = c.finished.tolist(), c.truncated.tolist(), c.waiting.tolist()
+        out = []
+        for b, pc in enumerate(c.pc.tolist()):
+            if trunc[b]:
+                out.append("truncated")
+            elif fin[b]:
+                out.append("done")
+            elif wait[b]:
+                out.append("waiting")
+            else:
+                out.append(f"zone {names[min(pc, len(names) - 1)]}")
+        return out
