@@ -96,6 +96,7 @@ class Reference:
         self.seed = seed
         self.backend = get_backend("cpu")
         self.dims: dict[str, tuple[int, ...]] = {}
+        self.coords: dict[str, list[tuple[int, ...]]] = {}
         self.offset: dict[str, int] = {}
         self.kind: dict[str, DType] = {}
         self.width: dict[str, int] = {}  # Tensor[D]: D
@@ -104,6 +105,7 @@ class Reference:
             if v.shape == ShapeKind.SET:
                 continue
             self.dims[v.name] = tuple(evaluate(d, self.env) for d in v.dims)
+            self.coords[v.name] = _cells(self.dims[v.name])  # cell i's coordinates: coords[i]
             self.offset[v.name] = off
             self.kind[v.name] = v.dtype
             if v.dtype == DType.TENSOR:
@@ -212,7 +214,7 @@ class Reference:
         if not any(s.target == value and s.source == value for s in self.p.stencils):
             colors = [0] * n
         else:
-            adj = [self._visible(value, value, cell) for cell in _cells(dims)]
+            adj = [self._visible(value, value, cell) for cell in self.coords[value]]
             width = max(1, max(len(a) for a in adj))
             index = torch.zeros((n, width), dtype=torch.int64)
             valid = torch.zeros((n, width), dtype=torch.bool)
@@ -235,7 +237,7 @@ class Reference:
         if self.strategy == "all":
             return list(range(n))
         if self.strategy == "red-black":
-            return [i for i, c in enumerate(_cells(dims)) if sum(c) % 2 == e % 2]
+            return [i for i, c in enumerate(self.coords[value]) if sum(c) % 2 == e % 2]
         if self.strategy == "independent":
             colors = self._colors(value)
             return [i for i in range(n) if colors[i] == e % (max(colors, default=0) + 1)]
@@ -327,11 +329,10 @@ class Reference:
         # props[value][cell]: every proposal, in column order (rule, replica, slot)
         props: dict[str, dict[int, list[Option]]] = {}
         for rid, r in enumerate(local_rules):
-            dims = self.dims[r.target]
             replicas = self._replicas(r.target)
             for rep in range(replicas):
                 for i in open_[r.target]:
-                    cell = _cells(dims)[i]
+                    cell = self.coords[r.target][i]
                     env = dict(self.env)
                     env.update(zip(r.vars, cell))
                     env["e"] = e
@@ -493,7 +494,7 @@ class Reference:
         win: int,
         viol: list[list[bool]],
     ) -> None:
-        covers = [self._covers(c, _cells(dims)[i], value, i) for c in cons]
+        covers = [self._covers(c, self.coords[value][i], value, i) for c in cons]
         for col, opt in enumerate(options):
             for k, c in enumerate(cons):
                 if covers[k]:
@@ -532,7 +533,7 @@ class Reference:
         payload: dict[str, list[Payload]],
         committed: dict[str, list[bool]],
     ) -> bool:
-        cell = _cells(dims)[i]
+        cell = self.coords[value][i]
         if not self._covers(c, cell, value, i):
             return False
         unset_keep = is_keep and not com  # an unset cell is in no set and satisfies no predicate
