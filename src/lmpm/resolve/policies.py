@@ -161,6 +161,23 @@ def quorum(a: Agree, k: int = 2, inner: Any = "satisfy", *inner_args: Any) -> De
     return fn(narrowed, *args)
 
 
+# Policies whose payload is an aggregate of the proposals (the worker computes it from weights):
+# a proposal equal to the committed payload is a proposal like any other for them, not folded
+# into keep-current.
+AGGREGATING: set[str] = {"average"}
+
+
+def aggregates(policy: Policy, args: tuple[Any, ...]) -> bool:
+    """Does ``policy(args)`` aggregate payload (average, or quorum over average)?"""
+    name = next((n for n, f in POLICIES.items() if f is policy), None)
+    if name in AGGREGATING:
+        return True
+    if name == "quorum" and len(args) > 1:
+        inner = args[1][0] if isinstance(args[1], tuple) else args[1]
+        return str(inner) in AGGREGATING
+    return False
+
+
 def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]
@@ -175,8 +192,10 @@ def get_policy(name: str) -> Policy:
 # Names bound in bindings.BUILTINS point here.
 __all__ = [
     "POLICIES",
+    "AGGREGATING",
     "Agree",
     "Decision",
+    "aggregates",
     "average",
     "get_policy",
     "quorum",

@@ -81,6 +81,28 @@ class Clocks:
             self._rows[(rp.id, j, phase)] = out
         return out
 
+    def _read_max(
+        self,
+        clocks: Mapping[str, Tensor],
+        rp: RulePlan,
+        cells: Tensor,
+        phase: int | None,
+    ) -> Tensor | None:
+        """(n,) or () max clock over what ``rp`` reads for ``cells`` (None: it reads nothing)."""
+        read_max: Tensor | None = None
+        for j, cr in enumerate(self.reads[rp.id]):
+            src = clocks[cr.source]
+            if cr.uniform:
+                top = src.index_select(0, cr.index).amax()  # (), broadcast over the cells
+            else:
+                idx, valid = self._gather(rp, j, cr, cells, phase)
+                got = src.take(idx)  # (n, K)
+                if valid is not None:
+                    got = got * valid
+                top = got.squeeze(1) if got.shape[1] == 1 else got.amax(dim=1)
+            read_max = top if read_max is None else torch.maximum(read_max, top)
+        return read_max
+
     def advance(
         self,
         clocks: Mapping[str, Tensor],
@@ -89,41 +111,38 @@ class Clocks:
         cells: Tensor,
         changed: Tensor,
         commits: int,
-        won_rule: Tensor | None,
+        contributed: Mapping[int, Tensor] | None,
         phase: int | None,
         fresh: bool,
     ) -> Tensor:
         """(n,) clocks of the open ``cells`` after the epoch: a committing cell (``changed``) gets
-        1 + max(its own clock ``own``, the clocks its winning rule read); the others keep ``own``.
-        ``commits``: how many cells commit. ``won_rule``: (n,) rule id of each cell's winner (None: the value has one rule).
+        1 + max(its own clock ``own``, the clocks read by every rule that contributed to its new
+        payload: the winner's rule, or every rule an aggregate averaged); the others keep ``own``.
+        ``commits``: how many cells commit. ``contributed``: rule id -> (n,) bool, the cells the
+        rule contributed to (None: the value has one rule, which contributed everywhere).
         ``phase``: the schedule's phase (the same cells every time it recurs) or None.
         ``fresh``: every open cell is unset (own clocks are 0). Clocks are never negative, so an
         invalid read contributes 0, the max's identity."""
-        new_clock = own
-        single = won_rule is None
         n = cells.numel()
-        for rp in rules:
-            sel = changed if single else changed & (won_rule == rp.id)
-            if not single and not bool(sel.any()):
-                continue
-            read_max: Tensor | None = None
-            for j, cr in enumerate(self.reads[rp.id]):
-                src = clocks[cr.source]
-                if cr.uniform:
-                    top = src.index_select(0, cr.index).amax()  # (), broadcast over the cells
-                else:
-                    idx, valid = self._gather(rp, j, cr, cells, phase)
-                    got = src.take(idx)  # (n, K)
-                    if valid is not None:
-                        got = got * valid
-                    top = got.squeeze(1) if got.shape[1] == 1 else got.amax(dim=1)
-                read_max = top if read_max is None else torch.maximum(read_max, top)
+        if contributed is None:  # one rule: the common case, no masks
+            (rp,) = rules
+            read_max = self._read_max(clocks, rp, cells, phase)
             if read_max is None:
-                bumped = new_clock + 1
+                bumped = own + 1
             elif fresh and read_max.dim() == 1:
                 bumped = read_max + 1  # max(0, read_max)
             else:
-                bumped = torch.maximum(new_clock, read_max) + 1
-            whole = single and commits == n
-            new_clock = bumped if whole else torch.where(sel, bumped, new_clock)
-        return new_clock
+                bumped = torch.maximum(own, read_max) + 1
+            return bumped if commits == n else torch.where(changed, bumped, own)
+        top = own
+        for rp in rules:
+            sel = contributed.get(rp.id)
+            if sel is None:
+                continue
+            sel = sel & changed
+            if not bool(sel.any()):
+                continue
+            read_max = self._read_max(clocks, rp, cells, phase)
+            if read_max is not None:
+                top = torch.where(sel, torch.maximum(top, read_max), top)
+        return torch.where(changed, top + 1, own)

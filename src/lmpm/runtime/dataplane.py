@@ -33,6 +33,7 @@ from torch import Tensor
 from lmpm.errors import ConstraintEvalError, InputError, ModelError, RunDirError
 from lmpm.ir.nodes import PredKind, Status
 from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan, ValuePlan
+from lmpm.resolve.policies import aggregates
 from lmpm.runtime.protocol import (
     Applied,
     ApplyReply,
@@ -88,6 +89,8 @@ class _ValueTables:
     tables: tuple[Tensor | None, ...]
     cells: tuple[Tensor, ...]  # per constraint: (ncells,) bool cells it speaks about
     checksums: bool  # the value's policy compares payloads (quorum, user policies)
+    folds: bool  # a proposal equal to the committed payload folds into keep-current (not for
+    #              aggregating policies: it counts in the aggregate like any proposal)
 
 
 def _item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]:
@@ -184,6 +187,7 @@ class DataPlane:
                 tuple(tables),
                 tuple(self._dev(cp.cells) for cp in cps),
                 plan.values[name].policy_text.split("(")[0] in checksum_policies,
+                not aggregates(plan.values[name].policy, plan.values[name].policy_args),
             )
         self._staged: dict[str, _Staged] = {}
         self._phase: dict[str, int | None] = {}  # this epoch's schedule phase per value
@@ -549,7 +553,7 @@ class DataPlane:
         # column 0 so a stale committed score never outranks the rule's current opinion.
         refreshed: Tensor | None = None
         any_committed = not fresh and bool(committed.any())
-        if any_committed:
+        if any_committed and tabs.folds:
             same = table == current.unsqueeze(1)
             if vp.cell_shape:
                 same = same.flatten(2).all(dim=2)

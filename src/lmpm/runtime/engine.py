@@ -410,7 +410,9 @@ class Engine:
                     changed = changed.clone()
                     changed[rows] = sub
                 n_commits = int(changed.count_nonzero())
-            ve = self._commit(name, e, cand, ag.score, ag.winner, changed, n_commits, was, static)
+            ve = self._commit(
+                name, e, cand, ag.score, ag.winner, changed, n_commits, was, static, ag.weights
+            )
             if got.checksum is not None:  # one per committed row, in row order
                 sums = torch.zeros(cand.cells.numel(), dtype=torch.int64)
                 sums[changed] = got.checksum
@@ -448,6 +450,7 @@ class Engine:
         commits: int,
         was: Tensor,
         static: _ValueStatic,
+        weights: Tensor | None,
     ) -> ValueEpoch:
         """Advance clocks and provenance of the committing cells; the epoch's record."""
         st = self.state[name]
@@ -457,8 +460,16 @@ class Engine:
         own = self._const("own", n, torch.int64, 0) if fresh else st.clock.index_select(0, cells)
         new_clock = own
         if commits:
-            single = len(static.rules) == 1
-            won_rule = None if single else cand.col_rule.index_select(0, winner)
+            contributed: dict[int, Tensor] | None = None
+            if len(static.rules) > 1:
+                if weights is None:  # the winner's rule
+                    won = cand.col_rule.index_select(0, winner)
+                    contributed = {rp.id: won == rp.id for rp in static.rules}
+                else:  # every rule whose proposals the aggregate weighs
+                    used = weights > 0
+                    contributed = {
+                        rp.id: used[:, cand.col_rule == rp.id].any(dim=1) for rp in static.rules
+                    }
             new_clock = self._clocks.advance(
                 {s: self.state[s].clock for s in self.plan.values},
                 static.rules,
@@ -466,7 +477,7 @@ class Engine:
                 cells,
                 changed,
                 commits,
-                won_rule,
+                contributed,
                 None if self._guarded[name] else self.schedule.phase(name, e),
                 fresh,
             )
