@@ -191,8 +191,8 @@ def get_policy(name: str) -> Policy:
 
 # Names bound in bindings.BUILTINS point here.
 __all__ = [
-    "POLICIES",
     "AGGREGATING",
+    "POLICIES",
     "Agree",
     "Decision",
     "aggregates",
