@@ -44,7 +44,7 @@ print(next((c['example'] for c in d['constraints'] if c['name']=='$NAME' and c['
   if [ -n "$CELL" ]; then
     echo
     echo "== a cell $NAME decided: lmpm trace $OUT/video --cell '$CELL'"
-    { $L trace $OUT/video --cell "$CELL" 2>&1 || true; } | grep -v '^[│┏┃┡└]' | sed -n '2,12p'
+    { $L trace $OUT/video --cell "$CELL" 2>&1 || true; } | grep -v '^[│┏┃┡└]' | grep -v '^commits' | sed -n '2,11p'
   fi
 done
 echo
