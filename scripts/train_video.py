@@ -10,7 +10,8 @@ generates a video from a caption of each held-out pair with the model alone
 JSON line with the held-out metrics (token accuracy / NLL, the copy-previous-frame baseline, the
 generated object's IoU and motion) and writes OUT/localgen.safetensors and OUT/coarsegen.safetensors.
 Two torch threads by default (the committed weights were trained so; another count may change the
-last bits): about 8 minutes on an idle 2-core machine, 15 CPU-minutes.
+last bits): about 13 CPU-minutes (the committed run: 25 minutes of wall time on the shared 2-core
+machine at a load of 6-13).
 
     python scripts/train_video.py [--steps 600] [--scenes 2000] [--seed 0] [--out DIR]
 """
