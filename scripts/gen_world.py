@@ -1,11 +1,12 @@
 """Generate the world the video and text models learn from (deterministic), and the demo's inputs.
 
-    python scripts/gen_world.py --demo                 # examples/video/{caption.txt,patch.npy,scene.npy}
+    python scripts/gen_world.py --demo   # examples/video/{caption.txt,patch.npy,scene.npy}, heldout/
     python scripts/gen_world.py --count 100 --seed 1 --out world.npz   # a dataset to look at
 
 The demo patch is the red square's neighbourhood of the demo scene (`lmpm.models.world.demo_scene`)
 over every frame — the cells `Vid[t, x1..x2, y1..y2]` that examples/video.lmpm locks (HardLock) —
-and -1 (unset) everywhere else.
+and -1 (unset) everywhere else. ``examples/video/heldout/`` holds the README demo's caption, a
+held-out (colour, direction) pair (`lmpm.models.world.heldout_scene`), and the scene it describes.
 """
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ def demo(out: Path = DEMO, T: int = 4, W: int = 32, H: int = 32) -> None:
     np.save(out / "patch.npy", patch.astype(np.int64), allow_pickle=False)
     np.save(out / "scene.npy", video.astype(np.int64), allow_pickle=False)
     (out / "caption.txt").write_bytes(CAPTION + b"\n")
-    print(f"wrote {out}/patch.npy, scene.npy, caption.txt")
+    held = out / "heldout"
+    held.mkdir(exist_ok=True)
+    truth = world.render(world.heldout_scene(T, W, H)).numpy()
+    np.save(held / "scene.npy", truth.astype(np.int64), allow_pickle=False)
+    (held / "caption.txt").write_bytes(world.HELDOUT_CAPTION + b"\n")
+    print(f"wrote {out}/patch.npy, scene.npy, caption.txt, heldout/caption.txt, heldout/scene.npy")
 
 
 def main() -> None:

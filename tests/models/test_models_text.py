@@ -95,3 +95,19 @@ def test_train_text_smoke(tmp_path: Path) -> None:
 def test_committed_weights_are_small(name: str) -> None:
     p = ROOT / "src" / "lmpm" / "models" / "weights" / f"{name}.safetensors"
     assert p.is_file() and p.stat().st_size <= 5_000_000
+
+
+def test_pick_top_proposes_the_k_best_distinct_bytes() -> None:
+    prompt = torch.tensor(list(b"a red square moves left. "), dtype=torch.long)
+    n = prompt.numel()
+    inputs = {
+        "cells": torch.tensor([n]),
+        "context": prompt[None, :],
+        "context_mask": torch.ones(1, n, dtype=torch.bool),
+    }
+    logp = text.next_byte_logp(inputs)
+    top = text.byte_lm(inputs, k=8, pick="top")["proposal"]
+    assert top.shape == (1, 8) and len(set(top[0].tolist())) == 8
+    assert top[0].tolist() == logp[0].argsort(descending=True)[:8].tolist()
+    with pytest.raises(ValueError, match="unknown pick"):
+        text.byte_lm(inputs, k=8, pick="best")

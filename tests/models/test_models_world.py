@@ -27,6 +27,43 @@ def test_scene_content_matches_caption() -> None:
     assert w.videos.shape == (40, 4, 32, 32) and w.coarse.shape == (40, 4, 4, 4)
 
 
+def test_caption_determines_the_video_up_to_textures() -> None:
+    # the stage is fixed: a scene's shape cells are exactly the staged scene's of its caption words
+    for s in world.generate(30, seed=4).scenes:
+        (shape,) = s.shapes
+        again = world.staged(
+            shape.colour,
+            shape.kind,
+            shape.direction,
+            speed=shape.speed,
+            ground=s.ground,
+            cloud=s.cloud is not None,
+            seed=s.seed + 1,  # other textures
+        )
+        tok = world.NAMES.index(shape.colour)
+        assert torch.equal(world.render(s) == tok, world.render(again) == tok)
+        cap = world.caption(s)
+        assert (b"cloudy" in cap) == (s.cloud is not None) and (b"sand" in cap) == (
+            s.ground == "sand"
+        )
+
+
+def test_training_split_leaves_out_the_heldout_pairs() -> None:
+    train = world.generate(300, seed=1, split="train")
+    held = world.generate(60, seed=2, split="heldout")
+    pairs = lambda w: {(s.shapes[0].colour, s.shapes[0].direction) for s in w.scenes}  # noqa: E731
+    assert pairs(train).isdisjoint(world.HELDOUT_PAIRS)
+    assert pairs(held) == set(world.HELDOUT_PAIRS)  # 60 draws cover the 4 pairs
+    for cap in train.captions:  # no training caption says a held-out colour with its direction
+        words = cap.decode().split()
+        assert not any(c in words and d in words for c, d in world.HELDOUT_PAIRS), cap
+    assert {(s.shapes[0].colour, s.shapes[0].direction) for s in world.generate(300).scenes} & set(
+        world.HELDOUT_PAIRS
+    )  # the unrestricted world has them
+    assert b"yellow" in world.HELDOUT_CAPTION and b"right" in world.HELDOUT_CAPTION
+    assert ("yellow", "right") in world.HELDOUT_PAIRS
+
+
 def test_coarse_is_block_mode() -> None:
     v = torch.zeros(1, 16, 16, dtype=torch.long)
     v[0, :8, :8] = 6

@@ -189,19 +189,32 @@ def next_byte_logp(inputs: dict[str, Tensor]) -> Tensor:
     return logp
 
 
+PICKS = ("sample", "top")
+
+
 def byte_lm(
     inputs: dict[str, Tensor],
     *,
     vocab: int | None = None,
     k: int = 1,
     temperature: float = 1.0,
+    pick: str = "sample",
     **_: Any,
 ) -> dict[str, Tensor]:
-    """`ByteLM(context, k=..., temperature=...)`: logits of each open cell's next byte; the worker
-    draws ``k`` candidates per cell with the counter-based RNG."""
+    """`ByteLM(context, k=..., temperature=..., pick=...)`: each open cell's next-byte candidates.
+
+    ``pick="sample"`` (default): logits, and the worker draws ``k`` candidates per cell with the
+    counter-based RNG. ``pick="top"``: the ``k`` most likely *distinct* bytes (greedy decoding
+    with the runner-ups kept), so a constraint that rejects the favourite always finds the best
+    byte it allows among the others."""
     if vocab is not None and vocab != BYTES:
         raise ValueError(f"ByteLM proposes bytes (vocab 256); the value has {vocab} tokens")
-    logp = next_byte_logp(inputs) / max(float(temperature), 1e-3)
+    if pick not in PICKS:
+        raise ValueError(f"ByteLM: unknown pick {pick!r}; picks: {', '.join(PICKS)}")
+    logp = next_byte_logp(inputs)
+    if pick == "top":
+        return {"proposal": logp.topk(max(int(k), 1), dim=-1).indices}
+    logp = logp / max(float(temperature), 1e-3)
     if int(k) > 1:
         return {"logits": logp[:, None, :].expand(-1, int(k), -1).contiguous()}
     return {"logits": logp}

@@ -9,8 +9,8 @@ gather tables (``docs/runtime.md``):
 - ``prev_frame`` (n, 1): ``Vid[t-1, x, y]`` (invisible at ``t = 0``);
 - ``txt`` (n, N): the caption bytes ``Txt[*]``;
 - ``coarse`` (n, 1): ``Coarse[t, x/8, y/8]`` (optional: unset until proposed);
-- plus the cell's own ``coords`` (t, x, y), used as a position feature (``y``: sky above, ground
-  below).
+- plus the cell's own ``coords`` (t, x, y): one learned embedding per frame, column and row (the
+  world's stage is fixed, so where a cell is says what the caption puts there).
 
 A cell never sees its own token. The network: one embedding per (slot, token-or-unset) summed — the
 first layer of an MLP over the one-hot inputs — plus a caption vector (byte embeddings → a 1-D
@@ -22,7 +22,7 @@ counter-based RNG; ``ModelScore(...)`` is the log-prob of each candidate under t
 (cached: no second forward).
 
 ``CoarseGen(txt)`` proposes ``Coarse[t, i, j]`` (the mode token of a 8×8 block) from the caption and
-the block's position.
+the block's position (frame, column, row).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from lmpm.models.world import K
 
 UNSET = K  # token id of "not visible / not committed" in the embeddings
 SLOTS = 8 + 1 + 1  # N8 neighbours, previous frame, coarse
-REF = 32.0  # positions are normalized by the training frame size
+POS = 64  # position embeddings per axis (x, y clamp to 0..63)
+FRAMES = 16  # frame embeddings (t clamps to 0..15)
 
 
 class CaptionEncoder(nn.Module):
@@ -76,7 +77,10 @@ class LocalGen(nn.Module):
         self.cap = CaptionEncoder(caption)
         self.slots = nn.Embedding(SLOTS * (K + 1), hidden)
         self.cap_in = nn.Linear(caption, hidden)
-        self.pos_in = nn.Linear(3, hidden)
+        # the cell's position on the stage: one embedding per column, row and frame (clamped)
+        self.pos_x = nn.Embedding(POS, hidden)
+        self.pos_y = nn.Embedding(POS, hidden)
+        self.pos_t = nn.Embedding(FRAMES, hidden)
         self.mlp = nn.Sequential(
             nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, K)
         )
@@ -86,15 +90,13 @@ class LocalGen(nn.Module):
         """tokens/visible (n, 10): N8 + prev + coarse; caption (n, C); coords (n, 3) → (n, 16)."""
         tok = torch.where(visible, tokens.long().clamp(0, K - 1), torch.full_like(tokens, UNSET))
         h = self.slots(tok + self.offsets).sum(1)
-        pos = torch.stack(
-            [
-                coords[:, 2].float() / REF,
-                (coords[:, 2].float() / REF) ** 2,
-                (coords[:, 0] > 0).float(),
-            ],
-            1,
+        c = coords.long()
+        pos = (
+            self.pos_t(c[:, 0].clamp(0, FRAMES - 1))
+            + self.pos_x(c[:, 1].clamp(0, POS - 1))
+            + self.pos_y(c[:, 2].clamp(0, POS - 1))
         )
-        h = h + self.cap_in(caption) + self.pos_in(pos)
+        h = h + self.cap_in(caption) + pos
         out: Tensor = self.mlp(h)
         return out
 
@@ -105,6 +107,8 @@ class CoarseGen(nn.Module):
         self.rows = rows
         self.cap = CaptionEncoder(caption)
         self.row = nn.Embedding(rows, hidden)
+        self.col = nn.Embedding(rows, hidden)
+        self.frame = nn.Embedding(FRAMES, hidden)
         self.cap_in = nn.Linear(caption, hidden)
         self.mlp = nn.Sequential(
             nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, K)
@@ -112,7 +116,13 @@ class CoarseGen(nn.Module):
 
     def forward(self, caption: Tensor, coords: Tensor) -> Tensor:
         """caption (n, C), coords (n, 3) of Coarse[t, i, j] → (n, 16)."""
-        h = self.row(coords[:, 2].long().clamp(0, self.rows - 1)) + self.cap_in(caption)
+        c = coords.long()
+        h = (
+            self.row(c[:, 2].clamp(0, self.rows - 1))
+            + self.col(c[:, 1].clamp(0, self.rows - 1))
+            + self.frame(c[:, 0].clamp(0, FRAMES - 1))
+            + self.cap_in(caption)
+        )
         out: Tensor = self.mlp(h)
         return out
 

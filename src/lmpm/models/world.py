@@ -2,10 +2,14 @@
 
 Each *scene* is ``T`` frames of ``W × H`` tokens over a palette of 16 tokens (:data:`PALETTE`): a sky
 band at the top (blue-ish tokens, sometimes a white cloud), a textured ground below the horizon
-(grass or sand), and one or two shapes (square, circle, bar) of a bright colour moving left, right,
-up or down by one or two cells per frame. Its caption is plain English bytes describing it::
+(grass or sand), and one shape (square, circle, bar) of a bright colour moving left, right, up or
+down by one or two cells per frame. The stage is fixed (:func:`layout`: horizon, shape size, the
+shape's path centred), so its caption, plain English bytes, says everything but the textures::
 
     a red square moves left under a blue sky
+
+Some (colour, direction) pairs never occur in the training split (:data:`HELDOUT_PAIRS`): a caption
+such as ``a yellow circle moves right`` is new as a whole, though each word is not.
 
 The coarse grid (``÷8``) is the mode token of each 8×8 block (ties: the smallest token id).
 
@@ -129,27 +133,56 @@ class Scene:
     shapes: tuple[Shape, ...] = field(default_factory=tuple)
 
 
-def sample_scene(seed: int, T: int = 4, W: int = 32, H: int = 32) -> Scene:
-    """A random scene (pure function of the arguments)."""
+# Held-out (colour, direction) pairs: no training scene has them, so a caption such as "a yellow
+# circle moves right" is new to the models as a whole although each word is not (docs/models.md).
+HELDOUT_PAIRS: frozenset[tuple[str, str]] = frozenset(
+    {("yellow", "right"), ("purple", "left"), ("pink", "down"), ("orange", "up")}
+)
+SPLITS = ("all", "train", "heldout")
+
+
+def in_split(colour: str, direction: str, split: str) -> bool:
+    """Whether a (colour, direction) pair belongs to ``split`` (``all``, ``train``, ``heldout``)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; splits: {', '.join(SPLITS)}")
+    held = (colour, direction) in HELDOUT_PAIRS
+    return split == "all" or held == (split == "heldout")
+
+
+def layout(T: int, W: int, H: int) -> tuple[int, int, int]:
+    """(horizon, object size, object centre row): the fixed stage every scene is drawn on, so the
+    caption says everything but the textures (where the object is follows from what it does)."""
+    horizon = min(sky_rows(H) + max(H // 16, 1), H - 2)
+    size = max(W * 3 // 16, 3)
+    return horizon, size, horizon + max((H - horizon - size) // 2, 0)
+
+
+def sample_scene(seed: int, T: int = 4, W: int = 32, H: int = 32, split: str = "all") -> Scene:
+    """A random scene (pure function of the arguments): one shape whose path the caption fixes
+    (colour, kind, direction, speed), on grass or sand, sometimes under a white cloud.
+
+    The shape's path is centred on the stage (:func:`layout`), so a caption determines the video
+    up to the texture noise; ``split`` restricts the (colour, direction) pair (:data:`HELDOUT_PAIRS`).
+    """
     r = random.Random(seed * 7919 + 17)
-    sky = sky_rows(H)
-    horizon = r.randint(sky, max(sky, H // 2))
+    horizon, size, row = layout(T, W, H)
     ground = r.choice(("grass", "grass", "sand"))
     cloud = None
-    if r.random() < 0.4:
-        cs = r.randint(3, max(3, sky // 2))
-        cloud = (r.randrange(0, W - cs), r.randrange(0, max(sky - cs, 1)), cs)
-    nshapes = 1 if r.random() < 0.65 else 2
-    colours = r.sample(SHAPE_COLOURS, nshapes)
-    shapes = []
-    for c in colours:
-        size = r.randint(max(3, W // 8), max(4, W // 4))
+    if ground == "grass" and r.random() < 0.4:
+        cs = max(sky_rows(H) * 5 // 12, 3)
+        cloud = (W * 5 // 8, max(sky_rows(H) // 6, 0), cs)
+    while True:
+        colour = r.choice(SHAPE_COLOURS)
         direction = r.choice(tuple(DIRECTIONS))
-        speed = 1 if r.random() < 0.7 else 2
-        x = r.randrange(0, max(W - size, 1))
-        y = r.randrange(max(horizon - size // 2, 0), max(H - size, horizon - size // 2 + 1))
-        shapes.append(Shape(r.choice(SHAPE_KINDS), c, size, x, y, direction, speed))
-    return Scene(seed, T, W, H, horizon, ground, cloud, tuple(shapes))
+        if in_split(colour, direction, split):
+            break
+    speed = 1 if r.random() < 0.7 else 2
+    dx, dy = DIRECTIONS[direction]
+    travel = speed * (T - 1) // 2  # the path is centred on the stage
+    x = (W - size) // 2 - dx * travel
+    y = row - dy * travel
+    shape = Shape(r.choice(SHAPE_KINDS), colour, size, x, y, direction, speed)
+    return Scene(seed, T, W, H, horizon, ground, cloud, (shape,))
 
 
 def _disc(size: int) -> Tensor:
@@ -209,7 +242,10 @@ def render(scene: Scene) -> Tensor:
 
 
 def caption(scene: Scene, style: int = 0) -> bytes:
-    """The scene in plain English (lowercase ASCII, ≤ 64 bytes). ``style`` picks a phrasing."""
+    """The scene in plain English (lowercase ASCII, ≤ 64 bytes). ``style`` picks a phrasing.
+
+    The ending names what is not texture: a cloud ("under a cloudy blue sky"), sand ("on the
+    sand"); a plain grass scene says either "under a blue sky" or "over green grass"."""
     r = random.Random(scene.seed * 31 + style)
     parts = []
     for s in scene.shapes:
@@ -218,9 +254,12 @@ def caption(scene: Scene, style: int = 0) -> bytes:
         art = "an" if s.colour[0] in "aeiou" else "a"
         parts.append(f"{art} {s.colour} {s.kind} {verb} {s.direction}{fast}")
     what = " and ".join(parts) if len(parts) == 1 else ", ".join(parts)
-    sky = "a cloudy blue sky" if scene.cloud else "a blue sky"
-    endings = [f" under {sky}", " over green grass" if scene.ground == "grass" else " on the sand"]
-    ending = endings[r.randrange(2)]
+    if scene.cloud is not None:
+        ending = " under a cloudy blue sky"
+    elif scene.ground == "sand":
+        ending = " on the sand"
+    else:
+        ending = (" under a blue sky", " over green grass")[r.randrange(2)]
     text = what + ending
     if len(text) > 64:
         text = what
@@ -246,9 +285,12 @@ class World:
     scenes: tuple[Scene, ...]
 
 
-def generate(n: int, seed: int = 0, T: int = 4, W: int = 32, H: int = 32) -> World:
-    """``n`` scenes with seeds ``seed*1_000_003 + i`` (disjoint seeds give disjoint worlds)."""
-    scenes = tuple(sample_scene(seed * 1_000_003 + i, T, W, H) for i in range(n))
+def generate(
+    n: int, seed: int = 0, T: int = 4, W: int = 32, H: int = 32, split: str = "all"
+) -> World:
+    """``n`` scenes with seeds ``seed*1_000_003 + i`` (disjoint seeds give disjoint worlds);
+    ``split="train"`` leaves out the :data:`HELDOUT_PAIRS`, ``"heldout"`` has only them."""
+    scenes = tuple(sample_scene(seed * 1_000_003 + i, T, W, H, split) for i in range(n))
     videos = torch.stack([render(s) for s in scenes]) if scenes else torch.zeros(0, T, W, H)
     return World(
         videos.long(),
@@ -258,16 +300,40 @@ def generate(n: int, seed: int = 0, T: int = 4, W: int = 32, H: int = 32) -> Wor
     )
 
 
-def demo_scene(T: int = 4, W: int = 32, H: int = 32) -> Scene:
-    """The README demo's scene: a red square moves left under a blue sky."""
-    size = max(W // 6, 3)
-    return Scene(
-        seed=2024,
-        T=T,
-        W=W,
-        H=H,
-        horizon=sky_rows(H) + 1,
-        ground="grass",
-        cloud=None,
-        shapes=(Shape("square", "red", size, W // 2, H * 19 // 32, "left", 1),),
+def staged(
+    colour: str,
+    kind: str,
+    direction: str,
+    *,
+    speed: int = 1,
+    ground: str = "grass",
+    cloud: bool = False,
+    seed: int = 2024,
+    T: int = 4,
+    W: int = 32,
+    H: int = 32,
+) -> Scene:
+    """The scene a caption describes, on the world's stage (:func:`layout`): what
+    :func:`sample_scene` draws for these attributes, with ``seed`` choosing only the textures."""
+    horizon, size, row = layout(T, W, H)
+    dx, dy = DIRECTIONS[direction]
+    travel = speed * (T - 1) // 2
+    shape = Shape(
+        kind, colour, size, (W - size) // 2 - dx * travel, row - dy * travel, direction, speed
     )
+    c = (W * 5 // 8, max(sky_rows(H) // 6, 0), max(sky_rows(H) * 5 // 12, 3)) if cloud else None
+    return Scene(seed, T, W, H, horizon, ground, c, (shape,))
+
+
+def demo_scene(T: int = 4, W: int = 32, H: int = 32) -> Scene:
+    """The seed's scene (``examples/video/caption.txt``): a red square moves left under a blue sky."""
+    return staged("red", "square", "left", T=T, W=W, H=H)
+
+
+HELDOUT_CAPTION = b"a yellow circle moves right under a cloudy blue sky"
+
+
+def heldout_scene(T: int = 4, W: int = 32, H: int = 32) -> Scene:
+    """The README demo's scene (``examples/video/heldout/``), a held-out pair
+    (:data:`HELDOUT_PAIRS`): :data:`HELDOUT_CAPTION`."""
+    return staged("yellow", "circle", "right", cloud=True, T=T, W=W, H=H)
