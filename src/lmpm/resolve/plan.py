@@ -645,3 +645,22 @@ __all__ = [
     "resolve",
     "sample_tiles",
 ]
+
+
+def rules_by_target(plan: Plan) -> dict[str, list[RulePlan]]:
+    """The rules proposing each value, in program order."""
+    out: dict[str, list[RulePlan]] = {}
+    for rp in plan.rules:
+        out.setdefault(rp.target, []).append(rp)
+    return out
+
+
+def live_constraints(plan: Plan) -> dict[str, list[ConstraintPlan]]:
+    """The constraints evaluated at run time, per constrained value (a constraint proved at
+    compile time, or a read_future decided there, is never re-evaluated)."""
+    out: dict[str, list[ConstraintPlan]] = {}
+    for cp in plan.constraints:
+        if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
+            continue
+        out.setdefault(cp.target, []).append(cp)
+    return out

@@ -504,14 +504,7 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
             "shards": json.dumps(shards, sort_keys=True),
         },
     )
-    rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors"
-    path = run_dir / rel
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, "create the checkpoint folder", path.parent) from None
-    atomic_write(path, data)
-    return rel, len(data), hashlib.sha256(data).hexdigest()
+    return write_checkpoint_file(run_dir, f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors", data)
 
 
 def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
@@ -526,25 +519,43 @@ def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
         raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
 
 
-def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load
-
+def read_checkpoint(run_dir: Path, rel: str, sha: str, what: str = "checkpoint") -> bytes:
+    """A checkpoint file's bytes, checked against the sha256 the log (or a control checkpoint)
+    recorded for it; RunDirError D007 when it is missing, truncated or altered."""
     path = run_dir / rel
     try:
         data = path.read_bytes()
     except OSError as e:
         raise RunDirError(
-            f"checkpoint {path} is missing ({e.strerror}); nothing was changed", code="D007"
+            f"{what} {path} is missing ({e.strerror}); nothing was changed", code="D007"
         ) from None
     if hashlib.sha256(data).hexdigest() != sha:
         raise RunDirError(
-            f"checkpoint {path} is corrupt or truncated (checksum mismatch); nothing was changed",
+            f"{what} {path} is corrupt or truncated (checksum mismatch); nothing was changed",
             code="D007",
         )
+    return data
+
+
+def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, int, str]:
+    """Write a checkpoint file beside, fsync, rename: (file, bytes, sha256)."""
+    path = run_dir / rel
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, "create the checkpoint folder", path.parent) from None
+    atomic_write(path, data)
+    return rel, len(data), hashlib.sha256(data).hexdigest()
+
+
+def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load
+
+    data = read_checkpoint(run_dir, rel, sha)
     try:
         return load(data)
     except Exception as e:
-        raise RunDirError(f"checkpoint {path} is unreadable ({e})", code="D007") from None
+        raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
 
 
 # ---- resume ---------------------------------------------------------------------------------------
@@ -724,20 +735,7 @@ def _shard_of(engine: Engine, d: Path, rel: str) -> dict[str, Any]:
             f"(it has: {', '.join(shards) or 'none'}); nothing was changed",
             code="D007",
         )
-    path = d / str(shard["file"])
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise RunDirError(
-            f"payload checkpoint {path} is missing ({e.strerror}); nothing was changed",
-            code="D007",
-        ) from None
-    if hashlib.sha256(data).hexdigest() != shard["sha256"]:
-        raise RunDirError(
-            f"payload checkpoint {path} is corrupt or truncated (checksum mismatch); "
-            "nothing was changed",
-            code="D007",
-        )
+    read_checkpoint(d, str(shard["file"]), str(shard["sha256"]), "payload checkpoint")
     return dict(shard)
 
 

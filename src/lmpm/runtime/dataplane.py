@@ -31,8 +31,15 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import ConstraintEvalError, InputError, ModelError, RunDirError
-from lmpm.ir.nodes import PredKind, Status
-from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan, ValuePlan
+from lmpm.ir.nodes import PredKind
+from lmpm.resolve.plan import (
+    ConstraintPlan,
+    Plan,
+    RulePlan,
+    ValuePlan,
+    live_constraints,
+    rules_by_target,
+)
 from lmpm.resolve.policies import aggregates
 from lmpm.runtime.protocol import (
     Applied,
@@ -162,14 +169,8 @@ class DataPlane:
             self.from_input[name] = torch.zeros(vp.ncells, dtype=torch.bool, device=dev)
         self._dev_cache: dict[int, tuple[Tensor, Tensor]] = {}
         self._tables: dict[str, _ValueTables] = {}
-        by_target: dict[str, list[RulePlan]] = {}
-        for rp in plan.rules:
-            by_target.setdefault(rp.target, []).append(rp)
-        live: dict[str, list[ConstraintPlan]] = {}
-        for cp in plan.constraints:
-            if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
-                continue  # decided at compile time
-            live.setdefault(cp.target, []).append(cp)
+        by_target = rules_by_target(plan)
+        live = live_constraints(plan)
         for name, rules in by_target.items():
             cps = tuple(live.get(name, []))
             tables: list[Tensor | None] = []

@@ -32,8 +32,15 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import InputError
-from lmpm.ir.nodes import TRUE, PredKind, Status
-from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan, needs_input
+from lmpm.ir.nodes import TRUE
+from lmpm.resolve.plan import (
+    ConstraintPlan,
+    Plan,
+    RulePlan,
+    live_constraints,
+    needs_input,
+    rules_by_target,
+)
 from lmpm.resolve.schedules import make_schedule
 from lmpm.runtime.agree import agree
 from lmpm.runtime.clocks import Clocks
@@ -175,14 +182,8 @@ class Engine:
         }
         self.maskplan = ORSet("control")
         self.record: dict[str, Tensor] | None = None  # cells whose candidates the worker records
-        by_target: dict[str, list[RulePlan]] = {}
-        for rp in plan.rules:
-            by_target.setdefault(rp.target, []).append(rp)
-        live: dict[str, list[ConstraintPlan]] = {}
-        for cp in plan.constraints:
-            if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
-                continue  # decided at compile time: recorded as proved, never re-evaluated
-            live.setdefault(cp.target, []).append(cp)
+        by_target = rules_by_target(plan)
+        live = live_constraints(plan)
         self._static = {
             name: _ValueStatic(
                 tuple(rules),

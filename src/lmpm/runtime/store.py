@@ -21,7 +21,6 @@ the epoch, which is identical (counter-based randomness).
 
 from __future__ import annotations
 
-import hashlib
 import re
 import sqlite3
 import zlib
@@ -31,9 +30,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lmpm.errors import RunDirError
-from lmpm.runtime.commitlog import _TAGS, CHECKPOINT_DIR, cell_runs, decode, payload_tag
-from lmpm.runtime.io import atomic_write
-from lmpm.runtime.lock import os_error, sqlite_error
+from lmpm.runtime.commitlog import (
+    _TAGS,
+    CHECKPOINT_DIR,
+    cell_runs,
+    decode,
+    payload_tag,
+    read_checkpoint,
+    write_checkpoint_file,
+)
+from lmpm.runtime.lock import sqlite_error
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -158,13 +164,7 @@ class PayloadStore:
         arrays = {f"{name}.payload": np.ascontiguousarray(a) for name, a in payloads.items()}
         data = safetensors_bytes(arrays, {"epoch": str(label), "worker": self.worker})
         rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.{worker_file(self.worker)}.safetensors"
-        path = self.run_dir / rel
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise os_error(e, "create the checkpoint folder", path.parent) from None
-        atomic_write(path, data)
-        return rel, len(data), hashlib.sha256(data).hexdigest()
+        return write_checkpoint_file(self.run_dir, rel, data)
 
     def restore(
         self, label: int, rel: str, sha: str, upto: int, counts: dict[tuple[int, str], int]
@@ -176,20 +176,7 @@ class PayloadStore:
         dropped."""
         from safetensors.numpy import load
 
-        path = self.run_dir / rel
-        try:
-            data = path.read_bytes()
-        except OSError as e:
-            raise RunDirError(
-                f"payload checkpoint {path} is missing ({e.strerror}); nothing was changed",
-                code="D007",
-            ) from None
-        if hashlib.sha256(data).hexdigest() != sha:
-            raise RunDirError(
-                f"payload checkpoint {path} is corrupt or truncated (checksum mismatch); "
-                "nothing was changed",
-                code="D007",
-            )
+        data = read_checkpoint(self.run_dir, rel, sha, "payload checkpoint")
         arrays = {k.removesuffix(".payload"): v.copy() for k, v in load(data).items()}
         seen: dict[tuple[int, str], int] = {}
         cur = self.conn.execute(
