@@ -114,6 +114,12 @@ def _item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]
     return out  # type: ignore[return-value]  # checked just above
 
 
+def _ours(fn: Any) -> bool:
+    """A callable (or module instance) defined in LMPM itself."""
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    return module == "lmpm" or module.startswith("lmpm.")
+
+
 @dataclass(frozen=True, slots=True)
 class PredicateInput:
     """What a user-bound predicate receives (n open cells, C candidates each). Copies: a predicate
@@ -192,6 +198,10 @@ class DataPlane:
             )
         self._staged: dict[str, _Staged] = {}
         self._phase: dict[str, int | None] = {}  # this epoch's schedule phase per value
+        # rules whose model and score are LMPM's own (they never write into their inputs)
+        self._trusted = {
+            rp.id for rp in plan.rules if _ours(rp.model) and (rp.score is None or _ours(rp.score))
+        }
         self._row_cache: dict[tuple[Any, ...], Tensor] = {}  # see _rows
         self._ones_cache: dict[tuple[str, tuple[int, ...]], Tensor] = {}
         # values whose `inputs()` region some constraint reads: the only ones whose input flags
@@ -331,7 +341,7 @@ class DataPlane:
             cells = self._here(rw.cells)
             inputs = inputs_of[rp.id] = self._inputs(rp, cells)
             kwargs = self._kwargs(rp, vp, e)
-            own = inputs["cells"]  # a copy: the model may write into it
+            own = inputs["cells"]
             global_cells = own + vp.offset if vp.offset else own
             score_inputs = self._score_keys(rp, inputs) if rp.score else ()
             for rep in range(rp.replicas):
@@ -441,15 +451,18 @@ class DataPlane:
 
     def _inputs(self, rp: RulePlan, cells: Tensor) -> dict[str, Tensor]:
         """The model's inputs for ``cells``: per read, payload / mask / index, each (n, K[, *cell]).
-        Every tensor is freshly gathered: writing into one changes nothing outside this call."""
+        A user's model and score get their own tensors: writing into one changes nothing outside
+        their call. LMPM's own models (``lmpm.*``, which never write into their inputs) get the
+        worker's kept rows without copies."""
         vp = self.plan.values[rp.target]
         n = cells.numel()
         phase = self._phase.get(rp.target)
         key = None if phase is None else (rp.id, phase)
+        copy = rp.id not in self._trusted  # copies of anything the worker keeps
         coords = self._rows(vp.coords, cells, key and ("coords", *key))
         inputs: dict[str, Tensor] = {
-            "cells": cells.clone(),
-            "coords": coords.clone() if key else coords,
+            "cells": cells.clone() if copy else cells,
+            "coords": coords.clone() if key and copy else coords,
         }
         for j, rd in enumerate(rp.reads):
             committed = self.committed[rd.source]
@@ -473,7 +486,7 @@ class DataPlane:
                     data = payload.index_select(0, idx.reshape(-1)).reshape(
                         *idx.shape, *payload.shape[1:]
                     )
-                if key is not None:
+                if key is not None and copy:
                     idx = idx.clone()  # the model gets its own copy of the kept rows
             for name in rd.args:
                 inputs[name] = data  # (n, K[, *cell]) payload of the read cells

@@ -411,8 +411,20 @@ class Engine:
                     changed = changed.clone()
                     changed[rows] = sub
                 n_commits = int(changed.count_nonzero())
+            # the committing rows, when the worker committed exactly those the policy chose
+            keep = rows if got.changed is None else None
             ve = self._commit(
-                name, e, cand, ag.score, ag.winner, changed, n_commits, was, static, ag.weights
+                name,
+                e,
+                cand,
+                ag.score,
+                ag.winner,
+                changed,
+                n_commits,
+                was,
+                static,
+                ag.weights,
+                keep,
             )
             if got.checksum is not None:  # one per committed row, in row order
                 sums = torch.zeros(cand.cells.numel(), dtype=torch.int64)
@@ -452,6 +464,7 @@ class Engine:
         was: Tensor,
         static: _ValueStatic,
         weights: Tensor | None,
+        keep: Tensor | None,
     ) -> ValueEpoch:
         """Advance clocks and provenance of the committing cells; the epoch's record."""
         st = self.state[name]
@@ -489,7 +502,8 @@ class Engine:
                 score.gather(1, winner.unsqueeze(1)).squeeze(1),
             ]
             if commits < n:
-                keep = changed.nonzero().squeeze(1)
+                if keep is None:
+                    keep = changed.nonzero().squeeze(1)
                 fields = [t.index_select(0, keep) for t in fields]
             idx, clock, rule, won = fields
             st.committed.index_fill_(0, idx, True)
