@@ -78,14 +78,20 @@ def main() -> None:
     ap.add_argument("script", help="a script in benchmarks/, e.g. runtime.py")
     ap.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     ap.add_argument("--ref", default=PRE_REDESIGN, help="the baseline commit")
+    ap.add_argument(
+        "--new",
+        help="compare this commit instead of the working tree (e.g. to hold the examples "
+        "fixed while the baseline's engine runs them)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--metric", action="append", help="fields to compare (default: throughputs)")
     a = ap.parse_args()
     base = worktree(a.ref)
+    new = worktree(a.new) if a.new else ROOT
     metrics = tuple(a.metric or DEFAULT_METRICS)
     runs: dict[str, list[dict[tuple[str, str], dict[str, Any]]]] = {"base": [], "new": []}
     for r in range(a.rounds):
-        order = [("base", base), ("new", ROOT)]
+        order = [("base", base), ("new", new)]
         for side, tree in order if r % 2 == 0 else order[::-1]:
             runs[side].append(run(tree, a.script, a.args))
     for key in runs["new"][0]:
@@ -110,10 +116,11 @@ def main() -> None:
                     "script": a.script,
                     "case": key[1],
                     "ref": a.ref,
+                    "new": a.new or "working tree",
                     "rounds": a.rounds,
                     "change": change,
-                    "base": med["base"],
-                    "new": med["new"],
+                    "baseline": med["base"],
+                    "measured": med["new"],
                 }
             ),
             flush=True,

@@ -40,17 +40,17 @@ def agree(
     kept_score: Tensor,
     priority: Tensor,
     quota: int | None,
+    fresh: bool = False,
 ) -> Agreed:
     """Run ``vp``'s policy on ``cand``. ``kept_score``: (n,) committed score of each open cell
     (-inf when unset); ``priority``: (K,) constraint priorities; ``quota``: at most this many cells
-    commit, the highest-scoring winners first (ties: lower cell)."""
+    commit, the highest-scoring winners first (ties: lower cell); ``fresh``: every open cell is
+    unset."""
     score = cand.score
-    col0 = (
-        kept_score
-        if cand.refreshed is None
-        else torch.where(cand.refreshed, score[:, 0], kept_score)
-    )
-    score[:, 0] = col0
+    if cand.refreshed is not None:
+        score[:, 0] = torch.where(cand.refreshed, score[:, 0], kept_score)
+    elif not fresh:  # (unset cells: the worker's column 0 is -inf already)
+        score[:, 0] = kept_score
     checksum = cand.checksum if cand.checksum is not None else _NO_CHECKSUMS
     a = Agree(
         checksum,

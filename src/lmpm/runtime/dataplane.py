@@ -459,7 +459,13 @@ class DataPlane:
         phase = self._phase.get(rp.target)
         key = None if phase is None else (rp.id, phase)
         copy = rp.id not in self._trusted  # copies of anything the worker keeps
-        coords = self._rows(vp.coords, cells, key and ("coords", *key))
+        if n == 1 and not copy:  # one open cell (causal generation): views of its rows
+            c = int(cells[0])
+            key = None
+            rows = lambda t, *_: self._dev(t).narrow(0, c, 1)  # noqa: E731
+        else:
+            rows = self._rows
+        coords = rows(vp.coords, cells, key and ("coords", *key))
         inputs: dict[str, Tensor] = {
             "cells": cells.clone() if copy else cells,
             "coords": coords.clone() if key and copy else coords,
@@ -477,8 +483,8 @@ class DataPlane:
                 data = payload.index_select(0, row)
                 data = data.expand(n, k, *data.shape[1:])
             else:
-                idx = self._rows(rd.index, cells, key and ("index", j, *key))  # (n, K)
-                valid = self._rows(rd.valid, cells, key and ("valid", j, *key))
+                idx = rows(rd.index, cells, key and ("index", j, *key))  # (n, K)
+                valid = rows(rd.valid, cells, key and ("valid", j, *key))
                 mask = valid & committed.take(idx)
                 if payload.dim() == 1:
                     data = payload.take(idx)  # the flat gather of a 1-D state tensor

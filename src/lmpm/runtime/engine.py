@@ -377,7 +377,7 @@ class Engine:
                 kept = st.score.index_select(0, cells)
                 was = st.committed.index_select(0, cells)
             quota = self.schedule.quota(e, vp.ncells, int(st.committed.count_nonzero()))
-            ag = agree(vp, cand, kept, static.priority, quota)
+            ag = agree(vp, cand, kept, static.priority, quota, fresh)
             commits = int(ag.changed.count_nonzero())
             if commits == n:
                 rows = None
