@@ -57,6 +57,7 @@ _TOKEN = re.compile(
   | (?P<COMMENT>//[^\n]*)
   | (?P<NL>\r?\n)
   | (?P<NAME>(?!\d)\w+)
+  | (?P<FLOAT>\d+\.\d+(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)
   | (?P<INT>\d+)
   | (?P<STRING>"(?:[^"\\\n]|\\.)*")
   | (?P<OP>\.\.\.|\.\.|<-|:=|<=|>=|==|!=|[-+*/%<>=\[\](){},:?])
@@ -87,7 +88,7 @@ _WORD_PREC = {"or": _OR_PREC, "and": _AND_PREC, "in": _CMP_PREC}
 _NON_ASSOC = (_CMP_PREC, _RANGE_PREC)
 
 # Token kinds (small ints compare fastest).
-NAME, INT, STRING, OP, NL, INDENT, DEDENT, EOF = range(8)
+NAME, INT, STRING, OP, NL, INDENT, DEDENT, EOF, FLOAT = range(9)
 
 
 _ESCAPES = {"\\": "\\", '"': '"', "n": "\n", "t": "\t", "r": "\r", "0": "\0"}
@@ -182,6 +183,8 @@ def tokenize(text: str) -> list[tuple[int, str, int, int]]:
             append((NAME, value, line, col))
         elif kind == "INT":
             append((INT, value, line, col))
+        elif kind == "FLOAT":
+            append((FLOAT, value, line, col))
         else:
             append((STRING, value, line, col))
     if depth != 0:
@@ -533,6 +536,12 @@ class Parser:
                 raise Fallback
             self.i += 1
             return ast.Int(int(tok[1]), self._span(tok))
+        if kind == FLOAT:
+            value = float(tok[1])
+            if value != value or value in (float("inf"), float("-inf")):
+                raise Fallback  # out of range: the lark path reports it (P009)
+            self.i += 1
+            return ast.Float(value, tok[1], self._span(tok))
         if kind == STRING:
             self.i += 1
             return ast.Str(unescape(tok[1][1:-1]), self._span(tok))
