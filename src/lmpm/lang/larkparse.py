@@ -430,7 +430,9 @@ def parse(text: str, file: str = "<input>") -> ast.Program:
                 "a decimal needs digits on both sides of the point (`0.5`, `1.0`, `1e-3`); "
                 "`a..b` is a range"
             )
-        raise ParseError(f"unexpected character {ch!r}", span=span, code="P001", hint=hint) from None
+        raise ParseError(
+            f"unexpected character {ch!r}", span=span, code="P001", hint=hint
+        ) from None
     except UnexpectedToken as e:
         tok = e.token
         if tok.type == "$END":
