@@ -16,7 +16,6 @@ from lmpm.commands.check import unknown_params
 from lmpm.errors import RunDirError, UsageError
 
 if TYPE_CHECKING:
-    from lmpm.runtime.commitlog import CommitLog
     from lmpm.runtime.session import Run
 
 DEFAULT_CHECKPOINT_EVERY = 20  # mirrors lmpm.runtime.commitlog (not imported: keeps --help light)
@@ -87,10 +86,15 @@ def _inputs(items: list[str]) -> dict[str, str]:
 
 
 def _bind_specs(items: list[str]) -> tuple[str, ...]:
-    """--bind specs as stored: files as absolute paths, dotted modules as given."""
-    return tuple(
-        str(Path(b).resolve()) if b.endswith(".py") or Path(b).exists() else b for b in items
-    )
+    from lmpm.runtime.session import bind_specs
+
+    return bind_specs(items)
+
+
+def _close(session: Run) -> list[Path]:
+    if session.log is not None:
+        session.log.close()
+    return []
 
 
 def _checkpoint_every(value: int | None) -> int:
@@ -108,14 +112,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give the .lmpm program to run, or --resume RUN_DIR", code="U023")
 
     from lmpm.ir import compile_file
-    from lmpm.runtime.commitlog import (
-        CommitLog,
-        RunInfo,
-        holds_run,
-        program_hash,
-        refuse_existing,
-        remove_run,
-    )
+    from lmpm.runtime.commitlog import holds_run, refuse_existing
     from lmpm.runtime.session import Run
 
     path = program_path(args.file)
@@ -133,63 +130,35 @@ def run(args: argparse.Namespace) -> int:
     if front.errors:
         return 1
     inputs = _inputs(args.input)
-    seed = args.seed if args.seed is not None else 0
-    backend = args.backend or "cpu"
+    # Run() makes the strict checks against the names this run binds (CheckError, located)
+    # before anything is written and before epoch 0.
     session = Run(
         front,
         params=params,
         bind=args.bind,
         inputs=inputs,
-        seed=seed,
-        backend=backend,
+        seed=args.seed if args.seed is not None else 0,
+        backend=args.backend or "cpu",
         epochs=args.epochs,
+        keep_records=False,
     )
-    tracer, region = _tracer(session, level, args.trace_region)
-    info = RunInfo(
-        program_hash=program_hash(front.ir),
-        program_file=str(path),
+    session.log_to(
+        out_dir,
         source=path.read_text(encoding="utf-8"),
-        params=params,
-        bind=_bind_specs(args.bind),
-        seed=seed,
-        backend=backend,
-        epochs=args.epochs,
-        until=args.until,
+        program_file=str(path),
         trace=level,
-        trace_region=region,
+        trace_region=args.trace_region,
         checkpoint_every=every,
-        inputs={k: str(Path(v).resolve()) for k, v in inputs.items()},
+        until=args.until,
+        force=args.force,
+        argv=sys.argv[1:],
     )
-    if args.force:
-        remove_run(out_dir)
-    log = CommitLog(out_dir, info, tracer=tracer, argv=sys.argv[1:])
-    return _execute(session, log, args, out_dir, args.epochs, args.until, quiet=0, note="")
-
-
-def _tracer(session: Run, level: str, region_text: str | None) -> tuple[Any, str | None]:
-    if level == "off":
-        return None, None
-    from lmpm.runtime.trace import Tracer, parse_region
-
-    region = None
-    if region_text:
-        region = parse_region(region_text, {n: vp.dims for n, vp in session.plan.values.items()})
-    return Tracer(session.plan, level, region), None if region is None else str(region)
+    return _execute(session, args, out_dir, args.epochs, args.until, quiet=0, note="")
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from lmpm.ir import compile_file, compile_source
-    from lmpm.runtime.commitlog import (
-        MSG_FOREIGN,
-        CommitLog,
-        RunInfo,
-        connect,
-        file_sha256,
-        program_hash,
-        read_meta,
-        restore,
-    )
-    from lmpm.runtime.session import Run
+    from lmpm.runtime.commitlog import file_sha256
+    from lmpm.runtime.session import resume
     from lmpm.runtime.trace import parse_region
 
     run_dir = Path(args.resume)
@@ -197,106 +166,71 @@ def _resume(args: argparse.Namespace) -> int:
         raise UsageError("--resume continues a run and --force deletes it; give one", code="U026")
     if args.out and Path(args.out).resolve() != run_dir.resolve():
         raise UsageError(f"--out {args.out} differs from --resume {args.resume}", code="U027")
-    conn = connect(run_dir, readonly=True, check=True)
-    try:
-        meta = read_meta(conn)
-    finally:
-        conn.close()
-    params = dict(meta["params"])
-    if args.file is not None:
-        front = compile_file(program_path(args.file), overrides=params, raise_errors=False)
-    else:
-        front = compile_source(
-            meta["source"], meta["program_file"], overrides=params, raise_errors=False
-        )
-    given = program_hash(front.ir)  # the IR does not depend on --set: compare before checking
-    if given != meta["program_hash"]:
-        raise RunDirError(
-            MSG_FOREIGN.format(dir=run_dir, stored=meta["program_hash"][:12], given=given[:12]),
-            code="D010",
-        )
-    print_diagnostics([d for d in front.diagnostics if d.severity == "error"], False)
-    if front.errors:
-        return 1
-    asked: dict[str, tuple[str, Any]] = {
-        "params": ("--set", parse_sets(args.set) if args.set else None),
-        "seed": ("--seed", args.seed),
-        "bind": ("--bind", list(_bind_specs(args.bind)) if args.bind else None),
-        "trace": ("--trace", args.trace),
-        "checkpoint_every": ("--checkpoint-every", args.checkpoint_every),
-    }
-    for key, (flag, value) in asked.items():
-        stored = meta.get(key)
-        if value is not None and value != stored:
-            raise RunDirError(
-                f"{run_dir} was started with {flag} {stored!r}; this command gives {value!r}. "
-                "A resumed run keeps its settings; nothing was changed.",
-                code="D011",
-                hint=f"drop {flag}, or start a new run with another --out",
-            )
     if args.input:
         raise UsageError(
             "--input is not needed with --resume: the inputs are in RUN_DIR's first checkpoint",
             code="U028",
         )
-    for spec, sha in dict(meta.get("bind_sha256", {})).items():
-        if Path(spec).is_file() and file_sha256(spec) != sha:
-            sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
-    epochs = args.epochs if args.epochs is not None else meta["epochs"]
-    until = args.until or meta["until"]
-    backend = args.backend or meta["backend"]
-    session = Run(
-        front,
-        params=params,
-        bind=meta["bind"],
-        seed=int(meta["seed"]),
-        backend=backend,
-        epochs=meta.get("plan_epochs", meta["epochs"]),
+
+    def check_meta(meta: dict[str, Any]) -> None:
+        asked: dict[str, tuple[str, Any]] = {
+            "params": ("--set", parse_sets(args.set) if args.set else None),
+            "seed": ("--seed", args.seed),
+            "bind": ("--bind", list(_bind_specs(args.bind)) if args.bind else None),
+            "trace": ("--trace", args.trace),
+            "checkpoint_every": ("--checkpoint-every", args.checkpoint_every),
+        }
+        for key, (flag, value) in asked.items():
+            stored = meta.get(key)
+            if value is not None and value != stored:
+                raise RunDirError(
+                    f"{run_dir} was started with {flag} {stored!r}; this command gives "
+                    f"{value!r}. A resumed run keeps its settings; nothing was changed.",
+                    code="D011",
+                    hint=f"drop {flag}, or start a new run with another --out",
+                )
+        if args.trace_region:
+            from lmpm.ir import compile_source
+            from lmpm.ir.eval import bind_params, evaluate
+
+            ir = compile_source(meta["source"], meta["program_file"]).ir
+            env = bind_params(ir, meta["params"])
+            dims = {v.name: [evaluate(d, env) for d in v.dims] for v in ir.values if v.dims}
+            mine = parse_region(args.trace_region, dims)
+            if str(mine) != meta.get("trace_region"):
+                raise RunDirError(
+                    f"{run_dir} was started with --trace-region {meta.get('trace_region')!r}; "
+                    f"this command gives {str(mine)!r}; nothing was changed",
+                    code="D011",
+                )
+        for spec, sha in dict(meta.get("bind_sha256", {})).items():
+            if Path(spec).is_file() and file_sha256(spec) != sha:
+                sys.stderr.write(
+                    f"note: {spec} changed since this run started; results may differ\n"
+                )
+
+    session = resume(
+        run_dir,
+        file=program_path(args.file) if args.file is not None else None,
+        epochs=args.epochs,
+        until=args.until,
+        backend=args.backend,
+        argv=sys.argv[1:],
+        check_meta=check_meta,
     )
-    region_text = meta.get("trace_region")
-    if args.trace_region:
-        mine = parse_region(
-            args.trace_region, {n: vp.dims for n, vp in session.plan.values.items()}
-        )
-        if str(mine) != region_text:
-            raise RunDirError(
-                f"{run_dir} was started with --trace-region {region_text!r}; this command gives "
-                f"{str(mine)!r}; nothing was changed",
-                code="D011",
-            )
-    tracer, region = _tracer(session, meta["trace"], region_text)
-    conn = connect(run_dir, readonly=False)
-    try:
-        restored = restore(session.engine, conn, run_dir)
-    except BaseException:
-        conn.close()
-        raise
-    info = RunInfo(
-        program_hash=meta["program_hash"],
-        program_file=meta["program_file"],
-        source=meta["source"],
-        params=params,
-        bind=tuple(meta["bind"]),
-        seed=int(meta["seed"]),
-        backend=backend,
-        epochs=epochs,
-        until=until,
-        trace=meta["trace"],
-        trace_region=region,
-        checkpoint_every=int(meta["checkpoint_every"]),
-        inputs=dict(meta.get("inputs", {})),
-    )
-    log = CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=sys.argv[1:])
+    restored = session.restored
+    assert restored is not None
     note = (
         f"resumed at epoch {restored.epoch} (checkpoint {restored.checkpoint} + "
         f"{restored.replayed} commit rows); "
     )
-    return _execute(session, log, args, run_dir, epochs, until, quiet=restored.quiet, note=note)
+    return _execute(
+        session, args, run_dir, session.epochs, session.until, quiet=restored.quiet, note=note
+    )
 
 
 def _execute(
     session: Run,
-    log: CommitLog,
     args: argparse.Namespace,
     out_dir: Path,
     epochs: int | None,
@@ -308,7 +242,6 @@ def _execute(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    session.engine.observers.append(log)
     console = Console(stderr=True)
     try:
         with Progress(
@@ -337,10 +270,10 @@ def _execute(
             res = session.run(
                 epochs, until_stable=until == "stable", progress=progress, quiet=quiet
             )
-        files = session.write(out_dir)
-        log.finish(files)
-    finally:
-        log.close()
+    except BaseException:
+        _close(session)  # the log stays resumable; no outputs are written
+        raise
+    files = session.finish()
     state = "stable" if res.stable else "stopped"
     sys.stderr.write(
         f"{note}{res.epochs} epochs ({state}), {res.commits} commits, "
