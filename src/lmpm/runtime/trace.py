@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import UsageError
-from lmpm.runtime.commitlog import (
+from lmpm.runtime.logread import (  # the torch-free reading side: `lmpm trace` stays fast
     completed_epochs,
     decode,
     load_checkpoint,
