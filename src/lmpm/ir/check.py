@@ -446,6 +446,11 @@ class Checker:
 
         return name in self.known and name not in BUILTINS
 
+    def _bound(self, e: Expr) -> bool:
+        """Whether ``e`` uses only parameters with a value (a default or --set), not probe sizes."""
+        given = {p.name for p in self.p.params if p.default is not None} | set(self.overrides)
+        return all(n in given for op, n in names_in(e) if op == Op.PARAM)
+
     def _arg_span(self, call: Call, i: int, *, value: bool = False) -> Span:
         """The i-th argument (``k=0``), or with ``value`` only its value (``0``)."""
         node = self.ast_calls.get(call.span)
@@ -557,7 +562,7 @@ class Checker:
                     f"{v.dtype.value}s",
                     _name_span(call),
                 )
-            elif sig.vocab is not None and v.vocab is not None:
+            elif sig.vocab is not None and v.vocab is not None and self._bound(v.vocab):
                 try:
                     vocab = evaluate(v.vocab, self.env)
                 except EvalError:
