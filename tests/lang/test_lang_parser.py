@@ -46,7 +46,7 @@ def test_decimal_literals(parse_with: Any) -> None:
     assert isinstance(values[0], ast.Float) and values[0].value == 0.7
     assert values[0].text == "0.7" and (values[0].span.col, values[0].span.end_col) == (29, 32)
     assert isinstance(values[1], ast.Float) and values[1].value == 1e-3
-    assert isinstance(values[2], ast.Neg) and values[2].operand.value == -(-250.0)
+    assert isinstance(values[2], ast.Neg) and values[2].operand.value == 250.0
     assert isinstance(values[3], ast.Int)
     # `0..5` stays a range
     rng = parse_with(H + "visible A[t] <- A[0..5]\n", "f").items[2].source.indices[0]
