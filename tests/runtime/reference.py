@@ -1,4 +1,4 @@
-"""A deliberately plain reference interpreter of DESIGN.md §3 (one cell at a time, Python loops).
+"""A deliberately plain reference interpreter of docs/design.md §3 (one cell at a time, Python loops).
 
 It shares nothing with the vectorized runtime but the front end, the bound models and the RNG: reads
 are enumerated with :func:`lmpm.ir.eval.access_cells`, candidates and constraints are checked cell
