@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# A fast-parser internal failure must fail the test suite, not be retried with lark silently
+# (subprocesses inherit it). See lmpm.lang.fast.STRICT_ENV.
+os.environ["LMPM_STRICT_FAST_PARSER"] = "1"
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

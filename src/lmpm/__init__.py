@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from lmpm.api import Compiled as Compiled
 from lmpm.api import compile as compile
+from lmpm.api import resume as resume
 from lmpm.bindings import bind as bind
 from lmpm.errors import BindError as BindError
 from lmpm.errors import CheckError as CheckError
@@ -37,4 +38,5 @@ __all__ = [
     "check_file",
     "check_source",
     "compile",
+    "resume",
 ]

@@ -1,7 +1,7 @@
 """`lmpm.compile`: one object for a program bound to parameters — its IR, masks, and runs.
 
 >>> import lmpm
->>> prog = lmpm.compile("value Txt : Token[Byte] shape Seq(N)\\nvisible Txt[t] <- Txt[0..t-1] when t > 0\\n", N=4)
+>>> prog = lmpm.compile(text="value Txt : Token[Byte] shape Seq(N)\\nvisible Txt[t] <- Txt[0..t-1] when t > 0\\n", N=4)
 >>> prog.masks(layout="raster").dense().int().tolist()
 [[0, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
 """
@@ -37,18 +37,81 @@ class Compiled:
 
         return masks(self.ir, self.params, layout)
 
-    def runner(self, **kw: Any) -> Run:
-        """A :class:`lmpm.runtime.session.Run` (``bindings=``, ``inputs=``, ``seed=``...)."""
+    def runner(
+        self,
+        *,
+        run_dir: str | Path | None = None,
+        trace: str = "summary",
+        trace_region: str | None = None,
+        checkpoint_every: int | None = None,
+        force: bool = False,
+        **kw: Any,
+    ) -> Run:
+        """A :class:`lmpm.runtime.session.Run` (``bindings=``, ``inputs=``, ``seed=``, ``epochs=``,
+        ``backend=``, ``bind=``...), checked as `lmpm run` checks before epoch 0. With
+        ``run_dir=`` every epoch goes to RUN_DIR/lmpm.db, as `lmpm run --out RUN_DIR` writes it
+        (``trace=`` off/summary/cells, ``trace_region=``), and the outputs are written there when
+        the run ends; `lmpm trace RUN_DIR` and ``lmpm.resume(RUN_DIR)`` read it."""
         from lmpm.runtime.session import Run
 
-        return Run(self.front, params=self.params, **kw)
+        run = Run(self.front, params=self.params, **kw)
+        if run_dir is not None:
+            run.log_to(
+                run_dir,
+                trace=trace,
+                trace_region=trace_region,
+                checkpoint_every=checkpoint_every,
+                force=force,
+                source=self.source,
+            )
+        return run
+
+    @property
+    def source(self) -> str:
+        """The program text (read from the file for a compiled path)."""
+        import linecache
+
+        lines = linecache.getlines(self.front.ast.file)
+        if lines:
+            return "".join(lines)
+        return Path(self.front.ast.file).read_text(encoding="utf-8")
 
 
-def compile(src: str | Path, **params: int) -> Compiled:
-    """Compile a program (source text, or a path to a ``.lmpm`` file) with parameters bound."""
-    text = str(src)
-    is_path = isinstance(src, Path) or ("\n" not in text and text.endswith(".lmpm"))
-    front = (
-        compile_file(text, overrides=params) if is_path else compile_source(text, overrides=params)
-    )
-    return Compiled(front, dict(params))
+def compile(
+    path: str | Path | None = None,
+    /,
+    *,
+    text: str | None = None,
+    file: str = "<input>",
+    **params: int,
+) -> Compiled:
+    """Compile a program with parameters bound: ``compile("prog.lmpm", N=64)`` reads a file,
+    ``compile(text="value ...")`` compiles program text (``file=`` names it in diagnostics)."""
+    from lmpm.errors import UsageError
+
+    if (path is None) == (text is None):
+        raise UsageError("give lmpm.compile() a path or text=..., not both or neither", code="U044")
+    if text is not None:
+        return Compiled(compile_source(text, file, overrides=params), dict(params))
+    p = Path(path)  # type: ignore[arg-type]  # not None here
+    if "\n" in str(path) or not p.is_file():
+        what = "looks like program text" if "\n" in str(path) else "is not a file"
+        raise UsageError(
+            f"lmpm.compile({_short(str(path))!r}): the path {what}",
+            code="U045",
+            hint="pass program text as lmpm.compile(text=...)",
+        )
+    return Compiled(compile_file(p, overrides=params), dict(params))
+
+
+def resume(run_dir: str | Path, *, epochs: int | None = None, backend: str | None = None) -> Run:
+    """Continue the run in ``run_dir`` (written by `lmpm run --out` or ``runner(run_dir=...)``)
+    from its last complete epoch, with the settings it was started with: what
+    `lmpm run --resume RUN_DIR` does. Call ``.run()`` on the result, then ``.finish()``."""
+    from lmpm.runtime.session import resume as _resume
+
+    return _resume(run_dir, epochs=epochs, backend=backend)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."

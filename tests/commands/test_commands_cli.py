@@ -124,13 +124,24 @@ def test_show_formats(fmt: str) -> None:
     assert marker in out and "LocalGen" in out
 
 
-def test_show_svg_without_graphviz_prints_dot(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_show_svg_without_graphviz_renders_svg(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     import shutil
+    import xml.etree.ElementTree as ET
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    rc, out, err = run("show", str(VIDEO), "--format", "svg")
-    assert rc == 0 and out.startswith("digraph lmpm {")
-    assert "Graphviz" in err and "printing DOT instead" in err
+    dest = tmp_path / "g.svg"
+    rc, _out, err = run("show", str(VIDEO), "--format", "svg", "-o", str(dest))
+    assert rc == 0, err
+    root = ET.fromstring(dest.read_text())
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    ns = {"s": "http://www.w3.org/2000/svg"}
+    texts = [t.text or "" for t in root.iterfind(".//s:text", ns)]
+    assert "rule LocalGen" in texts and any(t.startswith("HardLock") for t in texts)
+    boxes = [g.get("id") for g in root.iterfind("s:g", ns)]
+    assert {"v_Vid", "r_LocalGen", "c_HardLock", "m_0"} <= set(boxes)
+    assert len(root.findall("s:path", ns)) >= 10  # the edges
 
 
 def test_show_output_file(tmp_path: Path) -> None:

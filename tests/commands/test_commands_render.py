@@ -78,3 +78,39 @@ def test_render_without_program_guesses_types(tmp_path: Path) -> None:
 def test_render_errors(tmp_path: Path) -> None:
     assert cli("render", str(tmp_path / "nope"))[0] == 2
     assert cli("render", str(tmp_path))[0] == 2  # no values
+
+
+ANY = """\
+value A : Float shape Grid2D(W, 4)
+value B : Token[Byte] shape Seq(N)
+value C : Token[5] shape Seq(N)
+value D : Token[VQ] shape Grid3D(2, W, W)
+rule Gen:
+  on D[t,x,y] when t == 1
+  emit proposal D[t,x,y] := Uniform(k=1)
+"""
+
+
+def test_render_any_run_set_dims_unset_cells_every_value_type(tmp_path: Path) -> None:
+    """Implicit dims bound with --set, cells left unset, numbers, text, non-text sequences."""
+    prog = tmp_path / "any.lmpm"
+    prog.write_text(ANY)
+    a = np.full((3, 4), np.nan, dtype=np.float32)
+    a[0, 0] = 1.5
+    np.save(tmp_path / "a.npy", a)
+    (tmp_path / "b.txt").write_text("hi")
+    out = tmp_path / "run"
+    sets = ["--set", "W=3", "--set", "N=5", "--set", "VQ=7"]
+    argv = ["run", str(prog), *sets, "--input", f"A={tmp_path / 'a.npy'}"]
+    argv += ["--input", f"B={tmp_path / 'b.txt'}", "--epochs", "1", "--out", str(out), "--quiet"]
+    with redirect_stderr(io.StringIO()):
+        assert main(argv) == 0
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        assert main(["render", str(out)]) == 0, stderr.getvalue()
+    render = out / "render"
+    assert (render / "B.txt").read_text() == "hi\n" and "B: hi" in stdout.getvalue()
+    for name in ("A.png", "C.png", "D.png", "D.gif"):
+        assert (render / name).is_file(), name
+    with Image.open(render / "A.png") as im:
+        assert im.size[0] > 0

@@ -48,7 +48,7 @@ CASES: dict[str, tuple[str, int, int]] = {
         5,
         9,
     ),
-    "E203": ("param W = 30\nvalue A : Token[Byte] shape Seq(W/8)\n", 2, 1),
+    "E203": ("param W = 30\nvalue A : Token[Byte] shape Seq(W/8)\n", 2, 33),
     "E204": (
         H
         + "visible A[t] <- A[t+1] when t < N-1\nconstraint C:\n  forbid read_future(A[t]) priority 1\n",
@@ -57,10 +57,10 @@ CASES: dict[str, tuple[str, int, int]] = {
     ),
     "E207": (H + "rule R:\n  on A[t]\n  emit proposal A[t] := Mystery()\n" + COMMIT, 5, 25),
     "E208": (H + "commit A[*] using satisfy(x)\ncommit A[*] using average()\n", 4, 1),
-    "E209": ("param N = 0\nvalue A : Token[Byte] shape Seq(N)\n", 2, 1),
+    "E209": ("param N = 0\nvalue A : Token[Byte] shape Seq(N)\n", 2, 33),
     "W105": ("value S : Token[Byte] shape Set()\n", 1, 29),
     "W202": (H + "visible A[t] <- A[t-1]\n", 3, 1),
-    "W205": (H + "rule R:\n  on A[t] when t > 100\n  emit proposal A[t] := M()\n" + COMMIT, 3, 1),
+    "W205": (H + "rule R:\n  on A[t] when t > 100\n  emit proposal A[t] := M()\n" + COMMIT, 4, 16),
     "W206": (H + "constraint C:\n  forbid change(A[t]) priority 1\n", 3, 1),
     "W207": (H + "rule R:\n  on A[t]\n  emit proposal A[t] := M()\n", 3, 1),
     "B002": ("param M\nparam N = M + 1\nvalue A : Token[Byte] shape Seq(N)\n", 2, 1),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,14 +18,60 @@ SEED = Path(__file__).with_name("seed_verbatim.lmpm")
 H = "param N = 8\nvalue A : Token[Byte] shape Seq(N)\n"
 
 
+def _fast(text: str, file: str = "<input>") -> ast.Program:
+    """The fast path alone: declining (Fallback) fails the test instead of falling back."""
+    return ast.Program(file, tuple(fast.parse_items(text, file)))
+
+
+PARSERS = {"fast": _fast, "lark": parse_lark}
+
+
+@pytest.fixture(params=sorted(PARSERS))
+def parse_with(request: pytest.FixtureRequest) -> object:
+    """Each parser test runs on both parsers: they must build the identical AST."""
+    return PARSERS[request.param]
+
+
+def test_fast_keywords_are_the_grammars_keywords() -> None:
+    grammar = (ROOT / "src" / "lmpm" / "lang" / "lmpm.lark").read_text()
+    words = set(re.findall(r'"([A-Za-z_]+)"', grammar))
+    assert words == set(fast.KEYWORDS)
+
+
+def test_decimal_literals(parse_with: Any) -> None:
+    text = H + "rule R:\n  on A[t]\n  emit proposal A[t] := M(a=0.7, b=1e-3, c=-2.5E+2, d=3)\n"
+    rule = parse_with(text, "f").items[2]
+    call = rule.body[1].call
+    values = [a.value for a in call.args]
+    assert isinstance(values[0], ast.Float) and values[0].value == 0.7
+    assert values[0].text == "0.7" and (values[0].span.col, values[0].span.end_col) == (29, 32)
+    assert isinstance(values[1], ast.Float) and values[1].value == 1e-3
+    assert isinstance(values[2], ast.Neg) and values[2].operand.value == 250.0
+    assert isinstance(values[3], ast.Int)
+    # `0..5` stays a range
+    rng = parse_with(H + "visible A[t] <- A[0..5]\n", "f").items[2].source.indices[0]
+    assert isinstance(rng, ast.Range) and isinstance(rng.lo, ast.Int)
+
+
+def test_internal_failures_are_not_retried_under_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: Any) -> Any:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(fast.Parser, "program", broken)
+    with pytest.raises(KeyError):
+        parse(H, "f")
+    monkeypatch.delenv(fast.STRICT_ENV)
+    assert parse(H, "f").items  # outside the tests: lark decides
+
+
 def test_every_example_parses_identically_on_both_paths() -> None:
     for path in [*sorted((ROOT / "examples").glob("*.lmpm")), SEED]:
         text = path.read_text()
         assert tuple(fast.parse_items(text, "f")) == parse_lark(text, "f").items
 
 
-def test_spans_cover_their_node() -> None:
-    prog = parse(H + "visible A[t] <- A[0..t-1] when t > 0\n", "f")
+def test_spans_cover_their_node(parse_with: Any) -> None:
+    prog = parse_with(H + "visible A[t] <- A[0..t-1] when t > 0\n", "f")
     vis = prog.items[2]
     assert isinstance(vis, ast.Visible)
     assert (vis.span.line, vis.span.col, vis.span.end_col) == (3, 1, 37)
@@ -33,8 +81,8 @@ def test_spans_cover_their_node() -> None:
     )
 
 
-def test_parentheses_keep_their_span_and_group() -> None:
-    prog = parse(H + "visible A[t] <- A[(t-1)*2] when not (t > 0)\n", "f")
+def test_parentheses_keep_their_span_and_group(parse_with: Any) -> None:
+    prog = parse_with(H + "visible A[t] <- A[(t-1)*2] when not (t > 0)\n", "f")
     vis = prog.items[2]
     assert isinstance(vis, ast.Visible) and isinstance(vis.source, ast.Subscript)
     idx = vis.source.indices[0]
@@ -51,8 +99,8 @@ def test_keywords_as_names_fall_back_to_lark() -> None:
     assert compile_source(text, raise_errors=False).diagnostics[0].code == "E110"
 
 
-def test_string_escapes() -> None:
-    prog = parse(H + 'constraint C: require A[t] in Set("a\\"b\\\\c\\q") priority 1\n', "f")
+def test_string_escapes(parse_with: Any) -> None:
+    prog = parse_with(H + 'constraint C: require A[t] in Set("a\\"b\\\\c\\q") priority 1\n', "f")
     con = prog.items[2]
     assert isinstance(con, ast.Constraint) and isinstance(con.pred, ast.In)
     call = con.pred.rhs

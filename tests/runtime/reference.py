@@ -1,4 +1,4 @@
-"""A deliberately plain reference interpreter of DESIGN.md §3 (one cell at a time, Python loops).
+"""A deliberately plain reference interpreter of docs/design.md §3 (one cell at a time, Python loops).
 
 It shares nothing with the vectorized runtime but the front end, the bound models, the RNG and two
 plan-time helpers (the graph colouring of the `independent` schedule, the `confidence` quota): reads

@@ -68,6 +68,13 @@ def big(ctx: Any) -> torch.Tensor:
 
 BINDINGS = {"Echo": echo, "FEcho": fecho, "big": big}
 
+
+def used(front: Any, bindings: dict[str, Any]) -> dict[str, Any]:
+    """The bindings a program uses (Run refuses keys the program does not name: B021)."""
+    names = {c.func for c in front.ir.calls()}
+    return {k: v for k, v in bindings.items() if k in names}
+
+
 STENCILS_1D = [
     "Txt[0..t-1] when t > 0",
     "Txt[t-1] when t > 0",
@@ -333,7 +340,7 @@ def _state(run: Run, ref: Reference, name: str) -> tuple[Any, Any]:
 def check_against_reference(src: str, target: str, seed: int, epochs: int) -> None:
     front = compile_source(src, raise_errors=False)
     assert not front.errors, (src, [d.render() for d in front.errors])
-    run = Run(front, bindings=BINDINGS, seed=seed, epochs=epochs)
+    run = Run(front, bindings=used(front, BINDINGS), seed=seed, epochs=epochs)
     ref = Reference(front.ir, bindings=BINDINGS, seed=seed, epochs=epochs)
     for e in range(epochs):
         commits = run.engine.step().commits
@@ -402,7 +409,7 @@ def test_clocks_of_several_reads_of_one_source_equal_reference(strategy: str, ti
     src = _program(MULTI_READ, strategy, tiles)
     front = compile_source(src, raise_errors=False)
     assert not front.errors, [d.render() for d in front.errors]
-    run = Run(front, bindings=BINDINGS, seed=1, epochs=6)
+    run = Run(front, bindings=used(front, BINDINGS), seed=1, epochs=6)
     ref = Reference(front.ir, bindings=BINDINGS, seed=1, epochs=6)
     given: list[int | None] = [None if i % 3 == 0 else i % 5 for i in range(12)]
     run.set_input(
@@ -519,7 +526,7 @@ commit A[*] using satisfy(max_constraints_then_score)
 """
     bindings = {**BINDINGS, "Fixed": fixed_tokens}
     front = compile_source(src, raise_errors=False)
-    run = Run(front, bindings=bindings)
+    run = Run(front, bindings=used(front, bindings))
     ref = Reference(front.ir, bindings=bindings)
     for e in range(2):
         assert run.engine.step().commits == ref.step(), e
@@ -653,7 +660,7 @@ def test_average_of_a_tensor_value_equals_reference() -> None:
     src = _tensor_program("average", "raster")
     front = compile_source(src, raise_errors=False)
     assert not front.errors, [d.render() for d in front.errors]
-    run = Run(front, bindings=bindings, epochs=6)
+    run = Run(front, bindings=used(front, bindings), epochs=6)
     ref = Reference(front.ir, bindings=bindings, epochs=6)
     for e in range(6):
         assert run.engine.step().commits == ref.step(), e
@@ -670,7 +677,7 @@ def test_constraints_on_a_tensor_value_equal_reference() -> None:
     src = _tensor_program("satisfy(max_constraints_then_score)", "all", constraints)
     front = compile_source(src, raise_errors=False)
     assert not front.errors, [d.render() for d in front.errors]
-    run = Run(front, bindings=bindings, epochs=4)
+    run = Run(front, bindings=used(front, bindings), epochs=4)
     ref = Reference(front.ir, bindings=bindings, epochs=4)
     for e in range(4):
         assert run.engine.step().commits == ref.step(), e

@@ -21,7 +21,7 @@ from lmpm.runtime.trace import Tracer, cell_story, epoch_ranges, parse_region, r
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import Reference
-from test_runtime_differential import BINDINGS, programs
+from test_runtime_differential import BINDINGS, programs, used
 
 
 def _info(src: str, front: Any, level: str, seed: int = 0) -> RunInfo:
@@ -35,7 +35,7 @@ def _info(src: str, front: Any, level: str, seed: int = 0) -> RunInfo:
 def test_summary_counts_equal_the_reference_interpreter(case: tuple[str, dict[str, Any]]) -> None:
     src, info = case
     front = compile_source(src, raise_errors=False)
-    run = Run(front, bindings=BINDINGS, seed=info["seed"])
+    run = Run(front, bindings=used(front, BINDINGS), seed=info["seed"])
     ref = Reference(front.ir, bindings=BINDINGS, seed=info["seed"])
     with tempfile.TemporaryDirectory() as d:
         log = CommitLog(

@@ -24,7 +24,7 @@ from lmpm.runtime.session import Run
 from lmpm.runtime.trace import Tracer, box_text
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_runtime_differential import BINDINGS, programs
+from test_runtime_differential import BINDINGS, programs, used
 from test_runtime_trace import CELLS
 
 
@@ -129,7 +129,8 @@ def test_summary_rows_equal_the_reference_on_random_programs(
     case: tuple[str, dict[str, Any]],
 ) -> None:
     src, info = case
-    run = Run(compile_source(src, raise_errors=False), bindings=BINDINGS, seed=info["seed"])
+    front = compile_source(src, raise_errors=False)
+    run = Run(front, bindings=used(front, BINDINGS), seed=info["seed"])
     keep = _Keep()
     run.engine.observers.append(keep)
     run.run(info["epochs"])

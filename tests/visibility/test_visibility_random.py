@@ -2,7 +2,7 @@
 
 Each example is generated as plain Python data (values, clauses with expression trees), rendered
 to LMPM source, and compiled through the real front end. The reference below evaluates the *data*
-with plain loops over every (target cell, binder combination), straight from DESIGN.md §3 — it
+with plain loops over every (target cell, binder combination), straight from docs/design.md §3 — it
 shares no code with lmpm.visibility or lmpm.ir.eval.
 """
 

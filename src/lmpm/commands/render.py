@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             written.append(path)
             sys.stdout.write(f"{name}: {text}\n")
         elif k.kind == "grid":
-            written.extend(render_grid(name, arr, k.vocab, out, args.scale, args.fps))
+            grid = arr.reshape(-1, 1) if arr.ndim == 1 else arr  # a sequence: one row
+            written.extend(render_grid(name, grid, k.vocab, out, args.scale, args.fps))
     db = trace_db(run_dir)
     if db is not None:
         plot = plot_violations(db, out / "violations.png")
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
 def value_kinds(run_dir: Path, arrays: dict[str, Any], program: str | None) -> dict[str, Kind]:
     """Kinds of the values from the program (``--program``, or the IR in the run database)."""
     ir = None
+    params: dict[str, int] = {}
     if program is not None:
         from lmpm.ir import compile_file
 
@@ -105,13 +107,17 @@ def value_kinds(run_dir: Path, arrays: dict[str, Any], program: str | None) -> d
             raise UsageError(f"--program {program}: no such file", code="U033")
         ir = compile_file(p).ir
     else:
-        ir = ir_from_db(run_dir)
+        ir, params = run_program(run_dir)
     if ir is None:
         return {}
+    from lmpm.errors import LmpmError
     from lmpm.ir.eval import bind_params, evaluate
     from lmpm.ir.nodes import DType, ShapeKind
 
-    env = bind_params(ir, None)
+    try:
+        env = bind_params(ir, params)  # the run's --set values: its dims and vocabularies
+    except LmpmError:
+        env = {}
     out: dict[str, Kind] = {}
     for v in ir.values:
         if v.shape == ShapeKind.SET:
@@ -127,7 +133,7 @@ def value_kinds(run_dir: Path, arrays: dict[str, Any], program: str | None) -> d
         rank = arr.ndim if arr is not None else len(v.dims)
         if vocab == 256 and rank == 1:
             out[v.name] = Kind(v.name, "text", vocab)
-        elif rank in (2, 3):
+        elif rank in (1, 2, 3):  # a sequence of other tokens or numbers: a one-row grid
             out[v.name] = Kind(v.name, "grid", vocab)
         else:
             out[v.name] = Kind(v.name, "skip", vocab)
@@ -138,11 +144,11 @@ def guess(name: str, arr: np.ndarray) -> Kind:
     import numpy as np
 
     if not np.issubdtype(arr.dtype, np.integer):
-        return Kind(name, "grid" if arr.ndim in (2, 3) else "skip", None)
+        return Kind(name, "grid" if arr.ndim in (1, 2, 3) else "skip", None)
     top = int(arr.max()) if arr.size else -1
     if arr.ndim == 1 and top < 256:
         return Kind(name, "text", 256)
-    if arr.ndim in (2, 3):
+    if arr.ndim in (1, 2, 3):
         return Kind(name, "grid", 16 if top < 16 else top + 1)
     return Kind(name, "skip", None)
 
@@ -268,20 +274,26 @@ def _query(db: Path, sql: str) -> list[tuple[Any, ...]] | None:
 
 def ir_from_db(run_dir: Path) -> Any:
     """The program's IR, compiled from the source and parameters the run database stores."""
+    return run_program(run_dir)[0]
+
+
+def run_program(run_dir: Path) -> tuple[Any, dict[str, int]]:
+    """(IR, --set parameters) of the run, from its database; (None, {}) when unreadable."""
     import json
 
     db = trace_db(run_dir)
     if db is None:
-        return None
+        return None, {}
     rows = _query(
         db, "SELECT key, value FROM meta WHERE key IN ('source', 'params', 'program_file')"
     )
     if not rows:
-        return None
+        return None, {}
     meta = {k: json.loads(v) for k, v in rows}
     source = meta.get("source")
-    if not isinstance(source, str):
-        return None
+    params = meta.get("params") or {}
+    if not isinstance(source, str) or not isinstance(params, dict):
+        return None, {}
     from lmpm.ir import compile_source
 
     try:
@@ -289,8 +301,8 @@ def ir_from_db(run_dir: Path) -> Any:
             source, str(meta.get("program_file", "<run>")), overrides=meta.get("params") or None
         )
     except Exception:
-        return None
-    return front.ir
+        return None, {}
+    return front.ir, params
 
 
 def violations_by_epoch(db: Path) -> dict[str, dict[int, int]] | None:

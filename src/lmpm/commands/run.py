@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         seed=seed,
         backend=backend,
         epochs=args.epochs,
+        keep_records=False,  # the commit log keeps them; a long run must not hold them all
     )
     tracer, region = _tracer(session, level, args.trace_region)
     info = RunInfo(
@@ -313,6 +314,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
         seed=int(meta["seed"]),
         backend=backend,
         epochs=meta.get("plan_epochs", meta["epochs"]),
+        keep_records=False,
     )
     region_text = meta.get("trace_region")
     if args.trace_region:

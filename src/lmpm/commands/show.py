@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--format",
         choices=["text", "dot", "svg", "mermaid", "ir"],
         default="text",
-        help="text outline (default), Graphviz dot, svg (needs graphviz), mermaid, or IR text",
+        help="text outline (default), Graphviz dot, svg (Graphviz when installed, else a built-in layout), mermaid, or IR text",
     )
     p.add_argument("--plan", action="store_true", help="show the resolved execution plan")
     p.add_argument("--vm", action="store_true", help="show workflows as VM instruction tensors")
@@ -63,12 +63,8 @@ def run(args: argparse.Namespace) -> int:
     elif args.format == "svg":
         dot = g.to_dot(front.ir)
         exe = shutil.which("dot")
-        if exe is None:
-            sys.stderr.write(
-                "svg needs Graphviz's `dot` program, which is not installed "
-                "(apt-get install graphviz); printing DOT instead\n"
-            )
-            out = dot
+        if exe is None:  # no Graphviz: LMPM's own layout (install graphviz for dot's)
+            out = g.to_svg(front.ir)
         else:
             res = subprocess.run(
                 [exe, "-Tsvg"], input=dot, capture_output=True, text=True, check=False

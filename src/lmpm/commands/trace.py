@@ -26,10 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    from lmpm.runtime.commitlog import connect
+    from lmpm.runtime.logread import connect
     from lmpm.runtime.trace import cell_story, plot, report
 
-    conn = connect(args.run_dir, readonly=True)
+    conn = connect(args.run_dir)
     try:
         if args.cell:
             story = cell_story(conn, args.run_dir, args.cell)

@@ -46,7 +46,7 @@ def _front(
     sink = DiagnosticSink()
     ir = build(tree, sink)
     if not sink.has_errors:
-        ir = check(ir, sink, overrides=overrides, known_names=known_names, strict=strict)
+        ir = check(ir, sink, overrides=overrides, known_names=known_names, strict=strict, tree=tree)
     if raise_errors:
         sink.raise_if_errors()
     return Frontend(tree, ir, tuple(sink.items))

@@ -334,6 +334,14 @@ class Builder:
                 return Expr(Op.OR, (self._expr(lhs, scope), self._expr(rhs, scope)))
             case ast.Not(operand=x):
                 return Expr(Op.NOT, (self._expr(x, scope),))
+            case ast.Float(text=t, span=sp):
+                raise self._fail(
+                    "E108",
+                    f"the decimal `{t}` is not allowed here: sizes, indices, guards and "
+                    "priorities are integers",
+                    sp,
+                    "decimals go in call arguments, e.g. `ByteLM(context, temperature=0.7)`",
+                )
             case ast.In(span=sp):
                 raise self._fail(
                     "E109",
@@ -745,6 +753,10 @@ class Builder:
                 return Arg(ArgKind.FORWARD, key)
             case ast.Int(value=n):
                 return Arg(ArgKind.INT, key, n)
+            case ast.Float(value=x):
+                return Arg(ArgKind.FLOAT, key, x)
+            case ast.Neg(operand=ast.Float(value=x)):
+                return Arg(ArgKind.FLOAT, key, -x)
             case ast.Str(value=s):
                 return Arg(ArgKind.STR, key, s)
             case ast.Name(id=n, span=sp):
@@ -1139,6 +1151,7 @@ def _src(a: ast.Expr) -> str:
 def _describe(e: ast.Expr) -> str:
     names = {
         ast.Int: "an integer",
+        ast.Float: "a decimal number",
         ast.Str: "a string",
         ast.Name: "a name",
         ast.Star: "`*`",

@@ -16,6 +16,7 @@ from dataclasses import replace
 from lmpm.errors import DiagnosticSink, Span
 from lmpm.ir.eval import EvalError, bind_params, compile_expr, evaluate, fold, names_in
 from lmpm.ir.nodes import (
+    Arg,
     ArgKind,
     Axis,
     AxisKind,
@@ -36,9 +37,14 @@ from lmpm.ir.nodes import (
 )
 from lmpm.ir.printer import expr_str, read_str
 from lmpm.ir.probe import Compiled, compiled, probe_cells, probe_indices, shape_of
+from lmpm.lang import ast
+from lmpm.signatures import POLICIES, SIGNATURES, Signature
+from lmpm.signatures import Param as SigParam
 
 MAX_DIM = 2**48  # larger dimensions are an error (E209): no machine holds such a value
 PROBE_DIM = 64  # size given to an unbound dimension while probing; divisible by 2..64 powers
+# Epochs at which a guard using the epoch `e` is probed: a rule guarded by `e >= 3` fires later.
+PROBE_EPOCHS = (0, 1, 2, 3, 4, 5, 7, 8, 10, 16, 32, 64, 100, 1000, 10**6)
 
 
 def probe_env(program: Program, overrides: Mapping[str, int] | None = None) -> dict[str, int]:
@@ -56,8 +62,15 @@ class Checker:
         overrides: Mapping[str, int] | None,
         known_names: set[str] | None,
         strict: bool,
+        tree: ast.Program | None = None,
     ) -> None:
         self.p = program
+        # The AST, when given, locates faults on the exact sub-expression (a dim, an argument).
+        self.ast_dims: dict[str, tuple[ast.Expr, ...]] = {}
+        self.ast_calls: dict[Span, ast.Call] = {}
+        self.ast_guards: dict[str, Span] = {}
+        if tree is not None:
+            _index_ast(tree, self.ast_dims, self.ast_calls, self.ast_guards)
         self.sink = sink
         self.overrides = dict(overrides or {})
         self.known = known_names
@@ -84,6 +97,7 @@ class Checker:
         constraints = tuple(self._constraint(c) for c in self.p.constraints)
         for w in self.p.workflows:
             self._workflow(w)
+        self._signatures()
         self._strict_names()
         return replace(self.p, constraints=constraints)
 
@@ -101,13 +115,15 @@ class Checker:
         ok = True
         for v in self.p.values:
             dims: list[int] = []
+            srcs = self.ast_dims.get(v.name, ())
             for k, d in enumerate(v.dims):
-                ok &= self._divisible(v, d)
+                dspan = srcs[k].span if k < len(srcs) else v.span
+                ok &= self._divisible(v, d, srcs[k] if k < len(srcs) else None)
                 try:
                     n = evaluate(d, self.env)
                 except EvalError as e:
                     self.sink.error(
-                        "E203", f"dimension {k + 1} of `{v.name}` cannot be evaluated: {e}", v.span
+                        "E203", f"dimension {k + 1} of `{v.name}` cannot be evaluated: {e}", dspan
                     )
                     ok = False
                     continue
@@ -116,7 +132,7 @@ class Checker:
                         "E209",
                         f"dimension {k + 1} of `{v.name}` ({_short(expr_str(d))}) is {_num(n)}; "
                         f"dimensions must be between 1 and {MAX_DIM}",
-                        v.span,
+                        dspan,
                         "check the parameters it uses (`--set`)",
                     )
                     ok = False
@@ -132,12 +148,16 @@ class Checker:
                     pass
         return ok
 
-    def _divisible(self, v: Value, d: Expr) -> bool:
+    def _divisible(self, v: Value, d: Expr, src: ast.Expr | None = None) -> bool:
         ok = True
-        stack = [d]
+        stack: list[tuple[Expr, ast.Expr | None]] = [(d, src)]
         while stack:
-            x = stack.pop()
-            stack.extend(x.args)
+            x, node = stack.pop()
+            kids = _ast_kids(node)
+            if len(kids) == len(x.args):
+                stack.extend(zip(x.args, kids))
+            else:
+                stack.extend((arg, None) for arg in x.args)
             if x.op != Op.DIV:
                 continue
             try:
@@ -153,7 +173,7 @@ class Checker:
                     "E203",
                     f"`{expr_str(x)}` in the shape of `{v.name}` is not exact: "
                     f"{shown} is not divisible by {b}",
-                    v.span,
+                    node.span if node is not None else v.span,
                     f"choose a value divisible by {b} (e.g. --set with a multiple of {b})",
                 )
                 ok = False
@@ -302,8 +322,9 @@ class Checker:
             self.sink.warning(
                 "W205",
                 f"rule `{r.name}` can never fire: its `on ... when` guard is "
-                "false at every probed cell",
-                r.span,
+                "false at every probed cell"
+                + (" and epoch" if _epochs_of(trigger) != (0,) else ""),
+                self.ast_guards.get(r.name, r.span),
             )
 
     def _pattern(self, r: Rule) -> str:
@@ -474,6 +495,239 @@ class Checker:
             allowed = allowed & members if c.kind == "require" else allowed - members
         return allowed
 
+    # ---- built-in signatures: policies, schedules, models -------------------------------------
+    def _signatures(self) -> None:
+        for cm in self.p.commits:
+            v = self.values.get(cm.access.value)
+            self._policy(cm.policy, v)
+        for r in self.p.rules:
+            if r.kind == RuleKind.SCHEDULE:
+                self._schedule(r.proposal)
+            else:
+                self._model(r, r.proposal)
+                if r.score is not None:
+                    self._model(r, r.score)
+        if self.known is None:
+            from lmpm.bindings import BUILTINS
+
+            reported: set[str] = set()
+            for call in self.p.calls():
+                if call.func in BUILTINS or call.func in reported or call.role == "policy":
+                    continue
+                reported.add(call.func)
+                near = _suggest(call.func, sorted(BUILTINS))
+                self.sink.warning(
+                    "W210",
+                    f"`{call.func}` ({call.role}) is not a built-in name; a run must bind it "
+                    "(--bind MODULE, or bindings= in Python)",
+                    _name_span(call),
+                    near or "check it with `lmpm check --strict --bind MODULE`",
+                )
+
+    def _user_bound(self, name: str) -> bool:
+        """A name some --bind module / bindings= mapping binds (it overrides a built-in)."""
+        if self.known is None:
+            return False
+        from lmpm.bindings import BUILTINS
+
+        return name in self.known and name not in BUILTINS
+
+    def _bound(self, e: Expr) -> bool:
+        """Whether ``e`` uses only parameters with a value (a default or --set), not probe sizes."""
+        given = {p.name for p in self.p.params if p.default is not None} | set(self.overrides)
+        return all(n in given for op, n in names_in(e) if op == Op.PARAM)
+
+    def _arg_span(self, call: Call, i: int, *, value: bool = False) -> Span:
+        """The i-th argument (``k=0``), or with ``value`` only its value (``0``)."""
+        node = self.ast_calls.get(call.span)
+        if node is not None and i < len(node.args):
+            return node.args[i].value.span if value else node.args[i].span
+        return call.span
+
+    def _policy(self, call: Call, v: Value | None) -> None:
+        sig = SIGNATURES.get(call.func)
+        if sig is None or sig.role != "policy":
+            if self._user_bound(call.func) or _registered_policy(call.func):
+                return
+            near = _suggest(call.func, list(POLICIES))
+            self.sink.error(
+                "E210",
+                f"unknown commit policy `{call.func}`",
+                _name_span(call),
+                (near + "; " if near else "") + "policies: " + ", ".join(POLICIES),
+            )
+            return
+        if sig.dtypes and v is not None and v.dtype.value not in sig.dtypes:
+            self.sink.error(
+                "E211",
+                f"`{call.func}` needs a value of type {' or '.join(sig.dtypes)}; `{v.name}` holds "
+                f"{v.dtype.value}s",
+                _name_span(call),
+                "for tokens use satisfy(max_constraints_then_score) or winner_takes_all",
+            )
+        if len(call.args) > len(sig.params):
+            self.sink.error(
+                "E210",
+                f"`{call.func}` takes {len(sig.params)} argument"
+                f"{'s' if len(sig.params) != 1 else ''}; got {len(call.args)}",
+                self._arg_span(call, len(sig.params)),
+                f"write {sig.doc}",
+            )
+            return
+        for i, (a, prm) in enumerate(zip(call.args, sig.params)):
+            if a.key is not None:
+                self.sink.error(
+                    "E210",
+                    f"`{call.func}` takes positional arguments; got `{a.key}=`",
+                    self._arg_span(call, i),
+                    f"write {sig.doc}",
+                )
+                continue
+            if prm.name == "inner":
+                if a.kind == ArgKind.CALL and a.call is not None:
+                    self._policy(a.call, v)
+                elif a.kind in (ArgKind.NAME, ArgKind.STR):
+                    self._policy(Call(str(a.value), (), "policy", self._arg_span(call, i)), v)
+                else:
+                    self._arg_error("E210", call, i, a, prm, sig)
+                continue
+            self._check_arg("E210", call, i, a, prm, sig)
+
+    def _schedule(self, call: Call) -> None:
+        sig = SIGNATURES.get(call.func)
+        if sig is None or sig.role != "schedule" or self._user_bound(call.func):
+            return
+        for i, a in enumerate(call.args):
+            if a.key is None:
+                self.sink.error(
+                    "E212",
+                    f"`{call.func}` takes keyword arguments; this one has no name",
+                    self._arg_span(call, i),
+                    f"write {sig.doc}",
+                )
+                continue
+            prm = sig.param(a.key)
+            if prm is None:
+                near = _suggest(a.key, [p.name for p in sig.params])
+                self.sink.error(
+                    "E212",
+                    f"`{call.func}` has no argument `{a.key}`",
+                    self._arg_span(call, i),
+                    (near + "; " if near else "")
+                    + "arguments: "
+                    + ", ".join(p.name for p in sig.params),
+                )
+                continue
+            self._check_arg("E212", call, i, a, prm, sig)
+
+    def _model(self, r: Rule, call: Call) -> None:
+        sig = SIGNATURES.get(call.func)
+        if sig is None or sig.role not in ("model", "score") or self._user_bound(call.func):
+            return
+        v = self.values.get(r.target)
+        names = _input_names(r, call)
+        missing = [n for n in sig.reads if n not in names]
+        if missing:
+            have = ", ".join(f"`{n}`" for n in sorted(names)) or "none"
+            need = missing[0]
+            first = next((rd.name for rd in r.reads), None)
+            fix = f"name a read `{need}` (`read {{{need} = ...}}`)" + (
+                f" or pass it by keyword: `{call.func}({need}={first})`" if first else ""
+            )
+            self.sink.error(
+                "E213",
+                f"`{call.func}` needs an input named `{need}`; rule `{r.name}` gives it {have}",
+                _name_span(call),
+                fix,
+            )
+        if sig.role == "model" and v is not None:
+            if sig.dtypes and v.dtype.value not in sig.dtypes:
+                self.sink.error(
+                    "E213",
+                    f"`{call.func}` proposes {' or '.join(sig.dtypes)}s; `{v.name}` holds "
+                    f"{v.dtype.value}s",
+                    _name_span(call),
+                )
+            elif sig.vocab is not None and v.vocab is not None and self._bound(v.vocab):
+                try:
+                    vocab = evaluate(v.vocab, self.env)
+                except EvalError:
+                    vocab = sig.vocab
+                if vocab != sig.vocab:
+                    self.sink.error(
+                        "E213",
+                        f"`{call.func}` proposes tokens of a vocabulary of {sig.vocab}; "
+                        f"`{v.name}` has {vocab}",
+                        _name_span(call),
+                        f"declare `{v.name}` with Token[{sig.vocab}], or bind another model",
+                    )
+        for i, a in enumerate(call.args):
+            if a.kind in (ArgKind.READ, ArgKind.FORWARD):
+                continue
+            if a.key is None:
+                continue  # a positional literal: passed as argN, ignored by the built-ins
+            prm = sig.param(a.key)
+            if prm is None:
+                near = _suggest(a.key, [p.name for p in sig.params])
+                self.sink.error(
+                    "E213",
+                    f"`{call.func}` has no argument `{a.key}`",
+                    self._arg_span(call, i),
+                    (near + "; " if near else "")
+                    + (
+                        "arguments: " + ", ".join(p.name for p in sig.params)
+                        if sig.params
+                        else f"`{call.func}` takes reads only"
+                    ),
+                )
+                continue
+            self._check_arg("E213", call, i, a, prm, sig)
+
+    def _check_arg(
+        self, code: str, call: Call, i: int, a: Arg, prm: SigParam, sig: Signature
+    ) -> None:
+        if a.kind.value not in prm.kinds:
+            self._arg_error(code, call, i, a, prm, sig)
+            return
+        if prm.choices and a.kind in (ArgKind.STR, ArgKind.NAME) and a.value not in prm.choices:
+            near = _suggest(str(a.value), list(prm.choices))
+            self.sink.error(
+                code,
+                f"`{call.func}`: {prm.name} `{a.value}` is not one of " + ", ".join(prm.choices),
+                self._arg_span(call, i, value=True),
+                near or f"write {sig.doc}",
+            )
+            return
+        value: float | None = None
+        if a.kind in (ArgKind.INT, ArgKind.FLOAT):
+            value = float(a.value)  # type: ignore[arg-type]
+        elif a.kind == ArgKind.EXPR and a.expr is not None:
+            try:
+                value = evaluate(a.expr, self.env)
+            except EvalError:
+                value = None  # uses the epoch or a variable: decided at run time
+        if value is None:
+            return
+        if (prm.minimum is not None and value < prm.minimum) or (prm.positive and value <= 0):
+            bound = f"at least {prm.minimum:g}" if prm.minimum is not None else "above 0"
+            self.sink.error(
+                code,
+                f"`{call.func}`: {prm.name} must be {bound}, got {value:g}",
+                self._arg_span(call, i, value=True),
+            )
+
+    def _arg_error(
+        self, code: str, call: Call, i: int, a: Arg, prm: SigParam, sig: Signature
+    ) -> None:
+        kinds = " or ".join(_KIND_WORDS.get(k, k) for k in prm.kinds)
+        got = _KIND_WORDS.get(a.kind.value, a.kind.value)
+        self.sink.error(
+            code,
+            f"`{call.func}`: {prm.name} must be {kinds}, got {got}",
+            self._arg_span(call, i, value=True),
+            f"write {sig.doc}",
+        )
+
     def _strict_names(self) -> None:
         if self.known is None:
             return
@@ -495,6 +749,94 @@ _BOUNDS: dict[tuple[object, ...], _OOB] = {}
 _FIRES: dict[tuple[object, ...], bool] = {}
 _READS: dict[tuple[object, ...], _Hit] = {}
 _FUTURE: dict[tuple[object, ...], _Hit] = {}
+
+
+_KIND_WORDS = {
+    "int": "an integer",
+    "float": "a decimal",
+    "expr": "an integer expression",
+    "str": "a string",
+    "name": "a name",
+    "call": "a call",
+    "read": "a read",
+    "access": "an access",
+    "forward": "`...`",
+}
+
+
+def _input_names(r: Rule, call: Call) -> set[str]:
+    """The input names ``call`` sees in rule ``r`` (as lmpm.resolve.plan passes them): a model
+    sees each read under the keyword(s) of the arguments naming it, else under its own name; a
+    score sees the reads its arguments name, or with `...` what the model sees."""
+    if call is r.score and not any(a.kind == ArgKind.FORWARD for a in call.args):
+        return {str(a.value) for a in call.args if a.kind == ArgKind.READ}
+    keyed: dict[str, list[str]] = {}
+    for a in r.proposal.args:
+        if a.kind == ArgKind.READ:
+            keyed.setdefault(str(a.value), []).append(a.key or str(a.value))
+    names: set[str] = set()
+    for rd in r.reads:
+        names.update(keyed.get(rd.name, [rd.name]))
+    return names
+
+
+def _name_span(call: Call) -> Span:
+    """The span of the call's name (``average`` in ``average()``)."""
+    sp = call.span
+    return Span(sp.file, sp.line, sp.col, sp.line, sp.col + len(call.func))
+
+
+def _suggest(name: str, candidates: list[str]) -> str | None:
+    import difflib
+
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else None
+
+
+def _ast_kids(a: ast.Expr | None) -> tuple[ast.Expr, ...]:
+    match a:
+        case ast.BinOp(lhs=lhs, rhs=rhs) | ast.Cmp(lhs=lhs, rhs=rhs):
+            return (lhs, rhs)
+        case ast.And(lhs=lhs, rhs=rhs) | ast.Or(lhs=lhs, rhs=rhs):
+            return (lhs, rhs)
+        case ast.Neg(operand=x) | ast.Not(operand=x):
+            return (x,)
+    return ()
+
+
+def _index_ast(
+    tree: ast.Program,
+    dims: dict[str, tuple[ast.Expr, ...]],
+    calls: dict[Span, ast.Call],
+    guards: dict[str, Span],
+) -> None:
+    """Where each value's dims, each call and each rule's guard are in the source."""
+
+    def walk(e: object) -> None:
+        stack = [e]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, ast.Call):
+                calls.setdefault(x.span, x)
+                stack.extend(a.value for a in x.args)
+            elif isinstance(x, ast.Arg):
+                stack.append(x.value)
+            elif hasattr(x, "__slots__") and not isinstance(x, Span):
+                for name in x.__slots__:
+                    child = getattr(x, name)
+                    if isinstance(child, tuple):
+                        stack.extend(child)
+                    elif child is not None and not isinstance(child, str | int | float | Span):
+                        stack.append(child)
+
+    for item in tree.items:
+        if isinstance(item, ast.Value):
+            dims[item.name] = item.shape.dims
+        elif isinstance(item, ast.Rule):
+            for st in item.body:
+                if isinstance(st, ast.On) and st.guard is not None:
+                    guards[item.name] = st.guard.span
+        walk(item)
 
 
 def clear_caches() -> None:
@@ -577,9 +919,27 @@ def _firing(
     if trigger == Expr.const(1):
         return True
     fn = compile_expr(trigger, (*vars_, "e"))
+    epochs = _epochs_of(trigger)
     for cell in probe_cells(tgt, relevant):
+        for ep in epochs:
+            try:
+                if fn(*cell, ep):
+                    return True
+            except EvalError:
+                continue
+    return False
+
+
+def _epochs_of(guard: Expr) -> tuple[int, ...]:
+    """The epochs to probe ``guard`` at: only epoch 0 unless it uses the epoch variable `e`."""
+    uses_e = any(op == Op.VAR and n == "e" for op, n in names_in(guard))
+    return PROBE_EPOCHS if uses_e else (0,)
+
+
+def _fires_at(trig: object, cell: tuple[int, ...], epochs: tuple[int, ...]) -> bool:
+    for ep in epochs:
         try:
-            if fn(*cell, 0):
+            if trig(*cell, ep):  # type: ignore[operator]
                 return True
         except EvalError:
             continue
@@ -599,10 +959,11 @@ def _uncovered(
     for h in have:
         relevant |= h.relevant_axes()
     trig = compile_expr(trigger, (*vars_, "e"))
+    epochs = _epochs_of(trigger)
     for cell in probe_cells(tgt, frozenset(relevant)):
+        if not _fires_at(trig, cell, epochs):
+            continue
         try:
-            if not trig(*cell, 0):
-                continue
             wanted = want.cells(cell)
         except EvalError:
             continue
@@ -733,15 +1094,19 @@ def check(
     overrides: Mapping[str, int] | None = None,
     known_names: Iterable[str] | None = None,
     strict: bool = False,
+    tree: ast.Program | None = None,
 ) -> Program:
     """Run every static check; returns the program with constraint statuses decided.
+
+    ``known_names`` (the names a run binds) turns unknown call names into E207 with ``strict``;
+    ``tree`` (the AST the program was built from) lets diagnostics point at sub-expressions.
 
     Errors go to ``sink`` (raised as CheckError when no sink is given).
     """
     own = sink is None
     sink = sink if sink is not None else DiagnosticSink()
     known = set(known_names) if known_names is not None else None
-    out = Checker(program, sink, overrides, known, strict).run()
+    out = Checker(program, sink, overrides, known, strict, tree).run()
     if own:
         sink.raise_if_errors()
     return out
@@ -788,3 +1153,12 @@ def lint(program: Program) -> list[str]:
             if (z.exits or z.capture is not None) and not z.generate:
                 problems.append(f"zone {z.name} of {w.name} has exits but no generation")
     return problems
+
+
+def _registered_policy(name: str) -> bool:
+    """A commit policy registered in this process with ``lmpm.resolve.policies.register`` (looked
+    up only if that module is already loaded: the checker never imports torch)."""
+    import sys
+
+    policies = sys.modules.get("lmpm.resolve.policies")
+    return policies is not None and name in getattr(policies, "POLICIES", {})

@@ -1,6 +1,7 @@
 """The program as a graph: values, visibility edges, rules, constraints and commits.
 
-Rendered as text (an outline), Graphviz DOT, or Mermaid; SVG goes through Graphviz's `dot` binary.
+Rendered as text (an outline), Graphviz DOT, Mermaid, or SVG: through Graphviz's `dot` binary
+when it is installed, else by :func:`to_svg`'s own three-column layout (no dependency).
 """
 
 from __future__ import annotations
@@ -101,6 +102,104 @@ def to_dot(p: Program) -> str:
     for e in edges:
         out.append(f"  {e.src} -> {e.dst} [label={_q(e.label)}, {_DOT_EDGE[e.kind]}];")
     out.append("}")
+    return "\n".join(out) + "\n"
+
+
+_SVG_COLUMN = {"constraint": 0, "commit": 0, "value": 1, "rule": 2}
+_SVG_FILL = {"value": "#e8f0fe", "rule": "#e6f4ea", "constraint": "#fce8e6", "commit": "#f3e8fd"}
+_SVG_STROKE = {
+    "visible": "steelblue",
+    "read": "#666666",
+    "emit": "darkgreen",
+    "constrains": "firebrick",
+    "commits": "purple",
+}
+_CHAR_W, _LINE_H, _PAD, _GAP_Y, _GAP_X = 7.0, 15.0, 8.0, 18.0, 150.0
+
+
+def _x(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+
+
+def to_svg(p: Program) -> str:
+    """The graph as a standalone SVG without Graphviz: constraints and commits on the left, values
+    in the middle, rules on the right; edges are labelled curves (a value's `visible` edges to
+    itself or another value bulge to the left of the middle column)."""
+    nodes, edges = graph(p)
+    cols: list[list[Node]] = [[], [], []]
+    for n in nodes:
+        cols[_SVG_COLUMN[n.kind]].append(n)
+    size = {}
+    for n in nodes:
+        lines = n.label.split("\\n")
+        size[n.id] = (max(len(x) for x in lines) * _CHAR_W + 2 * _PAD, len(lines) * _LINE_H + _PAD)
+    widths = [max((size[n.id][0] for n in c), default=0.0) for c in cols]
+    pos: dict[str, tuple[float, float, float, float]] = {}  # id -> x, y, w, h
+    x = 40.0
+    height = 0.0
+    for c, w in zip(cols, widths):
+        y = 20.0
+        for n in c:
+            nw, nh = size[n.id]
+            pos[n.id] = (x + (w - nw) / 2, y, nw, nh)
+            y += nh + _GAP_Y
+        height = max(height, y)
+        x += w + _GAP_X if w else 0.0
+    width = x
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif">',
+        '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" '
+        'markerHeight="7" orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" '
+        'fill="context-stroke"/></marker></defs>',
+    ]
+    loops: dict[str, int] = {}  # self-loops drawn per node, to stack their labels
+    for e in edges:
+        if e.src not in pos or e.dst not in pos:
+            continue
+        sx, sy, sw, sh = pos[e.src]
+        dx, dy, dw, dh = pos[e.dst]
+        y1, y2 = sy + sh / 2, dy + dh / 2
+        if e.src == e.dst:  # a value that sees itself: a loop on its left side
+            path = f"M {sx:.1f} {y1 - 6:.1f} C {sx - 70:.1f} {y1 - 40:.1f} {sx - 70:.1f} "
+            path += f"{y1 + 40:.1f} {sx:.1f} {y1 + 6:.1f}"
+            loops[e.src] = loops.get(e.src, 0) + 1
+            lx, ly = sx - 60, y1 - 30 - 11 * (loops[e.src] - 1)
+        elif abs((sx + sw / 2) - (dx + dw / 2)) < 1:  # same column: an arc on the left
+            x1, x2 = sx, dx
+            bend = 60 + abs(y2 - y1) / 4
+            path = f"M {x1:.1f} {y1:.1f} C {x1 - bend:.1f} {y1:.1f} {x2 - bend:.1f} {y2:.1f} "
+            path += f"{x2:.1f} {y2:.1f}"
+            lx, ly = min(x1, x2) - bend * 0.75, (y1 + y2) / 2
+        else:
+            x1 = sx + sw if sx < dx else sx
+            x2 = dx if sx < dx else dx + dw
+            mx = (x1 + x2) / 2
+            path = f"M {x1:.1f} {y1:.1f} C {mx:.1f} {y1:.1f} {mx:.1f} {y2:.1f} {x2:.1f} {y2:.1f}"
+            lx, ly = mx, (y1 + y2) / 2
+        dash = ' stroke-dasharray="4 3"' if e.kind in ("read", "constrains") else ""
+        out.append(
+            f'<path d="{path}" fill="none" stroke="{_SVG_STROKE[e.kind]}"{dash} '
+            'marker-end="url(#arrow)"/>'
+        )
+        out.append(
+            f'<text x="{lx:.1f}" y="{ly - 3:.1f}" font-size="9" text-anchor="middle" '
+            f'fill="{_SVG_STROKE[e.kind]}">{_x(e.label)}</text>'
+        )
+    for n in nodes:
+        nx, ny, nw, nh = pos[n.id]
+        rx = 14 if n.kind == "rule" else 3
+        out.append(
+            f'<g id="{_x(n.id)}"><rect x="{nx:.1f}" y="{ny:.1f}" width="{nw:.1f}" '
+            f'height="{nh:.1f}" rx="{rx}" fill="{_SVG_FILL[n.kind]}" stroke="#333333"/>'
+        )
+        for i, line in enumerate(n.label.split("\\n")):
+            out.append(
+                f'<text x="{nx + _PAD:.1f}" y="{ny + _PAD / 2 + (i + 0.8) * _LINE_H:.1f}" '
+                f'font-size="11">{_x(line)}</text>'
+            )
+        out.append("</g>")
+    out.append("</svg>")
     return "\n".join(out) + "\n"
 
 

@@ -120,6 +120,7 @@ class Binder:
 class ArgKind(StrEnum):
     READ = "read"  # value: the name of a rule read
     INT = "int"  # value: int
+    FLOAT = "float"  # value: float (a decimal literal, e.g. temperature=0.7)
     STR = "str"  # value: str
     NAME = "name"  # value: a bare identifier (e.g. a policy option) or an unbound name
     EXPR = "expr"  # expr: integer expression (may use the epoch `e`)
@@ -132,7 +133,7 @@ class ArgKind(StrEnum):
 class Arg:
     kind: ArgKind
     key: str | None = None  # keyword name; None when positional
-    value: int | str | None = None
+    value: int | float | str | None = None
     expr: Expr | None = None
     call: Call | None = None
     access: Access | None = None

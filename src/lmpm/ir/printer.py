@@ -95,6 +95,8 @@ def arg_str(a: Arg) -> str:
     match a.kind:
         case ArgKind.READ | ArgKind.NAME | ArgKind.INT:
             body = str(a.value)
+        case ArgKind.FLOAT:
+            body = repr(float(a.value))  # type: ignore[arg-type]  # shortest round-trip form
         case ArgKind.STR:
             body = '"' + str(a.value).replace("\\", "\\\\").replace('"', '\\"') + '"'
         case ArgKind.EXPR:

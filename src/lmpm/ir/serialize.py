@@ -195,6 +195,8 @@ def _schema_of(hint: Any) -> dict[str, Any]:
         return {"$ref": "#/$defs/Span"}
     if hint is int:
         return {"type": "integer"}
+    if hint is float:
+        return {"type": "number"}
     if hint is str:
         return {"type": "string"}
     if hint is bool:

@@ -19,6 +19,15 @@ class Int:
 
 
 @dataclass(frozen=True, slots=True)
+class Float:
+    """A decimal literal (`0.7`, `1e-3`); `text` is the literal as written."""
+
+    value: float
+    text: str
+    span: Span
+
+
+@dataclass(frozen=True, slots=True)
 class Str:
     value: str
     span: Span
@@ -139,6 +148,7 @@ class Not:
 
 Expr = (
     Int
+    | Float
     | Str
     | Name
     | Star

@@ -47,6 +47,8 @@ def fmt_expr(e: ast.Expr, parent: int = 0) -> str:
     match e:
         case ast.Int(value=v):
             s = str(v)
+        case ast.Float(text=t):
+            s = t
         case ast.Str(value=v):
             s = '"' + "".join(_STR_ESCAPES.get(ch, ch) for ch in v) + '"'
         case ast.Name(id=n):

@@ -35,6 +35,7 @@ _TOKEN_NAMES = {
     "_DEDENT": "end of block",
     "NAME": "a name",
     "INT": "an integer",
+    "FLOAT": "a decimal number",
     "STRING": "a string",
     "LPAR": "'('",
     "RPAR": "')'",
@@ -182,6 +183,17 @@ class _Builder(Transformer[Token, Any]):
                 hint="LMPM integers are sizes, indices and priorities",
             )
         return ast.Int(int(tok), self._tok(tok))
+
+    def float_(self, tok: Token) -> ast.Float:
+        value = float(tok)
+        if value in (float("inf"), float("-inf")):
+            raise ParseError(
+                f"decimal literal {str(tok)!r} is out of range",
+                span=self._tok(tok),
+                code="P009",
+                hint="decimals are 64-bit floats (at most about 1.8e308)",
+            )
+        return ast.Float(value, str(tok), self._tok(tok))
 
     def string(self, tok: Token) -> ast.Str:
         return ast.Str(fast.unescape(tok[1:-1]), self._tok(tok))
@@ -467,8 +479,14 @@ def parse(text: str, file: str = "<input>") -> ast.Program:
         pos = e.pos_in_stream if e.pos_in_stream is not None else -1
         ch = text[pos] if 0 <= pos < len(text) else ""
         span = Span(file, e.line, e.column, e.line, e.column + 1)
+        hint = _expected(e) or None
+        if ch == ".":
+            hint = (
+                "a decimal needs digits on both sides of the point (`0.5`, `1.0`, `1e-3`); "
+                "`a..b` is a range"
+            )
         raise ParseError(
-            f"unexpected character {ch!r}", span=span, code="P001", hint=_expected(e) or None
+            f"unexpected character {ch!r}", span=span, code="P001", hint=hint
         ) from None
     except UnexpectedToken as e:
         tok = e.token

@@ -130,7 +130,7 @@ class Plan:
 
 def _literal(a: Arg, env: Mapping[str, int]) -> Any:
     match a.kind:
-        case ArgKind.INT | ArgKind.STR | ArgKind.NAME:
+        case ArgKind.INT | ArgKind.FLOAT | ArgKind.STR | ArgKind.NAME:
             return a.value
         case ArgKind.EXPR:
             assert a.expr is not None

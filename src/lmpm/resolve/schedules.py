@@ -21,8 +21,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import BindError
-
-STRATEGIES = ("all", "raster", "red-black", "independent", "random", "confidence")
+from lmpm.signatures import STRATEGIES  # one list, also read by the checker
 
 
 @dataclass(frozen=True, slots=True)

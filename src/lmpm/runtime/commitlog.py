@@ -53,6 +53,9 @@ import numpy as np
 
 from lmpm.errors import RunDirError
 from lmpm.runtime.lock import atomic_write, fsync_dir, is_io_error, os_error, sqlite_error
+from lmpm.runtime.logread import SQLITE_HEADER as SQLITE_HEADER
+from lmpm.runtime.logread import _check_header
+from lmpm.runtime.logread import checkpoint_shards as checkpoint_shards
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -268,33 +271,6 @@ def connect(
     return conn
 
 
-SQLITE_HEADER = b"SQLite format 3\x00"
-
-
-def _check_header(path: Path) -> None:
-    """Refuse a file that is not an SQLite database *before* SQLite opens it: SQLite treats an
-    empty or foreign file as a new database and may then discard the ``-wal`` beside it, which
-    holds the run's commits."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(SQLITE_HEADER))
-    except OSError as e:
-        raise RunDirError(f"cannot read {path}: {e.strerror}", code="D002") from None
-    if head == SQLITE_HEADER:
-        return
-    wal = Path(f"{path}-wal")
-    kept = ""
-    if wal.is_file() and wal.stat().st_size > 0:
-        kept = f"; its write-ahead log {wal.name} ({wal.stat().st_size:,} bytes) was left as it is"
-    what = "empty (0 bytes)" if not head else "not an SQLite database"
-    raise RunDirError(
-        f"{path} is {what}{kept}; nothing was changed",
-        code="D003",
-        hint="restore lmpm.db from a copy (the -wal file alone cannot be read without it), "
-        "or start a new run in another directory",
-    )
-
-
 def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
     try:
         return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
@@ -505,18 +481,6 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
         },
     )
     return write_checkpoint_file(run_dir, f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors", data)
-
-
-def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
-    """The worker shards a control checkpoint names: worker -> {file, bytes, sha256}."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(run_dir / rel), framework="numpy") as f:
-            meta = f.metadata() or {}
-        return dict(json.loads(meta.get("shards", "{}")))
-    except Exception as e:
-        raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
 
 
 def read_checkpoint(run_dir: Path, rel: str, sha: str, what: str = "checkpoint") -> bytes:

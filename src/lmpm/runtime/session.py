@@ -23,16 +23,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from lmpm.bindings import Bindings
-from lmpm.errors import InputError
-from lmpm.ir import Frontend, compile_file, compile_source
+from lmpm.errors import BindError, DiagnosticSink, InputError
+from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
 from lmpm.runtime.engine import Engine, Observer, RunResult
 from lmpm.runtime.io import load_input, output_array, write_outputs
+
+if TYPE_CHECKING:
+    from lmpm.runtime.commitlog import CommitLog, Restored
 
 
 class Run:
@@ -51,15 +54,29 @@ class Run:
         epochs: int | None = None,
         observers: Sequence[Observer] = (),
         guard: bool = False,
+        keep_records: bool = True,
     ) -> None:
         self.front = front
         self.params = dict(params or {})
+        self.bind = tuple(bind)
+        self.seed = seed
+        self.backend = backend
+        self.epochs = epochs
         self.bindings = Bindings(bind, dict(bindings or {}))
+        check_bindings(front, self.params, self.bindings, bindings)
         self.plan: Plan = resolve(front.ir, self.params, self.bindings, epochs=epochs)
         self.engine = Engine(
-            self.plan, backend=backend, seed=seed, observers=observers, guard=guard
+            self.plan,
+            backend=backend,
+            seed=seed,
+            observers=observers,
+            keep_records=keep_records,
+            guard=guard,
         )
         self.dataplane = self.engine.dataplane
+        self.inputs = {name: str(path) for name, path in (inputs or {}).items()}
+        self.restored: Restored | None = None  # set by resume()
+        self.until: str | None = None
         for name, path in (inputs or {}).items():
             vp = self.plan.values.get(name)
             if vp is None:
@@ -82,6 +99,7 @@ class Run:
         return cls(compile_file(path, overrides=kw.get("params")), **kw)
 
     def run(self, epochs: int | None = None, *, until_stable: bool = False, **kw: Any) -> RunResult:
+        """Run epochs; ``RunResult.records`` holds one EpochRecord per epoch (``keep_records``)."""
         return self.engine.run(epochs, until_stable=until_stable, **kw)
 
     def set_input(self, value: str, payload: Tensor, mask: Tensor) -> None:
@@ -110,6 +128,88 @@ class Run:
         cells hold 0)."""
         return self.dataplane.read(value)[0]
 
+    # ---- the run directory (what `lmpm run --out` writes) --------------------------------------
+    log: CommitLog | None = None
+    run_dir: Path | None = None
+
+    def log_to(
+        self,
+        run_dir: str | Path,
+        *,
+        source: str,
+        program_file: str | None = None,
+        trace: str = "summary",
+        trace_region: str | None = None,
+        checkpoint_every: int | None = None,
+        until: str | None = None,
+        force: bool = False,
+        argv: Sequence[str] = (),
+    ) -> CommitLog:
+        """Append every epoch to RUN_DIR/lmpm.db (commit log + constraint trace at ``trace``)."""
+        from lmpm.errors import UsageError
+        from lmpm.runtime.commitlog import (
+            DEFAULT_CHECKPOINT_EVERY,
+            CommitLog,
+            RunInfo,
+            holds_run,
+            program_hash,
+            refuse_existing,
+            remove_run,
+        )
+
+        if trace not in ("off", "summary", "cells"):
+            raise UsageError(f"trace={trace!r}: use off, summary or cells", code="U025")
+        if trace_region and trace != "cells":
+            raise UsageError("a trace region needs trace level cells", code="U025")
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise UsageError("checkpoint_every must be at least 1", code="U024")
+        from lmpm.runtime.lock import RunLock
+
+        out = Path(run_dir)
+        # the directory's lock, as `lmpm run` takes it, held until finish()
+        self._lock = RunLock(out, what="delete (force=True)" if force else "write").acquire()
+        if holds_run(out) and not force:
+            self._lock.release()
+            refuse_existing(out)
+        tracer, region = make_tracer(self, trace, trace_region)
+        info = RunInfo(
+            program_hash=program_hash(self.front.ir),
+            program_file=program_file or self.front.ast.file,
+            source=source,
+            params=self.params,
+            bind=bind_specs(self.bind),
+            seed=self.seed,
+            backend=self.backend,
+            epochs=self.epochs,
+            until=until,
+            trace=trace,
+            trace_region=region,
+            checkpoint_every=checkpoint_every or DEFAULT_CHECKPOINT_EVERY,
+            inputs={k: str(Path(v).resolve()) for k, v in self.inputs.items()},
+        )
+        if force:
+            remove_run(out)
+        return self._attach(CommitLog(out, info, tracer=tracer, argv=list(argv)), out)
+
+    def _attach(self, log: CommitLog, run_dir: Path) -> CommitLog:
+        self.log, self.run_dir = log, run_dir
+        self.engine.observers.append(log)
+        return log
+
+    def finish(self) -> list[Path]:
+        """Write the outputs into the run directory and close its log (no-op without one)."""
+        if self.log is None or self.run_dir is None:
+            return []
+        try:
+            files = self.write(self.run_dir)
+            self.log.finish(files)
+        finally:
+            self.log.close()
+            lock = getattr(self, "_lock", None)
+            if lock is not None:
+                lock.release()
+        return files
+
     def outputs(self) -> dict[str, Any]:
         """Committed values as numpy arrays (unset: -1 for tokens, NaN for numbers)."""
         out = {}
@@ -129,3 +229,153 @@ class Run:
             {n: r[0] for n, r in reads.items()},
             {n: r[1] for n, r in reads.items()},
         )
+
+
+def bind_specs(items: Sequence[str]) -> tuple[str, ...]:
+    """--bind specs as stored in a run: files as absolute paths, dotted modules as given."""
+    return tuple(
+        str(Path(b).resolve()) if b.endswith(".py") or Path(b).exists() else b for b in items
+    )
+
+
+def make_tracer(run: Run, level: str, region_text: str | None) -> tuple[Any, str | None]:
+    if level == "off":
+        return None, None
+    from lmpm.runtime.trace import Tracer, parse_region
+
+    region = None
+    if region_text:
+        region = parse_region(region_text, {n: vp.dims for n, vp in run.plan.values.items()})
+    return Tracer(run.plan, level, region), None if region is None else str(region)
+
+
+def resume(
+    run_dir: str | Path,
+    *,
+    file: str | Path | None = None,
+    epochs: int | None = None,
+    until: str | None = None,
+    backend: str | None = None,
+    argv: Sequence[str] = (),
+    check_meta: Any = None,
+    bind: Sequence[str] | None = None,
+    trust_bind: bool = False,
+) -> Run:
+    """A :class:`Run` continuing RUN_DIR from its last complete epoch, with its stored settings
+    (what `lmpm run --resume` does). ``run.restored`` says where it resumed; ``run.epochs`` is the
+    epoch count to run to; call ``run.run(run.epochs)`` then ``run.finish()``.
+
+    A run started with bound modules imports them again only when ``bind`` names them (or
+    ``trust_bind=True`` says to import what the run directory names): a run directory received
+    from someone else never executes code by itself. The directory's lock is held until
+    ``finish()``."""
+    from lmpm.errors import RunDirError, UsageError
+    from lmpm.runtime.commitlog import (
+        MSG_FOREIGN,
+        CommitLog,
+        RunInfo,
+        connect,
+        program_hash,
+        read_meta,
+        restore,
+    )
+    from lmpm.runtime.lock import RunLock
+
+    run_dir = Path(run_dir)
+    conn = connect(run_dir, readonly=True, check=True)
+    try:
+        meta = read_meta(conn)
+    finally:
+        conn.close()
+    params = dict(meta["params"])
+    if file is not None:
+        front = compile_file(file, overrides=params)
+    else:
+        front = compile_source(meta["source"], meta["program_file"], overrides=params)
+    given = program_hash(front.ir)
+    if given != meta["program_hash"]:
+        raise RunDirError(
+            MSG_FOREIGN.format(dir=run_dir, stored=meta["program_hash"][:12], given=given[:12]),
+            code="D010",
+        )
+    if check_meta is not None:
+        check_meta(meta)
+    if meta["bind"] and not bind and not trust_bind:
+        raise UsageError(
+            f"{run_dir} was started with bound modules {meta['bind']}; resume imports them only "
+            "when asked",
+            code="U040",
+            hint="pass bind=[...] naming them again, or trust_bind=True",
+        )
+    backend = backend or meta["backend"]
+    run = Run(
+        front,
+        params=params,
+        bind=meta["bind"],
+        seed=int(meta["seed"]),
+        backend=backend,
+        epochs=meta.get("plan_epochs", meta["epochs"]),
+    )
+    region_text = meta.get("trace_region")
+    tracer, region = make_tracer(run, meta["trace"], region_text)
+    lock = RunLock(run_dir, what="resume", create_dir=False).acquire()
+    conn = connect(run_dir, readonly=False)
+    try:
+        run.restored = restore(run.engine, conn, run_dir)
+    except BaseException:
+        conn.close()
+        lock.release()
+        raise
+    run.epochs = epochs if epochs is not None else meta["epochs"]
+    info = RunInfo(
+        program_hash=meta["program_hash"],
+        program_file=meta["program_file"],
+        source=meta["source"],
+        params=params,
+        bind=tuple(meta["bind"]),
+        seed=int(meta["seed"]),
+        backend=backend,
+        epochs=run.epochs,
+        until=until or meta["until"],
+        trace=meta["trace"],
+        trace_region=region,
+        checkpoint_every=int(meta["checkpoint_every"]),
+        inputs=dict(meta.get("inputs", {})),
+    )
+    run.until = info.until
+    run._lock = lock
+    run._attach(CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=list(argv)), run_dir)
+    return run
+
+
+def check_bindings(
+    front: Frontend,
+    params: Mapping[str, int],
+    bindings: Bindings,
+    mapping: Mapping[str, Any] | None = None,
+) -> None:
+    """The checks `lmpm run` makes before epoch 0, also for the Python API: every static check,
+    strictly against the names this run binds (CheckError, located), and no ``bindings=`` key the
+    program does not use (a misspelled key would otherwise be ignored silently)."""
+    used = sorted({c.func for c in front.ir.calls()})
+    unknown = sorted(set(mapping or {}) - set(used))
+    if unknown:
+        raise BindError(
+            f"bindings= names {', '.join(f'`{n}`' for n in unknown)}, which the program does "
+            "not use",
+            code="B021",
+            hint="the program's call names: " + (", ".join(used) or "none"),
+        )
+    from lmpm.resolve.policies import POLICIES
+
+    sink = DiagnosticSink()
+    check(
+        front.ir,
+        sink,
+        overrides=params,
+        # names bound for this run, and commit policies registered at run time (@register)
+        known_names=set(bindings.names()) | set(POLICIES),
+        strict=True,
+        tree=front.ast,
+    )
+    sink.raise_if_errors()

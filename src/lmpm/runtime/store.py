@@ -21,7 +21,6 @@ the epoch, which is identical (counter-based randomness).
 
 from __future__ import annotations
 
-import re
 import sqlite3
 import zlib
 from pathlib import Path
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
 
     from lmpm.resolve.plan import Plan
 
-STORE_DIR = "payload"
 STORE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
   epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, step INTEGER NOT NULL,
@@ -58,13 +56,12 @@ CREATE TABLE IF NOT EXISTS candidates (
 """
 
 
-def worker_file(worker: str) -> str:
-    """A worker's name as a file name ("cpu:0" -> "cpu-0")."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", worker)
-
-
-def store_path(run_dir: str | Path, worker: str) -> Path:
-    return Path(run_dir) / STORE_DIR / f"{worker_file(worker)}.db"
+from lmpm.runtime.logread import (  # noqa: E402  (the reading side, shared with lmpm trace)
+    read_candidates as read_candidates,
+)
+from lmpm.runtime.logread import read_cell_payload as read_cell_payload  # noqa: E402
+from lmpm.runtime.logread import store_path as store_path  # noqa: E402
+from lmpm.runtime.logread import worker_file as worker_file  # noqa: E402
 
 
 class PayloadStore:
@@ -213,47 +210,3 @@ class PayloadStore:
     def close(self) -> None:
         self.rollback()
         self.conn.close()
-
-
-def read_cell_payload(
-    run_dir: str | Path, worker: str, value: str, cell: int
-) -> dict[int, np.ndarray]:
-    """epoch -> the payload ``cell`` of ``value`` committed in that epoch (``lmpm trace --cell``)."""
-    path = store_path(run_dir, worker)
-    out: dict[int, np.ndarray] = {}
-    if not path.is_file():
-        return out
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        for e, first, step, count, payload in conn.execute(
-            "SELECT epoch, first, step, count, payload FROM rows WHERE value = ? AND first <= ? "
-            "ORDER BY epoch",
-            (value, cell),
-        ):
-            j, r = divmod(cell - first, step)
-            if r == 0 and j < count:
-                arr = decode(payload)
-                out[int(e)] = arr.reshape(count, -1)[j]
-    finally:
-        conn.close()
-    return out
-
-
-def read_candidates(
-    run_dir: str | Path, worker: str, value: str, cell: int
-) -> dict[tuple[int, int], np.ndarray]:
-    """(epoch, column) -> the recorded candidate payload of ``cell`` (``--trace cells``)."""
-    path = store_path(run_dir, worker)
-    out: dict[tuple[int, int], np.ndarray] = {}
-    if not path.is_file():
-        return out
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        for e, col, payload in conn.execute(
-            "SELECT epoch, col, payload FROM candidates WHERE value = ? AND cell = ?",
-            (value, cell),
-        ):
-            out[(int(e), int(col))] = decode(payload)
-    finally:
-        conn.close()
-    return out

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import UsageError
-from lmpm.runtime.commitlog import (
+from lmpm.runtime.logread import (  # the torch-free reading side: `lmpm trace` stays fast
     completed_epochs,
     decode,
     load_checkpoint,
@@ -658,8 +658,7 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
         "attempts": [],
     }
     # Payload lives in the workers' stores (lmpm.runtime.store); the log holds metadata.
-    from lmpm.runtime.commitlog import checkpoint_shards
-    from lmpm.runtime.store import read_candidates, read_cell_payload
+    from lmpm.runtime.logread import checkpoint_shards, read_candidates, read_cell_payload
 
     workers = list(checkpoint_shards(Path(run_dir), _first_checkpoint(conn) or ""))
     committed_payload: dict[int, Any] = {}
@@ -777,7 +776,7 @@ def _shard_payload(run_dir: Path, rel: str, value: str, cell: int) -> Any:
     """A cell's payload in the worker shards of control checkpoint ``rel``."""
     from safetensors.numpy import load_file
 
-    from lmpm.runtime.commitlog import checkpoint_shards
+    from lmpm.runtime.logread import checkpoint_shards
 
     for shard in checkpoint_shards(run_dir, rel).values():
         arrays = load_file(str(run_dir / str(shard["file"])))

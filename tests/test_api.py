@@ -1,0 +1,72 @@
+"""The Python API does what `lmpm run` does: checks before epoch 0, a run directory, resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import lmpm
+from lmpm.errors import BindError, CheckError, UsageError
+
+PROG = """param N = 6
+value Txt : Token[Byte] shape Seq(N)
+visible Txt[t] <- Txt[0..t-1] when t > 0
+rule Gen:
+  on Txt[t]
+  read {ctx = Txt[0..t-1]}
+  emit proposal Txt[t] := Uniform(ctx, k=2)
+constraint Lower: require Txt[t] in Set(97..122) priority 10
+"""
+
+
+def test_compile_takes_a_path_or_text_never_guesses(tmp_path: Path) -> None:
+    assert lmpm.compile(text=PROG).ir.values[0].name == "Txt"
+    f = tmp_path / "p.txt"  # any suffix: a path is a path
+    f.write_text(PROG)
+    assert lmpm.compile(f).ir.values[0].name == "Txt"
+    with pytest.raises(UsageError, match="is not a file"):
+        lmpm.compile(str(tmp_path / "missing.lmpm"))
+    with pytest.raises(UsageError, match="looks like program text"):
+        lmpm.compile(PROG)
+    with pytest.raises(UsageError):
+        lmpm.compile()
+
+
+def test_unknown_binding_keys_list_the_program_names() -> None:
+    with pytest.raises(BindError) as e:
+        lmpm.compile(text=PROG).runner(bindings={"Unifrom": object()})
+    assert e.value.code == "B021" and "Uniform" in (e.value.hint or "")
+
+
+def test_runner_makes_the_run_checks_before_epoch_0() -> None:
+    bad = PROG.replace("Uniform(ctx, k=2)", "Uniform(ctx, k=0)")
+    with pytest.raises(CheckError) as e:
+        lmpm.compile(text=bad).runner()
+    assert [d.code for d in e.value.diagnostics if d.severity == "error"] == ["E213"]
+    unbound = PROG.replace("Uniform(", "Unifrom(")
+    with pytest.raises(CheckError) as e:
+        lmpm.compile(text=unbound).runner()
+    assert [d.code for d in e.value.diagnostics if d.severity == "error"] == ["E207"]
+
+
+def test_run_dir_trace_records_and_resume(tmp_path: Path) -> None:
+    from lmpm.runtime.logread import connect, read_meta
+
+    run = lmpm.compile(text=PROG).runner(run_dir=tmp_path / "r", seed=3, epochs=3)
+    res = run.run(3)
+    run.finish()
+    assert len(res.records) == 3
+    conn = connect(tmp_path / "r")
+    try:
+        assert read_meta(conn)["seed"] == 3
+        assert conn.execute("SELECT count(*) FROM epochs").fetchone()[0] == 3
+    finally:
+        conn.close()
+    again = lmpm.resume(tmp_path / "r", epochs=6)
+    assert again.restored is not None and again.restored.epoch == 3
+    again.run(again.epochs)  # to epoch 6, as `lmpm run --resume --epochs 6`
+    again.finish()
+    whole = lmpm.compile(text=PROG).runner(seed=3)
+    whole.run(6)
+    assert (again.outputs()["Txt"] == whole.outputs()["Txt"]).all()
