@@ -30,7 +30,7 @@ from torch import Tensor
 from lmpm.errors import BindError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Agree:
     """The candidates of ``n`` open cells. C = 1 (keep) + all proposals; K = constraints."""
 
@@ -45,7 +45,7 @@ class Agree:
     numeric: bool = False  # the value's payload is numeric (Float, Tensor[D]): it can be averaged
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """A policy's verdict. ``winner`` 0 keeps the cell; with ``weights`` (aggregating policies) a
     cell whose winner is not 0 commits ``sum_c w[c] * candidate[c] / sum_c w[c]``, which the worker

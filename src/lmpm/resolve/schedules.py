@@ -110,11 +110,14 @@ class Schedule:
     ``period``: epochs without a commit that prove stability (one full cycle of the schedule).
     ``opens_committed``: the schedule may open committed cells (else it opens unset cells only, so
     no proposal can fold into keep-current and every commit is a first commit).
+    ``has_quota``: :meth:`quota` may limit an epoch's commits (else it is always None, and the
+    control plane need not count the committed cells to ask).
     """
 
     name = "all"
     period = 1
     opens_committed = True
+    has_quota = False
 
     def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
         """(n,) int64 open cells of ``value`` (``committed``: (ncells,) bool)."""
@@ -222,6 +225,7 @@ class Confidence(Schedule):
 
     name = "confidence"
     opens_committed = False
+    has_quota = True
 
     def phase(self, value: str, e: int) -> int | None:
         return None

@@ -26,7 +26,7 @@ _TRUSTED = frozenset(
 _NO_CHECKSUMS = torch.empty(0, dtype=torch.int64)  # the policy does not compare payloads
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Agreed:
     score: Tensor  # (n, C) float64 with keep-current's score filled in
     winner: Tensor  # (n,) int64 chosen column (0: keep)

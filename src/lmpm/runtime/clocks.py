@@ -35,18 +35,19 @@ def clock_reads(rp: RulePlan) -> tuple[ClockRead, ...]:
         if rows and sum(r.numel() for r in rows):
             out.append(ClockRead(source, True, torch.cat(rows), None))
         gathered = [rd for rd in reads if not rd.uniform and rd.index.shape[1]]
-        if len(gathered) == 1:
-            out.append(ClockRead(source, False, gathered[0].index, gathered[0].valid))
-        elif gathered:
-            index = torch.cat([rd.index for rd in gathered], dim=1)
-            valid = torch.cat([rd.valid for rd in gathered], dim=1)
-            if source == rp.target:
-                # A cell's own clock is in the max anyway: pointing the invalid entries at the
-                # cell itself makes them count for nothing, with no mask at run time.
-                own = torch.arange(index.shape[0]).unsqueeze(1)
-                out.append(ClockRead(source, False, torch.where(valid, index, own), None))
-            else:
-                out.append(ClockRead(source, False, index, valid))
+        if not gathered:
+            continue
+        index = torch.cat([rd.index for rd in gathered], dim=1)
+        valid = torch.cat([rd.valid for rd in gathered], dim=1)
+        if bool(valid.all()):
+            out.append(ClockRead(source, False, index, None))
+        elif source == rp.target:
+            # A cell's own clock is in the max anyway: pointing the invalid entries at the cell
+            # itself makes them count for nothing, with no mask at run time.
+            own = torch.arange(index.shape[0]).unsqueeze(1)
+            out.append(ClockRead(source, False, torch.where(valid, index, own), None))
+        else:
+            out.append(ClockRead(source, False, index, valid))
     return tuple(out)
 
 
@@ -66,17 +67,10 @@ class Clocks:
             hit = self._rows.get((rp.id, j, phase))
             if hit is not None:
                 return hit
-        if cells.numel() == 1:  # one open cell (causal generation): views of its row
-            c = int(cells[0])
-            out = (
-                cr.index.narrow(0, c, 1),
-                None if cr.valid is None else cr.valid.narrow(0, c, 1),
-            )
-        else:
-            out = (
-                cr.index.index_select(0, cells),
-                None if cr.valid is None else cr.valid.index_select(0, cells),
-            )
+        out = (
+            cr.index.index_select(0, cells),
+            None if cr.valid is None else cr.valid.index_select(0, cells),
+        )
         if phase is not None:
             self._rows[(rp.id, j, phase)] = out
         return out

@@ -27,7 +27,8 @@ class ORSet:
     def add(self, element: Hashable) -> Tag:
         self.counter += 1
         tag = (self.replica, self.counter)
-        self.adds[element] = self.adds.get(element, frozenset()) | {tag}
+        had = self.adds.get(element)
+        self.adds[element] = frozenset((tag,)) if had is None else had | {tag}
         return tag
 
     def remove(self, element: Hashable) -> None:

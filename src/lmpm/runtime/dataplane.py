@@ -161,6 +161,7 @@ class DataPlane:
         self.backend = get_backend(backend) if isinstance(backend, str) else backend
         self.device: torch.device = self.backend.device
         self._host = self.device.type == "cpu"  # replies need no copy to the host
+        self._score_keys_cache: dict[int, tuple[str, ...]] = {}
         self.worker = worker or self.backend.worker
         self.seed = int(seed)
         dev = self.device
@@ -217,6 +218,8 @@ class DataPlane:
     # ---- device-resident static tables -----------------------------------------------------------
     def _dev(self, t: Tensor) -> Tensor:
         """The device copy of a static plan table (made once; the CPU tensor itself on CPU)."""
+        if self._host and t.device.type == "cpu":
+            return t
         if t.device == self.device:
             return t
         hit = self._dev_cache.get(id(t))
@@ -460,7 +463,7 @@ class DataPlane:
         key = None if phase is None else (rp.id, phase)
         copy = rp.id not in self._trusted  # copies of anything the worker keeps
         if n == 1 and not copy:  # one open cell (causal generation): views of its rows
-            c = int(cells[0])
+            c = int(cells.item())
             key = None
             rows = lambda t, *_: self._dev(t).narrow(0, c, 1)  # noqa: E731
         else:
@@ -501,19 +504,26 @@ class DataPlane:
         return inputs
 
     def _score_keys(self, rp: RulePlan, inputs: Mapping[str, Tensor]) -> tuple[str, ...]:
-        """The model inputs a rule's score call receives: cells, coords and its reads' tensors."""
-        return tuple(
-            k
-            for k in inputs
-            if k in ("cells", "coords")
-            or k.removesuffix("_mask").removesuffix("_index") in rp.score_args
-        )
+        """The model inputs a rule's score call receives: cells, coords and its reads' tensors
+        (the same names every epoch: worked out once per rule)."""
+        hit = self._score_keys_cache.get(rp.id)
+        if hit is None:
+            hit = self._score_keys_cache[rp.id] = tuple(
+                k
+                for k in inputs
+                if k in ("cells", "coords")
+                or k.removesuffix("_mask").removesuffix("_index") in rp.score_args
+            )
+        return hit
 
     def _columns(
         self, parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]], widths: list[int]
     ) -> tuple[Tensor, ...]:
         """(C,) rule id, replica and slot of each candidate column (-1: keep); per layout."""
-        key = tuple((p[0].id, p[2], w) for p, w in zip(parts, widths))
+        if len(parts) == 1:  # one rule fired (the common case): no generator
+            key: tuple[tuple[int, int, int], ...] = ((parts[0][0].id, parts[0][2], widths[0]),)
+        else:
+            key = tuple((p[0].id, p[2], w) for p, w in zip(parts, widths))
         hit = self._columns_cache.get(key)
         if hit is None:
             rule, rep, slot = [-1], [-1], [-1]
@@ -550,9 +560,7 @@ class DataPlane:
             prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
             table = torch.cat((current.unsqueeze(1), prop), 1)
             valid = self._ones((n, ncol))
-            score = torch.cat(
-                (torch.full((n, 1), -torch.inf, dtype=torch.float64, device=dev), sc), 1
-            )
+            score = torch.cat((self._fill("keep_score", (n, 1), torch.float64, -torch.inf), sc), 1)
             all_valid = True
         else:
             table = torch.zeros((n, ncol, *vp.cell_shape), dtype=vp.dtype, device=dev)

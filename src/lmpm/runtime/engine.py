@@ -376,7 +376,11 @@ class Engine:
             else:
                 kept = st.score.index_select(0, cells)
                 was = st.committed.index_select(0, cells)
-            quota = self.schedule.quota(e, vp.ncells, int(st.committed.count_nonzero()))
+            quota = (
+                self.schedule.quota(e, vp.ncells, int(st.committed.count_nonzero()))
+                if self.schedule.has_quota
+                else None
+            )
             ag = agree(vp, cand, kept, static.priority, quota, fresh)
             commits = int(ag.changed.count_nonzero())
             if commits == n:
@@ -435,7 +439,7 @@ class Engine:
             attempts += int(cand.cells.numel())
             k = cand.violated.shape[2]
             if k:
-                viol = cand.violated.select(2, 0) if k == 1 else cand.violated.any(dim=2)
+                viol = cand.violated if k == 1 else cand.violated.any(dim=2)
                 violations += int(viol.count_nonzero())
         self.epoch = e + 1
         rec = EpochRecord(
