@@ -29,7 +29,17 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-SCRIPTS = ("frontend", "runtime", "trace", "examples", "sudoku", "backends")
+SCRIPTS = (
+    "frontend",
+    "runtime",
+    "trace",
+    "examples",
+    "sudoku",
+    "backends",
+    "planes",
+    "vm",
+    "epoch_overhead",
+)
 TIMEOUT_S = 300  # per script
 
 
@@ -37,9 +47,9 @@ TIMEOUT_S = 300  # per script
 class Claim:
     script: str
     claim: str
-    match: dict[str, str]  # the JSON line's fields that select it
+    match: dict[str, Any]  # the JSON line's fields that select it
     field: str  # the measured number
-    op: str  # ">=" or "<="
+    op: str  # ">=", "<=" or "=="
     goal: float | None  # None: the line's own "goal" field
     fmt: Callable[[float], str] = lambda x: f"{x:,.3g}"
 
@@ -73,11 +83,19 @@ CLAIMS = (
           "ratio", ">=", None),
     Claim("backends", "small MLP per object: one dispatch vs loop", {"workload": "small_model"},
           "ratio", ">=", None),
+    Claim("planes", "control-plane bytes/epoch, Tensor[256] vs Token[16]",
+          {"case": "control_plane_bytes"}, "ratio", "==", 1.0),
+    Claim("vm", "VM share of a workflow step (ByteLM streams)", {"case": "model_share"},
+          "vm_share", "<=", 0.05, _share),
+    Claim("vm", "VM step vs per-stream Python loop at 1,024 streams",
+          {"case": "vm_step", "streams": 1024}, "ratio", ">=", 100),
 )  # fmt: skip
 INFO = (  # measured and shown, no goal
     ("trace", "`--durable` (synchronous=FULL) cost vs default", {"case": "durable"}, "overhead",
      _pct),
     ("trace", "`--trace cells` (32×32 region) overhead", {"case": "trace_cells"}, "overhead", _pct),
+    ("epoch_overhead", "text epoch: µs outside the model (p10)", {"case": "text"},
+     "outside_us_p10", lambda x: f"{x:.0f} µs"),
 )  # fmt: skip
 
 
@@ -122,7 +140,7 @@ def _find(lines: list[dict[str, Any]], match: dict[str, str]) -> dict[str, Any] 
 def table(results: dict[str, tuple[list[dict[str, Any]], str, float]]) -> tuple[str, bool]:
     rows: list[tuple[str, str, str, str]] = []
     ok = True
-    cmp = {">=": operator.ge, "<=": operator.le}
+    cmp = {">=": operator.ge, "<=": operator.le, "==": operator.eq}
     for c in CLAIMS:
         if c.script not in results:
             continue

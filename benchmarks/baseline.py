@@ -11,6 +11,7 @@ fields named with ``--metric``.
     python benchmarks/baseline.py runtime.py --epochs 6
     python benchmarks/baseline.py examples.py --repeats 3 --metric outside_model_share
     python benchmarks/baseline.py --ref HEAD~3 --rounds 5 trace.py
+    python benchmarks/baseline.py --here --rounds 6 epoch_overhead.py --program P --metric outside_us_p10
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ DEFAULT_METRICS = (
     "ratio",
     "outside_model_share",
     "ms_per_epoch",
+    "outside_us_p10",
+    "epoch_us_p10",
+    "outside_share_p10",
 )
 
 
@@ -54,10 +58,13 @@ def worktree(ref: str) -> Path:
     return path
 
 
-def run(tree: Path, script: str, args: list[str]) -> dict[tuple[str, str], dict[str, Any]]:
+def run(
+    tree: Path, script: str, args: list[str], scripts: Path | None = None
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """Run ``scripts``' copy of ``script`` (default: ``tree``'s) with ``tree``'s src."""
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
     proc = subprocess.run(
-        [sys.executable, str(tree / "benchmarks" / script), *args],
+        [sys.executable, str((scripts or tree) / "benchmarks" / script), *args],
         cwd=tree,
         env=env,
         capture_output=True,
@@ -83,6 +90,12 @@ def main() -> None:
         help="compare this commit instead of the working tree (e.g. to hold the examples "
         "fixed while the baseline's engine runs them)",
     )
+    ap.add_argument(
+        "--here",
+        action="store_true",
+        help="run this tree's copy of the script on both sides (for scripts written against an "
+        "API both trees share, e.g. epoch_overhead.py), each side with its own src",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--metric", action="append", help="fields to compare (default: throughputs)")
     a = ap.parse_args()
@@ -93,7 +106,7 @@ def main() -> None:
     for r in range(a.rounds):
         order = [("base", base), ("new", new)]
         for side, tree in order if r % 2 == 0 else order[::-1]:
-            runs[side].append(run(tree, a.script, a.args))
+            runs[side].append(run(tree, a.script, a.args, ROOT if a.here else tree))
     for key in runs["new"][0]:
         med: dict[str, dict[str, float]] = {}
         for side in ("base", "new"):

@@ -101,6 +101,8 @@ def model_share(streams: int) -> dict[str, Any]:
     st = run.stats
     step = st.vm_seconds + st.model_seconds + st.tool_seconds
     return {
+        "benchmark": "vm",
+        "case": "model_share",
         "bench": "model_share",
         "streams": streams,
         "done": vm.done,
@@ -125,7 +127,10 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,64,256,1024,4096")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--model-streams", type=int, default=256, help="0: skip the model run")
+    ap.add_argument("--quick", action="store_true", help="sizes 64,1024,4096, one repeat")
     args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.repeat = "64,1024,4096", 1
     torch.set_grad_enabled(False)
     sizes = [int(s) for s in args.sizes.split(",")]
     length = compile_workflow(compile_file(PROGRAM).ir).length
@@ -145,6 +150,8 @@ def main() -> int:
         assert vsteps == bsteps, (vsteps, bsteps)
         per_step[b] = min(vm_t)
         line = {
+            "benchmark": "vm",
+            "case": "vm_step",
             "bench": "vm_step",
             "streams": b,
             "steps": vsteps,
@@ -161,6 +168,8 @@ def main() -> int:
         print(
             json.dumps(
                 {
+                    "benchmark": "vm",
+                    "case": "scaling",
                     "bench": "scaling",
                     "streams": [64, 4096],
                     "vm_s": [round(per_step[64], 6), round(per_step[4096], 6)],

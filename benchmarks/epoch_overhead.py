@@ -1,0 +1,70 @@
+"""The epoch's fixed cost outside the model: µs per epoch of the text example (one open cell).
+
+Runs the program ``--repeats`` times from scratch and reports, over every epoch after the first,
+the 10th percentile and the median of the time spent outside the model (the control plane, the
+data plane's gathering, checking and applying) and of the whole epoch, and the outside-model share.
+Percentiles of many one-cell epochs are steadier than run means on a busy machine.
+
+Written against the API the pre-redesign engine shares (``Run``, ``keep_records``), so
+``benchmarks/baseline.py --here epoch_overhead.py --program P`` runs this very script on both trees
+with the same program ``P``:
+
+    python benchmarks/epoch_overhead.py
+    python benchmarks/baseline.py --here --rounds 6 epoch_overhead.py --program /tmp/text.lmpm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from lmpm.ir import compile_file
+from lmpm.runtime.session import Run
+
+EX = Path(__file__).resolve().parents[1] / "examples"
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[int(p * (len(xs) - 1))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--program", default=str(EX / "text.lmpm"))
+    ap.add_argument("--prompt", default=str(EX / "text" / "prompt.txt"))
+    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="3 repeats")
+    a = ap.parse_args()
+    if a.quick:
+        a.repeats = 3
+    front = compile_file(a.program)
+    outside: list[float] = []
+    whole: list[float] = []
+    epochs = 0
+    for _ in range(a.repeats):
+        run = Run(front, inputs={"Txt": a.prompt}, seed=0)
+        run.engine.keep_records = True
+        res = run.run(None)
+        epochs = res.epochs
+        for rec in res.records[1:]:  # the first epoch warms caches
+            outside.append((rec.seconds - rec.model_seconds) * 1e6)
+            whole.append(rec.seconds * 1e6)
+    out = {
+        "benchmark": "epoch_overhead",
+        "case": Path(a.program).stem,
+        "epochs": epochs,
+        "repeats": a.repeats,
+        "outside_us_p10": round(pct(outside, 0.1), 1),
+        "outside_us_median": round(statistics.median(outside), 1),
+        "epoch_us_p10": round(pct(whole, 0.1), 1),
+        "epoch_us_median": round(statistics.median(whole), 1),
+        "outside_share_p10": round(pct(outside, 0.1) / pct(whole, 0.1), 4),
+    }
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
