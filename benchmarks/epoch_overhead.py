@@ -11,6 +11,8 @@ with the same program ``P``:
 
     python benchmarks/epoch_overhead.py
     python benchmarks/baseline.py --here --rounds 6 epoch_overhead.py --program /tmp/text.lmpm
+    python benchmarks/epoch_overhead.py --program examples/video.lmpm --epochs 12 \
+        --input Txt=examples/video/caption.txt --input Vid=examples/video/patch.npy
 """
 
 from __future__ import annotations
@@ -34,20 +36,27 @@ def pct(xs: list[float], p: float) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--program", default=str(EX / "text.lmpm"))
-    ap.add_argument("--prompt", default=str(EX / "text" / "prompt.txt"))
+    ap.add_argument(
+        "--input",
+        action="append",
+        metavar="NAME=PATH",
+        help="an input (default: the text example's prompt as Txt)",
+    )
+    ap.add_argument("--epochs", type=int, help="run this many epochs (default: until stable)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="3 repeats")
     a = ap.parse_args()
     if a.quick:
         a.repeats = 3
+    inputs = dict(x.split("=", 1) for x in a.input or [f"Txt={EX / 'text' / 'prompt.txt'}"])
     front = compile_file(a.program)
     outside: list[float] = []
     whole: list[float] = []
     epochs = 0
     for _ in range(a.repeats):
-        run = Run(front, inputs={"Txt": a.prompt}, seed=0)
+        run = Run(front, inputs=inputs, seed=0)
         run.engine.keep_records = True
-        res = run.run(None)
+        res = run.run(a.epochs)
         epochs = res.epochs
         for rec in res.records[1:]:  # the first epoch warms caches
             outside.append((rec.seconds - rec.model_seconds) * 1e6)
