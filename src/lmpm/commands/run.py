@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         remove_run,
     )
     from lmpm.runtime.lock import RunLock
-    from lmpm.runtime.session import Run
+    from lmpm.runtime.session import Run, make_tracer
 
     path = program_path(args.file)
     params = parse_sets(args.set)
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         epochs=args.epochs,
         keep_records=False,  # the commit log keeps them; a long run must not hold them all
     )
-    tracer, region = _tracer(session, level, args.trace_region)
+    tracer, region = make_tracer(session, level, args.trace_region)
     info = RunInfo(
         program_hash=program_hash(front.ir),
         program_file=str(path),
@@ -208,17 +208,6 @@ def run(args: argparse.Namespace) -> int:
         return _execute(session, log, args, out_dir, args.epochs, args.until, quiet=0, note="")
 
 
-def _tracer(session: Run, level: str, region_text: str | None) -> tuple[Any, str | None]:
-    if level == "off":
-        return None, None
-    from lmpm.runtime.trace import Tracer, parse_region
-
-    region = None
-    if region_text:
-        region = parse_region(region_text, {n: vp.dims for n, vp in session.plan.values.items()})
-    return Tracer(session.plan, level, region), None if region is None else str(region)
-
-
 def _resume(args: argparse.Namespace) -> int:
     from lmpm.runtime.commitlog import connect
     from lmpm.runtime.lock import RunLock
@@ -247,7 +236,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
         read_meta,
         restore,
     )
-    from lmpm.runtime.session import Run
+    from lmpm.runtime.session import Run, make_tracer
     from lmpm.runtime.trace import parse_region
 
     conn = connect(run_dir, readonly=True, check=True)
@@ -327,7 +316,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
                 f"{str(mine)!r}; nothing was changed",
                 code="D011",
             )
-    tracer, region = _tracer(session, meta["trace"], region_text)
+    tracer, region = make_tracer(session, meta["trace"], region_text)
     durable = bool(args.durable or meta.get("durable", False))
     conn = connect(run_dir, readonly=False, durable=durable)
     try:

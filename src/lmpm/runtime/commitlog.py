@@ -52,10 +52,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import RunDirError
-from lmpm.runtime.lock import atomic_write, fsync_dir, is_io_error, os_error, sqlite_error
+from lmpm.runtime.lock import atomic_write, fsync_dir, os_error, sqlite_error
+from lmpm.runtime.logread import DB_NAME as DB_NAME
+from lmpm.runtime.logread import SCHEMA_VERSION as SCHEMA_VERSION
 from lmpm.runtime.logread import SQLITE_HEADER as SQLITE_HEADER
-from lmpm.runtime.logread import _check_header
+from lmpm.runtime.logread import _check_header, validate
 from lmpm.runtime.logread import checkpoint_shards as checkpoint_shards
+from lmpm.runtime.logread import db_path as db_path
+from lmpm.runtime.logread import read_checkpoint as read_checkpoint
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -63,8 +67,6 @@ if TYPE_CHECKING:
     from lmpm.runtime.engine import Engine, EpochRecord
     from lmpm.runtime.trace import Tracer
 
-SCHEMA_VERSION = 2  # 2: payload moved to the workers' stores; commits carry checksums
-DB_NAME = "lmpm.db"
 CHECKPOINT_DIR = "checkpoints"
 DEFAULT_CHECKPOINT_EVERY = (
     20  # epochs between payload checkpoints; resume replays at most this many
@@ -178,10 +180,6 @@ def file_sha256(path: str | Path) -> str:
 
 
 # ---- the run directory ----------------------------------------------------------------------------
-def db_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / DB_NAME
-
-
 def holds_run(run_dir: str | Path) -> bool:
     """True when RUN_DIR contains a run's commit log."""
     return db_path(run_dir).exists()
@@ -224,43 +222,13 @@ def connect(
     except sqlite3.Error as e:
         raise RunDirError(f"cannot open {path}: {e}", code="D002") from None
     try:
-        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if row is None:
-            raise RunDirError(
-                f"{path} is not an LMPM run database (no schema version)", code="D003"
-            )
-        version = int(json.loads(row[0]))
-        if version > SCHEMA_VERSION:
-            raise RunDirError(
-                f"{path} was written by a newer LMPM (log schema {version}; this version reads "
-                f"{SCHEMA_VERSION}); nothing was changed",
-                code="D004",
-                hint="upgrade lmpm to resume or inspect this run",
-            )
-        if version < SCHEMA_VERSION:
-            raise RunDirError(
-                f"{path} has log schema {version}; this version reads {SCHEMA_VERSION} only "
-                "(schema 2 moved the payload out of the log into the workers' stores); "
-                "nothing was changed",
-                code="D005",
-                hint="rerun the program with this version of lmpm to get a run it can resume",
-            )
-        if check:
-            bad = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall() if r[0] != "ok"]
-            if bad:
-                raise RunDirError(f"{path} is corrupt: {bad[0]}; nothing was changed", code="D006")
+        validate(conn, path, check=check)
     except RunDirError:
         conn.close()
         raise
-    except (sqlite3.Error, ValueError) as e:
+    except sqlite3.Error as e:  # an I/O error while validating (validate types the rest)
         conn.close()
-        if isinstance(e, sqlite3.Error) and is_io_error(e):
-            raise sqlite_error(e, "open", path) from None
-        raise RunDirError(
-            f"{path} is corrupt or truncated ({e}); nothing was changed",
-            code="D006",
-            hint="start a new run with --force, or restore the directory from a copy",
-        ) from None
+        raise sqlite_error(e, "open", path) from None
     if not readonly:
         try:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -481,24 +449,6 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
         },
     )
     return write_checkpoint_file(run_dir, f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors", data)
-
-
-def read_checkpoint(run_dir: Path, rel: str, sha: str, what: str = "checkpoint") -> bytes:
-    """A checkpoint file's bytes, checked against the sha256 the log (or a control checkpoint)
-    recorded for it; RunDirError D007 when it is missing, truncated or altered."""
-    path = run_dir / rel
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise RunDirError(
-            f"{what} {path} is missing ({e.strerror}); nothing was changed", code="D007"
-        ) from None
-    if hashlib.sha256(data).hexdigest() != sha:
-        raise RunDirError(
-            f"{what} {path} is corrupt or truncated (checksum mismatch); nothing was changed",
-            code="D007",
-        )
-    return data
 
 
 def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, int, str]:

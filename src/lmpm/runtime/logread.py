@@ -17,8 +17,11 @@ from typing import Any
 import numpy as np
 
 from lmpm.errors import RunDirError
+from lmpm.runtime.lock import is_io_error, sqlite_error
 
-SCHEMA_VERSION = 2  # the log schema this version reads (lmpm.runtime.commitlog writes it)
+# The log schema this version reads and lmpm.runtime.commitlog writes. 2: the payload moved to the
+# workers' stores and commits carry checksums.
+SCHEMA_VERSION = 2
 STORE_DIR = "payload"  # the workers' payload stores (lmpm.runtime.store writes them)
 DB_NAME = "lmpm.db"
 
@@ -74,6 +77,9 @@ def connect(run_dir: str | Path, *, check: bool = False) -> sqlite3.Connection:
         raise RunDirError(f"cannot open {path}: {e}", code="D002") from None
     try:
         validate(conn, path, check=check)
+    except sqlite3.Error as e:
+        conn.close()
+        raise sqlite_error(e, "read", path) from None
     except BaseException:
         conn.close()
         raise
@@ -94,7 +100,7 @@ def validate(conn: sqlite3.Connection, path: Path, *, check: bool = False) -> No
                 f"{path} was written by a newer LMPM (log schema {version}; this version reads "
                 f"{SCHEMA_VERSION}); nothing was changed",
                 code="D004",
-                hint="upgrade lmpm to resume or inspect this run",
+                hint="upgrade lmpm to resume or read this run",
             )
         if version < SCHEMA_VERSION:
             raise RunDirError(
@@ -102,7 +108,7 @@ def validate(conn: sqlite3.Connection, path: Path, *, check: bool = False) -> No
                 "(schema 2 moved the payload out of the log into the workers' stores); "
                 "nothing was changed",
                 code="D005",
-                hint="rerun the program with this version of lmpm to get a run it can read",
+                hint="rerun the program with this version of lmpm to get a run it can read and resume",
             )
         if check:
             bad = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall() if r[0] != "ok"]
@@ -111,6 +117,8 @@ def validate(conn: sqlite3.Connection, path: Path, *, check: bool = False) -> No
     except RunDirError:
         raise
     except (sqlite3.Error, ValueError) as e:
+        if isinstance(e, sqlite3.Error) and is_io_error(e):
+            raise  # the disk failed, the database is not damaged: the caller names the cause
         raise RunDirError(
             f"{path} is corrupt or truncated ({e}); nothing was changed",
             code="D006",
@@ -137,25 +145,32 @@ def decode(blob: bytes) -> np.ndarray:
     return np.frombuffer(blob, dtype=TAGS[tag], offset=1)
 
 
-def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load
-
+def read_checkpoint(run_dir: Path, rel: str, sha: str, what: str = "checkpoint") -> bytes:
+    """A checkpoint file's bytes, checked against the sha256 the log (or a control checkpoint)
+    recorded for it; RunDirError D007 when it is missing, truncated or altered."""
     path = run_dir / rel
     try:
         data = path.read_bytes()
     except OSError as e:
         raise RunDirError(
-            f"checkpoint {path} is missing ({e.strerror}); nothing was changed", code="D007"
+            f"{what} {path} is missing ({e.strerror}); nothing was changed", code="D007"
         ) from None
     if hashlib.sha256(data).hexdigest() != sha:
         raise RunDirError(
-            f"checkpoint {path} is corrupt or truncated (checksum mismatch); nothing was changed",
+            f"{what} {path} is corrupt or truncated (checksum mismatch); nothing was changed",
             code="D007",
         )
+    return data
+
+
+def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load
+
+    data = read_checkpoint(run_dir, rel, sha)
     try:
         return load(data)
     except Exception as e:
-        raise RunDirError(f"checkpoint {path} is unreadable ({e})", code="D007") from None
+        raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
 
 
 # ---- the workers' payload (lmpm.runtime.store writes it; the log holds metadata only) -------------
