@@ -25,7 +25,7 @@ _BLOCK = """\
 // block {k}: a video value with a caption, a coarse grid and a causal caption model
 param W{k} = 32
 param H{k} = 32
-value A{k} : Token[Byte] shape Grid3D(4, W{k}, H{k}) clock Lamport
+value A{k} : Token[16] shape Grid3D(4, W{k}, H{k}) clock Lamport
 value C{k} : Token[Byte] shape Grid3D(4, W{k}/8, H{k}/8) clock Lamport
 value S{k} : Token[Byte] shape Seq(64) clock Lamport
 visible A{k}[t,x,y] <- A{k}[t,x+dx,y+dy] when (dx,dy) in N8
@@ -35,13 +35,13 @@ visible A{k}[t,x,y] <- C{k}[t, x/8, y/8]
 visible S{k}[i] <- S{k}[0..i-1] when i > 0
 rule Gen{k}:
   on A{k}[t,x,y]
-  read {{neighbors in N8, prev_frame, S{k}[*], C{k}?}}
-  emit proposal A{k}[t,x,y] := Model(neighbors, prev, s{k}, c{k})
+  read {{neighbors in N8, prev_frame, txt = S{k}[*], C{k}?}}
+  emit proposal A{k}[t,x,y] := Model(neighbors, prev_frame, txt, c{k})
   score ModelScore(...)
 rule Lm{k}:
   on S{k}[i] when i > 0
-  read {{ctx = S{k}[0..i-1]}}
-  emit proposal S{k}[i] := ByteLM(ctx, temperature=1)
+  read {{context = S{k}[0..i-1]}}
+  emit proposal S{k}[i] := ByteLM(context, temperature=1)
 constraint Lock{k}:
   forbid change(A{k}[t, 0..3, 0..3]) priority 100
 constraint Causal{k}:

@@ -70,3 +70,24 @@ def test_run_dir_trace_records_and_resume(tmp_path: Path) -> None:
     whole = lmpm.compile(text=PROG).runner(seed=3)
     whole.run(6)
     assert (again.outputs()["Txt"] == whole.outputs()["Txt"]).all()
+
+
+def test_a_binding_that_overrides_a_builtin_is_not_held_to_its_signature() -> None:
+    """`Uniform` with k=0 breaks the built-in's signature; the run's own `Uniform` decides."""
+    import torch
+
+    bad = PROG.replace("Uniform(ctx, k=2)", "Uniform(ctx, k=0)")
+
+    def mine(inputs: dict[str, torch.Tensor], **_: object) -> dict[str, torch.Tensor]:
+        n = inputs["cells"].shape[0]
+        return {"proposal": torch.full((n, 1), 97), "score": torch.zeros(n, 1)}
+
+    from lmpm.ir import compile_source
+    from lmpm.runtime.session import Run
+
+    front = compile_source(bad, bound_names={"Uniform"})  # the front end is told, then the run
+    run = Run(front, bindings={"Uniform": mine})
+    run.run(6)
+    assert bytes(run.outputs()["Txt"].tolist()) == b"aaaaaa"
+    with pytest.raises(CheckError):  # unbound, the built-in's signature applies
+        Run(front)

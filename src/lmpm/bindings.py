@@ -118,7 +118,12 @@ def load_module(spec: str) -> dict[str, Any]:
 
 
 def known_names(modules: Iterable[str] = ()) -> set[str]:
-    names = set(BUILTINS)
+    return set(BUILTINS) | user_names(modules)
+
+
+def user_names(modules: Iterable[str] = ()) -> set[str]:
+    """The names ``modules`` bind (``--bind``)."""
+    names: set[str] = set()
     for m in modules:
         names.update(load_module(m))
     return names
@@ -143,6 +148,11 @@ class Bindings:
 
     def names(self) -> set[str]:
         return set(BUILTINS) | set(self._user)
+
+    def user_names(self) -> set[str]:
+        """The names this run's modules and mapping bind (a built-in of the same name is
+        overridden)."""
+        return set(self._user)
 
     def get(self, name: str, role: str = "name") -> Any:
         if name in self._user:

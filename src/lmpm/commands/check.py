@@ -40,13 +40,20 @@ def run(args: argparse.Namespace) -> int:
     path = program_path(args.file)
     overrides = parse_sets(args.set)
     known = None
+    bound: set[str] = set()
     if args.strict:
-        from lmpm.bindings import known_names
+        from lmpm.bindings import BUILTINS, user_names
 
-        known = known_names(args.bind)
+        bound = user_names(args.bind)
+        known = set(BUILTINS) | bound
     try:
         front = compile_file(
-            path, overrides=overrides, strict=args.strict, known_names=known, raise_errors=False
+            path,
+            overrides=overrides,
+            strict=args.strict,
+            known_names=known,
+            raise_errors=False,
+            bound_names=bound,
         )
     except LmpmError as e:
         if args.json:

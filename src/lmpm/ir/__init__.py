@@ -42,11 +42,20 @@ def _front(
     strict: bool,
     known_names: Iterable[str] | None,
     raise_errors: bool,
+    bound_names: Iterable[str] = (),
 ) -> Frontend:
     sink = DiagnosticSink()
     ir = build(tree, sink)
     if not sink.has_errors:
-        ir = check(ir, sink, overrides=overrides, known_names=known_names, strict=strict, tree=tree)
+        ir = check(
+            ir,
+            sink,
+            overrides=overrides,
+            known_names=known_names,
+            strict=strict,
+            tree=tree,
+            bound_names=bound_names,
+        )
     if raise_errors:
         sink.raise_if_errors()
     return Frontend(tree, ir, tuple(sink.items))
@@ -73,11 +82,13 @@ def compile_source(
     strict: bool = False,
     known_names: Iterable[str] | None = None,
     raise_errors: bool = True,
+    bound_names: Iterable[str] = (),
 ) -> Frontend:
     """Parse, lower and check ``text``. Raises ParseError/CheckError unless ``raise_errors=False``
-    (then parse errors still raise, and check errors are in ``diagnostics``)."""
+    (then parse errors still raise, and check errors are in ``diagnostics``). ``bound_names``: the
+    names the run's own bindings provide (a built-in they override is not held to its signature)."""
     with _no_gc():
-        return _front(parse(text, file), overrides, strict, known_names, raise_errors)
+        return _front(parse(text, file), overrides, strict, known_names, raise_errors, bound_names)
 
 
 def compile_file(
@@ -87,10 +98,11 @@ def compile_file(
     strict: bool = False,
     known_names: Iterable[str] | None = None,
     raise_errors: bool = True,
+    bound_names: Iterable[str] = (),
 ) -> Frontend:
     """:func:`compile_source` on a file (bytes that are not UTF-8 are a ParseError)."""
     with _no_gc():
-        return _front(parse_file(path), overrides, strict, known_names, raise_errors)
+        return _front(parse_file(path), overrides, strict, known_names, raise_errors, bound_names)
 
 
 __all__ = [

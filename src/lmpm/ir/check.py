@@ -63,14 +63,20 @@ class Checker:
         known_names: set[str] | None,
         strict: bool,
         tree: ast.Program | None = None,
+        bound_names: set[str] | None = None,
     ) -> None:
         self.p = program
+        # names the run's own bindings provide: they override a built-in of the same name, whose
+        # signature then says nothing
+        self.user_bound = bound_names or set()
+        self._given: set[str] | None = None  # parameters with a value (_bound)
         # The AST, when given, locates faults on the exact sub-expression (a dim, an argument).
         self.ast_dims: dict[str, tuple[ast.Expr, ...]] = {}
-        self.ast_calls: dict[Span, ast.Call] = {}
         self.ast_guards: dict[str, Span] = {}
+        self._tree = tree
+        self._ast_calls: dict[Span, ast.Call] | None = None  # made when a diagnostic needs it
         if tree is not None:
-            _index_ast(tree, self.ast_dims, self.ast_calls, self.ast_guards)
+            _index_ast(tree, self.ast_dims, self.ast_guards)
         self.sink = sink
         self.overrides = dict(overrides or {})
         self.known = known_names
@@ -526,16 +532,28 @@ class Checker:
 
     def _user_bound(self, name: str) -> bool:
         """A name some --bind module / bindings= mapping binds (it overrides a built-in)."""
+        if name in self.user_bound:
+            return True
         if self.known is None:
             return False
         from lmpm.bindings import BUILTINS
 
         return name in self.known and name not in BUILTINS
 
+    @property
+    def ast_calls(self) -> dict[Span, ast.Call]:
+        """Each call of the source by its span (walked once, when a diagnostic points into one)."""
+        if self._ast_calls is None:
+            self._ast_calls = {} if self._tree is None else _ast_calls(self._tree)
+        return self._ast_calls
+
     def _bound(self, e: Expr) -> bool:
         """Whether ``e`` uses only parameters with a value (a default or --set), not probe sizes."""
-        given = {p.name for p in self.p.params if p.default is not None} | set(self.overrides)
-        return all(n in given for op, n in names_in(e) if op == Op.PARAM)
+        if self._given is None:
+            self._given = {p.name for p in self.p.params if p.default is not None} | set(
+                self.overrides
+            )
+        return all(n in self._given for op, n in names_in(e) if op == Op.PARAM)
 
     def _arg_span(self, call: Call, i: int, *, value: bool = False) -> Span:
         """The i-th argument (``k=0``), or with ``value`` only its value (``0``)."""
@@ -805,12 +823,21 @@ def _ast_kids(a: ast.Expr | None) -> tuple[ast.Expr, ...]:
 
 
 def _index_ast(
-    tree: ast.Program,
-    dims: dict[str, tuple[ast.Expr, ...]],
-    calls: dict[Span, ast.Call],
-    guards: dict[str, Span],
+    tree: ast.Program, dims: dict[str, tuple[ast.Expr, ...]], guards: dict[str, Span]
 ) -> None:
-    """Where each value's dims, each call and each rule's guard are in the source."""
+    """Where each value's dims and each rule's guard are in the source."""
+    for item in tree.items:
+        if isinstance(item, ast.Value):
+            dims[item.name] = item.shape.dims
+        elif isinstance(item, ast.Rule):
+            for st in item.body:
+                if isinstance(st, ast.On) and st.guard is not None:
+                    guards[item.name] = st.guard.span
+
+
+def _ast_calls(tree: ast.Program) -> dict[Span, ast.Call]:
+    """Every call in the source by its span."""
+    calls: dict[Span, ast.Call] = {}
 
     def walk(e: object) -> None:
         stack = [e]
@@ -830,13 +857,8 @@ def _index_ast(
                         stack.append(child)
 
     for item in tree.items:
-        if isinstance(item, ast.Value):
-            dims[item.name] = item.shape.dims
-        elif isinstance(item, ast.Rule):
-            for st in item.body:
-                if isinstance(st, ast.On) and st.guard is not None:
-                    guards[item.name] = st.guard.span
         walk(item)
+    return calls
 
 
 def clear_caches() -> None:
@@ -1095,18 +1117,21 @@ def check(
     known_names: Iterable[str] | None = None,
     strict: bool = False,
     tree: ast.Program | None = None,
+    bound_names: Iterable[str] = (),
 ) -> Program:
     """Run every static check; returns the program with constraint statuses decided.
 
     ``known_names`` (the names a run binds) turns unknown call names into E207 with ``strict``;
-    ``tree`` (the AST the program was built from) lets diagnostics point at sub-expressions.
+    ``bound_names`` (the names the run's own modules/mappings bind) are not held to the signature
+    of a built-in they override; ``tree`` (the AST the program was built from) lets diagnostics
+    point at sub-expressions.
 
     Errors go to ``sink`` (raised as CheckError when no sink is given).
     """
     own = sink is None
     sink = sink if sink is not None else DiagnosticSink()
     known = set(known_names) if known_names is not None else None
-    out = Checker(program, sink, overrides, known, strict, tree).run()
+    out = Checker(program, sink, overrides, known, strict, tree, set(bound_names)).run()
     if own:
         sink.raise_if_errors()
     return out

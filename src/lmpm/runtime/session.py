@@ -377,5 +377,6 @@ def check_bindings(
         known_names=set(bindings.names()) | set(POLICIES),
         strict=True,
         tree=front.ast,
+        bound_names=bindings.user_names(),
     )
     sink.raise_if_errors()
