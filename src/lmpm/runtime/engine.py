@@ -306,13 +306,14 @@ class Engine:
         until_stable: bool = False,
         max_epochs: int = 10_000,
         progress: Callable[[EpochRecord], None] | None = None,
-        quiet: int = 0,
+        quiet: int | None = None,
     ) -> RunResult:
         """Run epochs until ``epochs`` have run in total (counting resumed ones), or until an epoch
         commits nothing (``until_stable``), or until every cell is committed and an epoch is stable.
 
         ``quiet``: consecutive epochs without a commit at the end of the run so far (a resumed run
-        restores it from the commit log, so it stops exactly where an uninterrupted run would)."""
+        restores it from the commit log, so it stops exactly where an uninterrupted run would);
+        None keeps this engine's own count (a second ``run`` continues the first)."""
         if not self._started:
             self._validate_sources()
             for o in self.observers:
@@ -321,7 +322,8 @@ class Engine:
         limit = epochs if epochs is not None else max_epochs
         res = RunResult(0, False, 0, 0, 0.0, 0.0)
         # a resumed run's trailing commit-free epochs count only from the guards' horizon on
-        self.quiet = max(0, min(quiet, self.epoch - self._until))
+        if quiet is not None:
+            self.quiet = max(0, min(quiet, self.epoch - self._until))
         t0 = time.perf_counter()
         with torch.inference_mode():  # as in step(), entered once for the whole loop
             self._loop(res, limit, epochs is None or until_stable, progress)
