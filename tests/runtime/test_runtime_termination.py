@@ -264,3 +264,25 @@ def test_stable_run_never_commits_again(
     assert torch.equal(run.engine.state["A"].committed, before)
     assert res.stop is not None
     assert res.stop.total_unset == int((~before).sum())
+
+
+def test_resume_mid_pass_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    import lmpm
+
+    src = program(
+        "raster",
+        constraints="constraint Hard: forbid A[0..1] in Set(0..7) priority 100",
+        tiles=", k=1",
+    )
+    whole = Run.from_source(src)
+    whole.run(until_stable=True, max_epochs=50)
+    # stop inside a pass (epoch 2 tried cell 1 after cell 0 failed), then resume to the end
+    first = lmpm.compile(text=src).runner(run_dir=tmp_path / "r", epochs=2)
+    first.run(2)
+    first.finish()
+    again = lmpm.resume(tmp_path / "r", epochs=50)
+    res = again.run(again.epochs, until_stable=True)
+    again.finish()
+    assert res.stable and again.engine.epoch == whole.engine.epoch
+    assert torch.equal(again.payload("A"), whole.payload("A"))
+    assert torch.equal(again.engine.state["A"].committed, whole.engine.state["A"].committed)

@@ -667,6 +667,7 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         if commits:
             break
         quiet += 1
+    engine.restore_quiet(quiet)  # raster / random go on with their pass
     return Restored(nxt, quiet, label, replayed, len(skipped))
 
 

@@ -281,6 +281,12 @@ class Engine:
         st.rule[cells] = INPUT_RULE
         st.score[cells] = 0.0
 
+    def restore_quiet(self, trailing: int) -> None:
+        """Resume the count of commit-free epochs from the log's ``trailing`` commit-free epochs
+        (only those from the guards' horizon on count), so the schedule's pass goes on where it
+        was."""
+        self.quiet = max(0, min(trailing, self.epoch - self._until))
+
     def restore(self, value: str, state: CellState) -> None:
         """Load a checkpointed value's metadata (resume)."""
         self.state[value] = state
@@ -323,7 +329,7 @@ class Engine:
         res = RunResult(0, False, 0, 0, 0.0, 0.0)
         # a resumed run's trailing commit-free epochs count only from the guards' horizon on
         if quiet is not None:
-            self.quiet = max(0, min(quiet, self.epoch - self._until))
+            self.restore_quiet(quiet)
         t0 = time.perf_counter()
         with torch.inference_mode():  # as in step(), entered once for the whole loop
             self._loop(res, limit, epochs is None or until_stable, progress)
