@@ -337,10 +337,11 @@ def epoch_horizon(trigger: Expr, env: Mapping[str, Val], ncells: int) -> tuple[i
         return 0, 1
     bound, cycle = _epoch_free_bound(trigger, env)
     cap = min(bound + 2 * cycle + 2, HORIZON_CAP)
-    masks = torch.stack(
-        [mask_of(trigger, {**env, "e": e}, ncells) for e in range(cap + cycle)]
-    )  # (epochs, cells)
-    differs = (masks[cycle:] != masks[:-cycle]).any(dim=1)  # row i: epoch i + cycle vs epoch i
-    changed = differs.nonzero().squeeze(1)
-    until = int(changed[-1]) + 1 if changed.numel() else 0
+    ring = [mask_of(trigger, {**env, "e": e}, ncells) for e in range(cycle)]  # the last cycle
+    until = 0
+    for e in range(cycle, cap + cycle):
+        now = mask_of(trigger, {**env, "e": e}, ncells)
+        if not torch.equal(now, ring[e % cycle]):  # truth at e differs from e - cycle
+            until = e - cycle + 1
+        ring[e % cycle] = now
     return until, cycle

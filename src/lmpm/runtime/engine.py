@@ -133,11 +133,12 @@ class Observer(Protocol):
 class StopReason:
     """Why a run ended, and why the cells left unset are unset.
 
-    ``kind``: ``"stable"`` (a full schedule cycle without a commit, after every epoch-guarded
-    trigger has settled), ``"epochs"`` (the epoch limit came first) or ``"resumed-stable"``.
-    ``unset``: per value, unset cell counts by reason: ``"never opened by the schedule"``, ``"no
-    rule fires there"``, ``"no candidate beat leaving it unset"`` or ``"every candidate violates
-    `Name`"`` (the highest-priority constraint that blocked the cell's proposals)."""
+    ``kind``: ``"stable"`` (:meth:`Engine.is_stable`: a full schedule cycle without a commit,
+    after every epoch-guarded trigger has settled) or ``"epochs"`` (the epoch limit came first).
+    ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell:
+    ``"never opened by the schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it
+    unset"``, ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked
+    the cell's proposals) or ``"not attempted since the resume"``."""
 
     kind: str
     epoch: int  # epochs complete when the run ended
@@ -314,8 +315,9 @@ class Engine:
         progress: Callable[[EpochRecord], None] | None = None,
         quiet: int | None = None,
     ) -> RunResult:
-        """Run epochs until ``epochs`` have run in total (counting resumed ones), or until an epoch
-        commits nothing (``until_stable``), or until every cell is committed and an epoch is stable.
+        """Run epochs until ``epochs`` have run in total (counting resumed ones), or until the run
+        is stable (:meth:`is_stable`; with ``until_stable``, or when ``epochs`` is None). The
+        result's ``stop`` says why it ended and why cells are left unset.
 
         ``quiet``: consecutive epochs without a commit at the end of the run so far (a resumed run
         restores it from the commit log, so it stops exactly where an uninterrupted run would);
