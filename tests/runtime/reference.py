@@ -1,7 +1,8 @@
 """A deliberately plain reference interpreter of docs/design.md §3 (one cell at a time, Python loops).
 
 It shares nothing with the vectorized runtime but the front end, the bound models, the RNG and two
-plan-time helpers (the graph colouring of the `independent` schedule, the `confidence` quota): reads
+plan-time helpers (the graph colouring of the `independent` schedule, the `confidence` quota, the
+horizon of epoch-guarded triggers): reads
 are enumerated with :func:`lmpm.ir.eval.access_cells`, models run one cell and one replica at a time,
 constraints are checked candidate by candidate, and each commit policy is written out as the
 comparison it is defined as.
@@ -10,7 +11,8 @@ Covered: the six schedules (all, raster, red-black, independent, random, confide
 per value with `when` triggers (on coordinates and on the epoch `e`), quorum replicas, the policies
 satisfy, winner_takes_all, average and quorum(k, inner), payloads Token / Float / Tensor[D],
 constraints in-set, change and the user predicates `clash` (built in) and `big` (bound by the tests),
-Lamport clocks and provenance (rule, epoch).
+Lamport clocks and provenance (rule, epoch), and the passes of raster / random past cells tried
+without a commit (docs/runtime.md, "Stability").
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from lmpm.ir.nodes import (
     RuleKind,
     ShapeKind,
 )
-from lmpm.resolve.schedules import color_graph, confidence_quota
+from lmpm.resolve.schedules import color_graph, confidence_quota, epoch_horizon
 from lmpm.workers import WorkItem, get_backend
 from lmpm.workers import rng as lrng
 
@@ -136,6 +138,16 @@ class Reference:
                         self.steps = int(str(a.value))
         self.colors: dict[str, list[int]] = {}
         self.epoch = 0
+        # Epoch-guarded triggers settle at epoch `until` and then repeat every `cycle` epochs; `quiet`
+        # counts the commit-free epochs since the last commit, from `until` on.
+        self.until, self.cycle, self.quiet = 0, 1, 0
+        for r in program.rules:
+            if r.kind == RuleKind.LOCAL:
+                pts = self.coords[r.target]
+                env_t: dict[str, Any] = dict(self.env)
+                env_t.update({v: torch.tensor([c[k] for c in pts]) for k, v in enumerate(r.vars)})
+                until, cycle = epoch_horizon(r.trigger, env_t, len(pts))
+                self.until, self.cycle = max(self.until, until), math.lcm(self.cycle, cycle)
         # (epoch, constraint, rule) -> [checked, violations, won, lost], as docs/trace.md defines them
         self.trace: dict[tuple[int, str, int], list[int]] = {}
 
@@ -241,14 +253,19 @@ class Reference:
         if self.strategy == "independent":
             colors = self._colors(value)
             return [i for i in range(n) if colors[i] == e % (max(colors, default=0) + 1)]
-        if self.strategy == "raster":  # the first k unset cells
-            return unset[: self.k]
+        # raster / random pass over the cells tried since the last commit: `skip` slices of k, in
+        # the order drawn at the pass's first epoch
+        skip, start = self.quiet // self.cycle, e - self.quiet
+        if self.strategy == "raster":  # the first k unset cells not yet tried in this pass
+            return unset[skip * self.k : (skip + 1) * self.k]
         if self.strategy == "random":  # k unset cells, drawn by counter-based noise per cell
             u = {
-                i: float(lrng.uniform(self.seed, value, torch.tensor([i]), e, "schedule")[0, 0])
+                i: float(lrng.uniform(self.seed, value, torch.tensor([i]), start, "schedule")[0, 0])
                 for i in unset
             }
-            return sorted(sorted(unset, key=lambda i: (u[i], i))[: self.k])
+            return sorted(
+                sorted(unset, key=lambda i: (u[i], i))[skip * self.k : (skip + 1) * self.k]
+            )
         if self.strategy == "confidence":  # every unset cell proposes; the quota cuts commits
             return unset
         raise NotImplementedError(self.strategy)
@@ -363,6 +380,10 @@ class Reference:
             )
             commits += 1
         self.epoch += 1
+        if commits:
+            self.quiet = 0
+        elif e >= self.until:
+            self.quiet += 1
         return commits
 
     def _replicas(self, value: str) -> int:
@@ -423,7 +444,11 @@ class Reference:
                 out.append((i, new, win, contributors))
         if self.strategy == "confidence":
             # MaskGIT: only the `quota` most confident commits land; ties by the lower cell
-            quota = confidence_quota(e, self.steps, len(payload[value]), sum(committed[value]))
+            # a share of the cells to generate: cells given as input do not count
+            given = sum(self.from_input[value])
+            quota = confidence_quota(
+                e, self.steps, len(payload[value]) - given, sum(committed[value]) - given
+            )
             ranked = sorted(out, key=lambda d: (-d[2].score, d[0]))[:quota]
             out = sorted(ranked, key=lambda d: d[0])
         return out

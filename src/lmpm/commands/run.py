@@ -455,10 +455,21 @@ def _execute(
         raise
     finally:
         log.close()
-    state = "stable" if res.stable else "stopped"
+    state = res.stop.message(detail=False) if res.stop is not None else "stopped"
     sys.stderr.write(
         f"{note}{res.epochs} epochs ({state}), {res.commits} commits, "
         f"{res.attempts / max(res.seconds, 1e-9):,.0f} attempts/s; wrote "
         f"{len(files)} files to {out_dir} (log: lmpm trace {out_dir})\n"
     )
+    if res.stop is not None and res.stop.total_unset:
+        console.print(_unset_note(res.stop.total_unset, res.stop.unset), highlight=False)
     return 0
+
+
+def _unset_note(total: int, unset: dict[str, dict[str, int]]) -> str:
+    """The warning printed (and shown by `lmpm trace`) when a run ends with unset cells."""
+    lines = [f"[bold yellow]warning[/]: {total} cell{'s' if total != 1 else ''} left unset:"]
+    for name, reasons in unset.items():
+        for why, count in reasons.items():
+            lines.append(f"  {name}: {count} {why}")
+    return "\n".join(lines)

@@ -58,6 +58,25 @@ def _console() -> Any:
     return Console(width=None if sys.stdout.isatty() else 120)
 
 
+def _stop_text(stop: dict[str, Any]) -> str:
+    """Why the run stopped, from the log's meta ``stop`` (see ``lmpm.runtime.engine.StopReason``)."""
+    kind = {"stable": "stable", "epochs": "the epoch limit was reached"}.get(
+        str(stop.get("kind")), str(stop.get("kind"))
+    )
+    unset = stop.get("unset") or {}
+    total = sum(int(c) for reasons in unset.values() for c in reasons.values())
+    if not total:
+        return f"stopped after {stop.get('epoch')} epochs: {kind}, every cell set"
+    lines = [
+        f"stopped after {stop.get('epoch')} epochs: {kind}, [bold yellow]{total} cell"
+        f"{'s' if total != 1 else ''} left unset[/]:"
+    ]
+    for name, reasons in unset.items():
+        for why, count in reasons.items():
+            lines.append(f"  {name}: {count} {why}")
+    return "\n".join(lines)
+
+
 def _render_report(rep: dict[str, Any], console: Any) -> None:
     from rich.table import Table
 
@@ -68,6 +87,9 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
         f"{r['commits']:,} commits of {r['attempts']:,} attempts  trace {r['trace']}"
         + (f" {r['trace_region']}" if r["trace_region"] else "")
     )
+    stop = r.get("stop")
+    if isinstance(stop, dict):
+        console.print(_stop_text(stop), highlight=False)
     if r["trace"] == "off":
         console.print("the constraint trace was off (run with --trace summary or --trace cells)")
     else:

@@ -15,12 +15,15 @@ so no two mutually visible cells are open together), ``random`` (``k`` cells), `
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from lmpm.errors import BindError
+from lmpm.ir.nodes import Expr, Op
+from lmpm.runtime.texpr import Val, eval_tensor, mask_of
 from lmpm.signatures import STRATEGIES  # one list, also read by the checker
 
 
@@ -117,11 +120,20 @@ class Schedule:
     name = "all"
     period = 1
     opens_committed = True
-    has_quota = False
+    has_quota = False  # quota() limits the commits of an epoch
 
-    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
-        """(n,) int64 open cells of ``value`` (``committed``: (ncells,) bool)."""
+    def open_cells(
+        self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
+    ) -> Tensor:
+        """(n,) int64 open cells of ``value`` (``committed``: (ncells,) bool). ``skip``: slices of
+        cells already tried without a commit in the current pass, which began at epoch ``start``
+        (the schedules that open a few unset cells move past them; see :meth:`stable_after`)."""
         return self._all(value, committed.numel())
+
+    def stable_after(self, unset: int) -> int:
+        """Epochs without a commit that prove stability for a value with ``unset`` unset cells:
+        enough for the schedule to open every cell it can open (one full cycle)."""
+        return self.period
 
     def quota(self, e: int, ncells: int, ncommitted: int) -> int | None:
         """At most this many cells may commit in epoch ``e`` (None: no limit)."""
@@ -155,7 +167,9 @@ class _Cyclic(Schedule):
     def phase(self, value: str, e: int) -> int | None:
         return e % self._count[value] if value in self._phases else 0
 
-    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+    def open_cells(
+        self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
+    ) -> Tensor:
         phases = self._phases.get(value)
         if phases is None:
             return self._all(value, committed.numel())
@@ -192,8 +206,14 @@ class Raster(Schedule):
         super().__init__()
         self.k = k
 
-    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
-        return (~committed).nonzero().squeeze(1)[: self.k]
+    def open_cells(
+        self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
+    ) -> Tensor:
+        # cells tried without a commit are passed over: the next k unset cells after them
+        return (~committed).nonzero().squeeze(1)[skip * self.k : (skip + 1) * self.k]
+
+    def stable_after(self, unset: int) -> int:
+        return max(1, -(-unset // self.k))  # every unset cell opened once
 
 
 class Random(Schedule):
@@ -209,15 +229,23 @@ class Random(Schedule):
         super().__init__()
         self.k, self.seed = k, seed
 
-    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+    def open_cells(
+        self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
+    ) -> Tensor:
         from lmpm.workers import rng
 
+        # A pass without commits keeps the order drawn at its first epoch ``start`` and moves past
+        # the cells it tried (``skip`` slices of k); after a commit a new pass draws anew.
         n = committed.numel()
-        u = rng.uniform(self.seed, value, self._all(value, n), e, "schedule")[:, 0]
+        key = e if start is None else start
+        u = rng.uniform(self.seed, value, self._all(value, n), key, "schedule")[:, 0]
         u = torch.where(committed, torch.full_like(u, 2.0), u)
         m = torch.zeros(n, dtype=torch.bool)
-        m[u.argsort()[: self.k]] = True
+        m[u.argsort()[skip * self.k : (skip + 1) * self.k]] = True
         return (m & ~committed).nonzero().squeeze(1)
+
+    def stable_after(self, unset: int) -> int:
+        return max(1, -(-unset // self.k))  # every unset cell opened once
 
 
 class Confidence(Schedule):
@@ -234,7 +262,9 @@ class Confidence(Schedule):
         super().__init__()
         self.steps = steps
 
-    def open_cells(self, value: str, committed: Tensor, e: int) -> Tensor:
+    def open_cells(
+        self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
+    ) -> Tensor:
         return (~committed).nonzero().squeeze(1)
 
     def quota(self, e: int, ncells: int, ncommitted: int) -> int | None:
@@ -258,3 +288,62 @@ def make_schedule(
             return Independent({v: colors[v] for v in coords if v in colors})
         case _:
             return Schedule()
+
+
+# ---- epoch-guarded triggers ----------------------------------------------------------------------
+# A rule's `when` guard may read the epoch `e` (`when e >= 3`, `when e % 2 == 1`). The run may only
+# be called stable once no such guard can still change its truth: ``epoch_horizon`` finds the epoch
+# from which every guard repeats with a fixed cycle.
+
+HORIZON_CAP = 100_000  # epochs scanned at most for one guard (a guard changing later is ignored)
+
+
+def _mentions_epoch(x: Expr) -> bool:
+    return (x.op == Op.VAR and x.value == "e") or any(_mentions_epoch(a) for a in x.args)
+
+
+def _epoch_free_bound(x: Expr, env: Mapping[str, Val]) -> tuple[int, int]:
+    """(largest |value| of an epoch-free subexpression over the cells, lcm of constant moduli
+    applied to epoch-dependent operands)."""
+    bound, cycle = 0, 1
+    if not _mentions_epoch(x):
+        v = eval_tensor(x, env)
+        if isinstance(v, Tensor):
+            top = int(v.long().abs().max()) if v.numel() else 0
+        else:
+            top = abs(int(v))
+        return top, 1
+    if x.op == Op.MOD and not _mentions_epoch(x.args[1]):
+        m = eval_tensor(x.args[1], env)
+        if isinstance(m, Tensor):
+            ms = {abs(int(v)) for v in m.unique().tolist() if int(v) != 0}
+        else:
+            ms = {abs(int(m))} if int(m) else set()
+        for v in ms:
+            cycle = math.lcm(cycle, v)
+    for a in x.args:
+        b, c = _epoch_free_bound(a, env)
+        bound, cycle = max(bound, b), math.lcm(cycle, c)
+    return bound, cycle
+
+
+def epoch_horizon(trigger: Expr, env: Mapping[str, Val], ncells: int) -> tuple[int, int]:
+    """``(until, cycle)`` of a rule's trigger: from epoch ``until`` on, the trigger's truth at every
+    cell repeats every ``cycle`` epochs (``(0, 1)``: it does not read ``e``). ``env`` binds the
+    params and the rule's index variables to (ncells,) coordinate tensors.
+
+    Found by evaluating the trigger at every epoch up to a bound derived from its constants (the
+    largest epoch-free operand, plus two cycles), so `e >= 3` gives ``(3, 1)``, `e % 2 == 1` gives
+    ``(0, 2)`` and `e >= t` on ``Seq(8)`` gives ``(7, 1)``."""
+    if not _mentions_epoch(trigger):
+        return 0, 1
+    bound, cycle = _epoch_free_bound(trigger, env)
+    cap = min(bound + 2 * cycle + 2, HORIZON_CAP)
+    ring = [mask_of(trigger, {**env, "e": e}, ncells) for e in range(cycle)]  # the last cycle
+    until = 0
+    for e in range(cycle, cap + cycle):
+        now = mask_of(trigger, {**env, "e": e}, ncells)
+        if not torch.equal(now, ring[e % cycle]):  # truth at e differs from e - cycle
+            until = e - cycle + 1
+        ring[e % cycle] = now
+    return until, cycle

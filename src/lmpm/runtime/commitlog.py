@@ -617,6 +617,7 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         if commits:
             break
         quiet += 1
+    engine.restore_quiet(quiet)  # raster / random go on with their pass
     return Restored(nxt, quiet, label, replayed, len(skipped))
 
 
@@ -934,8 +935,21 @@ class CommitLog:
         self.log_seconds += time.perf_counter() - t0
 
     def on_end(self, engine: Engine) -> None:
-        """Checkpoint the final state, so reading or resuming a finished run replays nothing."""
-        if self.conn is None or engine.epoch == self._checkpointed:
+        """Record why the run stopped (meta ``stop``: :meth:`StopReason.to_json`) and checkpoint
+        the final state, so reading or resuming a finished run replays nothing."""
+        if self.conn is None:
+            return
+        if engine.stop is not None:
+            try:
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO meta VALUES ('stop', ?)",
+                    (json.dumps(engine.stop.to_json()),),
+                )
+            except sqlite3.Error as e:
+                raise sqlite_error(
+                    e, "record why the run stopped in", db_path(self.run_dir)
+                ) from None
+        if engine.epoch == self._checkpointed:
             return
         rel, nbytes, sha = write_checkpoint(
             self.run_dir, engine, engine.epoch, self.info.program_hash

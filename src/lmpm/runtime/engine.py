@@ -23,6 +23,7 @@ depend on the order in which work ran.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from lmpm.resolve.plan import (
     needs_input,
     rules_by_target,
 )
-from lmpm.resolve.schedules import make_schedule
+from lmpm.resolve.schedules import epoch_horizon, make_schedule
 from lmpm.runtime.agree import agree
 from lmpm.runtime.clocks import Clocks
 from lmpm.runtime.crdt import ORSet
@@ -58,6 +59,12 @@ from lmpm.runtime.texpr import mask_of
 
 INPUT_RULE = -2  # provenance of cells committed from an input file
 NO_RULE = -1
+
+# Why an unset cell is unset (the last time the schedule opened it), beside constraint ids >= 0:
+NEVER_OPENED = -3  # the schedule never opened it
+NOT_FIRED = -2  # opened, but no rule's `on`/`when` fires there
+NO_WINNER = -1  # a rule proposed, but no candidate beat leaving it unset (invalid, score, quota)
+UNKNOWN = -4  # a resumed run: not recorded since the resume
 
 # Policies that compare candidates' payloads (by checksum): the worker computes checksums for them.
 CHECKSUM_POLICIES = frozenset(("quorum",))
@@ -122,6 +129,44 @@ class Observer(Protocol):
     def on_end(self, engine: Engine) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class StopReason:
+    """Why a run ended, and why the cells left unset are unset.
+
+    ``kind``: ``"stable"`` (:meth:`Engine.is_stable`: a full schedule cycle without a commit,
+    after every epoch-guarded trigger has settled) or ``"epochs"`` (the epoch limit came first).
+    ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell:
+    ``"never opened by the schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it
+    unset"``, ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked
+    the cell's proposals) or ``"not attempted since the resume"``."""
+
+    kind: str
+    epoch: int  # epochs complete when the run ended
+    unset: dict[str, dict[str, int]]
+
+    @property
+    def total_unset(self) -> int:
+        return sum(sum(v.values()) for v in self.unset.values())
+
+    def message(self, detail: bool = True) -> str:
+        """One line for people: "stable, every cell set" / "stable with 3 unset cells (A: 3 no
+        rule fires there)"; ``detail=False`` leaves out the reasons."""
+        head = {"stable": "stable", "epochs": "epoch limit reached"}.get(self.kind, self.kind)
+        n = self.total_unset
+        if not n:
+            return f"{head}, every cell set"
+        if not detail:
+            return f"{head} with {n} unset cell{'s' if n != 1 else ''}"
+        parts = [
+            f"{name}: " + ", ".join(f"{c} {why}" for why, c in reasons.items())
+            for name, reasons in self.unset.items()
+        ]
+        return f"{head} with {n} unset cell{'s' if n != 1 else ''} ({'; '.join(parts)})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "epoch": self.epoch, "unset": self.unset}
+
+
 @dataclass
 class RunResult:
     epochs: int
@@ -131,6 +176,7 @@ class RunResult:
     seconds: float
     model_seconds: float
     records: list[EpochRecord] = field(default_factory=list)
+    stop: StopReason | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +253,22 @@ class Engine:
             for name, st in self._static.items()
         }
         self._clocks = Clocks(plan.rules)
+        # Epoch-guarded triggers: from epoch `_until` on, each repeats every `_cycle` epochs.
+        self._until, self._cycle = 0, 1
+        for rp in plan.rules:
+            if self._triggered[rp.id] and rp.target in self._static:
+                vp = plan.values[rp.target]
+                env: dict[str, Any] = dict(plan.env)
+                env.update({v: vp.coords[:, k] for k, v in enumerate(rp.ir.vars)})
+                until, cycle = epoch_horizon(rp.trigger, env, vp.ncells)
+                self._until = max(self._until, until)
+                self._cycle = math.lcm(self._cycle, cycle)
+        self.quiet = 0  # counted epochs without a commit since the last commit (see _count_quiet)
+        # (ncells,) int64 per proposed value: why each cell is unset (constraint id or NEVER_OPENED..)
+        self.why = {
+            name: torch.full((plan.values[name].ncells,), NEVER_OPENED) for name in by_target
+        }
+        self.stop: StopReason | None = None
         self._started = False
         self._consts: dict[tuple[str, int, torch.dtype], Tensor] = {}
 
@@ -220,9 +282,17 @@ class Engine:
         st.rule[cells] = INPUT_RULE
         st.score[cells] = 0.0
 
+    def restore_quiet(self, trailing: int) -> None:
+        """Resume the count of commit-free epochs from the log's ``trailing`` commit-free epochs
+        (only those from the guards' horizon on count), so the schedule's pass goes on where it
+        was."""
+        self.quiet = max(0, min(trailing, self.epoch - self._until))
+
     def restore(self, value: str, state: CellState) -> None:
         """Load a checkpointed value's metadata (resume)."""
         self.state[value] = state
+        if value in self.why:
+            self.why[value] = torch.where(state.committed, NEVER_OPENED, UNKNOWN)
 
     # ---- the loop --------------------------------------------------------------------------------
     def _validate_sources(self) -> None:
@@ -243,13 +313,15 @@ class Engine:
         until_stable: bool = False,
         max_epochs: int = 10_000,
         progress: Callable[[EpochRecord], None] | None = None,
-        quiet: int = 0,
+        quiet: int | None = None,
     ) -> RunResult:
-        """Run epochs until ``epochs`` have run in total (counting resumed ones), or until an epoch
-        commits nothing (``until_stable``), or until every cell is committed and an epoch is stable.
+        """Run epochs until ``epochs`` have run in total (counting resumed ones), or until the run
+        is stable (:meth:`is_stable`; with ``until_stable``, or when ``epochs`` is None). The
+        result's ``stop`` says why it ended and why cells are left unset.
 
         ``quiet``: consecutive epochs without a commit at the end of the run so far (a resumed run
-        restores it from the commit log, so it stops exactly where an uninterrupted run would)."""
+        restores it from the commit log, so it stops exactly where an uninterrupted run would);
+        None keeps this engine's own count (a second ``run`` continues the first)."""
         if not self._started:
             self._validate_sources()
             for o in self.observers:
@@ -257,11 +329,14 @@ class Engine:
             self._started = True
         limit = epochs if epochs is not None else max_epochs
         res = RunResult(0, False, 0, 0, 0.0, 0.0)
-        period = self.stable_period()
+        # a resumed run's trailing commit-free epochs count only from the guards' horizon on
+        if quiet is not None:
+            self.restore_quiet(quiet)
         t0 = time.perf_counter()
         with torch.inference_mode():  # as in step(), entered once for the whole loop
-            self._loop(res, limit, epochs is None or until_stable, period, quiet, progress)
+            self._loop(res, limit, epochs is None or until_stable, progress)
         res.seconds = time.perf_counter() - t0
+        self.stop = res.stop = self.stop_reason("stable" if res.stable else "epochs")
         for o in self.observers:
             o.on_end(self)
         return res
@@ -271,12 +346,10 @@ class Engine:
         res: RunResult,
         limit: int,
         stop_when_stable: bool,
-        period: int,
-        quiet: int,
         progress: Callable[[EpochRecord], None] | None,
     ) -> None:
         while self.epoch < limit:
-            if quiet >= period and stop_when_stable:
+            if stop_when_stable and self.is_stable():
                 res.stable = True  # a resumed run that had already become stable
                 break
             rec = self._step()
@@ -288,21 +361,69 @@ class Engine:
                 res.records.append(rec)
             if progress is not None:
                 progress(rec)
-            quiet = quiet + 1 if rec.commits == 0 else 0
-            if quiet >= period and stop_when_stable:
+            if stop_when_stable and self.is_stable():
                 res.stable = True
                 break
 
     def stable_period(self) -> int:
-        """Epochs without a commit that prove stability: one full cycle of the schedule."""
-        return self.schedule.period
+        """Counted epochs without a commit that prove stability now: one full cycle of the
+        schedule over the cells it can still open (raster/random: every unset cell once), for
+        each residue of the epoch-guarded triggers' cycle."""
+        need = 1
+        for name in self._static:
+            unset = int(
+                self.state[name].committed.numel() - self.state[name].committed.count_nonzero()
+            )
+            need = max(need, self.schedule.stable_after(unset))
+        return need * self._cycle
+
+    def is_stable(self) -> bool:
+        """No commit for a full cycle (:meth:`stable_period`) counted from the epoch at which
+        every epoch-guarded trigger has settled (``e >= 3`` settles at epoch 3): no rule can
+        commit any more, whatever the number of further epochs."""
+        return self.quiet >= self.stable_period()
+
+    def _count_quiet(self, e: int, commits: int) -> None:
+        if commits:
+            self.quiet = 0
+        elif e >= self._until:  # before the horizon a guard may still switch a rule on
+            self.quiet += 1
 
     def open_cells(self, e: int) -> dict[str, Tensor]:
-        """(n,) int64 per proposed value: the cells open in epoch ``e``, sorted and unique."""
+        """(n,) int64 per proposed value: the cells open in epoch ``e``, sorted and unique. The
+        schedules that open a few unset cells pass over the cells tried since the last commit."""
+        skip = self.quiet // self._cycle
+        start = e - self.quiet
         return {
-            name: self.schedule.open_cells(name, self.state[name].committed, e)
+            name: self.schedule.open_cells(name, self.state[name].committed, e, skip, start)
             for name in self._static
         }
+
+    def stop_reason(self, kind: str) -> StopReason:
+        """Why the run stops now: ``kind`` and, per value, the unset cells by reason."""
+        unset: dict[str, dict[str, int]] = {}
+        for name, why in self.why.items():
+            left = why[~self.state[name].committed]
+            if not left.numel():
+                continue
+            codes, counts = torch.unique(left, return_counts=True)
+            reasons: dict[str, int] = {}
+            for code, count in sorted(zip(codes.tolist(), counts.tolist()), key=lambda x: -x[1]):
+                reasons[self._why_text(int(code))] = int(count)
+            unset[name] = reasons
+        return StopReason(kind, self.epoch, unset)
+
+    def _why_text(self, code: int) -> str:
+        if code == UNKNOWN:
+            return "not attempted since the resume"
+        if code == NEVER_OPENED:
+            return "never opened by the schedule"
+        if code == NOT_FIRED:
+            return "no rule fires there"
+        if code == NO_WINNER:
+            return "no candidate beat leaving it unset"
+        names = {cp.id: cp.name for cp in self.plan.constraints}
+        return f"every candidate violates `{names.get(code, code)}`"
 
     def step(self) -> EpochRecord:
         """One epoch. Nothing is committed unless every part of the epoch succeeded."""
@@ -352,7 +473,10 @@ class Engine:
         phases = {
             name: None if self._guarded[name] else self.schedule.phase(name, e) for name in open_
         }
-        req = ProposeRequest(e, self._work(e, open_), self._fresh, self.record, phases)
+        work = self._work(e, open_)
+        for name, cells in open_.items():  # reasons of unset cells: refined below where proposed
+            self.why[name].index_fill_(0, cells, NOT_FIRED)
+        req = ProposeRequest(e, work, self._fresh, self.record, phases)
         reply: ProposeReply = self.dataplane.propose(req)
         if self.guard:
             from lmpm.runtime.guard import check_message
@@ -376,13 +500,16 @@ class Engine:
             else:
                 kept = st.score.index_select(0, cells)
                 was = st.committed.index_select(0, cells)
-            quota = (
-                self.schedule.quota(e, vp.ncells, int(st.committed.count_nonzero()))
-                if self.schedule.has_quota
-                else None
-            )
+            quota = None
+            if self.schedule.has_quota:  # a share of the cells to generate: inputs do not count
+                given = int((st.rule == INPUT_RULE).count_nonzero())
+                quota = self.schedule.quota(
+                    e, vp.ncells - given, int(st.committed.count_nonzero()) - given
+                )
             ag = agree(vp, cand, kept, static.priority, quota, fresh)
             commits = int(ag.changed.count_nonzero())
+            if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
+                self._blocked(name, cand, static, (~ag.changed & ~was).nonzero().squeeze(1))
             if commits == n:
                 rows = None
                 decisions[name] = ValueDecision(None, ag.winner, ag.weights)
@@ -442,6 +569,7 @@ class Engine:
                 viol = cand.violated if k == 1 else cand.violated.any(dim=2)
                 violations += int(viol.count_nonzero())
         self.epoch = e + 1
+        self._count_quiet(e, commits)
         rec = EpochRecord(
             e,
             values,
@@ -455,6 +583,28 @@ class Engine:
         for o in self.observers:
             o.on_epoch(self, rec)
         return rec
+
+    def _blocked(self, name: str, cand: Any, static: _ValueStatic, rows: Tensor) -> None:
+        """Record why the proposed cells at ``rows`` stay unset: the highest-priority constraint
+        that every valid proposal violates, else one that some proposal violates, else
+        NO_WINNER."""
+        if not rows.numel():
+            return
+        why = torch.full((rows.numel(),), NO_WINNER, dtype=torch.int64)
+        k = cand.violated.shape[2]
+        if k:
+            # (n, C-1) proposals only (column 0 is keep-current)
+            valid = cand.valid.index_select(0, rows)[:, 1:]
+            viol = cand.violated.index_select(0, rows)[:, 1:, :]  # (n, C-1, K)
+            order = torch.sort(-static.priority, stable=True).indices  # highest priority first
+            some = valid.any(dim=1, keepdim=True)  # (n, 1)
+            every = ((viol | ~valid.unsqueeze(2)).all(dim=1) & some)[:, order]  # (n, K)
+            anyv = (viol & valid.unsqueeze(2)).any(dim=1)[:, order]  # (n, K)
+            ids = static.constraint_ids[order]
+            for hit in (anyv, every):  # `every` overrides `some`
+                first = hit.to(torch.uint8).argmax(dim=1)
+                why = torch.where(hit.any(dim=1), ids[first], why)
+        self.why[name].index_put_((cand.cells.index_select(0, rows),), why)
 
     def _commit(
         self,

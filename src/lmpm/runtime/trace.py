@@ -605,6 +605,8 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
             "seed": meta.get("seed"),
             "params": meta.get("params"),
             "status": meta.get("status"),
+            # why the run stopped and why cells stayed unset (None: an older run, or still running)
+            "stop": meta.get("stop"),
             "trace": meta.get("trace"),
             "trace_region": meta.get("trace_region"),
             "epochs": completed_epochs(conn),
