@@ -474,10 +474,14 @@ class Engine:
             name: None if self._guarded[name] else self.schedule.phase(name, e) for name in open_
         }
         work = self._work(e, open_)
-        for name, cells in open_.items():  # reasons of unset cells: refined below where proposed
-            self.why[name].index_fill_(0, cells, NOT_FIRED)
         req = ProposeRequest(e, work, self._fresh, self.record, phases)
         reply: ProposeReply = self.dataplane.propose(req)
+        for name, cells in open_.items():
+            got = reply.values.get(name)
+            if got is None or got.cells.numel() != cells.numel():
+                # open cells no rule fired on (the proposed ones that stay unset are refined by
+                # _blocked below; cells that commit need no reason)
+                self.why[name].index_fill_(0, cells, NOT_FIRED)
         if self.guard:
             from lmpm.runtime.guard import check_message
 
