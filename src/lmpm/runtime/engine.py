@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lmpm.errors import InputError
+from lmpm.errors import InputError, UsageError
 from lmpm.ir.nodes import TRUE
 from lmpm.resolve.plan import (
     ConstraintPlan,
@@ -61,6 +61,19 @@ NO_RULE = -1
 
 # Policies that compare candidates' payloads (by checksum): the worker computes checksums for them.
 CHECKSUM_POLICIES = frozenset(("quorum",))
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSetEvent:
+    """One committed change of the RuleSet: constraint ``name`` added to (``op`` "add") or removed
+    from ("remove") the active set from the start of ``epoch`` on; ``clock``: Lamport clock of the
+    event; ``by``: who asked (api, cli)."""
+
+    epoch: int
+    op: str
+    name: str
+    clock: int
+    by: str
 
 
 @dataclass
@@ -181,6 +194,13 @@ class Engine:
             name: CellState.empty(vp.ncells) for name, vp in plan.values.items()
         }
         self.maskplan = ORSet("control")
+        # RuleSet: the constraints that count, an ORSet of names changed only by committed
+        # events between epochs (enable/disable); ``_active`` is None while all of them count
+        self.ruleset = ORSet("ruleset")
+        for cp in plan.constraints:
+            self.ruleset.add(cp.name)
+        self.ruleset_events: list[RuleSetEvent] = []
+        self._active: frozenset[int] | None = None
         self.record: dict[str, Tensor] | None = None  # cells whose candidates the worker records
         by_target = rules_by_target(plan)
         live = live_constraints(plan)
@@ -219,6 +239,48 @@ class Engine:
         st.clock[cells] = torch.maximum(st.clock[cells], torch.ones_like(st.clock[cells]))
         st.rule[cells] = INPUT_RULE
         st.score[cells] = 0.0
+
+    # ---- the RuleSet -------------------------------------------------------------------------------
+    def enable(self, name: str, by: str = "api") -> RuleSetEvent:
+        """Make constraint ``name`` count from the next epoch on (a committed RuleSet event)."""
+        return self.change_ruleset("add", name, by)
+
+    def disable(self, name: str, by: str = "api") -> RuleSetEvent:
+        """Stop constraint ``name`` counting from the next epoch on (a committed RuleSet event)."""
+        return self.change_ruleset("remove", name, by)
+
+    def change_ruleset(
+        self, op: str, name: str, by: str, *, epoch: int | None = None, clock: int | None = None
+    ) -> RuleSetEvent:
+        """Apply one RuleSet event (``op``: add | remove) taking effect at the start of ``epoch``
+        (default: the next epoch to run). ``epoch``/``clock`` are given when a resume replays
+        the log."""
+        names = sorted({cp.name for cp in self.plan.constraints})
+        if name not in names:
+            raise UsageError(
+                f"no constraint `{name}` to {'enable' if op == 'add' else 'disable'}; the "
+                f"program declares: {', '.join(names) or 'none'}",
+                code="U075",
+            )
+        if clock is None:
+            clock = 1 + max((ev.clock for ev in self.ruleset_events), default=0)
+        ev = RuleSetEvent(self.epoch if epoch is None else epoch, op, name, clock, by)
+        if op == "add":
+            self.ruleset.add(name)
+        else:
+            self.ruleset.remove(name)
+        self.ruleset_events.append(ev)
+        self._active = self._active_ids()
+        return ev
+
+    def _active_ids(self) -> frozenset[int] | None:
+        """The ids of the constraints in the RuleSet, or None when all are (built per event)."""
+        ids = frozenset(cp.id for cp in self.plan.constraints if cp.name in self.ruleset)
+        return None if len(ids) == len(self.plan.constraints) else ids
+
+    def active_constraints(self) -> list[str]:
+        """The names of the constraints that count in the next epoch, in program order."""
+        return [cp.name for cp in self.plan.constraints if cp.name in self.ruleset]
 
     def restore(self, value: str, state: CellState) -> None:
         """Load a checkpointed value's metadata (resume)."""
@@ -352,7 +414,9 @@ class Engine:
         phases = {
             name: None if self._guarded[name] else self.schedule.phase(name, e) for name in open_
         }
-        req = ProposeRequest(e, self._work(e, open_), self._fresh, self.record, phases)
+        req = ProposeRequest(
+            e, self._work(e, open_), self._fresh, self.record, phases, self._active
+        )
         reply: ProposeReply = self.dataplane.propose(req)
         if self.guard:
             from lmpm.runtime.guard import check_message
