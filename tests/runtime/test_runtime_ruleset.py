@@ -12,6 +12,7 @@ import lmpm
 from lmpm.cli import main
 from lmpm.errors import UsageError
 from lmpm.runtime.protocol import ProposeRequest
+from lmpm.runtime.session import Run
 
 PROG = """param N = 6
 value Txt : Token[Byte] shape Seq(N)
@@ -26,7 +27,7 @@ constraint Never: forbid Txt[t] in Set(0..255) priority 50
 """
 
 
-def _commits(run: lmpm.api.Run, epochs: int) -> list[int]:  # type: ignore[name-defined]
+def _commits(run: Run, epochs: int) -> list[int]:
     return [r.commits for r in run.run(epochs).records]
 
 
