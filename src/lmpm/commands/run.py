@@ -59,6 +59,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="continue the run in RUN_DIR from its last complete epoch (settings come from RUN_DIR)",
     )
     p.add_argument(
+        "--enable",
+        metavar="CONSTRAINT",
+        action="append",
+        dest="ruleset",
+        type=lambda name: ("add", name),
+        help="with --resume: the constraint counts again from the resumed epoch on (RuleSet)",
+    )
+    p.add_argument(
+        "--disable",
+        metavar="CONSTRAINT",
+        action="append",
+        dest="ruleset",
+        type=lambda name: ("remove", name),
+        help="with --resume: the constraint stops counting from the resumed epoch on (RuleSet)",
+    )
+    p.add_argument(
         "--trust-bind",
         action="store_true",
         help="with --resume: import the --bind modules recorded in RUN_DIR without naming them",
@@ -130,6 +146,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--trust-bind only applies to --resume", code="U041")
     if args.seed is not None and not -(2**63) <= args.seed < 2**63:
         raise UsageError(f"--seed must fit in 64 bits, got {args.seed}", code="U042")
+    if args.ruleset and not args.resume:
+        raise UsageError(
+            "--enable/--disable change the RuleSet of a run between epochs: they apply to --resume",
+            code="U076",
+            hint="a new run starts with every constraint enabled",
+        )
     if args.resume:
         return _resume(args)
     if args.file is None:
@@ -321,6 +343,8 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
     conn = connect(run_dir, readonly=False, durable=durable)
     try:
         restored = restore(session.engine, conn, run_dir)
+        for op, name in args.ruleset or ():
+            session.engine.change_ruleset(op, name, "cli")
     except BaseException:
         conn.close()
         raise

@@ -151,6 +151,14 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
         console.print("never fired: " + ", ".join(rep["never_fired"]))
     if rep["proved"]:
         console.print("proved at compile time (never evaluated): " + ", ".join(rep["proved"]))
+    if rep.get("ruleset"):
+        console.print("RuleSet changes (the constraints that count, from the epoch on):")
+        for ch in rep["ruleset"]:
+            console.print(
+                f"  epoch {ch['epoch']}: {ch['change']} {ch['constraint']} by {ch['by']} "
+                f"(clock {ch['clock']}) -> active: {', '.join(ch['active']) or 'none'}",
+                markup=False,
+            )
 
     epochs = rep["epochs"]
     if epochs:

@@ -60,6 +60,7 @@ from lmpm.runtime.logread import _check_header, validate
 from lmpm.runtime.logread import checkpoint_shards as checkpoint_shards
 from lmpm.runtime.logread import db_path as db_path
 from lmpm.runtime.logread import read_checkpoint as read_checkpoint
+from lmpm.runtime.logread import ruleset_events as ruleset_events
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -72,6 +73,13 @@ DEFAULT_CHECKPOINT_EVERY = (
     20  # epochs between payload checkpoints; resume replays at most this many
 )
 KEEP_CHECKPOINTS = 2  # newest checkpoints kept besides epoch 0's (the inputs)
+
+# RuleSet events (enable/disable a constraint from an epoch on); logs written before it have none
+RULESET_TABLE = (
+    "CREATE TABLE IF NOT EXISTS ruleset_events (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
+    "op TEXT NOT NULL, name TEXT NOT NULL, clock INTEGER NOT NULL, by TEXT NOT NULL, "
+    "at REAL NOT NULL)"
+)
 
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -113,6 +121,9 @@ CREATE TABLE trace_candidates (
   epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
   rule INTEGER NOT NULL, payload, score REAL, violated INTEGER NOT NULL,
   PRIMARY KEY (value, cell, epoch, col));
+CREATE TABLE ruleset_events (
+  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, op TEXT NOT NULL, name TEXT NOT NULL,
+  clock INTEGER NOT NULL, by TEXT NOT NULL, at REAL NOT NULL);
 CREATE VIEW trace_named AS
   SELECT s.epoch, c.name AS constraint_name, c.priority, r.name AS rule_name, s.checked,
          s.violations, s.won, s.lost, s.blocked_where
@@ -612,6 +623,8 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
     for (elem,) in conn.execute("SELECT maskplan FROM epochs ORDER BY epoch"):
         mp.add(_maskplan_element(json.loads(elem)))
     engine.maskplan = mp
+    for epoch, op, name, clock, by in ruleset_events(conn):
+        engine.change_ruleset(op, name, by, epoch=epoch, clock=clock)
     quiet = 0
     for (commits,) in conn.execute("SELECT commits FROM epochs ORDER BY epoch DESC"):
         if commits:
@@ -754,6 +767,7 @@ class CommitLog:
         self._vocab: dict[str, int | None] = {}
         self._checkpointed = -1  # label of the newest checkpoint
         self.log_seconds = 0.0  # time spent in on_epoch, the log's whole cost to the run
+        self._ruleset_logged = 0  # engine.ruleset_events already in the log
 
     # Observer protocol
     def on_start(self, engine: Engine) -> None:
@@ -859,6 +873,8 @@ class CommitLog:
         assert self.conn is not None
         row = self.conn.execute("SELECT max(epoch) FROM checkpoints").fetchone()
         self._checkpointed = int(row[0]) if row[0] is not None else -1
+        self.conn.execute(RULESET_TABLE)  # a log written before RuleSet events existed
+        self._ruleset_logged = len(ruleset_events(self.conn))  # replayed by restore()
         self.conn.execute("BEGIN IMMEDIATE")
         self.conn.execute(
             "INSERT INTO resumes (at, from_epoch, argv) VALUES (?,?,?)",
@@ -888,6 +904,7 @@ class CommitLog:
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         try:
+            self._log_ruleset(engine)
             conn.executemany("INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             if trace is not None:
                 trace.insert(conn)
@@ -934,9 +951,24 @@ class CommitLog:
             self._prune_files()
         self.log_seconds += time.perf_counter() - t0
 
+    def _log_ruleset(self, engine: Engine) -> None:
+        """Insert the RuleSet events made since the last epoch (inside the caller's transaction:
+        they commit with the epoch they govern)."""
+        assert self.conn is not None
+        new = engine.ruleset_events[self._ruleset_logged :]
+        if not new:
+            return
+        now = time.time()
+        self.conn.executemany(
+            "INSERT INTO ruleset_events (epoch, op, name, clock, by, at) VALUES (?,?,?,?,?,?)",
+            [(ev.epoch, ev.op, ev.name, ev.clock, ev.by, now) for ev in new],
+        )
+        self._ruleset_logged = len(engine.ruleset_events)
+
     def on_end(self, engine: Engine) -> None:
-        """Record why the run stopped (meta ``stop``: :meth:`StopReason.to_json`) and checkpoint
-        the final state, so reading or resuming a finished run replays nothing."""
+        """Record why the run stopped (meta ``stop``: :meth:`StopReason.to_json`) and the RuleSet
+        events made after the last epoch, then checkpoint the final state, so reading or resuming
+        a finished run replays nothing."""
         if self.conn is None:
             return
         if engine.stop is not None:
@@ -949,6 +981,14 @@ class CommitLog:
                 raise sqlite_error(
                     e, "record why the run stopped in", db_path(self.run_dir)
                 ) from None
+        if len(engine.ruleset_events) > self._ruleset_logged:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+                self._log_ruleset(engine)
+                self.conn.execute("COMMIT")
+            except sqlite3.Error as e:
+                _rollback(self.conn)
+                raise sqlite_error(e, "record the RuleSet in", db_path(self.run_dir)) from None
         if engine.epoch == self._checkpointed:
             return
         rel, nbytes, sha = write_checkpoint(

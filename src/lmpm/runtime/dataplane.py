@@ -199,6 +199,7 @@ class DataPlane:
             )
         self._staged: dict[str, _Staged] = {}
         self._phase: dict[str, int | None] = {}  # this epoch's schedule phase per value
+        self._active: frozenset[int] | None = None  # this epoch's RuleSet (None: all constraints)
         # rules whose model and score are LMPM's own (they never write into their inputs)
         self._trusted = {
             rp.id for rp in plan.rules if _ours(rp.model) and (rp.score is None or _ours(rp.score))
@@ -335,6 +336,7 @@ class DataPlane:
     def propose(self, req: ProposeRequest) -> ProposeReply:
         e = req.epoch
         self._phase = dict(req.phases or {})
+        self._active = req.active
         items: list[WorkItem] = []
         meta: list[tuple[RulePlan, Tensor, int]] = []
         inputs_of: dict[int, dict[str, Tensor]] = {}
@@ -644,9 +646,15 @@ class DataPlane:
             )
         verdicts: list[Tensor] = []
         applies_cols: list[Tensor | None] = []
+        active = self._active
         for cp, whole, vtable, ccells in zip(
             tabs.constraints, tabs.covers_all, tabs.tables, tabs.cells
         ):
+            if active is not None and cp.id not in active:
+                # not in the RuleSet this epoch: not evaluated, speaks about no cell
+                verdicts.append(torch.zeros((n, ncol), dtype=torch.bool, device=dev))
+                applies_cols.append(torch.zeros(n, dtype=torch.bool, device=dev))
+                continue
             verdict = self._violations(
                 cp, vp, cells, table, valid, current, committed, any_committed, e, vtable
             )

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from lmpm.errors import InputError
+from lmpm.errors import InputError, UsageError
 from lmpm.ir.nodes import TRUE
 from lmpm.resolve.plan import (
     ConstraintPlan,
@@ -68,6 +68,19 @@ UNKNOWN = -4  # a resumed run: not recorded since the resume
 
 # Policies that compare candidates' payloads (by checksum): the worker computes checksums for them.
 CHECKSUM_POLICIES = frozenset(("quorum",))
+
+
+@dataclass(frozen=True, slots=True)
+class RuleSetEvent:
+    """One committed change of the RuleSet: constraint ``name`` added to (``op`` "add") or removed
+    from ("remove") the active set from the start of ``epoch`` on; ``clock``: Lamport clock of the
+    event; ``by``: who asked (api, cli)."""
+
+    epoch: int
+    op: str
+    name: str
+    clock: int
+    by: str
 
 
 @dataclass
@@ -227,6 +240,13 @@ class Engine:
             name: CellState.empty(vp.ncells) for name, vp in plan.values.items()
         }
         self.maskplan = ORSet("control")
+        # RuleSet: the constraints that count, an ORSet of names changed only by committed
+        # events between epochs (enable/disable); ``_active`` is None while all of them count
+        self.ruleset = ORSet("ruleset")
+        for cp in plan.constraints:
+            self.ruleset.add(cp.name)
+        self.ruleset_events: list[RuleSetEvent] = []
+        self._active: frozenset[int] | None = None
         self.record: dict[str, Tensor] | None = None  # cells whose candidates the worker records
         by_target = rules_by_target(plan)
         live = live_constraints(plan)
@@ -287,6 +307,48 @@ class Engine:
         (only those from the guards' horizon on count), so the schedule's pass goes on where it
         was."""
         self.quiet = max(0, min(trailing, self.epoch - self._until))
+
+    # ---- the RuleSet -------------------------------------------------------------------------------
+    def enable(self, name: str, by: str = "api") -> RuleSetEvent:
+        """Make constraint ``name`` count from the next epoch on (a committed RuleSet event)."""
+        return self.change_ruleset("add", name, by)
+
+    def disable(self, name: str, by: str = "api") -> RuleSetEvent:
+        """Stop constraint ``name`` counting from the next epoch on (a committed RuleSet event)."""
+        return self.change_ruleset("remove", name, by)
+
+    def change_ruleset(
+        self, op: str, name: str, by: str, *, epoch: int | None = None, clock: int | None = None
+    ) -> RuleSetEvent:
+        """Apply one RuleSet event (``op``: add | remove) taking effect at the start of ``epoch``
+        (default: the next epoch to run). ``epoch``/``clock`` are given when a resume replays
+        the log."""
+        names = sorted({cp.name for cp in self.plan.constraints})
+        if name not in names:
+            raise UsageError(
+                f"no constraint `{name}` to {'enable' if op == 'add' else 'disable'}; the "
+                f"program declares: {', '.join(names) or 'none'}",
+                code="U075",
+            )
+        if clock is None:
+            clock = 1 + max((ev.clock for ev in self.ruleset_events), default=0)
+        ev = RuleSetEvent(self.epoch if epoch is None else epoch, op, name, clock, by)
+        if op == "add":
+            self.ruleset.add(name)
+        else:
+            self.ruleset.remove(name)
+        self.ruleset_events.append(ev)
+        self._active = self._active_ids()
+        return ev
+
+    def _active_ids(self) -> frozenset[int] | None:
+        """The ids of the constraints in the RuleSet, or None when all are (built per event)."""
+        ids = frozenset(cp.id for cp in self.plan.constraints if cp.name in self.ruleset)
+        return None if len(ids) == len(self.plan.constraints) else ids
+
+    def active_constraints(self) -> list[str]:
+        """The names of the constraints that count in the next epoch, in program order."""
+        return [cp.name for cp in self.plan.constraints if cp.name in self.ruleset]
 
     def restore(self, value: str, state: CellState) -> None:
         """Load a checkpointed value's metadata (resume)."""
@@ -474,11 +536,11 @@ class Engine:
             name: None if self._guarded[name] else self.schedule.phase(name, e) for name in open_
         }
         work = self._work(e, open_)
-        req = ProposeRequest(e, work, self._fresh, self.record, phases)
+        req = ProposeRequest(e, work, self._fresh, self.record, phases, self._active)
         reply: ProposeReply = self.dataplane.propose(req)
         for name, cells in open_.items():
-            got = reply.values.get(name)
-            if got is None or got.cells.numel() != cells.numel():
+            proposed = reply.values.get(name)
+            if proposed is None or proposed.cells.numel() != cells.numel():
                 # open cells no rule fired on (the proposed ones that stay unset are refined by
                 # _blocked below; cells that commit need no reason)
                 self.why[name].index_fill_(0, cells, NOT_FIRED)

@@ -241,3 +241,15 @@ def read_candidates(
         (value, cell),
     )
     return {(int(e), int(col)): decode(payload) for e, col, payload in rows}
+
+
+def ruleset_events(conn: sqlite3.Connection) -> list[tuple[int, str, str, int, str]]:
+    """The RuleSet events (epoch, op, name, clock, by) in the order they were committed (none in
+    a log written before RuleSet events existed)."""
+    has = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'ruleset_events'"
+    ).fetchone()
+    if not has:
+        return []
+    rows = conn.execute("SELECT epoch, op, name, clock, by FROM ruleset_events ORDER BY seq")
+    return [(int(e), str(op), str(n), int(c), str(b)) for e, op, n, c, b in rows]

@@ -46,6 +46,9 @@ class ProposeRequest:
     # per value: the schedule's phase when the open cells are a fixed set that recurs (the worker
     # may keep the rows of its static tables for that set), or None
     phases: Mapping[str, int | None] | None = None
+    # the ids of the constraints in the RuleSet this epoch (the worker evaluates only those), or
+    # None when all of them are
+    active: frozenset[int] | None = None
 
 
 @dataclass(slots=True)

@@ -102,6 +102,20 @@ class Run:
         """Run epochs; ``RunResult.records`` holds one EpochRecord per epoch (``keep_records``)."""
         return self.engine.run(epochs, until_stable=until_stable, **kw)
 
+    def enable(self, constraint: str, by: str = "api") -> None:
+        """Make ``constraint`` count from the next epoch on (a RuleSet event, logged with that
+        epoch). Unknown names are a UsageError (U075) listing the program's constraints."""
+        self.engine.enable(constraint, by)
+
+    def disable(self, constraint: str, by: str = "api") -> None:
+        """Stop ``constraint`` counting from the next epoch on (a RuleSet event)."""
+        self.engine.disable(constraint, by)
+
+    @property
+    def active_constraints(self) -> list[str]:
+        """The constraints in the RuleSet for the next epoch, in program order."""
+        return self.engine.active_constraints()
+
     def set_input(self, value: str, payload: Tensor, mask: Tensor) -> None:
         """Commit ``payload[mask]`` of ``value`` as given input: the payload goes to the worker,
         the control plane records which cells are committed (provenance INPUT, clock 1)."""

@@ -624,7 +624,38 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
         "proved": [c["name"] for c in constraints if c["status"] == "proved"],
         "epochs": epochs,
         "violations_per_epoch": series,
+        "ruleset": ruleset_changes(conn),
     }
+
+
+def ruleset_changes(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    """The RuleSet's committed changes, one per event: the epoch it took effect, the constraint
+    added or removed, by whom, and the active set from that epoch on (every constraint before the
+    first event)."""
+    from lmpm.runtime.logread import ruleset_events
+
+    events = ruleset_events(conn)
+    if not events:
+        return []
+    names = [str(n) for (n,) in conn.execute("SELECT name FROM constraint_defs ORDER BY id")]
+    active = set(names)
+    out = []
+    for epoch, op, name, clock, by in events:
+        if op == "add":
+            active.add(name)
+        else:
+            active.discard(name)
+        out.append(
+            {
+                "epoch": epoch,
+                "change": "added" if op == "add" else "removed",
+                "constraint": name,
+                "clock": clock,
+                "by": by,
+                "active": [n for n in names if n in active],
+            }
+        )
+    return out
 
 
 def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict[str, Any]:
