@@ -30,6 +30,7 @@ from lmpm.runtime.protocol import (
     ProposeRequest,
     RuleWork,
     ValueDecision,
+    nbytes,
 )
 
 
@@ -111,6 +112,10 @@ class WorkerGroup:
         self.halo_bytes = 0  # payload bytes moved worker to worker in the last epoch
         self.halo_bytes_total = 0
         self.busy = False
+        # bytes of the messages between the control plane and each worker in the last epoch
+        # (metadata only), counted when ``count_messages`` is set (benchmarks)
+        self.count_messages = False
+        self.message_bytes = 0
         self._merged: dict[str, _Merged] = {}
 
     # ---- inputs and outputs (the API edge, never the epoch loop) ---------------------------------
@@ -157,6 +162,7 @@ class WorkerGroup:
                     parts[i].append(RuleWork(rw.rule, cells))
         replies: list[ProposeReply | None] = []
         seconds = 0.0
+        self.message_bytes = 0
         for i, w in enumerate(self.workers):
             if not parts[i]:
                 replies.append(None)
@@ -167,9 +173,10 @@ class WorkerGroup:
                     name: c[self.topology.owner[name].index_select(0, c) == i]
                     for name, c in req.record.items()
                 }
-            rep = w.propose(
-                ProposeRequest(req.epoch, tuple(parts[i]), req.fresh, record, req.phases)
-            )
+            sub = ProposeRequest(req.epoch, tuple(parts[i]), req.fresh, record, req.phases)
+            rep = w.propose(sub)
+            if self.count_messages:
+                self.message_bytes += nbytes(sub) + nbytes(rep)
             seconds += rep.model_seconds
             replies.append(rep)
         order = [rw.rule for rw in req.rules]
@@ -290,10 +297,16 @@ class WorkerGroup:
                 all_rows = d.rows is None and local.numel() == mg.rows[s].numel()
                 split[i][name] = ValueDecision(None if all_rows else local, winner, weights)
                 where.setdefault(name, []).append((i, sel, local))
-        replies = [
-            w.apply(ApplyRequest(req.epoch, split[i], req.checksums)) if split[i] else None
-            for i, w in enumerate(self.workers)
-        ]
+        replies: list[ApplyReply | None] = []
+        for i, w in enumerate(self.workers):
+            if not split[i]:
+                replies.append(None)
+                continue
+            sub = ApplyRequest(req.epoch, split[i], req.checksums)
+            rep = w.apply(sub)
+            if self.count_messages:
+                self.message_bytes += nbytes(sub) + nbytes(rep)
+            replies.append(rep)
         out: dict[str, Applied] = {}
         changed_cells: dict[tuple[str, int], Tensor] = {}
         for name, d in req.values.items():
@@ -303,9 +316,9 @@ class WorkerGroup:
             sums = torch.zeros(m, dtype=torch.int64) if req.checksums else None
             partial = False
             for i, sel, local in where[name]:
-                rep = replies[i]
-                assert rep is not None
-                got = rep.values[name]
+                done = replies[i]
+                assert done is not None
+                got = done.values[name]
                 ch = torch.ones(sel.numel(), dtype=torch.bool)
                 if got.changed is not None:
                     ch = got.changed.bool()
