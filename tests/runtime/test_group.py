@@ -119,3 +119,15 @@ def test_group_refuses_a_run_directory(tmp_path: Path) -> None:
     with pytest.raises(UsageError) as e:
         group.open_store(tmp_path)
     assert e.value.code == "U081"
+
+
+def test_epoch_record_counts_halo_bytes() -> None:
+    path, params, _, _ = CASES["gpt"]
+    run = Run.from_file(path, params=params, seed=3)
+    group = WorkerGroup(run.plan, 2, topology=partition(run.plan, 2, replicate_bytes=0), seed=3)
+    run.engine.dataplane = run.dataplane = group
+    recs = [run.engine.step() for _ in range(3)]
+    assert [r.halo_bytes for r in recs] != [0, 0, 0]
+    assert sum(r.halo_bytes for r in recs) == group.halo_bytes_total
+    single = Run.from_file(path, params=params, seed=3)
+    assert single.engine.step().halo_bytes == 0
