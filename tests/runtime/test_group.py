@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,10 +29,20 @@ CASES: dict[str, tuple[Path, dict[str, Any], dict[str, Path], int]] = {
         {"Txt": EX / "video" / "caption.txt"},
         3,
     ),
+    "latent": (EX / "latent.lmpm", {"W": 6, "H": 5, "D": 8}, {"Z": Path("z.npy")}, 4),
 }
 
 
-def _run(name: str, workers: int, replicate_bytes: int = 0) -> tuple[list[Any], WorkerGroup | None]:
+def _latent_input(tmp: Path) -> Path:
+    z = np.random.default_rng(0).normal(size=(6, 5, 8)).astype(np.float32) * 0.3
+    path = tmp / "z.npy"
+    np.save(path, z)
+    return path
+
+
+def _run(
+    name: str, workers: int, replicate_bytes: int = 0, tmp: Path | None = None
+) -> tuple[list[Any], WorkerGroup | None]:
     path, params, inputs, epochs = CASES[name]
     run = Run.from_file(path, params=params, seed=3)
     group = None
@@ -42,6 +53,9 @@ def _run(name: str, workers: int, replicate_bytes: int = 0) -> tuple[list[Any], 
         )
         run.engine.dataplane = run.dataplane = group
     for value, file in inputs.items():
+        if name == "latent":
+            assert tmp is not None
+            file = _latent_input(tmp)
         payload, mask = load_input(str(file), run.plan.values[value])
         run.set_input(value, payload, mask)
     states = []
@@ -64,10 +78,10 @@ def _run(name: str, workers: int, replicate_bytes: int = 0) -> tuple[list[Any], 
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_workers_commit_like_one_worker(name: str) -> None:
-    one, _ = _run(name, 1)
+def test_workers_commit_like_one_worker(name: str, tmp_path: Path) -> None:
+    one, _ = _run(name, 1, tmp=tmp_path)
     for workers in (2, 3, 4):
-        many, group = _run(name, workers)
+        many, group = _run(name, workers, tmp=tmp_path)
         assert group is not None
         for e, (a, b) in enumerate(zip(one, many, strict=True)):
             for v in a:
