@@ -6,6 +6,7 @@ import argparse
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
 from lmpm.commands.check import unknown_params
@@ -24,8 +25,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="text outline (default), Graphviz dot, svg (Graphviz when installed, else a built-in layout), mermaid, or IR text",
     )
     p.add_argument("--plan", action="store_true", help="show the resolved execution plan")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="with --plan: partition the values over N workers and print the routes",
+    )
+    p.add_argument(
+        "--bind", action="append", default=[], help="bindings module (with --plan --workers)"
+    )
     p.add_argument("--vm", action="store_true", help="show workflows as VM instruction tensors")
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
+
+
+def _topology(front: Any, overrides: dict[str, int], workers: int, bind: list[str]) -> str:
+    """The partition over ``workers`` workers, the halo sizes and the routes (needs the plan's
+    gather tables, so the program is resolved with its bindings)."""
+    from lmpm.bindings import Bindings
+    from lmpm.resolve.plan import resolve
+    from lmpm.resolve.topology import partition, topology_text
+
+    if workers < 1:
+        raise LmpmError(f"--workers must be at least 1, not {workers}", code="U080")
+    plan = resolve(front.ir, overrides, Bindings(tuple(bind), {}))
+    return topology_text(plan, partition(plan, workers))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         from lmpm.resolve.plan import plan_text
 
         out = plan_text(front.ir, overrides)
+        if args.workers is not None:
+            out += _topology(front, overrides, args.workers, args.bind)
     elif args.format == "ir":
         from lmpm.ir.printer import print_ir
 

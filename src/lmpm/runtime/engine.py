@@ -134,6 +134,7 @@ class EpochRecord:
     seconds: float
     model_seconds: float
     message_bytes: int = 0  # tensor bytes exchanged with the workers (metadata only)
+    halo_bytes: int = 0  # payload bytes moved worker to worker (partitioned workers; 0 for one)
 
 
 class Observer(Protocol):
@@ -645,6 +646,7 @@ class Engine:
             violations,
             time.perf_counter() - t0,
             reply.model_seconds,
+            halo_bytes=getattr(self.dataplane, "halo_bytes", 0),
         )
         for o in self.observers:
             o.on_epoch(self, rec)

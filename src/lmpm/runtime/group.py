@@ -1,0 +1,344 @@
+"""W partitioned workers behind the one-worker interface the engine talks to.
+
+A :class:`WorkerGroup` holds W :class:`~lmpm.runtime.dataplane.DataPlane` workers in this process,
+each owning the cells the topology (:func:`lmpm.resolve.topology.partition`) gives it. It splits a
+:class:`ProposeRequest` by owner, merges the workers' replies into one :class:`Candidates` per value
+with the column layout one worker would produce (a worker where a rule did not fire contributes
+invalid columns), splits the :class:`ApplyRequest` back, and after every worker applied, moves the
+*changed* cells of each route from its sender to its receiver (the in-process transport: a
+two-phase exchange, all apply, then all exchange). The control plane sees metadata only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import UsageError
+from lmpm.resolve.plan import Plan
+from lmpm.resolve.topology import Topology, partition
+from lmpm.runtime.dataplane import DataPlane
+from lmpm.runtime.protocol import (
+    Applied,
+    ApplyReply,
+    ApplyRequest,
+    Candidates,
+    ProposeReply,
+    ProposeRequest,
+    RuleWork,
+    ValueDecision,
+    nbytes,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Merged:
+    """How one value's merged rows and columns map onto each worker's own."""
+
+    workers: tuple[int, ...]  # the workers that had candidates for the value
+    rows: tuple[Tensor, ...]  # per such worker: its rows' positions in the merged rows
+    cols: tuple[Tensor, ...]  # per such worker: its columns' positions in the merged columns
+    owner_of_row: Tensor  # (n,) index into ``workers``
+    local_row: Tensor  # (n,) the row's position in its worker's rows
+    global_to_local: tuple[Tensor, ...]  # per such worker: (C,) merged column -> its own (-1)
+    cells: tuple[Tensor, ...]  # per such worker: its open cells
+
+
+def _key(c: Candidates, j: int) -> tuple[int, int, int]:
+    return int(c.col_rule[j]), int(c.col_replica[j]), int(c.col_slot[j])
+
+
+class InProcessTransport:
+    """Moves the changed cells of every route between workers of one process."""
+
+    def __init__(self, workers: list[DataPlane], topology: Topology) -> None:
+        self.workers = workers
+        self.topology = topology
+
+    def exchange(self, changed: dict[tuple[str, int], Tensor]) -> int:
+        """``changed[(value, sender)]``: (ncells,) bool, the cells the sender wrote this epoch.
+        Copies the routed ones to their receivers; returns the payload bytes moved."""
+        moved = 0
+        for (value, q, r), cells in self.topology.routes.items():
+            mask = changed.get((value, q))
+            if mask is None:
+                continue
+            sel = cells[mask.index_select(0, cells)]
+            if sel.numel() == 0:
+                continue
+            src, dst = self.workers[q], self.workers[r]
+            dst.payload[value].index_copy_(0, sel, src.payload[value].index_select(0, sel))
+            dst.committed[value].index_copy_(0, sel, src.committed[value].index_select(0, sel))
+            dst.from_input[value].index_copy_(0, sel, src.from_input[value].index_select(0, sel))
+            moved += sel.numel() * self.topology.cell_bytes[value]
+        return moved
+
+
+class WorkerGroup:
+    """W in-process partitioned workers presenting the DataPlane interface to the engine."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        workers: int,
+        *,
+        topology: Topology | None = None,
+        backend: str | Any = "cpu",
+        seed: int = 0,
+        checksum_policies: frozenset[str] = frozenset(),
+    ) -> None:
+        self.plan = plan
+        self.topology = topology or partition(plan, workers)
+        if self.topology.workers != workers:
+            raise UsageError(
+                f"the topology is for {self.topology.workers} workers, not {workers}", code="U080"
+            )
+        self.workers = [
+            DataPlane(
+                plan,
+                backend=backend,
+                seed=seed,
+                worker=f"w{i}",
+                checksum_policies=checksum_policies,
+            )
+            for i in range(workers)
+        ]
+        self.worker = "group"
+        self.seed = int(seed)
+        self.transport = InProcessTransport(self.workers, self.topology)
+        self.halo_bytes = 0  # payload bytes moved worker to worker in the last epoch
+        self.halo_bytes_total = 0
+        self.busy = False
+        # bytes of the messages between the control plane and each worker in the last epoch
+        # (metadata only), counted when ``count_messages`` is set (benchmarks)
+        self.count_messages = False
+        self.message_bytes = 0
+        self._merged: dict[str, _Merged] = {}
+
+    # ---- inputs and outputs (the API edge, never the epoch loop) ---------------------------------
+    def set_input(self, value: str, payload: Tensor, mask: Tensor) -> Tensor:
+        """Every worker keeps the inputs (their cells are committed everywhere)."""
+        idx = self.workers[0].set_input(value, payload, mask)
+        for w in self.workers[1:]:
+            w.set_input(value, payload, mask)
+        return idx
+
+    def load(self, value: str, payload: Tensor, committed: Tensor, from_input: Tensor) -> None:
+        for w in self.workers:
+            w.load(value, payload, committed, from_input)
+
+    def read(self, value: str) -> tuple[Tensor, Tensor]:
+        """(payload, committed) assembled from each cell's owner."""
+        payload, committed = self.workers[0].read(value)
+        if self.topology.replicated[value]:
+            return payload, committed
+        for i, w in enumerate(self.workers[1:], start=1):
+            cells = self.topology.owned(value, i)
+            p, c = w.read(value)
+            payload[cells] = p[cells]
+            committed[cells] = c[cells]
+        return payload, committed
+
+    def open_store(self, run_dir: Any) -> None:
+        raise UsageError(
+            "a run directory (stores, checkpoints, resume) needs one worker for now", code="U081"
+        )
+
+    def close_store(self) -> None:
+        pass
+
+    # ---- propose ---------------------------------------------------------------------------------
+    def propose(self, req: ProposeRequest) -> ProposeReply:
+        parts: list[list[RuleWork]] = [[] for _ in self.workers]
+        for rw in req.rules:
+            target = self.plan.rules[rw.rule].target
+            owner = self.topology.owner[target].index_select(0, rw.cells)
+            for i in range(len(self.workers)):
+                cells = rw.cells[owner == i]
+                if cells.numel():
+                    parts[i].append(RuleWork(rw.rule, cells))
+        replies: list[ProposeReply | None] = []
+        seconds = 0.0
+        self.message_bytes = 0
+        for i, w in enumerate(self.workers):
+            if not parts[i]:
+                replies.append(None)
+                continue
+            record = None
+            if req.record is not None:
+                record = {
+                    name: c[self.topology.owner[name].index_select(0, c) == i]
+                    for name, c in req.record.items()
+                }
+            sub = ProposeRequest(req.epoch, tuple(parts[i]), req.fresh, record, req.phases)
+            rep = w.propose(sub)
+            if self.count_messages:
+                self.message_bytes += nbytes(sub) + nbytes(rep)
+            seconds += rep.model_seconds
+            replies.append(rep)
+        order = [rw.rule for rw in req.rules]
+        values: dict[str, Candidates] = {}
+        self._merged = {}
+        # the values in the order one worker answers them (the order its rules fired): the
+        # engine agrees and advances clocks value by value in this order
+        targets = dict.fromkeys(self.plan.rules[rw.rule].target for rw in req.rules)
+        names = [n for n in targets if any(r and n in r.values for r in replies)]
+        for name in names:
+            got = [(i, r.values[name]) for i, r in enumerate(replies) if r and name in r.values]
+            values[name] = self._merge(name, got, order)
+        return ProposeReply(self.worker, values, seconds)
+
+    def _merge(self, name: str, got: list[tuple[int, Candidates]], order: list[int]) -> Candidates:
+        """One value's candidates: rows sorted by cell, columns in the request's rule order."""
+        width: dict[tuple[int, int], int] = {}
+        for _, c in got:
+            for j in range(1, c.col_rule.numel()):
+                rid, replica, s = _key(c, j)
+                width[(rid, replica)] = max(width.get((rid, replica), 0), s + 1)
+        rank = {r: k for k, r in enumerate(order)}
+        layout = sorted(width, key=lambda k: (rank[k[0]], k[1]))
+        col_of: dict[tuple[int, int, int], int] = {}
+        rule, rep, slot = [-1], [-1], [-1]
+        for r, p in layout:
+            for s in range(width[(r, p)]):
+                col_of[(r, p, s)] = len(rule)
+                rule.append(r)
+                rep.append(p)
+                slot.append(s)
+        ncol = len(rule)
+        allcells = torch.cat([c.cells for _, c in got])
+        cells, perm = allcells.sort()
+        n = cells.numel()
+        pos = torch.empty(n, dtype=torch.int64)
+        pos[perm] = torch.arange(n)
+        k = got[0][1].applies.shape[1]
+        valid = torch.zeros((n, ncol), dtype=torch.bool)
+        score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
+        violated = torch.zeros((n, ncol, k), dtype=torch.bool)
+        applies = torch.zeros((n, k), dtype=torch.bool)
+        refreshed = None
+        if any(c.refreshed is not None for _, c in got):
+            refreshed = torch.zeros(n, dtype=torch.bool)
+        checksum = None
+        if got[0][1].checksum is not None:
+            checksum = torch.zeros((n, ncol), dtype=torch.int64)
+        rows_of, cols_of, g2l, cells_of = [], [], [], []
+        owner_of_row = torch.empty(n, dtype=torch.int64)
+        local_row = torch.empty(n, dtype=torch.int64)
+        start = 0
+        for slot_i, (_, c) in enumerate(got):
+            m = c.cells.numel()
+            rows = pos[start : start + m]
+            start += m
+            cols = torch.tensor(
+                [0] + [col_of[_key(c, j)] for j in range(1, c.col_rule.numel())],
+                dtype=torch.int64,
+            )
+            rr, cc = rows.unsqueeze(1), cols.unsqueeze(0)
+            valid[rr, cc] = c.valid
+            score[rr, cc] = c.score
+            violated[rr, cc] = c.violated
+            applies[rows] = c.applies
+            if refreshed is not None and c.refreshed is not None:
+                refreshed[rows] = c.refreshed
+            if checksum is not None and c.checksum is not None:
+                checksum[rr, cc] = c.checksum
+            inv = torch.full((ncol,), -1, dtype=torch.int64)
+            inv[cols] = torch.arange(cols.numel())
+            owner_of_row[rows] = slot_i
+            local_row[rows] = torch.arange(m)
+            rows_of.append(rows)
+            cols_of.append(cols)
+            g2l.append(inv)
+            cells_of.append(c.cells)
+        self._merged[name] = _Merged(
+            tuple(i for i, _ in got),
+            tuple(rows_of),
+            tuple(cols_of),
+            owner_of_row,
+            local_row,
+            tuple(g2l),
+            tuple(cells_of),
+        )
+        return Candidates(
+            name,
+            cells,
+            valid,
+            score,
+            violated,
+            applies,
+            torch.tensor(rule),
+            torch.tensor(rep),
+            torch.tensor(slot),
+            refreshed,
+            checksum,
+        )
+
+    # ---- apply -----------------------------------------------------------------------------------
+    def apply(self, req: ApplyRequest) -> ApplyReply:
+        split: list[dict[str, ValueDecision]] = [{} for _ in self.workers]
+        where: dict[str, list[tuple[int, Tensor, Tensor]]] = {}
+        for name, d in req.values.items():
+            mg = self._merged[name]
+            n = mg.owner_of_row.numel()
+            rows = torch.arange(n) if d.rows is None else d.rows
+            owner = mg.owner_of_row.index_select(0, rows)
+            for s, i in enumerate(mg.workers):
+                sel = (owner == s).nonzero().squeeze(1)
+                mine = rows.index_select(0, sel)  # merged rows of this worker, in order
+                local = mg.local_row.index_select(0, mine)
+                winner = mg.global_to_local[s].index_select(0, d.winner.index_select(0, sel))
+                weights = None
+                if d.weights is not None:
+                    weights = d.weights.index_select(0, sel).index_select(1, mg.cols[s])
+                all_rows = d.rows is None and local.numel() == mg.rows[s].numel()
+                split[i][name] = ValueDecision(None if all_rows else local, winner, weights)
+                where.setdefault(name, []).append((i, sel, local))
+        replies: list[ApplyReply | None] = []
+        for i, w in enumerate(self.workers):
+            if not split[i]:
+                replies.append(None)
+                continue
+            sub = ApplyRequest(req.epoch, split[i], req.checksums)
+            rep = w.apply(sub)
+            if self.count_messages:
+                self.message_bytes += nbytes(sub) + nbytes(rep)
+            replies.append(rep)
+        out: dict[str, Applied] = {}
+        changed_cells: dict[tuple[str, int], Tensor] = {}
+        for name, d in req.values.items():
+            mg = self._merged[name]
+            m = mg.owner_of_row.numel() if d.rows is None else d.rows.numel()
+            changed = torch.ones(m, dtype=torch.bool)
+            sums = torch.zeros(m, dtype=torch.int64) if req.checksums else None
+            partial = False
+            for i, sel, local in where[name]:
+                done = replies[i]
+                assert done is not None
+                got = done.values[name]
+                ch = torch.ones(sel.numel(), dtype=torch.bool)
+                if got.changed is not None:
+                    ch = got.changed.bool()
+                    partial = True
+                changed[sel] = ch
+                if sums is not None and got.checksum is not None:
+                    sums[sel[ch]] = got.checksum
+                s = mg.workers.index(i)
+                cells = mg.cells[s].index_select(0, local)[ch]
+                mask = torch.zeros(self.plan.values[name].ncells, dtype=torch.bool)
+                mask[cells] = True
+                changed_cells[(name, i)] = mask
+            out[name] = Applied(
+                changed if partial else None,
+                None if sums is None else (sums[changed] if partial else sums),
+            )
+        self.halo_bytes = self.transport.exchange(changed_cells)
+        self.halo_bytes_total += self.halo_bytes
+        durable = all(r.durable for r in replies if r is not None) and any(replies)
+        return ApplyReply(self.worker, out, durable)
+
+
+__all__ = ["InProcessTransport", "WorkerGroup"]

@@ -1,0 +1,147 @@
+"""Partitioned workers: the in-process group of W = 2, 3, 4 workers commits exactly what one
+worker commits (payload, clocks, provenance, scores, every epoch) on the examples, and only the
+changed halo cells move between workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lmpm.errors import UsageError
+from lmpm.resolve.topology import partition
+from lmpm.runtime.engine import CHECKSUM_POLICIES
+from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.io import load_input
+from lmpm.runtime.session import Run
+
+EX = Path(__file__).resolve().parents[2] / "examples"
+CASES: dict[str, tuple[Path, dict[str, Any], dict[str, Path], int]] = {
+    "gpt": (EX / "gpt.lmpm", {"N": 12}, {}, 4),
+    "text": (EX / "text.lmpm", {}, {"Txt": EX / "text" / "prompt.txt"}, 3),
+    "sudoku": (EX / "sudoku.lmpm", {}, {"Grid": EX / "sudoku" / "puzzle.json"}, 4),
+    "video": (
+        EX / "video.lmpm",
+        {"T": 2, "W": 16, "H": 16, "x1": 4, "x2": 11, "y1": 8, "y2": 13},
+        {"Txt": EX / "video" / "caption.txt"},
+        3,
+    ),
+    "latent": (EX / "latent.lmpm", {"W": 6, "H": 5, "D": 8}, {"Z": Path("z.npy")}, 4),
+}
+
+
+def _latent_input(tmp: Path) -> Path:
+    z = np.random.default_rng(0).normal(size=(6, 5, 8)).astype(np.float32) * 0.3
+    path = tmp / "z.npy"
+    np.save(path, z)
+    return path
+
+
+def _run(
+    name: str, workers: int, replicate_bytes: int = 0, tmp: Path | None = None
+) -> tuple[list[Any], WorkerGroup | None]:
+    path, params, inputs, epochs = CASES[name]
+    run = Run.from_file(path, params=params, seed=3)
+    group = None
+    if workers > 1:
+        topo = partition(run.plan, workers, replicate_bytes=replicate_bytes)
+        group = WorkerGroup(
+            run.plan, workers, topology=topo, seed=3, checksum_policies=CHECKSUM_POLICIES
+        )
+        run.engine.dataplane = run.dataplane = group
+    for value, file in inputs.items():
+        if name == "latent":
+            assert tmp is not None
+            file = _latent_input(tmp)
+        payload, mask = load_input(str(file), run.plan.values[value])
+        run.set_input(value, payload, mask)
+    states = []
+    for _ in range(epochs):
+        run.engine.step()
+        states.append(
+            {
+                v: (
+                    run.payload(v).clone(),
+                    st.committed.clone(),
+                    st.clock.clone(),
+                    st.rule.clone(),
+                    st.epoch.clone(),
+                    st.score.clone(),
+                )
+                for v, st in run.engine.state.items()
+            }
+        )
+    return states, group
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_workers_commit_like_one_worker(name: str, tmp_path: Path) -> None:
+    one, _ = _run(name, 1, tmp=tmp_path)
+    for workers in (2, 3, 4):
+        many, group = _run(name, workers, tmp=tmp_path)
+        assert group is not None
+        for e, (a, b) in enumerate(zip(one, many, strict=True)):
+            for v in a:
+                for what, x, y in zip(
+                    ("payload", "committed", "clock", "rule", "epoch", "score"),
+                    a[v],
+                    b[v],
+                    strict=True,
+                ):
+                    msg = f"{name} W={workers} epoch {e} {v}.{what}"
+                    if what == "score":  # a batched float model: the last bits vary by batch
+                        assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), msg
+                    else:
+                        assert torch.equal(x, y), msg
+
+
+def test_only_changed_halo_cells_move() -> None:
+    _, group = _run("gpt", 3)
+    assert group is not None
+    topo = group.topology
+    # gpt: each token reads every earlier token; every committed cell is read by later workers
+    assert group.halo_bytes_total > 0
+    assert group.halo_bytes_total <= 4 * topo.halo_bytes()  # at most every routed cell, 4 epochs
+    assert group.halo_bytes <= topo.halo_bytes()
+    # every worker's resident copy of what it reads equals the owner's payload
+    for value in topo.owner:
+        for r in range(3):
+            halo = topo.halo_cells(value, r)
+            ref, _ = group.read(value)
+            mine = group.workers[r].payload[value]
+            assert torch.equal(mine[halo], ref[halo])
+
+
+def test_replicated_values_follow_worker_zero() -> None:
+    one, _ = _run("sudoku", 1)
+    many, group = _run("sudoku", 3, replicate_bytes=1 << 20)
+    assert group is not None and all(group.topology.replicated.values())
+    for a, b in zip(one, many, strict=True):
+        for v in a:
+            assert all(torch.equal(x, y) for x, y in zip(a[v][:5], b[v][:5], strict=True))
+    for w in group.workers[1:]:
+        assert torch.equal(w.payload["Cand"], group.workers[0].payload["Cand"])
+
+
+def test_group_refuses_a_run_directory(tmp_path: Path) -> None:
+    path, params, _, _ = CASES["gpt"]
+    run = Run.from_file(path, params=params)
+    group = WorkerGroup(run.plan, 2)
+    with pytest.raises(UsageError) as e:
+        group.open_store(tmp_path)
+    assert e.value.code == "U081"
+
+
+def test_epoch_record_counts_halo_bytes() -> None:
+    path, params, _, _ = CASES["gpt"]
+    run = Run.from_file(path, params=params, seed=3)
+    group = WorkerGroup(run.plan, 2, topology=partition(run.plan, 2, replicate_bytes=0), seed=3)
+    run.engine.dataplane = run.dataplane = group
+    recs = [run.engine.step() for _ in range(3)]
+    assert [r.halo_bytes for r in recs] != [0, 0, 0]
+    assert sum(r.halo_bytes for r in recs) == group.halo_bytes_total
+    single = Run.from_file(path, params=params, seed=3)
+    assert single.engine.step().halo_bytes == 0
