@@ -145,3 +145,36 @@ def test_epoch_record_counts_halo_bytes() -> None:
     assert sum(r.halo_bytes for r in recs) == group.halo_bytes_total
     single = Run.from_file(path, params=params, seed=3)
     assert single.engine.step().halo_bytes == 0
+
+
+def test_group_workers_honour_the_ruleset() -> None:
+    """A constraint disabled mid-run is switched off on every worker, and the group commits what
+    one worker does."""
+    outs = []
+    seen: list[Any] = []
+    for workers in (1, 2):
+        path, params, inputs, _ = CASES["text"]
+        run = Run.from_file(path, params=params, seed=3)
+        if workers > 1:
+            group = WorkerGroup(
+                run.plan,
+                workers,
+                topology=partition(run.plan, workers, replicate_bytes=0),
+                seed=3,
+                checksum_policies=CHECKSUM_POLICIES,
+            )
+            for w in group.workers:
+                propose = w.propose
+                w.propose = lambda req, f=propose: (seen.append(req.active), f(req))[1]  # type: ignore[method-assign]
+            run.engine.dataplane = run.dataplane = group
+        payload, mask = load_input(str(inputs["Txt"]), run.plan.values["Txt"])
+        run.set_input("Txt", payload, mask)
+        for _ in range(2):
+            run.engine.step()
+        run.disable("Plain")
+        for _ in range(4):
+            run.engine.step()
+        outs.append(run.payload("Txt").clone())
+    assert torch.equal(outs[0], outs[1])
+    plain = next(cp.id for cp in run.plan.constraints if cp.name == "Plain")
+    assert seen[0] is None and seen[-1] is not None and plain not in seen[-1]

@@ -173,7 +173,9 @@ class WorkerGroup:
                     name: c[self.topology.owner[name].index_select(0, c) == i]
                     for name, c in req.record.items()
                 }
-            sub = ProposeRequest(req.epoch, tuple(parts[i]), req.fresh, record, req.phases)
+            sub = ProposeRequest(
+                req.epoch, tuple(parts[i]), req.fresh, record, req.phases, req.active
+            )
             rep = w.propose(sub)
             if self.count_messages:
                 self.message_bytes += nbytes(sub) + nbytes(rep)
