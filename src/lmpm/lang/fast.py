@@ -356,20 +356,32 @@ class Parser:
         end = guard if guard is not None else source
         return ast.Visible(target, source, guard, self._join(self._span(kw), end.span))
 
-    def _rule(self) -> ast.Rule:
-        kw = self._kw("rule")
-        name = self._name()
+    def _open_block(self) -> None:
+        """``:`` NEWLINE INDENT: the header's end and the start of an indented body."""
         self._op(":")
         self._expect(NL)
         self._expect(INDENT)
+
+    def _block_word(self, started: bool) -> tuple[int, str, int, int] | None:
+        """The next statement's leading word of an indented body, or None (consumed) at the
+        DEDENT that ends a body with at least one statement (``started``)."""
+        tok = self.toks[self.i]
+        if tok[0] == DEDENT and started:
+            self.i += 1
+            return None
+        if tok[0] != NAME:
+            raise Fallback
+        return tok
+
+    def _rule(self) -> ast.Rule:
+        kw = self._kw("rule")
+        name = self._name()
+        self._open_block()
         body: list[Any] = []
         while True:
-            tok = self.toks[self.i]
-            if tok[0] == DEDENT and body:
-                self.i += 1
+            tok = self._block_word(bool(body))
+            if tok is None:
                 break
-            if tok[0] != NAME:
-                raise Fallback
             word = tok[1]
             start = self._span(tok)
             self.i += 1
@@ -448,9 +460,7 @@ class Parser:
         name = self._name()
         self._kw("on")
         value = self._name()
-        self._op(":")
-        self._expect(NL)
-        self._expect(INDENT)
+        self._open_block()
         zones: list[ast.Zone] = []
         while True:
             tok = self.toks[self.i]
@@ -470,17 +480,12 @@ class Parser:
     def _zone(self) -> ast.Zone:
         kw = self._kw("zone")
         name = self._name()
-        self._op(":")
-        self._expect(NL)
-        self._expect(INDENT)
+        self._open_block()
         body: list[Any] = []
         while True:
-            tok = self.toks[self.i]
-            if tok[0] == DEDENT and body:
-                self.i += 1
+            tok = self._block_word(bool(body))
+            if tok is None:
                 break
-            if tok[0] != NAME:
-                raise Fallback
             word = tok[1]
             start = self._span(tok)
             self.i += 1
