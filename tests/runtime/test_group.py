@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from lmpm.errors import UsageError
 from lmpm.resolve.topology import partition
 from lmpm.runtime.engine import CHECKSUM_POLICIES
 from lmpm.runtime.group import WorkerGroup
@@ -126,13 +125,37 @@ def test_replicated_values_follow_worker_zero() -> None:
         assert torch.equal(w.payload["Cand"], group.workers[0].payload["Cand"])
 
 
-def test_group_refuses_a_run_directory(tmp_path: Path) -> None:
-    path, params, _, _ = CASES["gpt"]
-    run = Run.from_file(path, params=params)
-    group = WorkerGroup(run.plan, 2)
-    with pytest.raises(UsageError) as e:
-        group.open_store(tmp_path)
-    assert e.value.code == "U081"
+def test_group_with_a_run_directory_resumes(tmp_path: Path) -> None:
+    """The in-process group writes one payload store and one checkpoint shard per worker, and a
+    run stopped after 5 epochs resumes to the uninterrupted run's log and outputs."""
+    import sqlite3
+
+    from lmpm.cli import main
+
+    args = ["run", str(EX / "latent.lmpm"), "--input", f"Z={EX / 'latent' / 'z0.npy'}"]
+    args += ["--seed", "2", "--quiet", "--checkpoint-every", "2", "--workers", "3"]
+    args += ["--driver", "process"]  # the default partition splits Z and M in 3
+    assert main([*args, "--epochs", "10", "--out", str(tmp_path / "ref")]) == 0
+    assert main([*args, "--epochs", "5", "--out", str(tmp_path / "r")]) == 0
+    assert sorted(p.name for p in (tmp_path / "r" / "payload").iterdir()) == [
+        "w0.db",
+        "w1.db",
+        "w2.db",
+    ]
+    shards = [p.name for p in (tmp_path / "r" / "checkpoints").iterdir()]
+    assert "epoch-00000004.w2.safetensors" in shards  # control checkpoint + one shard per worker
+    assert main(["run", "--resume", str(tmp_path / "r"), "--epochs", "10", "--quiet"]) == 0
+
+    def log(d: Path) -> list[tuple[object, ...]]:
+        conn = sqlite3.connect(d / "lmpm.db")
+        try:
+            return conn.execute("SELECT * FROM commits ORDER BY epoch, value, first").fetchall()
+        finally:
+            conn.close()
+
+    assert log(tmp_path / "r") == log(tmp_path / "ref")
+    for out in ("Z.npy", "M.npy"):
+        assert (tmp_path / "r" / out).read_bytes() == (tmp_path / "ref" / out).read_bytes()
 
 
 def test_epoch_record_counts_halo_bytes() -> None:

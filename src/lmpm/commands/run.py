@@ -101,6 +101,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --trace cells: only these cells, e.g. 'Vid[0, 0..15, 0..15]'",
     )
     p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="split the payload over N workers (default 1; N > 1 runs each as a Ray actor, "
+        "see --driver)",
+    )
+    p.add_argument(
+        "--driver",
+        choices=["single", "process", "ray"],
+        help="how workers run: single (one, in this process), process (N partitioned workers in "
+        "this process), ray (one Ray actor per worker; the default for N > 1)",
+    )
+    p.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="run the workers on a running Ray cluster (ray start --head) at ADDRESS",
+    )
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        metavar="S",
+        help="seconds a worker may take for one phase of an epoch before it is replaced "
+        "(default 120)",
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=int,
         metavar="K",
@@ -196,6 +221,10 @@ def run(args: argparse.Namespace) -> int:
         backend=backend,
         epochs=args.epochs,
         keep_records=False,  # the commit log keeps them; a long run must not hold them all
+        workers=args.workers or 1,
+        driver=args.driver,
+        cluster=args.cluster,
+        worker_timeout=args.worker_timeout,
     )
     tracer, region = make_tracer(session, level, args.trace_region)
     info = RunInfo(
@@ -213,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoint_every=every,
         inputs={k: str(Path(v).resolve()) for k, v in inputs.items()},
         durable=args.durable,
+        workers=session.workers,
     )
     # Every writer holds the directory's lock for the run's life; the checks above are repeated
     # under it, since another process may have started a run there meanwhile.
@@ -258,7 +288,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
         read_meta,
         restore,
     )
-    from lmpm.runtime.session import Run, make_tracer
+    from lmpm.runtime.session import Run, make_tracer, stored_workers
     from lmpm.runtime.trace import parse_region
 
     conn = connect(run_dir, readonly=True, check=True)
@@ -326,6 +356,10 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
         backend=backend,
         epochs=meta.get("plan_epochs", meta["epochs"]),
         keep_records=False,
+        workers=stored_workers(meta, run_dir, args.workers),
+        driver=args.driver,
+        cluster=args.cluster,
+        worker_timeout=args.worker_timeout,
     )
     region_text = meta.get("trace_region")
     if args.trace_region:
@@ -347,6 +381,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
             session.engine.change_ruleset(op, name, "cli")
     except BaseException:
         conn.close()
+        session.close()
         raise
     info = RunInfo(
         program_hash=meta["program_hash"],
@@ -363,6 +398,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
         checkpoint_every=int(meta["checkpoint_every"]),
         inputs=dict(meta.get("inputs", {})),
         durable=durable,
+        workers=session.workers,
     )
     log = CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=sys.argv[1:])
     note = (
@@ -479,6 +515,7 @@ def _execute(
         raise
     finally:
         log.close()
+        session.close()
     state = res.stop.message(detail=False) if res.stop is not None else "stopped"
     sys.stderr.write(
         f"{note}{res.epochs} epochs ({state}), {res.commits} commits, "

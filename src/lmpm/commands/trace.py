@@ -160,6 +160,15 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
                 markup=False,
             )
 
+    if rep.get("faults"):
+        console.print("worker faults survived (each epoch redone from the durable state):")
+        for f in rep["faults"]:
+            console.print(
+                f"  epoch {f['epoch']}: worker {f['worker']} {f['cause']} in {f['phase']} "
+                f"(pid {f['pid']}), {f['seconds']:.2f} s lost",
+                markup=False,
+            )
+
     epochs = rep["epochs"]
     if epochs:
         e = Table(title="epochs", title_justify="left")

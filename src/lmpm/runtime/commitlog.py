@@ -81,6 +81,13 @@ RULESET_TABLE = (
     "at REAL NOT NULL)"
 )
 
+# Worker faults a multi-worker run survived (lmpm.runtime.raygroup.Fault); older logs have none
+FAULTS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS worker_faults (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
+    "worker TEXT NOT NULL, phase TEXT NOT NULL, cause TEXT NOT NULL, seconds REAL NOT NULL, "
+    "pid INTEGER NOT NULL, at REAL NOT NULL)"
+)
+
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE value_defs (
@@ -124,6 +131,9 @@ CREATE TABLE trace_candidates (
 CREATE TABLE ruleset_events (
   seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, op TEXT NOT NULL, name TEXT NOT NULL,
   clock INTEGER NOT NULL, by TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE worker_faults (
+  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, worker TEXT NOT NULL, phase TEXT NOT NULL,
+  cause TEXT NOT NULL, seconds REAL NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL);
 CREATE VIEW trace_named AS
   SELECT s.epoch, c.name AS constraint_name, c.priority, r.name AS rule_name, s.checked,
          s.violations, s.won, s.lost, s.blocked_where
@@ -163,6 +173,7 @@ class RunInfo:
     checkpoint_every: int
     inputs: dict[str, str] = field(default_factory=dict)  # --input NAME -> absolute path
     durable: bool = False  # --durable: synchronous=FULL (every epoch fsynced), see docs/trace.md
+    workers: int = 1  # --workers: the partition's size (one payload shard per worker)
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
@@ -448,8 +459,7 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
     """Checkpoint the state at the start of epoch ``label``: the worker writes its payload shard
     first, then the control plane's file (naming the shard and its sha256) is written beside,
     fsynced and renamed. Returns the control file's (file, bytes, sha256)."""
-    wfile, wbytes, wsha = engine.dataplane.checkpoint(label)
-    shards = {engine.dataplane.worker: {"file": wfile, "bytes": wbytes, "sha256": wsha}}
+    shards = engine.dataplane.checkpoint_shards(label)
     data = safetensors_bytes(
         state_arrays(engine),
         metadata={
@@ -558,12 +568,12 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
     state: dict[str, dict[str, np.ndarray]] | None = None
     skipped: list[str] = []
     label = -1
-    shard: dict[str, Any] = {}
+    shards: dict[str, dict[str, Any]] = {}
     for ep, rel, sha in rows:
         label, rel = int(ep), str(rel)
         try:
             state = _checkpoint_state(engine, d, rel, str(sha))
-            shard = _shard_of(engine, d, rel)
+            shards = _shards_of(engine, d, rel)
             break
         except RunDirError as e:
             state = None
@@ -573,7 +583,7 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
     for msg in skipped:
         sys.stderr.write(f"note: {msg.removesuffix('; nothing was changed')}; using an older one\n")
     replayed = 0
-    counts: dict[tuple[int, str], int] = {}
+    commits: dict[tuple[int, str], list[np.ndarray]] = {}
     cur = conn.execute(
         "SELECT epoch, value, first, step, count, rule, clock_min, clocks, score_min, scores, "
         "sums, crc FROM commits WHERE epoch >= ? AND epoch < ? ORDER BY epoch, rowid",
@@ -585,8 +595,8 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
             raise RunDirError(
                 f"commit of epoch {epoch} for `{value}` is corrupt (checksum mismatch)", code="D006"
             )
-        counts[(epoch, value)] = counts.get((epoch, value), 0) + count
         idx = first + step * np.arange(count)
+        commits.setdefault((epoch, value), []).append(idx)
         data = decode(sums)
         n = into["committed"].size
         if count < 1 or data.size != count or int(idx.min()) < 0 or int(idx.max()) >= n:
@@ -603,12 +613,11 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         replayed += 1
     engine.dataplane.open_store(d)
     try:
-        engine.dataplane.restore(
+        engine.dataplane.restore_shards(
             label,
-            str(shard["file"]),
-            str(shard["sha256"]),
+            shards,
             nxt,
-            counts,
+            {k: torch.from_numpy(np.concatenate(v)) for k, v in commits.items()},
             {n: torch.from_numpy(v["committed"]) for n, v in state.items()},
             {n: torch.from_numpy(v["rule"] == INPUT_RULE) for n, v in state.items()},
         )
@@ -653,18 +662,21 @@ def _checkpoint_state(
     return state
 
 
-def _shard_of(engine: Engine, d: Path, rel: str) -> dict[str, Any]:
-    """The worker's payload shard that control checkpoint ``rel`` names, checked (sha256)."""
+def _shards_of(engine: Engine, d: Path, rel: str) -> dict[str, dict[str, Any]]:
+    """The workers' payload shards that control checkpoint ``rel`` names, each checked (sha256)."""
     shards = checkpoint_shards(d, rel)
-    shard = shards.get(engine.dataplane.worker)
-    if shard is None:
-        raise RunDirError(
-            f"checkpoint {d / rel} names no payload shard of worker `{engine.dataplane.worker}` "
-            f"(it has: {', '.join(shards) or 'none'}); nothing was changed",
-            code="D007",
-        )
-    read_checkpoint(d, str(shard["file"]), str(shard["sha256"]), "payload checkpoint")
-    return dict(shard)
+    out: dict[str, dict[str, Any]] = {}
+    for worker in engine.dataplane.shard_names:
+        shard = shards.get(worker)
+        if shard is None:
+            raise RunDirError(
+                f"checkpoint {d / rel} names no payload shard of worker `{worker}` "
+                f"(it has: {', '.join(shards) or 'none'}); nothing was changed",
+                code="D007",
+            )
+        read_checkpoint(d, str(shard["file"]), str(shard["sha256"]), "payload checkpoint")
+        out[worker] = dict(shard)
+    return out
 
 
 # ---- the observer ---------------------------------------------------------------------------------
@@ -874,6 +886,7 @@ class CommitLog:
         row = self.conn.execute("SELECT max(epoch) FROM checkpoints").fetchone()
         self._checkpointed = int(row[0]) if row[0] is not None else -1
         self.conn.execute(RULESET_TABLE)  # a log written before RuleSet events existed
+        self.conn.execute(FAULTS_TABLE)  # ... or before worker faults were logged
         self._ruleset_logged = len(ruleset_events(self.conn))  # replayed by restore()
         self.conn.execute("BEGIN IMMEDIATE")
         self.conn.execute(
@@ -905,6 +918,16 @@ class CommitLog:
         conn.execute("BEGIN IMMEDIATE")
         try:
             self._log_ruleset(engine)
+            if record.faults:
+                now = time.time()
+                conn.executemany(
+                    "INSERT INTO worker_faults (epoch, worker, phase, cause, seconds, pid, at) "
+                    "VALUES (?,?,?,?,?,?,?)",
+                    [
+                        (f.epoch, f.worker, f.phase, f.cause, f.seconds, f.pid, now)
+                        for f in record.faults
+                    ],
+                )
             conn.executemany("INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             if trace is not None:
                 trace.insert(conn)

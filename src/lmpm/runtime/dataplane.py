@@ -212,6 +212,8 @@ class DataPlane:
         self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
         self._kwargs_base: dict[int, dict[str, Any]] = {}
         self.store: Any = None  # a PayloadStore (lmpm.runtime.store) once the run has a directory
+        # per value: the cells the last apply wrote (the halo transports send the routed ones)
+        self.written: dict[str, Tensor] = {}
         # Worker-side instrumentation: tap(epoch, value, cells, table (n, C, *cell), valid (n, C))
         # sees every candidate table where the payload lives (benchmarks, debugging).
         self.taps: list[Any] = []
@@ -300,6 +302,33 @@ class DataPlane:
         assert self.store is not None, "open_store first"
         return self.store.checkpoint(
             label, {name: t.cpu().numpy() for name, t in self.payload.items()}
+        )
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """The workers whose payload shards a checkpoint of this data plane holds."""
+        return (self.worker,)
+
+    def checkpoint_shards(self, label: int) -> dict[str, dict[str, Any]]:
+        """Per worker, the payload shard written for the start of epoch ``label``."""
+        file, size, sha = self.checkpoint(label)
+        return {self.worker: {"file": file, "bytes": size, "sha256": sha}}
+
+    def restore_shards(
+        self,
+        label: int,
+        shards: Mapping[str, Mapping[str, Any]],
+        upto: int,
+        commits: Mapping[tuple[int, str], Tensor],
+        committed: Mapping[str, Tensor],
+        from_input: Mapping[str, Tensor],
+    ) -> None:
+        """Resume from the shards a checkpoint names: ``commits[(epoch, value)]`` are the cells the
+        control plane logged as committed in epochs ``label .. upto - 1`` (see :meth:`restore`)."""
+        shard = shards[self.worker]
+        counts = {k: int(c.numel()) for k, c in commits.items()}
+        self.restore(
+            label, str(shard["file"]), str(shard["sha256"]), upto, counts, committed, from_input
         )
 
     def restore(
@@ -773,6 +802,7 @@ class DataPlane:
     def apply(self, req: ApplyRequest) -> ApplyReply:
         """Write the winners of every value, make them durable, report what changed."""
         out: dict[str, Applied] = {}
+        self.written = {}
         for name, d in req.values.items():
             st = self._staged[name]
             vp = self.plan.values[name]
@@ -802,6 +832,7 @@ class DataPlane:
                     keep = changed.nonzero().squeeze(1)
                     cells, new = cells.index_select(0, keep), new.index_select(0, keep)
             self.payload[name].index_copy_(0, cells, new)
+            self.written[name] = cells
             self.committed[name].index_fill_(0, cells, True)
             if name in self._tracks_inputs:
                 self.from_input[name].index_fill_(0, cells, False)

@@ -135,6 +135,9 @@ class EpochRecord:
     model_seconds: float
     message_bytes: int = 0  # tensor bytes exchanged with the workers (metadata only)
     halo_bytes: int = 0  # payload bytes moved worker to worker (partitioned workers; 0 for one)
+    # worker faults survived while running this epoch (lmpm.runtime.raygroup.Fault): the epoch
+    # was redone after each
+    faults: tuple[Any, ...] = ()
 
 
 class Observer(Protocol):
@@ -647,6 +650,10 @@ class Engine:
             time.perf_counter() - t0,
             reply.model_seconds,
             halo_bytes=getattr(self.dataplane, "halo_bytes", 0),
+            message_bytes=getattr(self.dataplane, "message_bytes", 0),
+            faults=tuple(self.dataplane.take_faults())
+            if hasattr(self.dataplane, "take_faults")
+            else (),
         )
         for o in self.observers:
             o.on_epoch(self, rec)

@@ -7,10 +7,17 @@ with the column layout one worker would produce (a worker where a rule did not f
 invalid columns), splits the :class:`ApplyRequest` back, and after every worker applied, moves the
 *changed* cells of each route from its sender to its receiver (the in-process transport: a
 two-phase exchange, all apply, then all exchange). The control plane sees metadata only.
+
+How the workers are reached is the subclass's part: here they are objects in this process;
+:class:`lmpm.runtime.raygroup.RayGroup` runs each as a Ray actor in its own process, the halo moving
+over ``torch.distributed``. The split and merge of the messages, the metadata the group keeps for
+restores (committed and input flags, the cells committed since the newest checkpoint) and the
+restore itself are shared.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,25 +97,19 @@ class WorkerGroup:
         seed: int = 0,
         checksum_policies: frozenset[str] = frozenset(),
     ) -> None:
+        if workers < 1:
+            raise UsageError(f"--workers {workers}: at least one worker is needed", code="U080")
         self.plan = plan
         self.topology = topology or partition(plan, workers)
         if self.topology.workers != workers:
             raise UsageError(
                 f"the topology is for {self.topology.workers} workers, not {workers}", code="U080"
             )
-        self.workers = [
-            DataPlane(
-                plan,
-                backend=backend,
-                seed=seed,
-                worker=f"w{i}",
-                checksum_policies=checksum_policies,
-            )
-            for i in range(workers)
-        ]
+        self.size = workers
         self.worker = "group"
         self.seed = int(seed)
-        self.transport = InProcessTransport(self.workers, self.topology)
+        self.backend = backend
+        self.checksum_policies = checksum_policies
         self.halo_bytes = 0  # payload bytes moved worker to worker in the last epoch
         self.halo_bytes_total = 0
         self.busy = False
@@ -117,40 +118,143 @@ class WorkerGroup:
         self.count_messages = False
         self.message_bytes = 0
         self._merged: dict[str, _Merged] = {}
+        # Metadata the group keeps to restore its workers (never payload): committed and input
+        # flags per value, the newest checkpoint's shards and the cells committed since it.
+        self.committed = {
+            n: torch.zeros(vp.ncells, dtype=torch.bool) for n, vp in plan.values.items()
+        }
+        self.from_input = {
+            n: torch.zeros(vp.ncells, dtype=torch.bool) for n, vp in plan.values.items()
+        }
+        self.checkpointed: tuple[int, dict[str, dict[str, Any]]] | None = None
+        self.since: dict[tuple[int, str], list[Tensor]] = {}
+        self.workers: list[Any] = self._start()
+        self.transport = InProcessTransport(self.workers, self.topology)
+
+    # ---- reaching the workers (the in-process driver; RayGroup overrides these) -----------------
+    def _start(self) -> list[Any]:
+        return [
+            DataPlane(
+                self.plan,
+                backend=self.backend,
+                seed=self.seed,
+                worker=name,
+                checksum_policies=self.checksum_policies,
+            )
+            for name in self.shard_names
+        ]
+
+    def _each(self, method: str, *args: Any) -> list[Any]:
+        """Call ``method`` on every worker with the same arguments; their results in order."""
+        return [getattr(w, method)(*args) for w in self.workers]
+
+    def _calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+        """Call ``method`` on worker i with ``args[i]`` (None: not called, result None)."""
+        return [
+            None if a is None else getattr(w, method)(*a)
+            for w, a in zip(self.workers, args, strict=True)
+        ]
+
+    def _propose_all(self, subs: list[ProposeRequest | None]) -> list[ProposeReply | None]:
+        return self._calls("propose", [None if s is None else (s,) for s in subs])
+
+    def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
+        """Apply on every worker, then move the cells each wrote along its routes: (replies,
+        payload bytes moved)."""
+        replies = self._calls("apply", [None if s is None else (s,) for s in subs])
+        changed: dict[tuple[str, int], Tensor] = {}
+        for i, (w, rep) in enumerate(zip(self.workers, replies, strict=True)):
+            if rep is None:
+                continue
+            for name, cells in w.written.items():
+                mask = torch.zeros(self.plan.values[name].ncells, dtype=torch.bool)
+                mask[cells] = True
+                changed[(name, i)] = mask
+        return replies, self.transport.exchange(changed)
+
+    def _resync(self) -> int:
+        """Send every routed cell to its receivers (after a restore): bytes moved."""
+        every = {
+            (v, q): torch.ones(self.plan.values[v].ncells, dtype=torch.bool)
+            for (v, q, _) in self.topology.routes
+        }
+        return self.transport.exchange(every)
+
+    def close(self) -> None:
+        """Release the workers (processes, process groups) of a driver that has any."""
 
     # ---- inputs and outputs (the API edge, never the epoch loop) ---------------------------------
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        return tuple(f"w{i}" for i in range(self.size))
+
     def set_input(self, value: str, payload: Tensor, mask: Tensor) -> Tensor:
         """Every worker keeps the inputs (their cells are committed everywhere)."""
-        idx = self.workers[0].set_input(value, payload, mask)
-        for w in self.workers[1:]:
-            w.set_input(value, payload, mask)
+        idx = self._each("set_input", value, payload, mask)[0]
+        self.committed[value][idx] = True
+        self.from_input[value][idx] = True
         return idx
 
     def load(self, value: str, payload: Tensor, committed: Tensor, from_input: Tensor) -> None:
-        for w in self.workers:
-            w.load(value, payload, committed, from_input)
+        self._each("load", value, payload, committed, from_input)
+        self.committed[value] = committed.bool().clone()
+        self.from_input[value] = from_input.bool().clone()
 
     def read(self, value: str) -> tuple[Tensor, Tensor]:
         """(payload, committed) assembled from each cell's owner."""
-        payload, committed = self.workers[0].read(value)
         if self.topology.replicated[value]:
-            return payload, committed
-        for i, w in enumerate(self.workers[1:], start=1):
+            return self._calls("read", [(value,)] + [None] * (self.size - 1))[0]
+        parts = self._each("read", value)
+        payload, committed = parts[0]
+        for i, (p, c) in enumerate(parts[1:], start=1):
             cells = self.topology.owned(value, i)
-            p, c = w.read(value)
             payload[cells] = p[cells]
             committed[cells] = c[cells]
         return payload, committed
 
+    # ---- durability: one store and one checkpoint shard per worker --------------------------------
     def open_store(self, run_dir: Any) -> None:
-        raise UsageError(
-            "a run directory (stores, checkpoints, resume) needs one worker for now", code="U081"
-        )
+        self._each("open_store", run_dir)
 
     def close_store(self) -> None:
-        pass
+        self._each("close_store")
+
+    def checkpoint_shards(self, label: int) -> dict[str, dict[str, Any]]:
+        shards: dict[str, dict[str, Any]] = {}
+        for got in self._each("checkpoint_shards", label):
+            shards.update(got)
+        self.checkpointed = (label, shards)
+        self.since = {k: v for k, v in self.since.items() if k[0] >= label}
+        return shards
+
+    def restore_shards(
+        self,
+        label: int,
+        shards: Mapping[str, Mapping[str, Any]],
+        upto: int,
+        commits: Mapping[tuple[int, str], Tensor],
+        committed: Mapping[str, Tensor],
+        from_input: Mapping[str, Tensor],
+    ) -> None:
+        """Every worker restores its shard plus the rows of the cells it owns, then every routed
+        cell moves to its receivers, so each worker's halo holds its owners' payload."""
+        per: list[tuple[Any, ...]] = []
+        for i in range(self.size):
+            mine = {
+                k: c[self.topology.owner[k[1]].index_select(0, c) == i] for k, c in commits.items()
+            }
+            per.append((label, shards, upto, mine, committed, from_input))
+        self._calls("restore_shards", list(per))
+        self._resync()
+        self.committed = {n: c.bool().clone() for n, c in committed.items()}
+        self.from_input = {n: c.bool().clone() for n, c in from_input.items()}
+        self.checkpointed = (label, {k: dict(v) for k, v in shards.items()})
+        self.since = {k: [c] for k, c in commits.items()}
 
     # ---- propose ---------------------------------------------------------------------------------
+    def _before(self, epoch: int) -> None:
+        """Called before each epoch's propose (RayGroup: the first checkpoint for recovery)."""
+
     def propose(self, req: ProposeRequest) -> ProposeReply:
         parts: list[list[RuleWork]] = [[] for _ in self.workers]
         for rw in req.rules:
@@ -160,12 +264,10 @@ class WorkerGroup:
                 cells = rw.cells[owner == i]
                 if cells.numel():
                     parts[i].append(RuleWork(rw.rule, cells))
-        replies: list[ProposeReply | None] = []
-        seconds = 0.0
-        self.message_bytes = 0
-        for i, w in enumerate(self.workers):
+        subs: list[ProposeRequest | None] = []
+        for i in range(self.size):
             if not parts[i]:
-                replies.append(None)
+                subs.append(None)
                 continue
             record = None
             if req.record is not None:
@@ -173,14 +275,19 @@ class WorkerGroup:
                     name: c[self.topology.owner[name].index_select(0, c) == i]
                     for name, c in req.record.items()
                 }
-            sub = ProposeRequest(
-                req.epoch, tuple(parts[i]), req.fresh, record, req.phases, req.active
+            subs.append(
+                ProposeRequest(
+                    req.epoch, tuple(parts[i]), req.fresh, record, req.phases, req.active
+                )
             )
-            rep = w.propose(sub)
-            if self.count_messages:
-                self.message_bytes += nbytes(sub) + nbytes(rep)
-            seconds += rep.model_seconds
-            replies.append(rep)
+        self._before(req.epoch)
+        replies = self._propose_all(subs)
+        self.message_bytes = 0
+        if self.count_messages:
+            self.message_bytes = sum(
+                nbytes(q) + nbytes(r) for q, r in zip(subs, replies, strict=True)
+            )
+        seconds = sum(r.model_seconds for r in replies if r is not None)
         order = [rw.rule for rw in req.rules]
         values: dict[str, Candidates] = {}
         self._merged = {}
@@ -299,24 +406,23 @@ class WorkerGroup:
                 all_rows = d.rows is None and local.numel() == mg.rows[s].numel()
                 split[i][name] = ValueDecision(None if all_rows else local, winner, weights)
                 where.setdefault(name, []).append((i, sel, local))
-        replies: list[ApplyReply | None] = []
-        for i, w in enumerate(self.workers):
-            if not split[i]:
-                replies.append(None)
-                continue
-            sub = ApplyRequest(req.epoch, split[i], req.checksums)
-            rep = w.apply(sub)
-            if self.count_messages:
-                self.message_bytes += nbytes(sub) + nbytes(rep)
-            replies.append(rep)
+        subs = [
+            ApplyRequest(req.epoch, split[i], req.checksums) if split[i] else None
+            for i in range(self.size)
+        ]
+        replies, self.halo_bytes = self._apply_all(subs)
+        if self.count_messages:
+            self.message_bytes += sum(
+                nbytes(q) + nbytes(r) for q, r in zip(subs, replies, strict=True)
+            )
         out: dict[str, Applied] = {}
-        changed_cells: dict[tuple[str, int], Tensor] = {}
         for name, d in req.values.items():
             mg = self._merged[name]
             m = mg.owner_of_row.numel() if d.rows is None else d.rows.numel()
             changed = torch.ones(m, dtype=torch.bool)
             sums = torch.zeros(m, dtype=torch.int64) if req.checksums else None
             partial = False
+            written: list[Tensor] = []
             for i, sel, local in where[name]:
                 done = replies[i]
                 assert done is not None
@@ -330,14 +436,15 @@ class WorkerGroup:
                     sums[sel[ch]] = got.checksum
                 s = mg.workers.index(i)
                 cells = mg.cells[s].index_select(0, local)[ch]
-                mask = torch.zeros(self.plan.values[name].ncells, dtype=torch.bool)
-                mask[cells] = True
-                changed_cells[(name, i)] = mask
+                written.append(cells)
             out[name] = Applied(
                 changed if partial else None,
                 None if sums is None else (sums[changed] if partial else sums),
             )
-        self.halo_bytes = self.transport.exchange(changed_cells)
+            cells = torch.cat(written) if written else torch.zeros(0, dtype=torch.int64)
+            self.committed[name][cells] = True
+            self.from_input[name][cells] = False
+            self.since.setdefault((req.epoch, name), []).append(cells)
         self.halo_bytes_total += self.halo_bytes
         durable = all(r.durable for r in replies if r is not None) and any(replies)
         return ApplyReply(self.worker, out, durable)

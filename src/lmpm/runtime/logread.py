@@ -253,3 +253,28 @@ def ruleset_events(conn: sqlite3.Connection) -> list[tuple[int, str, str, int, s
         return []
     rows = conn.execute("SELECT epoch, op, name, clock, by FROM ruleset_events ORDER BY seq")
     return [(int(e), str(op), str(n), int(c), str(b)) for e, op, n, c, b in rows]
+
+
+def worker_faults(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    """The worker faults a multi-worker run survived, in order: the epoch redone, the worker, the
+    phase, the cause (died, hung, blocked on a dead peer), the seconds lost, the failed process
+    (none in a log written before faults were logged)."""
+    has = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'worker_faults'"
+    ).fetchone()
+    if not has:
+        return []
+    rows = conn.execute(
+        "SELECT epoch, worker, phase, cause, seconds, pid FROM worker_faults ORDER BY seq"
+    )
+    return [
+        {
+            "epoch": int(e),
+            "worker": str(w),
+            "phase": str(p),
+            "cause": str(c),
+            "seconds": float(s),
+            "pid": int(pid),
+        }
+        for e, w, p, c, s, pid in rows
+    ]

@@ -55,6 +55,11 @@ class Run:
         observers: Sequence[Observer] = (),
         guard: bool = False,
         keep_records: bool = True,
+        workers: int = 1,
+        driver: str | None = None,
+        cluster: str | None = None,
+        worker_timeout: float | None = None,
+        topology: Any = None,
     ) -> None:
         self.front = front
         self.params = dict(params or {})
@@ -65,6 +70,25 @@ class Run:
         self.bindings = Bindings(bind, dict(bindings or {}))
         check_bindings(front, self.params, self.bindings, bindings)
         self.plan: Plan = resolve(front.ir, self.params, self.bindings, epochs=epochs)
+        self.workers = workers
+        self.driver = pick_driver(workers, driver, cluster)
+        group = None
+        if self.driver != "single":
+            if guard:
+                from lmpm.errors import UsageError
+
+                raise UsageError("the payload guard checks one worker; use workers=1", code="U080")
+            group = make_group(
+                self.plan,
+                workers,
+                self.driver,
+                backend=backend,
+                seed=seed,
+                cluster=cluster,
+                timeout=worker_timeout,
+                topology=topology,
+                recipe=(front.ir, self.params, bind_specs(self.bind), dict(bindings or {}), epochs),
+            )
         self.engine = Engine(
             self.plan,
             backend=backend,
@@ -72,6 +96,7 @@ class Run:
             observers=observers,
             keep_records=keep_records,
             guard=guard,
+            dataplane=group,
         )
         self.dataplane = self.engine.dataplane
         self.inputs = {name: str(path) for name, path in (inputs or {}).items()}
@@ -200,6 +225,7 @@ class Run:
             trace_region=region,
             checkpoint_every=checkpoint_every or DEFAULT_CHECKPOINT_EVERY,
             inputs={k: str(Path(v).resolve()) for k, v in self.inputs.items()},
+            workers=self.workers,
         )
         if force:
             remove_run(out)
@@ -211,8 +237,10 @@ class Run:
         return log
 
     def finish(self) -> list[Path]:
-        """Write the outputs into the run directory and close its log (no-op without one)."""
+        """Write the outputs into the run directory and close its log (no-op without one), then
+        release the workers (:meth:`close`)."""
         if self.log is None or self.run_dir is None:
+            self.close()
             return []
         try:
             files = self.write(self.run_dir)
@@ -222,7 +250,21 @@ class Run:
             lock = getattr(self, "_lock", None)
             if lock is not None:
                 lock.release()
+            self.close()
         return files
+
+    def close(self) -> None:
+        """Release the worker processes of a multi-worker run (a no-op for one worker). The
+        payload lives in them: read the outputs first."""
+        close = getattr(self.dataplane, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def outputs(self) -> dict[str, Any]:
         """Committed values as numpy arrays (unset: -1 for tokens, NaN for numbers)."""
@@ -243,6 +285,70 @@ class Run:
             {n: r[0] for n, r in reads.items()},
             {n: r[1] for n, r in reads.items()},
         )
+
+
+DRIVERS = ("single", "process", "ray")
+
+
+def pick_driver(workers: int, driver: str | None, cluster: str | None) -> str:
+    """Which driver runs ``workers`` workers: ``single`` (one in-process worker, the default),
+    ``process`` (W partitioned workers in this process) or ``ray`` (one Ray actor per worker; the
+    default for W > 1 and with a cluster address)."""
+    from lmpm.errors import UsageError
+
+    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 4096:
+        raise UsageError(f"workers={workers!r}: give a count from 1 to 4096", code="U080")
+    if driver is not None and driver not in DRIVERS:
+        raise UsageError(f"driver={driver!r}: one of {', '.join(DRIVERS)}", code="U084")
+    if cluster and driver not in (None, "ray"):
+        raise UsageError(f"a cluster address needs the ray driver, not {driver}", code="U084")
+    if driver is None:
+        return "ray" if workers > 1 or cluster else "single"
+    if driver == "single" and workers > 1:
+        raise UsageError(f"the single driver runs one worker, not {workers}", code="U084")
+    return driver
+
+
+def make_group(
+    plan: Plan,
+    workers: int,
+    driver: str,
+    *,
+    backend: str,
+    seed: int,
+    cluster: str | None,
+    timeout: float | None,
+    recipe: tuple[Any, ...],
+    topology: Any = None,
+) -> Any:
+    """The data plane of a multi-worker run: a WorkerGroup (``process``) or a RayGroup.
+    ``topology``: the partition (default :func:`lmpm.resolve.topology.partition`)."""
+    from lmpm.runtime.engine import CHECKSUM_POLICIES
+
+    if driver == "process":
+        from lmpm.runtime.group import WorkerGroup
+
+        return WorkerGroup(
+            plan,
+            workers,
+            topology=topology,
+            backend=backend,
+            seed=seed,
+            checksum_policies=CHECKSUM_POLICIES,
+        )
+    from lmpm.runtime.raygroup import DEFAULT_TIMEOUT, RayGroup
+
+    return RayGroup(
+        plan,
+        workers,
+        backend=backend,
+        seed=seed,
+        topology=topology,
+        checksum_policies=CHECKSUM_POLICIES,
+        cluster=cluster,
+        recipe=recipe,
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+    )
 
 
 def bind_specs(items: Sequence[str]) -> tuple[str, ...]:
@@ -274,6 +380,9 @@ def resume(
     check_meta: Any = None,
     bind: Sequence[str] | None = None,
     trust_bind: bool = False,
+    driver: str | None = None,
+    cluster: str | None = None,
+    worker_timeout: float | None = None,
 ) -> Run:
     """A :class:`Run` continuing RUN_DIR from its last complete epoch, with its stored settings
     (what `lmpm run --resume` does). ``run.restored`` says where it resumed; ``run.epochs`` is the
@@ -329,6 +438,10 @@ def resume(
         seed=int(meta["seed"]),
         backend=backend,
         epochs=meta.get("plan_epochs", meta["epochs"]),
+        workers=stored_workers(meta, run_dir),
+        driver=driver,
+        cluster=cluster,
+        worker_timeout=worker_timeout,
     )
     region_text = meta.get("trace_region")
     tracer, region = make_tracer(run, meta["trace"], region_text)
@@ -355,11 +468,33 @@ def resume(
         trace_region=region,
         checkpoint_every=int(meta["checkpoint_every"]),
         inputs=dict(meta.get("inputs", {})),
+        workers=run.workers,
     )
     run.until = info.until
     run._lock = lock
     run._attach(CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=list(argv)), run_dir)
     return run
+
+
+def stored_workers(meta: Mapping[str, Any], run_dir: Path, asked: int | None = None) -> int:
+    """The worker count a run was started with (1 for runs from before --workers). A resumed run
+    keeps it: its payload is in one shard per worker."""
+    from lmpm.errors import RunDirError
+
+    workers = meta.get("workers", 1)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise RunDirError(
+            f"{run_dir}/lmpm.db has a damaged `workers` ({workers!r}); nothing was changed",
+            code="D006",
+        )
+    if asked is not None and asked != workers:
+        raise RunDirError(
+            f"{run_dir} was started with --workers {workers}; this command gives {asked}. Its "
+            "payload is split in one shard per worker; nothing was changed.",
+            code="D011",
+            hint="drop --workers (the driver may change: --driver process|ray)",
+        )
+    return workers
 
 
 def check_bindings(

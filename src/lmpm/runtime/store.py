@@ -173,6 +173,7 @@ class PayloadStore:
         dropped."""
         from safetensors.numpy import load
 
+        self.rollback()  # rows staged by an epoch that did not finish
         data = read_checkpoint(self.run_dir, rel, sha, "payload checkpoint")
         arrays = {k.removesuffix(".payload"): v.copy() for k, v in load(data).items()}
         seen: dict[tuple[int, str], int] = {}

@@ -625,7 +625,14 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
         "epochs": epochs,
         "violations_per_epoch": series,
         "ruleset": ruleset_changes(conn),
+        "faults": worker_faults(conn),
     }
+
+
+def worker_faults(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    from lmpm.runtime.logread import worker_faults as read
+
+    return read(conn)
 
 
 def ruleset_changes(conn: sqlite3.Connection) -> list[dict[str, Any]]:

@@ -1,0 +1,598 @@
+"""Partitioned workers as Ray actors: one process per worker, the halo over ``torch.distributed``.
+
+:class:`RayGroup` is a :class:`~lmpm.runtime.group.WorkerGroup` whose workers are Ray actors
+(:class:`WorkerActor`), each holding one :class:`~lmpm.runtime.dataplane.DataPlane` with the cells
+the topology gives it. The control plane (the engine, in the driver process) sends each phase's
+messages to every worker at once and waits for all of them (one parallel round trip per phase:
+propose, then apply); after applying, the workers send their changed routed cells to each other
+over a gloo process group (:class:`~lmpm.runtime.transport.GlooTransport`), never through the
+driver. Only metadata crosses Ray's channels in the epoch loop; payload crosses them only at the
+API edge (inputs in, outputs out).
+
+Elasticity. Each worker appends its committed rows to its own payload store (the run directory's
+``payload/w<i>.db``, or a temporary directory when the run has none) before the control plane
+counts the epoch as done. When a worker dies (its process is killed, its node is lost) or does not
+answer within ``timeout`` seconds (then it is killed), in any phase of an epoch, the group:
+
+1. kills the failed actor (if its process still runs) and starts a new one in its place, whose
+   constructor reopens the worker's store; a worker that does not answer then (blocked in the halo
+   exchange on the dead peer) is replaced too;
+2. rebuilds the gloo process group for a new *generation* (a gloo group cannot survive a dead
+   peer; every worker, the survivors too, joins the new one);
+3. restores every worker to the start of the epoch: the newest checkpoint shard plus the rows
+   committed since (the cells the control plane saw commit), then moves every routed cell so each
+   worker's halo holds its owners' payload;
+4. redoes the epoch (counter-based randomness: the same proposals, the same commits).
+
+The fault (worker, epoch, phase, cause, seconds lost) is kept in :attr:`RayGroup.faults` and goes
+into the epoch's record, the commit log and ``lmpm trace``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import LmpmError, RuntimeFault, UsageError
+from lmpm.resolve.plan import Plan
+from lmpm.resolve.topology import Topology
+from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.protocol import ApplyReply, ApplyRequest, ProposeReply, ProposeRequest
+
+DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
+MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
+BLOCKED_GRACE = 1.0  # seconds the other workers get to answer once one has died
+RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
+PING = 1.0  # seconds a worker gets to answer a ping during recovery before it is restarted
+PHASES = ("propose", "apply", "halo")
+INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
+
+
+class WorkerLost(RuntimeFault):
+    """A worker kept failing: the run cannot go on (nothing committed is lost)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """A worker fault the group survived."""
+
+    worker: str  # "w<i>"
+    epoch: int  # the epoch that was redone
+    phase: str  # propose | apply (the halo exchange is part of apply)
+    cause: str  # died | hung
+    seconds: float  # time from the fault's detection to the workers being ready again
+    pid: int  # the process that failed
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker,
+            "epoch": self.epoch,
+            "phase": self.phase,
+            "cause": self.cause,
+            "seconds": round(self.seconds, 6),
+            "pid": self.pid,
+        }
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(
+            "more than one worker process needs Ray, which is not installed",
+            code="U082",
+            hint="pip install 'lmpm[ray]' (scripts/setup.sh installs it), or use the in-process "
+            "driver: --driver process",
+        ) from None
+    return ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_fault(spec: str, workers: int) -> tuple[int, str, int, str]:
+    """``w<i>:<phase>:<epoch>[:kill|hang]`` (the LMPM_INJECT_FAULT variable) as inject()'s
+    arguments."""
+    parts = spec.strip().split(":")
+    how = parts[3] if len(parts) == 4 else "kill"
+    ok = len(parts) in (3, 4) and parts[0][:1] == "w" and parts[0][1:].isdigit()
+    ok = ok and parts[1] in PHASES and parts[2].isdigit() and how in ("kill", "hang")
+    if not ok or int(parts[0][1:]) >= workers:
+        raise UsageError(
+            f"{INJECT_ENV}={spec!r}: give w<i>:<phase>:<epoch>[:kill|hang] with i < {workers} "
+            f"and phase one of {', '.join(PHASES)}",
+            code="U085",
+        )
+    return int(parts[0][1:]), parts[1], int(parts[2]), how
+
+
+class WorkerActor:
+    """One worker process (the body of the Ray actor): a DataPlane and its halo transport.
+
+    A replacement worker is a new actor: the worker's store is reopened in its constructor and the
+    group restores its state before the epoch is redone."""
+
+    def __init__(
+        self,
+        recipe: Any,
+        index: int,
+        topology: Topology,
+        seed: int,
+        backend: str,
+        checksum_policies: frozenset[str],
+        threads: int,
+        store_dir: str | None,
+    ) -> None:
+        from lmpm.runtime.dataplane import DataPlane
+
+        torch.set_num_threads(threads)
+        plan = recipe if isinstance(recipe, Plan) else _resolve(recipe)
+        self.index = index
+        self.topology = topology
+        self.dp = DataPlane(
+            plan,
+            backend=backend,
+            seed=seed,
+            worker=f"w{index}",
+            checksum_policies=checksum_policies,
+        )
+        if store_dir is not None:
+            self.dp.open_store(store_dir)
+        self.transport: Any = None
+        self.faults: list[tuple[str, int, str]] = []  # (phase, epoch, how) to fail at
+
+    # ---- membership ------------------------------------------------------------------------------
+    def ping(self) -> int:
+        return os.getpid()
+
+    def rendezvous(self) -> tuple[str, int]:
+        """An address and a free port for the process group (asked of worker 0)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def join(self, addr: str, port: int, world: int, timeout: float) -> None:
+        """Join a new process group (a new generation; the old one is dropped)."""
+        import torch.distributed as dist
+
+        from lmpm.runtime.transport import GlooTransport
+
+        if addr.startswith("127."):  # one machine: the gloo pairs listen on loopback only
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{addr}:{port}",
+            rank=self.index,
+            world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )
+        self.transport = GlooTransport(self.dp, self.topology, self.index)
+
+    # ---- the data plane ----------------------------------------------------------------------------
+    def call(self, method: str, *args: Any) -> Any:
+        """A DataPlane method outside the epoch loop (inputs, outputs, stores, checkpoints)."""
+        return getattr(self.dp, method)(*args)
+
+    def ensure_store(self, run_dir: str) -> None:
+        """Open the worker's store unless it is open (a restarted worker's constructor may not
+        have known the directory)."""
+        if self.dp.store is None:
+            self.dp.open_store(run_dir)
+
+    def propose(self, req: ProposeRequest) -> ProposeReply:
+        self._maybe_fail("propose", req.epoch)
+        return self.dp.propose(req)
+
+    def apply(self, req: ApplyRequest | None, epoch: int) -> tuple[ApplyReply | None, int]:
+        """Apply (when this worker has rows that commit), then exchange the halo with every
+        peer (every worker takes part): (reply, payload bytes received)."""
+        self._maybe_fail("apply", epoch)
+        reply = None
+        changed: dict[str, Tensor] = {}
+        if req is not None:
+            reply = self.dp.apply(req)
+            for name, cells in self.dp.written.items():
+                mask = torch.zeros(self.dp.plan.values[name].ncells, dtype=torch.bool)
+                mask[cells.cpu()] = True
+                changed[name] = mask
+        self._maybe_fail("halo", epoch)
+        return reply, self.transport.exchange(changed)
+
+    def resync(self) -> int:
+        """Send every routed cell (after a restore)."""
+        every = {
+            name: torch.ones(vp.ncells, dtype=torch.bool)
+            for name, vp in self.dp.plan.values.items()
+        }
+        return int(self.transport.exchange(every))
+
+    # ---- fault injection (tests, benchmarks) --------------------------------------------------
+    def inject(self, phase: str, epoch: int, how: str = "kill") -> None:
+        """Fail when this worker reaches ``phase`` of ``epoch``: ``kill`` (SIGKILL of this
+        process), ``hang`` (stop answering) or ``corrupt`` (the model's proposals are changed:
+        for quorum tests)."""
+        self.faults.append((phase, epoch, how))
+
+    def _maybe_fail(self, phase: str, epoch: int) -> None:
+        due = [f for f in self.faults if f[:2] == (phase, epoch)]
+        if not due:
+            return
+        self.faults.remove(due[0])
+        how = due[0][2]
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif how == "hang":
+            time.sleep(10**6)
+
+
+def _resolve(recipe: tuple[Any, ...]) -> Plan:
+    """The plan from (IR, params, bind modules, bindings mapping, epochs), resolved here."""
+    from lmpm.bindings import Bindings
+    from lmpm.resolve.plan import resolve
+
+    ir, params, bind, mapping, epochs = recipe
+    return resolve(ir, params, Bindings(bind, dict(mapping)), epochs=epochs)
+
+
+class _Failed(Exception):
+    def __init__(self, failed: list[tuple[int, str]]) -> None:
+        super().__init__(failed)
+        self.failed = failed
+
+
+class RayGroup(WorkerGroup):
+    """W workers, each a Ray actor in its own process (see the module doc).
+
+    ``cluster``: the address of a running Ray cluster (``ray start --head``); None starts a local
+    Ray instance bound to 127.0.0.1 (or uses the one this process already joined).
+    ``recipe``: how a worker rebuilds the plan: (IR, params, bind modules, bindings, epochs);
+    None sends the plan itself (it must pickle).
+    ``timeout``: seconds a worker may take for one phase before it counts as hung.
+    ``threads``: torch threads per worker.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        workers: int,
+        *,
+        topology: Topology | None = None,
+        backend: str = "cpu",
+        seed: int = 0,
+        checksum_policies: frozenset[str] = frozenset(),
+        cluster: str | None = None,
+        recipe: tuple[Any, ...] | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        threads: int = 1,
+        checkpoint_every: int = 20,
+    ) -> None:
+        if timeout <= 0:
+            raise UsageError(f"worker timeout {timeout}: must be positive", code="U083")
+        self.cluster = cluster
+        self.recipe = recipe
+        self.timeout = float(timeout)
+        self.threads = int(threads)
+        self.checkpoint_every = int(checkpoint_every)
+        self.faults: list[Fault] = []
+        self._new_faults: list[Fault] = []
+        self._owns_ray = False
+        self._tmp: str | None = None  # the stores' directory when the run has none
+        self._store_dir: str | None = None
+        self._subs: list[ProposeRequest | None] = []  # the epoch's propose, to redo it
+        self.generation = 0
+        self.epoch = -1  # the epoch running
+        self._injected: list[tuple[int, str, int, str]] = []
+        self.round_trips = 0  # parallel calls to the workers (benchmarks)
+        super().__init__(
+            plan,
+            workers,
+            topology=topology,
+            backend=backend,
+            seed=seed,
+            checksum_policies=checksum_policies,
+        )
+        for spec in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
+            self.inject(*parse_fault(spec, self.size))
+
+    # ---- starting and stopping -------------------------------------------------------------------
+    def _start(self) -> list[Any]:
+        ray = _ray()
+        if not ray.is_initialized():
+            if self.cluster:
+                ray.init(address=self.cluster, logging_level=logging.ERROR, log_to_driver=True)
+            else:
+                ray.init(
+                    num_cpus=max(os.cpu_count() or 1, self.size * self.threads),
+                    include_dashboard=False,
+                    logging_level=logging.ERROR,
+                    _node_ip_address="127.0.0.1",
+                )
+            self._owns_ray = True
+        self._ref = ray.put(self.recipe if self.recipe is not None else self.plan)
+        self._cls = ray.remote(WorkerActor).options(
+            max_restarts=0, max_task_retries=0, num_cpus=self.threads
+        )
+        actors = [self._spawn(i) for i in range(self.size)]
+        self.workers = actors
+        self._pids = self._get([a.ping.remote() for a in actors], "start", -1, RESTART_LIMIT)
+        self._join()
+        return actors
+
+    def _spawn(self, i: int) -> Any:
+        return self._cls.remote(
+            self._ref,
+            i,
+            self.topology,
+            self.seed,
+            self.backend,
+            self.checksum_policies,
+            self.threads,
+            self._store_dir,
+        )
+
+    def _replace(self, i: int) -> None:
+        """Kill worker ``i`` (if its process still runs) and start a new one in its place; its
+        constructor reopens the worker's store."""
+        try:
+            _ray().kill(self.workers[i], no_restart=True)
+        except Exception:
+            pass  # already gone
+        self.workers[i] = self._spawn(i)
+        # the faults still to come for this worker (its predecessor held them)
+        for w, phase, epoch, how in self._injected:
+            if w == i and epoch > self.epoch:
+                self.workers[i].inject.remote(phase, epoch, how)
+
+    def _join(self) -> None:
+        """A new process-group generation: every worker joins it."""
+        addr, port = self._get([self.workers[0].rendezvous.remote()], "join", -1, RESTART_LIMIT)[0]
+        self.generation += 1
+        self._get(
+            [w.join.remote(addr, port, self.size, self.timeout) for w in self.workers],
+            "join",
+            -1,
+            RESTART_LIMIT,
+        )
+
+    def close(self) -> None:
+        ray = _ray()
+        for w in getattr(self, "workers", []):
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        self.workers = []
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+            self._owns_ray = False
+
+    # ---- calls -------------------------------------------------------------------------------------
+    def _get(
+        self, refs: list[Any], phase: str, epoch: int, timeout: float | None = None
+    ) -> list[Any]:
+        """Wait for every call; raise _Failed naming the workers that died, hung (no answer in
+        ``timeout``, default the group's) or were blocked on a dead peer. A user error raised in
+        a worker (a model fault, ...) is raised here as itself."""
+        ray = _ray()
+        from ray.exceptions import (
+            ActorUnavailableError,
+            GetTimeoutError,
+            RayActorError,
+            RayTaskError,
+        )
+
+        self.round_trips += 1
+        out: list[Any] = [None] * len(refs)
+        pending = {r: i for i, r in enumerate(refs) if r is not None}
+        failed: list[tuple[int, str]] = []
+        errors: list[tuple[int, Exception]] = []
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        late = "hung"
+        while pending:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))
+            if not ready:
+                failed += [(i, late) for i in pending.values()]
+                break
+            for r in ready:
+                i = pending.pop(r)
+                try:
+                    out[i] = ray.get(r, timeout=0)
+                except (RayActorError, ActorUnavailableError):
+                    failed.append((i, "died"))
+                    # peers waiting on the dead one in the halo exchange would answer only at the
+                    # process group's timeout: they are restarted with it
+                    deadline = min(deadline, time.monotonic() + BLOCKED_GRACE)
+                    late = "blocked"
+                except RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    if isinstance(cause, LmpmError):
+                        raise cause from None
+                    errors.append((i, e))
+                except GetTimeoutError:
+                    failed.append((i, "hung"))
+        if failed:
+            # a worker whose halo exchange broke because a peer died is reset with it
+            raise _Failed(sorted(failed + [(i, "blocked") for i, _ in errors]))
+        if errors:
+            raise errors[0][1]
+        return out
+
+    def _each(self, method: str, *args: Any) -> list[Any]:
+        return self._calls(method, [args] * self.size)
+
+    def _calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+        refs = [
+            None if a is None else w.call.remote(method, *a)
+            for w, a in zip(self.workers, args, strict=True)
+        ]
+        # outside the epoch loop (inputs, outputs, stores): no recovery, a generous limit
+        return self._get(refs, method, -1, RESTART_LIMIT)
+
+    # ---- the epoch, with recovery ----------------------------------------------------------------
+    def _before(self, epoch: int) -> None:
+        self.epoch = epoch
+        if self.checkpointed is None:
+            if self._store_dir is None:  # a run without a directory: stores of our own
+                self._tmp = tempfile.mkdtemp(prefix="lmpm-workers-")
+                self.open_store(self._tmp)
+            self.checkpoint_shards(epoch)
+        elif epoch - self.checkpointed[0] >= self.checkpoint_every:
+            self.checkpoint_shards(epoch)
+
+    def open_store(self, run_dir: Any) -> None:
+        if self._tmp is not None and str(run_dir) != self._tmp:
+            self.close_store()
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+        self._store_dir = str(run_dir)
+        super().open_store(self._store_dir)
+
+    def close_store(self) -> None:
+        super().close_store()
+        self._store_dir = None
+
+    def _propose_all(self, subs: list[ProposeRequest | None]) -> list[ProposeReply | None]:
+        self._subs = subs
+        epoch = next(s.epoch for s in subs if s is not None)
+        return self._retry(epoch, "propose", lambda: self._propose_once(subs, epoch))
+
+    def _propose_once(
+        self, subs: list[ProposeRequest | None], epoch: int
+    ) -> list[ProposeReply | None]:
+        refs = [None if s is None else w.propose.remote(s) for w, s in zip(self.workers, subs)]
+        return self._get(refs, "propose", epoch)
+
+    def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
+        epoch = next(s.epoch for s in subs if s is not None)
+
+        def once() -> tuple[list[ApplyReply | None], int]:
+            refs = [w.apply.remote(s, epoch) for w, s in zip(self.workers, subs)]
+            got = self._get(refs, "apply", epoch)
+            return [g[0] for g in got], sum(g[1] for g in got)
+
+        return self._retry(epoch, "apply", once)
+
+    def _retry(self, epoch: int, phase: str, call: Any) -> Any:
+        """``call()``; after a worker fault, recover and call again (a fault while recovering
+        counts as one more)."""
+        failed: list[tuple[int, str]] = []
+        tries = 0
+        while True:
+            try:
+                if failed:
+                    self._recover(failed, epoch, phase)
+                    if phase == "apply":  # the staged candidates died with the epoch
+                        self._propose_once(self._subs, epoch)
+                return call()
+            except _Failed as f:
+                tries += 1
+                failed = f.failed
+                if tries > MAX_RETRIES:
+                    names = ", ".join(f"w{i} ({c})" for i, c in f.failed)
+                    raise WorkerLost(
+                        f"workers failed {tries} times in epoch {epoch}, last: {names}",
+                        where={"worker": names, "epoch": epoch, "phase": phase},
+                        code="R060",
+                        hint="the run directory holds every epoch before this one: fix the "
+                        "cause and continue with `lmpm run --resume`",
+                    ) from None
+
+    def _recover(self, failed: list[tuple[int, str]], epoch: int, phase: str) -> None:
+        """Replace the failed workers, start a new process-group generation, restore every
+        worker to the start of ``epoch``."""
+        t0 = time.perf_counter()
+        for i, cause in failed:
+            if cause != "blocked":  # a blocked worker answered (its exchange broke): kept
+                self._replace(i)
+        # a survivor that does not answer now (blocked in the old generation's exchange) is
+        # replaced too; then every worker, new ones included, must answer
+        replaced = {i for i, cause in failed if cause != "blocked"}
+        try:
+            self._get(
+                [None if i in replaced else w.ping.remote() for i, w in enumerate(self.workers)],
+                "ping",
+                epoch,
+                PING,
+            )
+        except _Failed as f:
+            for i, _ in f.failed:
+                self._replace(i)
+                failed = [(j, c) for j, c in failed if j != i] + [(i, "blocked")]
+        try:
+            pids = self._get([w.ping.remote() for w in self.workers], "ping", epoch, RESTART_LIMIT)
+        except _Failed as f:
+            raise WorkerLost(
+                f"workers {', '.join(f'w{i}' for i, _ in f.failed)} did not come back after a "
+                f"fault in epoch {epoch}",
+                where={"epoch": epoch, "phase": phase},
+                code="R061",
+            ) from None
+        old = dict(enumerate(self._pids))
+        self._pids = list(pids)
+        self._join()
+        assert self.checkpointed is not None
+        label, shards = self.checkpointed
+        commits = {
+            k: torch.cat(v) for k, v in self.since.items() if label <= k[0] < epoch and len(v)
+        }
+        self._reopen()
+        self.restore_shards(label, shards, epoch, commits, self.committed, self.from_input)
+        seconds = time.perf_counter() - t0
+        for i, cause in failed:
+            fault = Fault(f"w{i}", epoch, phase, cause, seconds, old.get(i, -1))
+            self.faults.append(fault)
+            self._new_faults.append(fault)
+
+    def _reopen(self) -> None:
+        """A restarted worker reopened its store in its constructor only if the store's directory
+        was known when it was made: make sure every worker has it open."""
+        if self._store_dir is not None:
+            self._get(
+                [w.ensure_store.remote(self._store_dir) for w in self.workers], "open_store", -1
+            )
+
+    def _resync(self) -> int:
+        return sum(
+            self._get([w.resync.remote() for w in self.workers], "resync", -1, RESTART_LIMIT)
+        )
+
+    def take_faults(self) -> list[Fault]:
+        """The faults survived since the last call (the engine puts them in the epoch record)."""
+        out, self._new_faults = self._new_faults, []
+        return out
+
+    def inject(self, worker: int, phase: str, epoch: int, how: str = "kill") -> None:
+        """Make worker ``worker`` fail at ``phase`` (propose, apply, halo) of ``epoch``."""
+        if phase not in PHASES:
+            raise UsageError(f"phase {phase!r}: one of {', '.join(PHASES)}", code="U084")
+        self._injected.append((worker, phase, epoch, how))
+        self._get(
+            [self.workers[worker].inject.remote(phase, epoch, how)], "inject", -1, RESTART_LIMIT
+        )
+
+    def pids(self) -> list[int]:
+        """The workers' process ids."""
+        return list(self._pids)
+
+
+__all__ = ["DEFAULT_TIMEOUT", "Fault", "RayGroup", "WorkerActor", "WorkerLost"]

@@ -1,0 +1,250 @@
+"""Workers as Ray actors (real processes, the halo over gloo on loopback): they commit exactly what
+one worker commits; a worker killed with SIGKILL (or hung) in any phase of an epoch is replaced,
+the epoch is redone and the result is unchanged; the commit log of `lmpm run --workers N` is the
+one-worker log; the fault is in the log and in `lmpm trace`."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from lmpm.cli import main  # noqa: E402
+from lmpm.errors import UsageError  # noqa: E402
+from lmpm.resolve.topology import partition  # noqa: E402
+from lmpm.runtime.engine import CHECKSUM_POLICIES  # noqa: E402
+from lmpm.runtime.io import load_input  # noqa: E402
+from lmpm.runtime.raygroup import RayGroup, parse_fault  # noqa: E402
+from lmpm.runtime.session import Run  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_group import CASES, _latent_input  # noqa: E402
+
+EX = Path(__file__).resolve().parents[2] / "examples"
+LOG = (
+    "SELECT epoch, value, first, last, step, count, rule, clock_min, clock_max, score_min, "
+    "score_max, crc, sums, clocks, scores FROM commits ORDER BY epoch, value, first",
+    "SELECT * FROM trace_summary ORDER BY epoch, constraint_id, rule",
+    "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, maskplan "
+    "FROM epochs ORDER BY epoch",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray() -> Iterator[None]:
+    """One local Ray instance for the module (each group then starts its actors only)."""
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        _node_ip_address="127.0.0.1",
+    )
+    yield
+    ray.shutdown()
+
+
+def _run(
+    name: str, workers: int, tmp: Path, faults: list[tuple[int, str, int, str]] = ()
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Per epoch, every value's (payload, committed, clock, rule, epoch, score); and the faults
+    the epoch records name."""
+    path, params, inputs, epochs = CASES[name]
+    run = Run.from_file(path, params=params, seed=3)
+    group = None
+    if workers:
+        group = RayGroup(
+            run.plan,
+            workers,
+            topology=partition(run.plan, workers, replicate_bytes=0),
+            seed=3,
+            checksum_policies=CHECKSUM_POLICIES,
+            recipe=(run.front.ir, run.params, (), {}, None),
+            timeout=8.0,
+        )
+        run.engine.dataplane = run.dataplane = group
+    try:
+        for value, file in inputs.items():
+            if name == "latent":
+                file = _latent_input(tmp)
+            payload, mask = load_input(str(file), run.plan.values[value])
+            run.set_input(value, payload, mask)
+        for f in faults:
+            assert group is not None
+            group.inject(*f)
+        states, seen = [], []
+        for _ in range(epochs):
+            rec = run.engine.step()
+            seen += list(rec.faults)
+            states.append(
+                {
+                    v: (
+                        run.payload(v).clone(),
+                        st.committed.clone(),
+                        st.clock.clone(),
+                        st.rule.clone(),
+                        st.epoch.clone(),
+                        st.score.clone(),
+                    )
+                    for v, st in run.engine.state.items()
+                }
+            )
+        return states, seen
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _same(one: list[dict[str, Any]], many: list[dict[str, Any]], what: str) -> None:
+    for e, (a, b) in enumerate(zip(one, many, strict=True)):
+        for v in a:
+            for field, x, y in zip(
+                ("payload", "committed", "clock", "rule", "epoch", "score"), a[v], b[v], strict=True
+            ):
+                msg = f"{what} epoch {e} {v}.{field}"
+                if field == "score":  # a batched float model: the last bits vary by batch
+                    assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), msg
+                else:
+                    assert torch.equal(x, y), msg
+
+
+@pytest.mark.parametrize("name", ["latent", "sudoku", "text", "video"])
+def test_ray_workers_commit_like_one_worker(name: str, tmp_path: Path) -> None:
+    one, _ = _run(name, 0, tmp_path)
+    for workers in (2, 3):
+        many, faults = _run(name, workers, tmp_path)
+        assert faults == []
+        _same(one, many, f"{name} W={workers}")
+
+
+@pytest.mark.parametrize(
+    ("phase", "how"),
+    [("propose", "kill"), ("apply", "kill"), ("halo", "kill"), ("propose", "hang")],
+)
+def test_a_failed_worker_is_replaced_and_the_epoch_redone(
+    phase: str, how: str, tmp_path: Path
+) -> None:
+    one, _ = _run("sudoku", 0, tmp_path)
+    many, faults = _run("sudoku", 3, tmp_path, [(1, phase, 2, how)])
+    _same(one, many, f"sudoku W=3, w1 {how} in {phase}")
+    assert faults, "the fault is in the epoch's record"
+    assert faults[0].epoch == 2
+    w1 = next(f for f in faults if f.worker == "w1")
+    assert w1.cause == ("died" if how == "kill" else "hung")
+    assert w1.phase == ("propose" if phase == "propose" else "apply")
+    assert w1.pid > 0 and w1.seconds > 0
+
+
+def test_two_faults_in_one_run(tmp_path: Path) -> None:
+    one, _ = _run("text", 0, tmp_path)
+    many, faults = _run("text", 2, tmp_path, [(0, "apply", 0, "kill"), (1, "apply", 2, "kill")])
+    _same(one, many, "text W=2, two kills")
+    assert {(f.worker, f.epoch) for f in faults if f.cause == "died"} == {("w0", 0), ("w1", 2)}
+
+
+def _log(db: Path) -> list[list[tuple[object, ...]]]:
+    conn = sqlite3.connect(db)
+    try:
+        return [conn.execute(q).fetchall() for q in LOG]
+    finally:
+        conn.close()
+
+
+def test_cli_workers_log_is_the_one_worker_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`lmpm run --workers 2` writes the commit log, trace and outputs `--workers 1` writes, also
+    when worker w1 is killed in the middle of epoch 3; `lmpm trace` shows the fault."""
+    args = [
+        "run",
+        str(EX / "latent.lmpm"),
+        "--input",
+        f"Z={EX / 'latent' / 'z0.npy'}",
+        "--epochs",
+        "6",
+        "--seed",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--quiet",
+    ]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    monkeypatch.setenv("LMPM_INJECT_FAULT", "w1:halo:3")
+    assert main([*args, "--workers", "2", "--out", str(tmp_path / "two")]) == 0
+    monkeypatch.delenv("LMPM_INJECT_FAULT")
+    assert _log(tmp_path / "two" / "lmpm.db") == _log(tmp_path / "one" / "lmpm.db")
+    for out in ("Z.npy", "M.npy"):
+        assert (tmp_path / "two" / out).read_bytes() == (tmp_path / "one" / out).read_bytes()
+    assert sorted(p.name for p in (tmp_path / "two" / "payload").iterdir()) >= ["w0.db", "w1.db"]
+    conn = sqlite3.connect(tmp_path / "two" / "lmpm.db")
+    faults = conn.execute("SELECT epoch, worker, cause FROM worker_faults").fetchall()
+    conn.close()
+    assert (3, "w1", "died") in faults
+    capsys.readouterr()
+    assert main(["trace", str(tmp_path / "two")]) == 0
+    out = capsys.readouterr().out
+    assert "worker faults survived" in out and "epoch 3: worker w1 died in apply" in out
+
+
+def test_resume_a_multi_worker_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run started on 2 Ray workers resumes from its shards (on the in-process driver here) and
+    ends as the uninterrupted run ends; a different worker count is refused."""
+    args = ["run", str(EX / "latent.lmpm"), "--input", f"Z={EX / 'latent' / 'z0.npy'}"]
+    args += ["--seed", "1", "--checkpoint-every", "3", "--quiet"]
+    assert main([*args, "--epochs", "9", "--workers", "2", "--out", str(tmp_path / "ref")]) == 0
+    assert main([*args, "--epochs", "4", "--workers", "2", "--out", str(tmp_path / "r")]) == 0
+    capsys.readouterr()
+    assert main(["run", "--resume", str(tmp_path / "r"), "--workers", "3", "--quiet"]) != 0
+    assert "error[D011]" in capsys.readouterr().err
+    resume = ["run", "--resume", str(tmp_path / "r"), "--epochs", "9", "--quiet"]
+    assert main([*resume, "--driver", "process"]) == 0
+    assert _log(tmp_path / "r" / "lmpm.db") == _log(tmp_path / "ref" / "lmpm.db")
+    for out in ("Z.npy", "M.npy"):
+        assert (tmp_path / "r" / out).read_bytes() == (tmp_path / "ref" / out).read_bytes()
+
+
+def test_api_workers_and_errors(tmp_path: Path) -> None:
+    with Run.from_file(EX / "gpt.lmpm", params={"N": 12}, seed=1, workers=2) as run:
+        run.run(4)
+        two = run.outputs()["Txt"]
+    one = Run.from_file(EX / "gpt.lmpm", params={"N": 12}, seed=1)
+    one.run(4)
+    assert (one.outputs()["Txt"] == two).all()
+    with pytest.raises(UsageError) as e:
+        Run.from_file(EX / "gpt.lmpm", params={"N": 12}, workers=0)
+    assert e.value.code == "U080"
+    with pytest.raises(UsageError) as e:
+        Run.from_file(EX / "gpt.lmpm", params={"N": 12}, workers=2, driver="single")
+    assert e.value.code == "U084"
+    with pytest.raises(UsageError) as e:
+        parse_fault("w9:apply:1", 2)
+    assert e.value.code == "U085"
+
+
+def test_user_bindings_reach_the_workers(tmp_path: Path) -> None:
+    """A --bind module is loaded again in every worker process (from its absolute path)."""
+    bind = tmp_path / "mine.py"
+    bind.write_text(
+        "import torch\nimport lmpm\n\n"
+        '@lmpm.bind("Fours")\n'
+        "def fours(inputs, **kw):\n"
+        "    n = inputs['cells'].shape[0]\n"
+        "    prop = torch.full((n, 1), 4, dtype=torch.int64)\n"
+        "    return {'proposal': prop, 'score': torch.zeros(n, 1, dtype=torch.float64)}\n"
+    )
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(
+        "param N = 16\nvalue X : Token[8] shape Seq(N)\n"
+        "rule R:\n  on X[t]\n  emit proposal X[t] := Fours()\n"
+    )
+    out = tmp_path / "o"
+    common = ["run", str(prog), "--bind", str(bind), "--epochs", "2", "--quiet"]
+    assert main([*common, "--workers", "2", "--out", str(out)]) == 0
+    assert (out / "X.json").read_text().count("4") == 16
