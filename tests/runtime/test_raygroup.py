@@ -26,7 +26,14 @@ from lmpm.runtime.raygroup import RayGroup, parse_fault  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+import test_runtime_differential  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from test_group import CASES, _latent_input  # noqa: E402
+from test_runtime_differential import BINDINGS, rich_programs, used  # noqa: E402
+
+# the random programs' bindings live in a test module the worker processes cannot import
+ray.cloudpickle.register_pickle_by_value(test_runtime_differential)
 
 EX = Path(__file__).resolve().parents[2] / "examples"
 LOG = (
@@ -248,3 +255,51 @@ def test_user_bindings_reach_the_workers(tmp_path: Path) -> None:
     common = ["run", str(prog), "--bind", str(bind), "--epochs", "2", "--quiet"]
     assert main([*common, "--workers", "2", "--out", str(out)]) == 0
     assert (out / "X.json").read_text().count("4") == 16
+
+
+def _random_states(src: str, seed: int, epochs: int, workers: int) -> list[dict[str, Any]]:
+    from lmpm.ir import compile_source
+
+    front = compile_source(src, raise_errors=False)
+    assert not front.errors, src
+    run = Run(front, bindings=used(front, BINDINGS), seed=seed, epochs=epochs)
+    group = None
+    if workers > 1:
+        group = RayGroup(
+            run.plan,
+            workers,
+            topology=partition(run.plan, workers, replicate_bytes=0),
+            seed=seed,
+            checksum_policies=CHECKSUM_POLICIES,
+        )
+        run.engine.dataplane = run.dataplane = group
+    try:
+        out = []
+        for _ in range(epochs):
+            run.engine.step()
+            out.append(
+                {
+                    v: (run.payload(v), s.committed.clone(), s.clock.clone(), s.rule.clone())
+                    for v, s in run.engine.state.items()
+                }
+            )
+        return out
+    finally:
+        if group is not None:
+            group.close()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rich_programs(), st.sampled_from([2, 3, 4]))
+def test_random_programs_commit_alike_on_ray_workers(
+    case: tuple[str, dict[str, Any]], workers: int
+) -> None:
+    """The differential test's random programs: W Ray workers (the plan and the user bindings
+    pickled to each process) commit what one worker commits, every epoch."""
+    src, info = case
+    one = _random_states(src, info["seed"], info["epochs"], 1)
+    many = _random_states(src, info["seed"], info["epochs"], workers)
+    for e, (a, b) in enumerate(zip(one, many, strict=True)):
+        for v in a:
+            for x, y in zip(a[v], b[v], strict=True):
+                assert torch.equal(x, y), (e, v, workers, src)
