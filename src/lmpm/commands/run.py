@@ -480,11 +480,13 @@ def _execute(
 
                 assert isinstance(rec, EpochRecord)
                 rate = rec.attempts / rec.seconds if rec.seconds > 0 else 0.0
+                halo = f"  halo {rec.halo_bytes:,} B" if rec.halo_bytes else ""
+                faults = f"  [yellow]{len(rec.faults)} worker fault(s)[/]" if rec.faults else ""
                 bar.update(
                     task,
                     advance=1,
                     info=f"open {rec.open_cells}  commits {rec.commits}  "
-                    f"violations {rec.violations}  {rate:,.0f} attempts/s",
+                    f"violations {rec.violations}  {rate:,.0f} attempts/s{halo}{faults}",
                 )
 
             res = session.run(

@@ -62,6 +62,7 @@ DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is 
 MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
 BLOCKED_GRACE = 1.0  # seconds the other workers get to answer once one has died
 RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
+SLICE = 0.25  # seconds between looks at the answers while waiting for the workers
 PING = 1.0  # seconds a worker gets to answer a ping during recovery before it is restarted
 PHASES = ("propose", "apply", "halo")
 INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
@@ -453,10 +454,12 @@ class RayGroup(WorkerGroup):
         why = ""
         while pending:
             left = deadline - time.monotonic()
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))
-            if not ready:
+            if left <= 0:
                 failed += [(i, late) for i in pending.values()]
                 break
+            # all at once (one call when every worker answers in time); every SLICE seconds
+            # the answers so far are looked at, so a death is seen early
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, SLICE))
             for r in ready:
                 i = pending.pop(r)
                 try:
