@@ -519,6 +519,9 @@ def _execute(
         log.close()
         session.close()
     state = res.stop.message(detail=False) if res.stop is not None else "stopped"
+    faults = getattr(session.dataplane, "faults", [])
+    if faults:
+        note += f"{len(faults)} worker fault(s) survived (lmpm trace {out_dir}); "
     sys.stderr.write(
         f"{note}{res.epochs} epochs ({state}), {res.commits} commits, "
         f"{res.attempts / max(res.seconds, 1e-9):,.0f} attempts/s; wrote "
