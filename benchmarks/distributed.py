@@ -43,40 +43,26 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from lmpm.models.null import random_tokens, zero_score  # noqa: E402
+import runtime as bench_runtime  # noqa: E402  (benchmarks/runtime.py: the null-model bindings)
 from lmpm.resolve.topology import partition  # noqa: E402
 from lmpm.runtime.engine import CHECKSUM_POLICIES  # noqa: E402
 from lmpm.runtime.group import WorkerGroup  # noqa: E402
 from lmpm.runtime.io import load_input  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
 
+NULL = bench_runtime.BINDINGS
+
 VIDEO = ROOT / "examples" / "video.lmpm"
 CAPTION = ROOT / "examples" / "video" / "caption.txt"
-
-
-def sky(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    m = torch.zeros(shape, dtype=torch.bool)
-    m[:, : max(shape[1] // 4, 1)] = True  # the top quarter of each frame
-    return m
-
-
-def palette(name: str) -> list[int]:
-    return [0, 1, 2, 3]
-
-
-NULL = {
-    "Model": random_tokens,
-    "CoarseGen": random_tokens,
-    "ModelScore": zero_score,
-    "region": sky,
-    "Palette": palette,
-}
 
 
 def _ray() -> Any:
     import ray
 
+    # the null bindings live in a script the worker processes cannot import: send them by value
+    ray.cloudpickle.register_pickle_by_value(bench_runtime)
     if not ray.is_initialized():
         ray.init(
             num_cpus=max(os.cpu_count() or 1, 8),

@@ -61,20 +61,23 @@ def _run(
     states = []
     for _ in range(epochs):
         run.engine.step()
-        states.append(
-            {
-                v: (
-                    run.payload(v).clone(),
-                    st.committed.clone(),
-                    st.clock.clone(),
-                    st.rule.clone(),
-                    st.epoch.clone(),
-                    st.score.clone(),
-                )
-                for v, st in run.engine.state.items()
-            }
-        )
+        states.append(snapshot(run))
     return states, group
+
+
+def snapshot(run: Run) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Every value's (payload, committed, clock, rule, epoch, score) now."""
+    return {
+        v: (
+            run.payload(v).clone(),
+            st.committed.clone(),
+            st.clock.clone(),
+            st.rule.clone(),
+            st.epoch.clone(),
+            st.score.clone(),
+        )
+        for v, st in run.engine.state.items()
+    }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -29,20 +29,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 import test_runtime_differential  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_group import CASES, _latent_input  # noqa: E402
+from test_group import CASES, _latent_input, snapshot  # noqa: E402
 from test_runtime_differential import BINDINGS, rich_programs, used  # noqa: E402
+from test_runtime_resume import _log  # noqa: E402
 
 # the random programs' bindings live in a test module the worker processes cannot import
 ray.cloudpickle.register_pickle_by_value(test_runtime_differential)
 
 EX = Path(__file__).resolve().parents[2] / "examples"
-LOG = (
-    "SELECT epoch, value, first, last, step, count, rule, clock_min, clock_max, score_min, "
-    "score_max, crc, sums, clocks, scores FROM commits ORDER BY epoch, value, first",
-    "SELECT * FROM trace_summary ORDER BY epoch, constraint_id, rule",
-    "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, maskplan "
-    "FROM epochs ORDER BY epoch",
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -90,19 +84,7 @@ def _run(
         for _ in range(epochs):
             rec = run.engine.step()
             seen += list(rec.faults)
-            states.append(
-                {
-                    v: (
-                        run.payload(v).clone(),
-                        st.committed.clone(),
-                        st.clock.clone(),
-                        st.rule.clone(),
-                        st.epoch.clone(),
-                        st.score.clone(),
-                    )
-                    for v, st in run.engine.state.items()
-                }
-            )
+            states.append(snapshot(run))
         return states, seen
     finally:
         if group is not None:
@@ -154,14 +136,6 @@ def test_two_faults_in_one_run(tmp_path: Path) -> None:
     many, faults = _run("text", 2, tmp_path, [(0, "apply", 0, "kill"), (1, "apply", 2, "kill")])
     _same(one, many, "text W=2, two kills")
     assert {(f.worker, f.epoch) for f in faults if f.cause == "died"} == {("w0", 0), ("w1", 2)}
-
-
-def _log(db: Path) -> list[list[tuple[object, ...]]]:
-    conn = sqlite3.connect(db)
-    try:
-        return [conn.execute(q).fetchall() for q in LOG]
-    finally:
-        conn.close()
 
 
 def test_cli_workers_log_is_the_one_worker_log(
