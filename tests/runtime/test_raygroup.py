@@ -231,7 +231,9 @@ def test_user_bindings_reach_the_workers(tmp_path: Path) -> None:
     assert (out / "X.json").read_text().count("4") == 16
 
 
-def _random_states(src: str, seed: int, epochs: int, workers: int) -> list[dict[str, Any]]:
+def _random_states(
+    src: str, seed: int, epochs: int, workers: int, fault: tuple[int, str, int] | None = None
+) -> list[dict[str, Any]]:
     from lmpm.ir import compile_source
 
     front = compile_source(src, raise_errors=False)
@@ -247,6 +249,8 @@ def _random_states(src: str, seed: int, epochs: int, workers: int) -> list[dict[
             checksum_policies=CHECKSUM_POLICIES,
         )
         run.engine.dataplane = run.dataplane = group
+        if fault is not None:
+            group.inject(*fault)
     try:
         out = []
         for _ in range(epochs):
@@ -263,17 +267,26 @@ def _random_states(src: str, seed: int, epochs: int, workers: int) -> list[dict[
             group.close()
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(rich_programs(), st.sampled_from([2, 3, 4]))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rich_programs(), st.sampled_from([2, 3, 4]), st.data())
 def test_random_programs_commit_alike_on_ray_workers(
-    case: tuple[str, dict[str, Any]], workers: int
+    case: tuple[str, dict[str, Any]], workers: int, data: st.DataObject
 ) -> None:
     """The differential test's random programs: W Ray workers (the plan and the user bindings
-    pickled to each process) commit what one worker commits, every epoch."""
+    pickled to each process) commit what one worker commits, every epoch, also when one of them
+    is killed in some phase of some epoch (a kill whose worker has no work then never fires)."""
     src, info = case
+    fault = data.draw(
+        st.none()
+        | st.tuples(
+            st.integers(0, workers - 1),
+            st.sampled_from(["propose", "apply", "halo"]),
+            st.integers(0, info["epochs"] - 1),
+        )
+    )
     one = _random_states(src, info["seed"], info["epochs"], 1)
-    many = _random_states(src, info["seed"], info["epochs"], workers)
+    many = _random_states(src, info["seed"], info["epochs"], workers, fault)
     for e, (a, b) in enumerate(zip(one, many, strict=True)):
         for v in a:
             for x, y in zip(a[v], b[v], strict=True):
-                assert torch.equal(x, y), (e, v, workers, src)
+                assert torch.equal(x, y), (e, v, workers, fault, src)
