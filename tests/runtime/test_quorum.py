@@ -5,14 +5,24 @@ and `lmpm trace`."""
 
 from __future__ import annotations
 
-import pytest
+import sqlite3
+from pathlib import Path
 
-from lmpm.errors import CheckError
+import pytest
+import torch
+from torch import Tensor
+
+from lmpm.cli import main
+from lmpm.errors import CheckError, UsageError
 from lmpm.ir import compile_source
 from lmpm.ir.printer import call_str
 from lmpm.ir.serialize import from_json, to_json
 from lmpm.lang.format import format_source
 from lmpm.lang.parser import parse, parse_lark
+from lmpm.resolve.topology import partition
+from lmpm.runtime.engine import Dissent
+from lmpm.runtime.raygroup import parse_fault
+from lmpm.runtime.session import Run
 
 PROGRAM = """\
 param N = 10
@@ -102,3 +112,135 @@ def test_k_of_n_only_as_a_policy_argument() -> None:
         d.code == "E108" and "only allowed as a commit policy" in d.message
         for d in info.value.diagnostics
     )
+
+
+# ---- runtime: k of n in one process, on n in-process workers ------------------------------------
+
+PROMPT = b"he"
+
+
+def _prompt(tmp: Path) -> Path:
+    path = tmp / "prompt.txt"
+    path.write_bytes(PROMPT)
+    return path
+
+
+def _states(
+    workers: int,
+    tmp: Path,
+    *,
+    policy: str = "quorum(2 of 3, satisfy)",
+    corrupt: int | None = None,
+    epochs: int = 8,
+) -> tuple[list[tuple[Tensor, ...]], list[tuple[Dissent, ...]]]:
+    """Per epoch Txt's (payload, committed, clock, rule, epoch, score); each epoch's dissent."""
+    driver = "process" if workers > 1 else None
+    run = Run.from_source(
+        _src(policy), workers=workers, driver=driver, seed=5, inputs={"Txt": _prompt(tmp)}
+    )
+    if corrupt is not None:
+        run.dataplane.inject(corrupt, "propose", 2, "corrupt")
+    states, dissent = [], []
+    for _ in range(epochs):
+        rec = run.engine.step()
+        st = run.engine.state["Txt"]
+        states.append(
+            tuple(t.clone() for t in (st.committed, st.clock, st.rule, st.epoch, st.score))
+        )
+        states[-1] = (run.payload("Txt"), *states[-1])
+        dissent.append(rec.dissent)
+    return states, dissent
+
+
+def _same(a: list[tuple[Tensor, ...]], b: list[tuple[Tensor, ...]]) -> None:
+    for e, (x, y) in enumerate(zip(a, b, strict=True)):
+        for field, u, v in zip(("payload", "committed", "clock", "rule", "epoch"), x, y):
+            assert torch.equal(u, v), f"epoch {e} {field}"
+        # ByteLM's scores are batched float math: a worker scoring one replica rounds differently
+        assert torch.allclose(x[5], y[5], rtol=1e-5, atol=1e-6), f"epoch {e} score"
+
+
+def test_k_of_n_on_one_worker_and_on_n_workers_commit_the_same(tmp_path: Path) -> None:
+    one, quiet = _states(1, tmp_path)
+    assert int(one[-1][1].sum()) == 10, "the run fills Txt (N = 10)"
+    assert all(d == () for d in quiet), "a deterministic model's replicas agree"
+    for workers in (3, 4):
+        many, d = _states(workers, tmp_path)
+        _same(one, many)
+        assert all(x == () for x in d)
+
+
+def test_quorum_k_keeps_its_replicas_on_the_owner(tmp_path: Path) -> None:
+    """quorum(k) runs k replicas where the cell lives, any worker count (2 < 3 is fine)."""
+    one, _ = _states(1, tmp_path, policy="quorum(3, satisfy)")
+    two, _ = _states(2, tmp_path, policy="quorum(3, satisfy)")
+    _same(one, two)
+    plan = Run.from_source(_src("quorum(3, satisfy)")).plan
+    assert partition(plan, 2).spread == {} and plan.rules[0].replicas == 3
+
+
+def test_a_corrupt_worker_is_outvoted_and_named(tmp_path: Path) -> None:
+    clean, _ = _states(1, tmp_path)
+    for worker in (0, 1):
+        bad, dissent = _states(3, tmp_path, corrupt=worker)
+        _same(clean, bad)
+        assert all(d == () for d in dissent[:2]), "clean before epoch 2"
+        for e, d in enumerate(dissent[2:], start=2):
+            committed = int(clean[e][1].sum() - clean[e - 1][1].sum())
+            assert d == ((Dissent("Txt", worker, f"w{worker}", committed),) if committed else ())
+
+
+def test_fewer_workers_than_replicas_is_refused() -> None:
+    plan = Run.from_source(_src("quorum(2 of 3, satisfy)")).plan
+    with pytest.raises(UsageError) as e:
+        partition(plan, 2)
+    assert e.value.code == "U086" and "--workers 3" in (e.value.hint or "")
+    topo = partition(plan, 4)
+    assert topo.spread == {"Txt": 3} and topo.replicated["Txt"]
+    assert {k for k in topo.routes if k[0] == "Txt"} == {
+        ("Txt", q, r) for q in range(3) for r in range(4) if q != r
+    }
+    assert partition(plan, 1).spread == {}
+    with pytest.raises(UsageError) as e:
+        Run.from_source(_src("quorum(2 of 3, satisfy)"), workers=2, driver="process")
+    assert e.value.code == "U086"
+
+
+def test_in_process_injection_refuses_what_needs_processes() -> None:
+    run = Run.from_source(_src("quorum(2 of 3, satisfy)"), workers=3, driver="process")
+    for args, code in [((1, "propose", 0, "kill"), "U088"), ((1, "apply", 0, "corrupt"), "U084")]:
+        with pytest.raises(UsageError) as e:
+            run.dataplane.inject(*args)
+        assert e.value.code == code
+    assert parse_fault("w1:propose:2:corrupt", 3) == (1, "propose", 2, "corrupt")
+    with pytest.raises(UsageError):
+        parse_fault("w1:apply:2:corrupt", 3)
+
+
+def test_resume_a_spread_quorum_run(tmp_path: Path) -> None:
+    """Every worker's store keeps the spread value whole (each writes only the cells its replica
+    won): a run resumed from the shards ends as the uninterrupted run."""
+    prog = tmp_path / "q.lmpm"
+    prog.write_text(_src("quorum(2 of 3, satisfy)"))
+    common = ["run", str(prog), "--input", f"Txt={_prompt(tmp_path)}", "--seed", "4", "--quiet"]
+    common += ["--workers", "3", "--driver", "process", "--checkpoint-every", "3"]
+    assert main([*common, "--epochs", "8", "--out", str(tmp_path / "ref")]) == 0
+    assert main([*common, "--epochs", "5", "--out", str(tmp_path / "r")]) == 0
+    resume = ["run", "--resume", str(tmp_path / "r"), "--epochs", "8", "--quiet"]
+    assert main([*resume, "--workers", "3", "--driver", "process"]) == 0
+    assert _commits(tmp_path / "r") == _commits(tmp_path / "ref")
+    assert (tmp_path / "r" / "Txt.npy").read_bytes() == (tmp_path / "ref" / "Txt.npy").read_bytes()
+
+
+COMMITS = (
+    "SELECT epoch, value, first, last, step, count, rule, clock_min, clock_max, crc, sums "
+    "FROM commits ORDER BY epoch, value, first"
+)
+
+
+def _commits(run_dir: Path) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(run_dir / "lmpm.db")
+    try:
+        return conn.execute(COMMITS).fetchall()
+    finally:
+        conn.close()

@@ -47,7 +47,7 @@ from torch import Tensor
 from lmpm.errors import LmpmError, RuntimeFault, UsageError
 from lmpm.resolve.plan import Plan
 from lmpm.resolve.topology import Topology
-from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.group import CORRUPT, WorkerGroup, check_fault, received
 from lmpm.runtime.protocol import ApplyReply, ApplyRequest, ProposeReply, ProposeRequest
 
 DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
@@ -57,6 +57,9 @@ RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
 PING = 1.0  # seconds a worker gets to answer a ping during recovery before it is restarted
 PHASES = ("propose", "apply", "halo")
 INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
+# kill: SIGKILL the worker's process; hang: it stops answering; corrupt: its proposals are wrong
+# from the epoch on (it keeps answering: a quorum outvotes it, lmpm.runtime.engine.Dissent)
+HOWS = ("kill", "hang", CORRUPT)
 
 
 class WorkerLost(RuntimeFault):
@@ -105,16 +108,17 @@ def _free_port() -> int:
 
 
 def parse_fault(spec: str, workers: int) -> tuple[int, str, int, str]:
-    """``w<i>:<phase>:<epoch>[:kill|hang]`` (the LMPM_INJECT_FAULT variable) as inject()'s
-    arguments."""
+    """``w<i>:<phase>:<epoch>[:kill|hang|corrupt]`` (the LMPM_INJECT_FAULT variable) as
+    inject()'s arguments (``corrupt`` only in ``propose``)."""
     parts = spec.strip().split(":")
     how = parts[3] if len(parts) == 4 else "kill"
     ok = len(parts) in (3, 4) and parts[0][:1] == "w" and parts[0][1:].isdigit()
-    ok = ok and parts[1] in PHASES and parts[2].isdigit() and how in ("kill", "hang")
+    ok = ok and parts[1] in PHASES and parts[2].isdigit() and how in HOWS
+    ok = ok and (how != CORRUPT or parts[1] == "propose")
     if not ok or int(parts[0][1:]) >= workers:
         raise UsageError(
-            f"{INJECT_ENV}={spec!r}: give w<i>:<phase>:<epoch>[:kill|hang] with i < {workers} "
-            f"and phase one of {', '.join(PHASES)}",
+            f"{INJECT_ENV}={spec!r}: give w<i>:<phase>:<epoch>[:kill|hang|corrupt] with "
+            f"i < {workers} and phase one of {', '.join(PHASES)} (corrupt: propose)",
             code="U085",
         )
     return int(parts[0][1:]), parts[1], int(parts[2]), how
@@ -212,7 +216,16 @@ class WorkerActor:
                 mask[cells.cpu()] = True
                 changed[name] = mask
         self._maybe_fail("halo", epoch)
-        return reply, self.transport.exchange(changed)
+        moved = self.transport.exchange(changed)
+        # a spread quorum value's cells written elsewhere: this worker's store keeps them too
+        got = received(
+            self.topology,
+            self.index,
+            {(v, q): m for (v, q), m in self.transport.received.items()},
+        )
+        if got:
+            self.dp.keep_received(epoch, got)
+        return reply, moved
 
     def resync(self) -> int:
         """Send every routed cell (after a restore)."""
@@ -225,8 +238,11 @@ class WorkerActor:
     # ---- fault injection (tests, benchmarks) --------------------------------------------------
     def inject(self, phase: str, epoch: int, how: str = "kill") -> None:
         """Fail when this worker reaches ``phase`` of ``epoch``: ``kill`` (SIGKILL of this
-        process), ``hang`` (stop answering) or ``corrupt`` (the model's proposals are changed:
-        for quorum tests)."""
+        process), ``hang`` (stop answering) or ``corrupt`` (from ``epoch`` on, every proposal of
+        this worker is changed after its model ran: for quorum drills)."""
+        if how == CORRUPT:
+            self.dp.set_corrupt(epoch)
+            return
         self.faults.append((phase, epoch, how))
 
     def _maybe_fail(self, phase: str, epoch: int) -> None:
@@ -356,7 +372,7 @@ class RayGroup(WorkerGroup):
         self.workers[i] = self._spawn(i)
         # the faults still to come for this worker (its predecessor held them)
         for w, phase, epoch, how in self._injected:
-            if w == i and epoch > self.epoch:
+            if w == i and (epoch > self.epoch or how == CORRUPT):  # corrupt: from epoch on
                 self.workers[i].inject.remote(phase, epoch, how)
 
     def _join(self) -> None:
@@ -582,9 +598,11 @@ class RayGroup(WorkerGroup):
         return out
 
     def inject(self, worker: int, phase: str, epoch: int, how: str = "kill") -> None:
-        """Make worker ``worker`` fail at ``phase`` (propose, apply, halo) of ``epoch``."""
+        """Make worker ``worker`` fail at ``phase`` (propose, apply, halo) of ``epoch``: ``kill``,
+        ``hang``, or ``corrupt`` (phase propose: its proposals are wrong from ``epoch`` on)."""
         if phase not in PHASES:
             raise UsageError(f"phase {phase!r}: one of {', '.join(PHASES)}", code="U084")
+        check_fault(worker, phase, how, self.size, HOWS)
         self._injected.append((worker, phase, epoch, how))
         self._get(
             [self.workers[worker].inject.remote(phase, epoch, how)], "inject", -1, RESTART_LIMIT
