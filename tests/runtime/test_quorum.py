@@ -5,8 +5,11 @@ and `lmpm trace`."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -244,3 +247,60 @@ def _commits(run_dir: Path) -> list[tuple[object, ...]]:
         return conn.execute(COMMITS).fetchall()
     finally:
         conn.close()
+
+
+# ---- Ray: 3 worker processes, one corrupt, one killed -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[Any]:
+    """One local Ray instance for the module's Ray tests (as tests/runtime/test_raygroup.py)."""
+    ray = pytest.importorskip("ray")
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        _node_ip_address="127.0.0.1",
+    )
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_corrupt_worker_is_outvoted_logged_and_traced(
+    local_ray: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """quorum(2 of 3) on 3 Ray workers, w1 corrupt from epoch 2 and w2 killed while applying
+    epoch 4: the commits are the clean one-worker run's; the log and `lmpm trace` name w1."""
+    prog = tmp_path / "q.lmpm"
+    prog.write_text(_src("quorum(2 of 3, satisfy)"))
+    common = ["run", str(prog), "--input", f"Txt={_prompt(tmp_path)}", "--seed", "4"]
+    common += ["--epochs", "8", "--checkpoint-every", "3", "--quiet"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    monkeypatch.setenv("LMPM_INJECT_FAULT", "w1:propose:2:corrupt,w2:apply:4")
+    assert main([*common, "--workers", "3", "--out", str(tmp_path / "three")]) == 0
+    monkeypatch.delenv("LMPM_INJECT_FAULT")
+    assert _commits(tmp_path / "three") == _commits(tmp_path / "one")
+    one, three = (tmp_path / d / "Txt.npy" for d in ("one", "three"))
+    assert three.read_bytes() == one.read_bytes()
+    conn = sqlite3.connect(tmp_path / "three" / "lmpm.db")
+    try:
+        dissent = conn.execute("SELECT epoch, value, replica, worker, cells FROM quorum_dissent")
+        rows = dissent.fetchall()
+        faults = conn.execute("SELECT epoch, worker, cause FROM worker_faults").fetchall()
+    finally:
+        conn.close()
+    assert rows == [(e, "Txt", 1, "w1", 1) for e in range(2, 8)]
+    assert (4, "w2", "died") in faults
+    conn = sqlite3.connect(tmp_path / "one" / "lmpm.db")
+    try:
+        assert conn.execute("SELECT count(*) FROM quorum_dissent").fetchone() == (0,)
+    finally:
+        conn.close()
+    capsys.readouterr()
+    assert main(["trace", str(tmp_path / "three")]) == 0
+    out = capsys.readouterr().out
+    assert "quorum replicas outvoted" in out
+    assert "Txt replica 1 on worker w1: 6 cells in 6 epochs (epochs 2..7)" in out
