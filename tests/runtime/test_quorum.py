@@ -23,7 +23,8 @@ from lmpm.ir.serialize import from_json, to_json
 from lmpm.lang.format import format_source
 from lmpm.lang.parser import parse, parse_lark
 from lmpm.resolve.topology import partition
-from lmpm.runtime.engine import Dissent
+from lmpm.runtime.engine import CHECKSUM_POLICIES, Dissent
+from lmpm.runtime.group import WorkerGroup
 from lmpm.runtime.raygroup import parse_fault
 from lmpm.runtime.session import Run
 
@@ -304,3 +305,70 @@ def test_ray_corrupt_worker_is_outvoted_logged_and_traced(
     out = capsys.readouterr().out
     assert "quorum replicas outvoted" in out
     assert "Txt replica 1 on worker w1: 6 cells in 6 epochs (epochs 2..7)" in out
+
+
+CHAIN = """\
+param N = 12
+value Txt : Token[Byte] shape Seq(N) clock Lamport
+value Up : Token[Byte] shape Seq(N) clock Lamport
+value Low : Token[Byte] shape Seq(N) clock Lamport
+visible Txt[t] <- Txt[0..t-1] when t > 0
+visible Up[t] <- Txt[t-2..t]
+visible Low[t] <- Up[t-1..t]
+
+rule NextByte:
+  on Txt[t]
+  read {context = Txt[0..t-1]}
+  emit proposal Txt[t] := ByteLM(context, k=2, pick="top")
+
+rule Echo:
+  on Up[t]
+  read {context = Txt[t-2..t]}
+  emit proposal Up[t] := ByteLM(context, k=1, pick="top")
+
+rule Echo2:
+  on Low[t]
+  read {context = Up[t-1..t]}
+  emit proposal Low[t] := ByteLM(context, k=1, pick="top")
+
+commit Txt[*] using satisfy
+commit Up[*] using quorum(2 of 3, satisfy)
+commit Low[*] using satisfy
+"""
+
+
+def _chain(workers: int, corrupt: int | None = None) -> tuple[list[list[Tensor]], list[Any]]:
+    run = Run.from_source(CHAIN, seed=2)
+    if workers:
+        topo = partition(run.plan, workers, replicate_bytes=0)
+        group = WorkerGroup(
+            run.plan, workers, topology=topo, seed=2, checksum_policies=CHECKSUM_POLICIES
+        )
+        run.engine.dataplane = run.dataplane = group
+        if corrupt is not None:
+            group.inject(corrupt, "propose", 0)
+    run.set_input("Txt", torch.tensor([104, 101] + [0] * 10), torch.arange(12) < 2)
+    payloads, dissent = [], []
+    for _ in range(4):
+        dissent.append(run.engine.step().dissent)
+        payloads.append([run.payload(v).clone() for v in ("Txt", "Up", "Low")])
+    return payloads, dissent
+
+
+def test_a_spread_value_reads_replicated_sources_and_only_it_is_protected() -> None:
+    """The values a spread quorum value reads are replicated (any worker computes any replica);
+    values read by it stay partitioned. A corrupt worker spoils what it alone proposes (its cells
+    of a partitioned value) and is outvoted in the quorum value."""
+    plan = Run.from_source(CHAIN).plan
+    topo = partition(plan, 4, replicate_bytes=0)
+    assert topo.replicated["Txt"] and topo.replicated["Up"] and not topo.replicated["Low"]
+    assert topo.spread == {"Up": 3}
+    one, _ = _chain(0)
+    four, quiet = _chain(4)
+    assert all(torch.equal(x, y) for a, b in zip(one, four) for x, y in zip(a, b))
+    assert quiet == [(), (), (), ()]
+    bad, dissent = _chain(4, corrupt=2)
+    for a, b in zip(one, bad, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # Txt (w0) and Up (quorum)
+    assert not torch.equal(one[-1][2], bad[-1][2]), "w2's cells of Low are corrupt"
+    assert dissent[0] == (Dissent("Up", 2, "w2", 12),)
