@@ -221,19 +221,42 @@ def test_in_process_injection_refuses_what_needs_processes() -> None:
         parse_fault("w1:apply:2:corrupt", 3)
 
 
-def test_resume_a_spread_quorum_run(tmp_path: Path) -> None:
+def test_resume_a_spread_quorum_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every worker's store keeps the spread value whole (each writes only the cells its replica
-    won): a run resumed from the shards ends as the uninterrupted run."""
+    won; with w0 corrupt, w1 writes them): a run resumed from the shards ends as the uninterrupted
+    run and as the clean run. A log without the dissent table (written before it existed) still
+    reads and resumes."""
     prog = tmp_path / "q.lmpm"
     prog.write_text(_src("quorum(2 of 3, satisfy)"))
     common = ["run", str(prog), "--input", f"Txt={_prompt(tmp_path)}", "--seed", "4", "--quiet"]
+    assert main([*common, "--epochs", "8", "--out", str(tmp_path / "clean")]) == 0
     common += ["--workers", "3", "--driver", "process", "--checkpoint-every", "3"]
+    monkeypatch.setenv("LMPM_INJECT_FAULT", "w0:propose:1:corrupt")
     assert main([*common, "--epochs", "8", "--out", str(tmp_path / "ref")]) == 0
     assert main([*common, "--epochs", "5", "--out", str(tmp_path / "r")]) == 0
+    conn = sqlite3.connect(tmp_path / "r" / "lmpm.db")  # as a log written before dissent was
+    conn.execute("DROP TABLE quorum_dissent")
+    conn.commit()
+    conn.close()
+    assert main(["trace", str(tmp_path / "r")]) == 0
     resume = ["run", "--resume", str(tmp_path / "r"), "--epochs", "8", "--quiet"]
     assert main([*resume, "--workers", "3", "--driver", "process"]) == 0
-    assert _commits(tmp_path / "r") == _commits(tmp_path / "ref")
-    assert (tmp_path / "r" / "Txt.npy").read_bytes() == (tmp_path / "ref" / "Txt.npy").read_bytes()
+    assert _commits(tmp_path / "r") == _commits(tmp_path / "ref") == _commits(tmp_path / "clean")
+    txt = [(tmp_path / d / "Txt.npy").read_bytes() for d in ("r", "ref", "clean")]
+    assert txt[0] == txt[1] == txt[2]
+    conn = sqlite3.connect(tmp_path / "r" / "lmpm.db")
+    try:  # the resume made the table again, for the epochs it ran
+        rows = conn.execute("SELECT epoch, worker FROM quorum_dissent").fetchall()
+    finally:
+        conn.close()
+    assert rows == [(e, "w0") for e in range(5, 8)]
+    for store in ("w0", "w1", "w2"):  # each store holds every committed cell of Txt
+        conn = sqlite3.connect(tmp_path / "ref" / "payload" / f"{store}.db")
+        try:
+            got = conn.execute("SELECT sum(count) FROM rows WHERE value = 'Txt'").fetchone()
+        finally:
+            conn.close()
+        assert got == (8,), store
 
 
 COMMITS = (

@@ -17,6 +17,7 @@ restore itself are shared.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,28 @@ def _key(c: Candidates, j: int) -> tuple[int, int, int]:
 
 
 CORRUPT = "corrupt"  # the fault that perturbs a worker's proposals (quorum drills)
+PHASES = ("propose", "apply", "halo")
+INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
+# kill: SIGKILL the worker's process; hang: it stops answering; corrupt: its proposals are wrong
+# from the epoch on (it keeps answering: a quorum outvotes it, lmpm.runtime.engine.Dissent)
+HOWS = ("kill", "hang", CORRUPT)
+
+
+def parse_fault(spec: str, workers: int) -> tuple[int, str, int, str]:
+    """``w<i>:<phase>:<epoch>[:kill|hang|corrupt]`` (the LMPM_INJECT_FAULT variable) as
+    inject()'s arguments (``corrupt`` only in ``propose``)."""
+    parts = spec.strip().split(":")
+    how = parts[3] if len(parts) == 4 else "kill"
+    ok = len(parts) in (3, 4) and parts[0][:1] == "w" and parts[0][1:].isdigit()
+    ok = ok and parts[1] in PHASES and parts[2].isdigit() and how in HOWS
+    ok = ok and (how != CORRUPT or parts[1] == "propose")
+    if not ok or int(parts[0][1:]) >= workers:
+        raise UsageError(
+            f"{INJECT_ENV}={spec!r}: give w<i>:<phase>:<epoch>[:kill|hang|corrupt] with "
+            f"i < {workers} and phase one of {', '.join(PHASES)} (corrupt: propose)",
+            code="U085",
+        )
+    return int(parts[0][1:]), parts[1], int(parts[2]), how
 
 
 def check_fault(worker: int, phase: str, how: str, workers: int, hows: tuple[str, ...]) -> None:
@@ -173,6 +196,8 @@ class WorkerGroup:
         self.since: dict[tuple[int, str], list[Tensor]] = {}
         self.workers: list[Any] = self._start()
         self.transport = InProcessTransport(self.workers, self.topology)
+        for spec in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
+            self.inject(*parse_fault(spec, self.size))
 
     # ---- reaching the workers (the in-process driver; RayGroup overrides these) -----------------
     def _start(self) -> list[Any]:
@@ -519,4 +544,4 @@ class WorkerGroup:
         return ApplyReply(self.worker, out, durable)
 
 
-__all__ = ["InProcessTransport", "WorkerGroup"]
+__all__ = ["INJECT_ENV", "InProcessTransport", "WorkerGroup", "parse_fault"]

@@ -47,7 +47,16 @@ from torch import Tensor
 from lmpm.errors import LmpmError, RuntimeFault, UsageError
 from lmpm.resolve.plan import Plan
 from lmpm.resolve.topology import Topology
-from lmpm.runtime.group import CORRUPT, WorkerGroup, check_fault, received
+from lmpm.runtime.group import (
+    CORRUPT,
+    HOWS,
+    INJECT_ENV,
+    PHASES,
+    WorkerGroup,
+    check_fault,
+    parse_fault,
+    received,
+)
 from lmpm.runtime.protocol import ApplyReply, ApplyRequest, ProposeReply, ProposeRequest
 
 DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
@@ -55,11 +64,6 @@ MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
 BLOCKED_GRACE = 1.0  # seconds the other workers get to answer once one has died
 RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
 PING = 1.0  # seconds a worker gets to answer a ping during recovery before it is restarted
-PHASES = ("propose", "apply", "halo")
-INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
-# kill: SIGKILL the worker's process; hang: it stops answering; corrupt: its proposals are wrong
-# from the epoch on (it keeps answering: a quorum outvotes it, lmpm.runtime.engine.Dissent)
-HOWS = ("kill", "hang", CORRUPT)
 
 
 class WorkerLost(RuntimeFault):
@@ -105,23 +109,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
-
-
-def parse_fault(spec: str, workers: int) -> tuple[int, str, int, str]:
-    """``w<i>:<phase>:<epoch>[:kill|hang|corrupt]`` (the LMPM_INJECT_FAULT variable) as
-    inject()'s arguments (``corrupt`` only in ``propose``)."""
-    parts = spec.strip().split(":")
-    how = parts[3] if len(parts) == 4 else "kill"
-    ok = len(parts) in (3, 4) and parts[0][:1] == "w" and parts[0][1:].isdigit()
-    ok = ok and parts[1] in PHASES and parts[2].isdigit() and how in HOWS
-    ok = ok and (how != CORRUPT or parts[1] == "propose")
-    if not ok or int(parts[0][1:]) >= workers:
-        raise UsageError(
-            f"{INJECT_ENV}={spec!r}: give w<i>:<phase>:<epoch>[:kill|hang|corrupt] with "
-            f"i < {workers} and phase one of {', '.join(PHASES)} (corrupt: propose)",
-            code="U085",
-        )
-    return int(parts[0][1:]), parts[1], int(parts[2]), how
 
 
 class WorkerActor:
@@ -323,8 +310,6 @@ class RayGroup(WorkerGroup):
             seed=seed,
             checksum_policies=checksum_policies,
         )
-        for spec in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
-            self.inject(*parse_fault(spec, self.size))
 
     # ---- starting and stopping -------------------------------------------------------------------
     def _start(self) -> list[Any]:
@@ -613,4 +598,12 @@ class RayGroup(WorkerGroup):
         return list(self._pids)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Fault", "RayGroup", "WorkerActor", "WorkerLost"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "INJECT_ENV",
+    "Fault",
+    "RayGroup",
+    "WorkerActor",
+    "WorkerLost",
+    "parse_fault",
+]
