@@ -395,3 +395,43 @@ def test_a_spread_value_reads_replicated_sources_and_only_it_is_protected() -> N
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])  # Txt (w0) and Up (quorum)
     assert not torch.equal(one[-1][2], bad[-1][2]), "w2's cells of Low are corrupt"
     assert dissent[0] == (Dissent("Up", 2, "w2", 12),)
+
+
+TWO_RULES = _src("quorum(2 of 3, satisfy)").replace(
+    """rule NextByte:
+  on Txt[t]
+""",
+    """rule Even:
+  on Txt[t] when t % 2 == 0
+  read {context = Txt[0..t-1]}
+  emit proposal Txt[t] := ByteLM(context, k=2, pick="top")
+
+rule NextByte:
+  on Txt[t]
+""",
+)
+
+
+def test_trace_cells_of_a_spread_value_show_every_replica(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each replica worker records its candidates under the merged columns: `lmpm trace --cell`
+    of a 3-worker run shows what the one-worker run shows (two rules, 3 replicas of 2 proposals each)."""
+    prog = tmp_path / "q.lmpm"
+    prog.write_text(TWO_RULES)
+    common = ["run", str(prog), "--input", f"Txt={_prompt(tmp_path)}", "--seed", "4", "--quiet"]
+    common += ["--epochs", "5", "--trace", "cells"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert (
+        main([*common, "--workers", "3", "--driver", "process", "--out", str(tmp_path / "3")]) == 0
+    )
+    assert _commits(tmp_path / "3") == _commits(tmp_path / "one")
+    shown = []
+    for d in ("one", "3"):
+        capsys.readouterr()
+        assert main(["trace", str(tmp_path / d), "--cell", "Txt[4]"]) == 0
+        shown.append(capsys.readouterr().out)
+    assert shown[0] == shown[1]
+    candidates = shown[1].split("candidate")[-1]
+    assert candidates.count(" Even ") == 6 and candidates.count(" NextByte ") == 6
+    assert candidates.count(" unset ") == 1, "only keep current (the cell was unset)"

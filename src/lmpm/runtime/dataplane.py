@@ -863,6 +863,13 @@ class DataPlane:
         self._staged = {}
         return ApplyReply(self.worker, out, durable)
 
+    def record_columns(self, epoch: int, value: str, which: Tensor, cols: list[int]) -> None:
+        """Record the staged candidates of ``value``'s cells in ``which`` (``--trace cells``), local
+        column j as column ``cols[j]``: a group's merged column (lmpm.runtime.group)."""
+        st = self._staged.get(value)
+        if st is not None and self.store is not None:
+            self.store.record_candidates(epoch, value, st.cells, st.table, which, cols)
+
     def set_corrupt(self, epoch: int | None) -> None:
         """Fault injection: corrupt every proposal from ``epoch`` on (None: heal)."""
         self.corrupt_from = epoch

@@ -369,10 +369,11 @@ class WorkerGroup:
                 subs.append(None)
                 continue
             record = None
-            if req.record is not None:
+            if req.record is not None:  # spread quorum values: recorded after the merge
                 record = {
                     name: c[self.topology.owner[name].index_select(0, c) == i]
                     for name, c in req.record.items()
+                    if self.topology.workers_of(name) == 1
                 }
             subs.append(
                 ProposeRequest(
@@ -397,7 +398,20 @@ class WorkerGroup:
         for name in names:
             got = [(i, r.values[name]) for i, r in enumerate(replies) if r and name in r.values]
             values[name] = self._merge(name, got, order)
+        self._record_spread(req)
         return ProposeReply(self.worker, values, seconds)
+
+    def _record_spread(self, req: ProposeRequest) -> None:
+        """``--trace cells`` of a spread quorum value: each replica worker records its candidates
+        under the merged columns (their payloads stay on it; the trace reads every store)."""
+        for name, which in (req.record or {}).items():
+            mg = self._merged.get(name)
+            if mg is None or self.topology.workers_of(name) == 1:
+                continue
+            args: list[tuple[Any, ...] | None] = [None] * self.size
+            for s, i in enumerate(mg.workers):
+                args[i] = (req.epoch, name, which, mg.cols[s].tolist())
+            self._calls("record_columns", args)
 
     def _merge(self, name: str, got: list[tuple[int, Candidates]], order: list[int]) -> Candidates:
         """One value's candidates: rows sorted by cell, columns in the request's rule order."""
