@@ -39,6 +39,7 @@ SCRIPTS = (
     "planes",
     "vm",
     "epoch_overhead",
+    "distributed",
 )
 TIMEOUT_S = 300  # per script
 
@@ -89,6 +90,16 @@ CLAIMS = (
           "vm_share", "<=", 0.05, _share),
     Claim("vm", "VM step vs per-stream Python loop at 1,024 streams",
           {"case": "vm_step", "streams": 1024}, "ratio", ">=", 100),
+    Claim("distributed", "video 16×64×64 LocalGen: 2 Ray workers vs 1", {"case": "scaling"},
+          "ratio", ">=", 1.6, lambda x: f"{x:.2f}×"),
+    Claim("distributed", "control plane per epoch, 4 workers above 1 (ms)", {"case": "control"},
+          "above_ms", "<=", 3.0, lambda x: f"{x:.1f} ms"),
+    Claim("distributed", "control-plane bytes / halo bytes, Tensor[256]", {"case": "halo"},
+          "ratio", "<=", 0.01, _share),
+    Claim("distributed", "SIGKILL of a worker to progress again (s)", {"case": "recovery"},
+          "kill_to_progress_s", "<=", 5.0, lambda x: f"{x:.2f} s"),
+    Claim("distributed", "commits identical with a killed worker", {"case": "recovery"},
+          "identical", "==", 1.0, lambda x: "yes" if x else "NO"),
 )  # fmt: skip
 INFO = (  # measured and shown, no goal
     ("trace", "`--durable` (synchronous=FULL) cost vs default", {"case": "durable"}, "overhead",

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from lmpm.errors import UsageError
 from lmpm.resolve.topology import partition
 from lmpm.runtime.engine import CHECKSUM_POLICIES
 from lmpm.runtime.group import WorkerGroup
@@ -60,20 +61,23 @@ def _run(
     states = []
     for _ in range(epochs):
         run.engine.step()
-        states.append(
-            {
-                v: (
-                    run.payload(v).clone(),
-                    st.committed.clone(),
-                    st.clock.clone(),
-                    st.rule.clone(),
-                    st.epoch.clone(),
-                    st.score.clone(),
-                )
-                for v, st in run.engine.state.items()
-            }
-        )
+        states.append(snapshot(run))
     return states, group
+
+
+def snapshot(run: Run) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Every value's (payload, committed, clock, rule, epoch, score) now."""
+    return {
+        v: (
+            run.payload(v).clone(),
+            st.committed.clone(),
+            st.clock.clone(),
+            st.rule.clone(),
+            st.epoch.clone(),
+            st.score.clone(),
+        )
+        for v, st in run.engine.state.items()
+    }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -201,3 +205,11 @@ def test_group_workers_honour_the_ruleset() -> None:
     assert torch.equal(outs[0], outs[1])
     plain = next(cp.id for cp in run.plan.constraints if cp.name == "Plain")
     assert seen[0] is None and seen[-1] is not None and plain not in seen[-1]
+
+
+def test_a_group_on_cuda_is_refused_clearly() -> None:
+    path, params, _, _ = CASES["gpt"]
+    run = Run.from_file(path, params=params)
+    with pytest.raises(UsageError) as e:
+        WorkerGroup(run.plan, 2, backend="cuda")
+    assert e.value.code == "U089"

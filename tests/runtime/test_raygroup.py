@@ -26,16 +26,17 @@ from lmpm.runtime.raygroup import RayGroup, parse_fault  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_group import CASES, _latent_input  # noqa: E402
+import test_runtime_differential  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_group import CASES, _latent_input, snapshot  # noqa: E402
+from test_runtime_differential import BINDINGS, rich_programs, used  # noqa: E402
+from test_runtime_resume import _log  # noqa: E402
+
+# the random programs' bindings live in a test module the worker processes cannot import
+ray.cloudpickle.register_pickle_by_value(test_runtime_differential)
 
 EX = Path(__file__).resolve().parents[2] / "examples"
-LOG = (
-    "SELECT epoch, value, first, last, step, count, rule, clock_min, clock_max, score_min, "
-    "score_max, crc, sums, clocks, scores FROM commits ORDER BY epoch, value, first",
-    "SELECT * FROM trace_summary ORDER BY epoch, constraint_id, rule",
-    "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, maskplan "
-    "FROM epochs ORDER BY epoch",
-)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -83,19 +84,7 @@ def _run(
         for _ in range(epochs):
             rec = run.engine.step()
             seen += list(rec.faults)
-            states.append(
-                {
-                    v: (
-                        run.payload(v).clone(),
-                        st.committed.clone(),
-                        st.clock.clone(),
-                        st.rule.clone(),
-                        st.epoch.clone(),
-                        st.score.clone(),
-                    )
-                    for v, st in run.engine.state.items()
-                }
-            )
+            states.append(snapshot(run))
         return states, seen
     finally:
         if group is not None:
@@ -147,14 +136,6 @@ def test_two_faults_in_one_run(tmp_path: Path) -> None:
     many, faults = _run("text", 2, tmp_path, [(0, "apply", 0, "kill"), (1, "apply", 2, "kill")])
     _same(one, many, "text W=2, two kills")
     assert {(f.worker, f.epoch) for f in faults if f.cause == "died"} == {("w0", 0), ("w1", 2)}
-
-
-def _log(db: Path) -> list[list[tuple[object, ...]]]:
-    conn = sqlite3.connect(db)
-    try:
-        return [conn.execute(q).fetchall() for q in LOG]
-    finally:
-        conn.close()
 
 
 def test_cli_workers_log_is_the_one_worker_log(
@@ -248,3 +229,64 @@ def test_user_bindings_reach_the_workers(tmp_path: Path) -> None:
     common = ["run", str(prog), "--bind", str(bind), "--epochs", "2", "--quiet"]
     assert main([*common, "--workers", "2", "--out", str(out)]) == 0
     assert (out / "X.json").read_text().count("4") == 16
+
+
+def _random_states(
+    src: str, seed: int, epochs: int, workers: int, fault: tuple[int, str, int] | None = None
+) -> list[dict[str, Any]]:
+    from lmpm.ir import compile_source
+
+    front = compile_source(src, raise_errors=False)
+    assert not front.errors, src
+    run = Run(front, bindings=used(front, BINDINGS), seed=seed, epochs=epochs)
+    group = None
+    if workers > 1:
+        group = RayGroup(
+            run.plan,
+            workers,
+            topology=partition(run.plan, workers, replicate_bytes=0),
+            seed=seed,
+            checksum_policies=CHECKSUM_POLICIES,
+        )
+        run.engine.dataplane = run.dataplane = group
+        if fault is not None:
+            group.inject(*fault)
+    try:
+        out = []
+        for _ in range(epochs):
+            run.engine.step()
+            out.append(
+                {
+                    v: (run.payload(v), s.committed.clone(), s.clock.clone(), s.rule.clone())
+                    for v, s in run.engine.state.items()
+                }
+            )
+        return out
+    finally:
+        if group is not None:
+            group.close()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rich_programs(), st.sampled_from([2, 3, 4]), st.data())
+def test_random_programs_commit_alike_on_ray_workers(
+    case: tuple[str, dict[str, Any]], workers: int, data: st.DataObject
+) -> None:
+    """The differential test's random programs: W Ray workers (the plan and the user bindings
+    pickled to each process) commit what one worker commits, every epoch, also when one of them
+    is killed in some phase of some epoch (a kill whose worker has no work then never fires)."""
+    src, info = case
+    fault = data.draw(
+        st.none()
+        | st.tuples(
+            st.integers(0, workers - 1),
+            st.sampled_from(["propose", "apply", "halo"]),
+            st.integers(0, info["epochs"] - 1),
+        )
+    )
+    one = _random_states(src, info["seed"], info["epochs"], 1)
+    many = _random_states(src, info["seed"], info["epochs"], workers, fault)
+    for e, (a, b) in enumerate(zip(one, many, strict=True)):
+        for v in a:
+            for x, y in zip(a[v], b[v], strict=True):
+                assert torch.equal(x, y), (e, v, workers, fault, src)

@@ -480,11 +480,13 @@ def _execute(
 
                 assert isinstance(rec, EpochRecord)
                 rate = rec.attempts / rec.seconds if rec.seconds > 0 else 0.0
+                halo = f"  halo {rec.halo_bytes:,} B" if rec.halo_bytes else ""
+                faults = f"  [yellow]{len(rec.faults)} worker fault(s)[/]" if rec.faults else ""
                 bar.update(
                     task,
                     advance=1,
                     info=f"open {rec.open_cells}  commits {rec.commits}  "
-                    f"violations {rec.violations}  {rate:,.0f} attempts/s",
+                    f"violations {rec.violations}  {rate:,.0f} attempts/s{halo}{faults}",
                 )
 
             res = session.run(
@@ -517,6 +519,9 @@ def _execute(
         log.close()
         session.close()
     state = res.stop.message(detail=False) if res.stop is not None else "stopped"
+    faults = getattr(session.dataplane, "faults", [])
+    if faults:
+        note += f"{len(faults)} worker fault(s) survived (lmpm trace {out_dir}); "
     sys.stderr.write(
         f"{note}{res.epochs} epochs ({state}), {res.commits} commits, "
         f"{res.attempts / max(res.seconds, 1e-9):,.0f} attempts/s; wrote "

@@ -165,6 +165,14 @@ class WorkerGroup:
     ) -> None:
         if workers < 1:
             raise UsageError(f"--workers {workers}: at least one worker is needed", code="U080")
+        device = backend if isinstance(backend, str) else str(getattr(backend, "device", "cpu"))
+        if device.startswith("cuda"):
+            raise UsageError(
+                "more than one worker runs on the CPU backend only for now (the halo transport "
+                "is gloo over host memory; NCCL for GPU-resident payload is not built)",
+                code="U089",
+                hint="use --backend cpu with --workers N, or one worker on CUDA",
+            )
         self.plan = plan
         self.topology = topology or partition(plan, workers)
         if self.topology.workers != workers:

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import torch
 from torch import Tensor
 
 
@@ -133,3 +135,38 @@ def tensors(message: Any) -> list[Tensor]:
     if isinstance(message, tuple | list):
         return [t for v in message for t in tensors(v)]
     return []
+
+
+def to_wire(message: Any) -> Any:
+    """The message with every tensor as a numpy array (a process boundary: numpy arrays pickle
+    about ten times faster than tensors, which go through ``torch.save`` one by one)."""
+    if isinstance(message, Tensor):
+        return message.detach().cpu().numpy()
+    if dataclasses.is_dataclass(message) and not isinstance(message, type):
+        return type(message)(
+            **{f.name: to_wire(getattr(message, f.name)) for f in dataclasses.fields(message)}
+        )
+    if isinstance(message, Mapping):
+        return {k: to_wire(v) for k, v in message.items()}
+    if isinstance(message, tuple):
+        return tuple(to_wire(v) for v in message)
+    if isinstance(message, list):
+        return [to_wire(v) for v in message]
+    return message
+
+
+def from_wire(message: Any) -> Any:
+    """The inverse of :func:`to_wire` (arrays that arrive read-only are copied)."""
+    if isinstance(message, np.ndarray):
+        return torch.from_numpy(message if message.flags.writeable else message.copy())
+    if dataclasses.is_dataclass(message) and not isinstance(message, type):
+        return type(message)(
+            **{f.name: from_wire(getattr(message, f.name)) for f in dataclasses.fields(message)}
+        )
+    if isinstance(message, Mapping):
+        return {k: from_wire(v) for k, v in message.items()}
+    if isinstance(message, tuple):
+        return tuple(from_wire(v) for v in message)
+    if isinstance(message, list):
+        return [from_wire(v) for v in message]
+    return message

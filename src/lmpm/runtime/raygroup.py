@@ -37,6 +37,7 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -57,12 +58,20 @@ from lmpm.runtime.group import (
     parse_fault,
     received,
 )
-from lmpm.runtime.protocol import ApplyReply, ApplyRequest, ProposeReply, ProposeRequest
+from lmpm.runtime.protocol import (
+    ApplyReply,
+    ApplyRequest,
+    ProposeReply,
+    ProposeRequest,
+    from_wire,
+    to_wire,
+)
 
 DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
 MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
 BLOCKED_GRACE = 1.0  # seconds the other workers get to answer once one has died
 RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
+SLICE = 0.25  # seconds between looks at the answers while waiting for the workers
 PING = 1.0  # seconds a worker gets to answer a ping during recovery before it is restarted
 
 
@@ -150,6 +159,12 @@ class WorkerActor:
     def ping(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def rendezvous(self) -> tuple[str, int]:
         """An address and a free port for the process group (asked of worker 0)."""
         import ray
@@ -187,12 +202,15 @@ class WorkerActor:
             self.dp.open_store(run_dir)
 
     def propose(self, req: ProposeRequest) -> ProposeReply:
+        """(Messages cross in their wire form: :func:`lmpm.runtime.protocol.to_wire`.)"""
+        req = from_wire(req)
         self._maybe_fail("propose", req.epoch)
-        return self.dp.propose(req)
+        return to_wire(self.dp.propose(req))  # type: ignore[no-any-return]
 
     def apply(self, req: ApplyRequest | None, epoch: int) -> tuple[ApplyReply | None, int]:
         """Apply (when this worker has rows that commit), then exchange the halo with every
         peer (every worker takes part): (reply, payload bytes received)."""
+        req = from_wire(req)
         self._maybe_fail("apply", epoch)
         reply = None
         changed: dict[str, Tensor] = {}
@@ -212,7 +230,7 @@ class WorkerActor:
         )
         if got:
             self.dp.keep_received(epoch, got)
-        return reply, moved
+        return to_wire(reply), moved
 
     def resync(self) -> int:
         """Send every routed cell (after a restore)."""
@@ -253,10 +271,20 @@ def _resolve(recipe: tuple[Any, ...]) -> Plan:
     return resolve(ir, params, Bindings(bind, dict(mapping)), epochs=epochs)
 
 
+def _last_line(e: BaseException) -> str:
+    """The last meaningful line of a Ray error (the remote exception's own message)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if not ln.startswith(("File ", "^", "Traceback", "The actor", "Actor ID")):
+            return ln[:300]
+    return lines[-1][:300] if lines else type(e).__name__
+
+
 class _Failed(Exception):
-    def __init__(self, failed: list[tuple[int, str]]) -> None:
+    def __init__(self, failed: list[tuple[int, str]], why: str = "") -> None:
         super().__init__(failed)
         self.failed = failed
+        self.why = why  # the first error Ray reported, if any
 
 
 class RayGroup(WorkerGroup):
@@ -300,7 +328,10 @@ class RayGroup(WorkerGroup):
         self._subs: list[ProposeRequest | None] = []  # the epoch's propose, to redo it
         self.generation = 0
         self.epoch = -1  # the epoch running
+        self.done = 0  # the epochs the workers' durable state holds (a restore goes back here)
+        self._recovering = False
         self._injected: list[tuple[int, str, int, str]] = []
+        self._fired: set[tuple[int, str, int]] = set()
         self.round_trips = 0  # parallel calls to the workers (benchmarks)
         super().__init__(
             plan,
@@ -326,13 +357,26 @@ class RayGroup(WorkerGroup):
                 )
             self._owns_ray = True
         self._ref = ray.put(self.recipe if self.recipe is not None else self.plan)
-        self._cls = ray.remote(WorkerActor).options(
-            max_restarts=0, max_task_retries=0, num_cpus=self.threads
-        )
+        # across nodes, spread the workers (one per node while nodes last); Ray's scheduler
+        # places a replacement wherever resources are left
+        opts: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0, "num_cpus": self.threads}
+        if self.cluster:
+            opts["scheduling_strategy"] = "SPREAD"
+        self._cls = ray.remote(WorkerActor).options(**opts)
         actors = [self._spawn(i) for i in range(self.size)]
         self.workers = actors
-        self._pids = self._get([a.ping.remote() for a in actors], "start", -1, RESTART_LIMIT)
-        self._join()
+        try:
+            self._pids = self._get([a.ping.remote() for a in actors], "start", -1, RESTART_LIMIT)
+            self._join()
+        except _Failed as f:
+            self.close()
+            raise WorkerLost(
+                f"the workers could not start: {f.why or 'no answer'}",
+                where={"worker": ", ".join(f"w{i}" for i, _ in f.failed)},
+                code="R062",
+                hint="a model or binding a worker cannot import (a module only this process "
+                "knows) is the usual cause: bind it from a .py file or an importable module",
+            ) from None
         return actors
 
     def _spawn(self, i: int) -> Any:
@@ -357,7 +401,8 @@ class RayGroup(WorkerGroup):
         self.workers[i] = self._spawn(i)
         # the faults still to come for this worker (its predecessor held them)
         for w, phase, epoch, how in self._injected:
-            if w == i and (epoch > self.epoch or how == CORRUPT):  # corrupt: from epoch on
+            due = epoch >= self.done and (w, phase, epoch) not in self._fired
+            if w == i and (due or how == CORRUPT):  # corrupt: from its epoch on, for good
                 self.workers[i].inject.remote(phase, epoch, how)
 
     def _join(self) -> None:
@@ -408,18 +453,22 @@ class RayGroup(WorkerGroup):
         errors: list[tuple[int, Exception]] = []
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         late = "hung"
+        why = ""
         while pending:
             left = deadline - time.monotonic()
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(left, 0.0))
-            if not ready:
+            if left <= 0:
                 failed += [(i, late) for i in pending.values()]
                 break
+            # all at once (one call when every worker answers in time); every SLICE seconds
+            # the answers so far are looked at, so a death is seen early
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, SLICE))
             for r in ready:
                 i = pending.pop(r)
                 try:
                     out[i] = ray.get(r, timeout=0)
-                except (RayActorError, ActorUnavailableError):
+                except (RayActorError, ActorUnavailableError) as e:
                     failed.append((i, "died"))
+                    why = why or _last_line(e)
                     # peers waiting on the dead one in the halo exchange would answer only at the
                     # process group's timeout: they are restarted with it
                     deadline = min(deadline, time.monotonic() + BLOCKED_GRACE)
@@ -433,7 +482,7 @@ class RayGroup(WorkerGroup):
                     failed.append((i, "hung"))
         if failed:
             # a worker whose halo exchange broke because a peer died is reset with it
-            raise _Failed(sorted(failed + [(i, "blocked") for i, _ in errors]))
+            raise _Failed(sorted(failed + [(i, "blocked") for i, _ in errors]), why)
         if errors:
             raise errors[0][1]
         return out
@@ -442,16 +491,33 @@ class RayGroup(WorkerGroup):
         return self._calls(method, [args] * self.size)
 
     def _calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
-        refs = [
-            None if a is None else w.call.remote(method, *a)
-            for w, a in zip(self.workers, args, strict=True)
-        ]
-        # outside the epoch loop (inputs, outputs, stores): no recovery, a generous limit
-        return self._get(refs, method, -1, RESTART_LIMIT)
+        """Between epochs (inputs, outputs, stores, checkpoints): a worker lost here is replaced
+        and restored like one lost in an epoch, then the call is made again."""
+
+        def once() -> list[Any]:
+            refs = [
+                None if a is None else w.call.remote(method, *a)
+                for w, a in zip(self.workers, args, strict=True)
+            ]
+            return self._get(refs, method, -1, RESTART_LIMIT)
+
+        if self._recovering:  # the recovery's own calls: its caller retries
+            return once()
+        if self.checkpointed is None:  # nothing durable to restore a worker from yet
+            try:
+                return once()
+            except _Failed as f:
+                raise WorkerLost(
+                    f"worker {', '.join(f'w{i} ({c})' for i, c in f.failed)} failed before the "
+                    f"run's first checkpoint{': ' + f.why if f.why else ''}",
+                    where={"worker": ", ".join(f"w{i}" for i, _ in f.failed)},
+                    code="R061",
+                ) from None
+        return self._retry(self.done, method, once)
 
     # ---- the epoch, with recovery ----------------------------------------------------------------
     def _before(self, epoch: int) -> None:
-        self.epoch = epoch
+        self.epoch = self.done = epoch
         if self.checkpointed is None:
             if self._store_dir is None:  # a run without a directory: stores of our own
                 self._tmp = tempfile.mkdtemp(prefix="lmpm-workers-")
@@ -474,24 +540,33 @@ class RayGroup(WorkerGroup):
 
     def _propose_all(self, subs: list[ProposeRequest | None]) -> list[ProposeReply | None]:
         self._subs = subs
-        epoch = next(s.epoch for s in subs if s is not None)
+        epoch = self.epoch
+        if all(s is None for s in subs):  # no rule fired
+            return [None] * self.size
         return self._retry(epoch, "propose", lambda: self._propose_once(subs, epoch))
 
     def _propose_once(
         self, subs: list[ProposeRequest | None], epoch: int
     ) -> list[ProposeReply | None]:
-        refs = [None if s is None else w.propose.remote(s) for w, s in zip(self.workers, subs)]
-        return self._get(refs, "propose", epoch)
+        refs = [
+            None if s is None else w.propose.remote(to_wire(s)) for w, s in zip(self.workers, subs)
+        ]
+        return [from_wire(r) for r in self._get(refs, "propose", epoch)]
 
     def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
-        epoch = next(s.epoch for s in subs if s is not None)
+        epoch = self.epoch
+        if all(s is None for s in subs):  # nothing commits: nothing to write or send
+            self.done = epoch + 1
+            return [None] * self.size, 0
 
         def once() -> tuple[list[ApplyReply | None], int]:
-            refs = [w.apply.remote(s, epoch) for w, s in zip(self.workers, subs)]
+            refs = [w.apply.remote(to_wire(s), epoch) for w, s in zip(self.workers, subs)]
             got = self._get(refs, "apply", epoch)
-            return [g[0] for g in got], sum(g[1] for g in got)
+            return [from_wire(g[0]) for g in got], sum(g[1] for g in got)
 
-        return self._retry(epoch, "apply", once)
+        out = self._retry(epoch, "apply", once)
+        self.done = epoch + 1
+        return out
 
     def _retry(self, epoch: int, phase: str, call: Any) -> Any:
         """``call()``; after a worker fault, recover and call again (a fault while recovering
@@ -521,6 +596,16 @@ class RayGroup(WorkerGroup):
     def _recover(self, failed: list[tuple[int, str]], epoch: int, phase: str) -> None:
         """Replace the failed workers, start a new process-group generation, restore every
         worker to the start of ``epoch``."""
+        self._recovering = True
+        try:
+            self._recover_once(failed, epoch, phase)
+        finally:
+            self._recovering = False
+
+    def _recover_once(self, failed: list[tuple[int, str]], epoch: int, phase: str) -> None:
+        for i, cause in failed:  # an injected fault that went off is not armed again
+            if cause != "blocked":
+                self._fired |= {(w, p, e) for w, p, e, _ in self._injected if (w, e) == (i, epoch)}
         t0 = time.perf_counter()
         for i, cause in failed:
             if cause != "blocked":  # a blocked worker answered (its exchange broke): kept
@@ -592,6 +677,22 @@ class RayGroup(WorkerGroup):
         self._get(
             [self.workers[worker].inject.remote(phase, epoch, how)], "inject", -1, RESTART_LIMIT
         )
+
+    def restore_shards(
+        self,
+        label: int,
+        shards: Mapping[str, Mapping[str, Any]],
+        upto: int,
+        commits: Mapping[tuple[int, str], Tensor],
+        committed: Mapping[str, Tensor],
+        from_input: Mapping[str, Tensor],
+    ) -> None:
+        super().restore_shards(label, shards, upto, commits, committed, from_input)
+        self.done = upto
+
+    def nodes(self) -> list[str]:
+        """The Ray node each worker runs on."""
+        return list(self._get([w.node.remote() for w in self.workers], "node", -1, RESTART_LIMIT))
 
     def pids(self) -> list[int]:
         """The workers' process ids."""
