@@ -281,6 +281,7 @@ def local_ray() -> Iterator[Any]:
     """One local Ray instance for the module's Ray tests (as tests/runtime/test_raygroup.py)."""
     ray = pytest.importorskip("ray")
     ray.init(
+        address="local",  # our own instance, never the cluster another test started
         num_cpus=4,
         include_dashboard=False,
         logging_level=logging.ERROR,

@@ -349,7 +349,10 @@ class RayGroup(WorkerGroup):
             if self.cluster:
                 ray.init(address=self.cluster, logging_level=logging.ERROR, log_to_driver=True)
             else:
+                # "local": a new instance of our own, never another process's local Ray (which
+                # ray.init would otherwise join, refusing num_cpus)
                 ray.init(
+                    address="local",
                     num_cpus=max(os.cpu_count() or 1, self.size * self.threads),
                     include_dashboard=False,
                     logging_level=logging.ERROR,
