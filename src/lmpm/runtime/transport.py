@@ -34,7 +34,8 @@ class GlooTransport:
         self.topology = topology
         self.rank = rank
         self.mine = [(i, k) for i, k in enumerate(topology.routes) if rank in (k[1], k[2])]
-        # the cells the last exchange brought, per (value, sender): (ncells,) bool
+        # the cells of spread quorum values the last exchange brought, per (value, sender):
+        # (ncells,) bool (the worker keeps them in its store)
         self.received: dict[tuple[str, int], Tensor] = {}
 
     def exchange(self, changed: dict[str, Tensor]) -> int:
@@ -92,12 +93,13 @@ class GlooTransport:
             recv_keys, recv, strict=True
         ):
             w = self.worker
-            mask = self.received.get((value, q))
-            if mask is None:
-                mask = self.received[(value, q)] = torch.zeros(
-                    w.plan.values[value].ncells, dtype=torch.bool
-                )
-            mask[cells] = True
+            if self.topology.workers_of(value) > 1:  # a spread quorum value: kept in the store
+                mask = self.received.get((value, q))
+                if mask is None:
+                    mask = self.received[(value, q)] = torch.zeros(
+                        w.plan.values[value].ncells, dtype=torch.bool
+                    )
+                mask[cells] = True
             w.payload[value].index_copy_(0, cells, payload)
             w.committed[value].index_copy_(0, cells, committed.bool())
             w.from_input[value].index_copy_(0, cells, from_input.bool())
