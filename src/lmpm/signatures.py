@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Kinds of literal arguments, as the IR's ArgKind values: "int", "float", "str", "name", "expr"
-# (an integer expression, possibly using the epoch `e`), "call", "read".
+# (an integer expression, possibly using the epoch `e`), "call", "read", "of" (`k of n`).
 NUMBER = ("int", "float", "expr")
 INTEGER = ("int", "expr")
 
@@ -65,8 +65,8 @@ SIGNATURES: dict[str, Signature] = {
     "average": Signature("policy", dtypes=("float", "tensor"), doc="average (numeric values)"),
     "quorum": Signature(
         "policy",
-        (Param("k", INTEGER, minimum=1), Param("inner", ("name", "call", "str"))),
-        doc="quorum(k, inner_policy)",
+        (Param("k", (*INTEGER, "of"), minimum=1), Param("inner", ("name", "call", "str"))),
+        doc="quorum(k, inner_policy) or quorum(k of n, inner_policy)",
     ),
     # ---- schedules ----
     "SampleTiles": Signature(

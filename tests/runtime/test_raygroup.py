@@ -43,6 +43,7 @@ EX = Path(__file__).resolve().parents[2] / "examples"
 def local_ray() -> Iterator[None]:
     """One local Ray instance for the module (each group then starts its actors only)."""
     ray.init(
+        address="local",  # our own instance, never the cluster another test started
         num_cpus=4,
         include_dashboard=False,
         logging_level=logging.ERROR,

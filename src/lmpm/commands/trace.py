@@ -169,6 +169,9 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
                 markup=False,
             )
 
+    if rep.get("dissent"):
+        _print_dissent(console, rep["dissent"])
+
     epochs = rep["epochs"]
     if epochs:
         e = Table(title="epochs", title_justify="left")
@@ -244,3 +247,21 @@ def _render_story(s: dict[str, Any], console: Any) -> None:
         console.print(t)
         after = "unset" if a["payload"] is None else a["payload"]
         console.print(f"  → {after}, clock {a['clock']}  (★ winner, · score favourite)")
+
+
+def _print_dissent(console: Any, rows: list[dict[str, Any]]) -> None:
+    """Quorum replicas outvoted: per value, replica and worker, the epochs and cells."""
+    console.print("quorum replicas outvoted (their proposal differed from the committed one):")
+    groups: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for d in rows:
+        groups.setdefault((d["value"], d["replica"], d["worker"]), []).append(d)
+    for (value, replica, worker), ds in groups.items():
+        epochs = [d["epoch"] for d in ds]
+        span = f"epoch {epochs[0]}" if len(epochs) == 1 else f"epochs {epochs[0]}..{epochs[-1]}"
+        cells = sum(d["cells"] for d in ds)
+        console.print(
+            f"  {value} replica {replica} on worker {worker}: {cells} cell"
+            f"{'s' if cells != 1 else ''} in {len(epochs)} epoch{'s' if len(epochs) != 1 else ''} "
+            f"({span})",
+            markup=False,
+        )

@@ -790,10 +790,30 @@ class Builder:
                 return Arg(ArgKind.ACCESS, key, access=self._access(v, scope, what="an argument"))
             case ast.BinOp() | ast.Neg():
                 return Arg(ArgKind.EXPR, key, expr=self._expr(v, scope))
+            case ast.Of(count=k, total=n):
+                if role != "policy":
+                    raise self._fail(
+                        "E108",
+                        "`k of n` is only allowed as a commit policy's argument",
+                        v.span,
+                        "write e.g. `commit X[*] using quorum(2 of 3, satisfy)`",
+                    )
+                parts = tuple(self._count_arg(x, scope) for x in (k, n))
+                return Arg(ArgKind.OF, key, parts=parts)
             case _:
                 raise self._fail(
                     "E108", f"{_describe(v)} is not allowed as a call argument", v.span
                 )
+
+    def _count_arg(self, e: ast.Expr, scope: _Scope) -> Arg:
+        """One side of `k of n`: an integer literal or an integer expression of the params."""
+        if isinstance(e, ast.Int):
+            return Arg(ArgKind.INT, None, e.value)
+        if isinstance(e, ast.Name | ast.BinOp | ast.Neg):
+            return Arg(ArgKind.EXPR, None, expr=self._expr(e, scope))
+        raise self._fail(
+            "E108", f"`k of n` counts with integers, got {_describe(e)}", e.span, "e.g. `2 of 3`"
+        )
 
     def _constraint(self, item: ast.Constraint) -> Constraint:
         prio = item.priority
@@ -1168,6 +1188,7 @@ def _describe(e: ast.Expr) -> str:
         ast.And: "`and`",
         ast.Or: "`or`",
         ast.Not: "`not`",
+        ast.Of: "`k of n`",
     }
     return names.get(type(e), type(e).__name__)
 

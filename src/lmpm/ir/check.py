@@ -601,6 +601,9 @@ class Checker:
                     f"write {sig.doc}",
                 )
                 continue
+            if a.kind == ArgKind.OF and "of" in prm.kinds:
+                self._count_of(call, i, a)
+                continue
             if prm.name == "inner":
                 if a.kind == ArgKind.CALL and a.call is not None:
                     self._policy(a.call, v)
@@ -610,6 +613,40 @@ class Checker:
                     self._arg_error("E210", call, i, a, prm, sig)
                 continue
             self._check_arg("E210", call, i, a, prm, sig)
+
+    def _count_of(self, call: Call, i: int, a: Arg) -> None:
+        """`k of n` (quorum): integers with 1 <= k <= n, the caret on the side that is wrong."""
+        node = self.ast_calls.get(call.span)
+        of = node.args[i].value if node is not None and i < len(node.args) else None
+        spans = (of.count.span, of.total.span) if isinstance(of, ast.Of) else (call.span,) * 2
+        got: list[int | None] = []
+        for part in a.parts:
+            value: int | None = None
+            if part.kind == ArgKind.INT:
+                value = int(part.value)  # type: ignore[arg-type]
+            elif part.kind == ArgKind.EXPR and part.expr is not None:
+                try:
+                    value = int(evaluate(part.expr, self.env))
+                except EvalError:
+                    value = None  # an unbound param: decided when it is given
+            got.append(value)
+        k, n = got
+        if n is not None and n < 1:
+            self.sink.error(
+                "E210",
+                f"`{call.func}`: {k if k is not None else 'k'} of {n} needs at least 1 replica",
+                spans[1],
+                "write e.g. quorum(2 of 3, satisfy)",
+            )
+        elif k is not None and (k < 1 or (n is not None and k > n)):
+            bound = f"between 1 and {n}" if n is not None else "at least 1"
+            self.sink.error(
+                "E210",
+                f"`{call.func}`: {k} of {n if n is not None else 'n'} asks for {k} agreeing "
+                f"replicas; k must be {bound}",
+                spans[0],
+                "write e.g. quorum(2 of 3, satisfy)",
+            )
 
     def _schedule(self, call: Call) -> None:
         sig = SIGNATURES.get(call.func)
@@ -779,6 +816,7 @@ _KIND_WORDS = {
     "read": "a read",
     "access": "an access",
     "forward": "`...`",
+    "of": "`k of n`",
 }
 
 

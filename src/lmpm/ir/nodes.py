@@ -127,6 +127,7 @@ class ArgKind(StrEnum):
     CALL = "call"  # call: a nested call
     ACCESS = "access"  # access: a cell pattern
     FORWARD = "forward"  # `...`: the rule's reads and proposal
+    OF = "of"  # parts: (count, total), each an INT or EXPR arg: `k of n` (quorum(2 of 3, ...))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +138,7 @@ class Arg:
     expr: Expr | None = None
     call: Call | None = None
     access: Access | None = None
+    parts: tuple[Arg, ...] = ()  # OF: (count, total)
 
 
 @dataclass(frozen=True, slots=True)

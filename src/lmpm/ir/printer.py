@@ -110,6 +110,8 @@ def arg_str(a: Arg) -> str:
             body = access_str(a.access)
         case ArgKind.FORWARD:
             body = "..."
+        case ArgKind.OF:
+            body = " of ".join(arg_str(x) for x in a.parts)
     return key + body
 
 

@@ -146,6 +146,15 @@ class Not:
     span: Span
 
 
+@dataclass(frozen=True, slots=True)
+class Of:
+    """`k of n` as a call argument: a count out of a total (`quorum(2 of 3, satisfy)`)."""
+
+    count: Expr
+    total: Expr
+    span: Span
+
+
 Expr = (
     Int
     | Float
@@ -165,6 +174,7 @@ Expr = (
     | And
     | Or
     | Not
+    | Of
 )
 
 # ---- statements --------------------------------------------------------------------------------

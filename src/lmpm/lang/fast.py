@@ -48,6 +48,7 @@ KEYWORDS = frozenset(
         "and",
         "not",
         "in",
+        "of",
         "forbid",
         "require",
         # workflow words: lark's contextual lexer accepts them as names elsewhere, so text using
@@ -727,6 +728,12 @@ class Parser:
             value = self.expr()
             return ast.Arg(tok[1], value, self._join(self._span(tok), value.span))
         value = self.expr()
+        tok = self.toks[self.i]
+        if tok[0] == NAME and tok[1] == "of":  # `k of n` (quorum(2 of 3, ...))
+            self.i += 1
+            total = self.expr()
+            span = self._join(value.span, total.span)
+            return ast.Arg(None, ast.Of(value, total, span), span)
         return ast.Arg(None, value, value.span)
 
 

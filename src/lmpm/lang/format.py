@@ -81,6 +81,8 @@ def fmt_expr(e: ast.Expr, parent: int = 0) -> str:
             s = f"{fmt_expr(lhs, _OR)} or {fmt_expr(rhs, _OR + 1)}"
         case ast.Not(operand=x):
             s = f"not {fmt_expr(x, _NOT)}"
+        case ast.Of(count=k, total=n):
+            s = f"{fmt_expr(k)} of {fmt_expr(n)}"
     return f"({s})" if p < parent else s
 
 

@@ -221,6 +221,10 @@ class _Builder(Transformer[Token, Any]):
     def arg(self, value: Any) -> ast.Arg:
         return ast.Arg(None, value, value.span)
 
+    def of_arg(self, count: Any, _kw: Token, total: Any) -> ast.Arg:
+        span = self._join(count.span, total.span)
+        return ast.Arg(None, ast.Of(count, total, span), span)
+
     def subscript(self, base: Any, _lsqb: Token, *rest: Any) -> ast.Subscript:
         *indices, rsqb = rest
         return ast.Subscript(

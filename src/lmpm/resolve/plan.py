@@ -36,7 +36,7 @@ from lmpm.ir.nodes import (
     Status,
 )
 from lmpm.ir.printer import call_str, expr_str, read_str
-from lmpm.resolve.policies import Policy, get_policy, quorum
+from lmpm.resolve.policies import Of, Policy, get_policy, replicas
 from lmpm.resolve.schedules import ScheduleSpec, sample_tiles
 from lmpm.runtime.texpr import coords as coords_of
 from lmpm.runtime.texpr import eval_tensor
@@ -138,6 +138,9 @@ def _literal(a: Arg, env: Mapping[str, int]) -> Any:
         case ArgKind.CALL:
             assert a.call is not None
             return (a.call.func, tuple(_literal(x, env) for x in a.call.args))
+        case ArgKind.OF:  # `k of n` (quorum)
+            k, n = (int(_literal(x, env)) for x in a.parts)
+            return Of(k, n)
     raise BindError(f"argument of kind {a.kind.value} cannot be a literal", code="B050")
 
 
@@ -291,10 +294,8 @@ def resolve(
 
 
 def _replicas(vp: ValuePlan) -> int:
-    if vp.policy is quorum:  # quorum(k, ...) runs every rule of the value as k replicas
-        k = vp.policy_args[0] if vp.policy_args else 2
-        return max(int(k), 1)
-    return 1
+    """quorum(k, ...) runs every rule of the value as k replicas, quorum(k of n, ...) as n."""
+    return replicas(vp.policy, vp.policy_args)
 
 
 def _rule_plan(

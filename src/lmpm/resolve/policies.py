@@ -45,6 +45,14 @@ class Agree:
     numeric: bool = False  # the value's payload is numeric (Float, Tensor[D]): it can be averaged
 
 
+@dataclass(frozen=True, slots=True)
+class Of:
+    """The literal `k of n` (``quorum(2 of 3, satisfy)``): k agreeing replicas out of n run."""
+
+    k: int
+    n: int
+
+
 @dataclass(slots=True)
 class Decision:
     """A policy's verdict. ``winner`` 0 keeps the cell; with ``weights`` (aggregating policies) a
@@ -144,8 +152,12 @@ def average(a: Agree, *_: Any) -> Decision:
 
 
 @register("quorum")
-def quorum(a: Agree, k: int = 2, inner: Any = "satisfy", *inner_args: Any) -> Decision:
-    """A proposal is eligible only if ≥ k replicas of its rule proposed the same payload (checksum)."""
+def quorum(a: Agree, k: int | Of = 2, inner: Any = "satisfy", *inner_args: Any) -> Decision:
+    """A proposal is eligible only if ≥ k replicas of its rule proposed the same payload (checksum).
+    ``quorum(k, ...)`` runs k replicas; ``quorum(k of n, ...)`` (``k`` an :class:`Of`) runs n
+    replicas, on n different workers when the run has that many (lmpm.resolve.topology)."""
+    if isinstance(k, Of):
+        k = k.k
     same = a.checksum[:, :, None] == a.checksum[:, None, :]  # (n, C, C)
     same &= (a.rule[:, None] == a.rule[None, :]) & (a.slot[:, None] == a.slot[None, :])
     same &= a.valid[:, None, :]
@@ -178,6 +190,23 @@ def aggregates(policy: Policy, args: tuple[Any, ...]) -> bool:
     return False
 
 
+def replicas(policy: Policy, args: tuple[Any, ...]) -> int:
+    """Replicas per rule of a value committed by ``policy(args)``: k for ``quorum(k)``, n for
+    ``quorum(k of n)``, else 1."""
+    if policy is not quorum:
+        return 1
+    k = args[0] if args else 2
+    return max(k.n if isinstance(k, Of) else int(k), 1)
+
+
+def spread(policy: Policy, args: tuple[Any, ...]) -> int:
+    """Workers a value's replicas want, one replica each: n for ``quorum(k of n)`` (n > 1), else
+    1 (``quorum(k)`` keeps its k replicas on the worker that owns the cell)."""
+    if policy is not quorum or not args or not isinstance(args[0], Of):
+        return 1
+    return max(args[0].n, 1)
+
+
 def get_policy(name: str) -> Policy:
     try:
         return POLICIES[name]
@@ -195,11 +224,14 @@ __all__ = [
     "POLICIES",
     "Agree",
     "Decision",
+    "Of",
     "aggregates",
     "average",
     "get_policy",
     "quorum",
     "register",
+    "replicas",
     "satisfy",
+    "spread",
     "winner_takes_all",
 ]

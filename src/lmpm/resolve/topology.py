@@ -11,19 +11,26 @@ rule reads (which source cells each target cell reads) and the constraints' extr
 
 A route ``(value, sender, receiver)`` holds the sorted source cells that the receiver's owned target
 cells read and that the sender owns: after a commit, the sender sends the changed ones of those.
+
+A value committed by ``quorum(k of n, ...)`` runs replica p of each of its rules on worker p
+(:attr:`Topology.spread`): it is replicated, and so is every written value its rules read, so
+every worker can compute any replica. Its cells are applied by the worker whose replica won, which
+then sends them to every other worker: the value has a route from each of the n replica workers to
+every other worker, all cells (a route's cells are what it *may* carry; only changed ones move).
 """
 
 from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from lmpm.errors import UsageError
 from lmpm.resolve.plan import Plan, ValuePlan, live_constraints
+from lmpm.resolve.policies import aggregates, spread
 
 REPLICATE_BYTES = 4096  # a value whose payload is at most this many bytes is kept on every worker
 
@@ -47,6 +54,13 @@ class Topology:
     layout: dict[str, str]  # per value: how it is split ("ranges", "axis 1 tiles", "replicated")
     routes: dict[tuple[str, int, int], Tensor]  # (value, sender, receiver) -> sorted source cells
     cell_bytes: dict[str, int]  # payload bytes of one cell
+    # per value: the workers its quorum replicas run on, replica p on worker p (n for a
+    # `quorum(k of n)` value spread over the workers; 1: every replica on the cell's owner)
+    spread: dict[str, int] = field(default_factory=dict)
+
+    def workers_of(self, value: str) -> int:
+        """How many workers run replicas of ``value`` (1 unless it is a spread quorum value)."""
+        return self.spread.get(value, 1)
 
     def owned(self, value: str, worker: int) -> Tensor:
         """The sorted cells ``worker`` proposes, checks and applies."""
@@ -152,6 +166,11 @@ def partition(plan: Plan, workers: int, *, replicate_bytes: int = REPLICATE_BYTE
     }
     if workers == 1:
         small = set()
+    spreads = _spreads(plan, workers)
+    for name in spreads:  # every worker computes any replica: the value and its written reads
+        small.add(name)
+        small.update(rd.source for rp in plan.rules if rp.target == name for rd in rp.reads)
+    small -= static
     nsource = {name: vp.ncells for name, vp in plan.values.items()}
     pairs = [(a.target, a.source, *_pairs(a)) for a in accesses(plan)]
     owner: dict[str, Tensor] = {}
@@ -161,6 +180,8 @@ def partition(plan: Plan, workers: int, *, replicate_bytes: int = REPLICATE_BYTE
         if name in static or name in small:
             owner[name] = torch.zeros(vp.ncells, dtype=torch.int64)
             layout[name] = "replicated"
+            if name in spreads:
+                layout[name] = f"replicated, replicas on workers 0..{spreads[name] - 1}"
         else:
             cands[name] = _candidates(vp, workers)
             layout[name], owner[name] = cands[name][0]
@@ -185,8 +206,11 @@ def partition(plan: Plan, workers: int, *, replicate_bytes: int = REPLICATE_BYTE
     routes = _needs(pairs, owner, static | small, nsource, workers)
     for name in sorted(small):  # the proposer (worker 0) keeps every other worker's copy whole
         cells = torch.arange(nsource[name], dtype=torch.int64)
-        for r in range(1, workers):
-            routes[(name, 0, r)] = cells
+        # a spread quorum value: each replica's worker writes the cells its replica won
+        for q in range(spreads.get(name, 1)):
+            for r in range(workers):
+                if r != q:
+                    routes[(name, q, r)] = cells
     ordered = dict(
         sorted(routes.items(), key=lambda kv: (list(plan.values).index(kv[0][0]), kv[0][1:]))
     )
@@ -197,7 +221,37 @@ def partition(plan: Plan, workers: int, *, replicate_bytes: int = REPLICATE_BYTE
         layout,
         ordered,
         cell_bytes,
+        spreads,
     )
+
+
+def _spreads(plan: Plan, workers: int) -> dict[str, int]:
+    """The values whose `quorum(k of n)` replicas run on n different workers (one worker: none)."""
+    out: dict[str, int] = {}
+    if workers == 1:
+        return out
+    written = {rp.target for rp in plan.rules}
+    for name, vp in plan.values.items():
+        n = spread(vp.policy, vp.policy_args)
+        if n <= 1 or name not in written:
+            continue
+        if workers < n:
+            raise UsageError(
+                f"`{name}` commits by {vp.policy_text}: its {n} replicas run on {n} different "
+                f"workers, and this run has {workers}",
+                code="U086",
+                hint=f"use --workers {n} or more, or --workers 1 (every replica on one worker); "
+                "two replicas on one worker could outvote a healthy one",
+            )
+        if aggregates(vp.policy, vp.policy_args):
+            raise UsageError(
+                f"`{name}` commits by {vp.policy_text}: an aggregate of replicas run on different "
+                "workers needs their payloads in one place",
+                code="U087",
+                hint="use satisfy or winner_takes_all inside quorum(k of n, ...), or --workers 1",
+            )
+        out[name] = n
+    return out
 
 
 def runs(cells: Tensor) -> list[tuple[int, int]]:

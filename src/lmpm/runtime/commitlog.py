@@ -88,6 +88,13 @@ FAULTS_TABLE = (
     "pid INTEGER NOT NULL, at REAL NOT NULL)"
 )
 
+# Quorum replicas outvoted (lmpm.runtime.engine.Dissent): per epoch, value and replica, the worker
+# that ran it and the committed cells where its proposal differed; older logs have none
+DISSENT_TABLE = (
+    "CREATE TABLE IF NOT EXISTS quorum_dissent (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
+    "value TEXT NOT NULL, replica INTEGER NOT NULL, worker TEXT NOT NULL, cells INTEGER NOT NULL)"
+)
+
 SCHEMA = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE value_defs (
@@ -134,6 +141,9 @@ CREATE TABLE ruleset_events (
 CREATE TABLE worker_faults (
   seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, worker TEXT NOT NULL, phase TEXT NOT NULL,
   cause TEXT NOT NULL, seconds REAL NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL);
+CREATE TABLE quorum_dissent (
+  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, value TEXT NOT NULL, replica INTEGER NOT NULL,
+  worker TEXT NOT NULL, cells INTEGER NOT NULL);
 CREATE VIEW trace_named AS
   SELECT s.epoch, c.name AS constraint_name, c.priority, r.name AS rule_name, s.checked,
          s.violations, s.won, s.lost, s.blocked_where
@@ -887,6 +897,7 @@ class CommitLog:
         self._checkpointed = int(row[0]) if row[0] is not None else -1
         self.conn.execute(RULESET_TABLE)  # a log written before RuleSet events existed
         self.conn.execute(FAULTS_TABLE)  # ... or before worker faults were logged
+        self.conn.execute(DISSENT_TABLE)  # ... or before quorum dissent was
         self._ruleset_logged = len(ruleset_events(self.conn))  # replayed by restore()
         self.conn.execute("BEGIN IMMEDIATE")
         self.conn.execute(
@@ -927,6 +938,12 @@ class CommitLog:
                         (f.epoch, f.worker, f.phase, f.cause, f.seconds, f.pid, now)
                         for f in record.faults
                     ],
+                )
+            if record.dissent:
+                conn.executemany(
+                    "INSERT INTO quorum_dissent (epoch, value, replica, worker, cells) "
+                    "VALUES (?,?,?,?,?)",
+                    [(record.epoch, d.value, d.replica, d.worker, d.cells) for d in record.dissent],
                 )
             conn.executemany("INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
             if trace is not None:

@@ -114,6 +114,14 @@ def _item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]
     return out  # type: ignore[return-value]  # checked just above
 
 
+def _corrupt(prop: Tensor, vp: ValuePlan) -> Tensor:
+    """Injected corruption: every proposal changed to another valid payload (the next token of
+    the vocabulary, or the number plus 1), so it differs from what the model proposed."""
+    if prop.is_floating_point():
+        return prop + 1
+    return (prop + 1) % vp.vocab if vp.vocab else prop + 1
+
+
 def _ours(fn: Any) -> bool:
     """A callable (or module instance) defined in LMPM itself."""
     module = getattr(fn, "__module__", None) or type(fn).__module__
@@ -217,6 +225,9 @@ class DataPlane:
         # Worker-side instrumentation: tap(epoch, value, cells, table (n, C, *cell), valid (n, C))
         # sees every candidate table where the payload lives (benchmarks, debugging).
         self.taps: list[Any] = []
+        # Fault injection (tests, drills): from this epoch on, every proposal of this worker is
+        # perturbed after its model ran, as if the model returned corrupt output (see _corrupt)
+        self.corrupt_from: int | None = None
 
     # ---- device-resident static tables -----------------------------------------------------------
     def _dev(self, t: Tensor) -> Tensor:
@@ -378,7 +389,7 @@ class DataPlane:
             own = inputs["cells"]
             global_cells = own + vp.offset if vp.offset else own
             score_inputs = self._score_keys(rp, inputs) if rp.score else ()
-            for rep in range(rp.replicas):
+            for rep in range(rp.replicas) if rw.replicas is None else rw.replicas:
                 items.append(
                     WorkItem(
                         rp.name,
@@ -407,9 +418,12 @@ class DataPlane:
 
         per_value: dict[str, list[tuple[RulePlan, Tensor, int, Tensor, Tensor]]] = {}
         outputs = _item_outputs(results, len(items)) if results is not None else []
+        corrupt = self.corrupt_from is not None and e >= self.corrupt_from
         for (rp, cells, rep), (prop, score) in zip(meta, outputs):
             vp = self.plan.values[rp.target]
             prop, score = self._shape(rp, vp, prop, score)
+            if corrupt:
+                prop = _corrupt(prop, vp)
             per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
         self._staged = {}
         values = {
@@ -848,3 +862,27 @@ class DataPlane:
             self.store.sync(req.epoch)
         self._staged = {}
         return ApplyReply(self.worker, out, durable)
+
+    def record_columns(self, epoch: int, value: str, which: Tensor, cols: list[int]) -> None:
+        """Record the staged candidates of ``value``'s cells in ``which`` (``--trace cells``), local
+        column j as column ``cols[j]``: a group's merged column (lmpm.runtime.group)."""
+        st = self._staged.get(value)
+        if st is not None and self.store is not None:
+            self.store.record_candidates(epoch, value, st.cells, st.table, which, cols)
+
+    def set_corrupt(self, epoch: int | None) -> None:
+        """Fault injection: corrupt every proposal from ``epoch`` on (None: heal)."""
+        self.corrupt_from = epoch
+
+    def keep_received(self, epoch: int, cells: Mapping[str, Tensor]) -> None:
+        """Append to this worker's store the cells other workers wrote this epoch and the halo
+        exchange brought here (per value, sorted cells): a `quorum(k of n)` value is written by
+        whichever worker's replica won, and every worker's store keeps all of it, so each can be
+        restored alone (lmpm.runtime.group.WorkerGroup.restore_shards)."""
+        if self.store is None:
+            return
+        for name, c in cells.items():
+            if c.numel():
+                idx = self._here(c)
+                self.store.append_commits(epoch, name, idx, self.payload[name].index_select(0, idx))
+        self.store.sync(epoch)

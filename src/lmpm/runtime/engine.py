@@ -42,6 +42,7 @@ from lmpm.resolve.plan import (
     needs_input,
     rules_by_target,
 )
+from lmpm.resolve.policies import aggregates, quorum
 from lmpm.resolve.schedules import epoch_horizon, make_schedule
 from lmpm.runtime.agree import agree
 from lmpm.runtime.clocks import Clocks
@@ -123,6 +124,48 @@ class ValueEpoch:
     checksum: Tensor | None = None  # (n,) int64 committed payload checksum where changed
 
 
+@dataclass(frozen=True, slots=True)
+class Dissent:
+    """A quorum replica outvoted in one epoch: in ``cells`` committed cells of ``value`` its
+    proposal (the winning rule's, same proposal slot) differed from the payload committed."""
+
+    value: str
+    replica: int
+    worker: str  # the worker that ran the replica ("owners": each cell's owner)
+    cells: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "value": self.value,
+            "replica": self.replica,
+            "worker": self.worker,
+            "cells": self.cells,
+        }
+
+
+def dissent(cand: Any, winner: Tensor, changed: Tensor) -> list[tuple[int, int]]:
+    """(replica, cells) for every replica whose proposal differed from the committed one in some
+    committed cell: compared by checksum with the winning column, among the columns of the same
+    rule and proposal slot (one per replica)."""
+    if cand.checksum is None:
+        return []
+    rows = (changed & (winner > 0)).nonzero().squeeze(1)
+    if not rows.numel():
+        return []
+    w = winner.index_select(0, rows)
+    sums = cand.checksum.index_select(0, rows)  # (m, C)
+    same_col = (cand.col_rule.unsqueeze(0) == cand.col_rule.index_select(0, w).unsqueeze(1)) & (
+        cand.col_slot.unsqueeze(0) == cand.col_slot.index_select(0, w).unsqueeze(1)
+    )  # (m, C): the winner's rule and slot, one column per replica
+    differs = same_col & (sums != sums.gather(1, w.unsqueeze(1)))
+    out = []
+    for p in cand.col_replica[cand.col_replica >= 0].unique().tolist():
+        n = int(differs[:, cand.col_replica == p].any(dim=1).count_nonzero())
+        if n:
+            out.append((int(p), n))
+    return out
+
+
 @dataclass
 class EpochRecord:
     epoch: int
@@ -138,6 +181,8 @@ class EpochRecord:
     # worker faults survived while running this epoch (lmpm.runtime.raygroup.Fault): the epoch
     # was redone after each
     faults: tuple[Any, ...] = ()
+    # quorum replicas outvoted in this epoch's commits, per value and replica
+    dissent: tuple[Dissent, ...] = ()
 
 
 class Observer(Protocol):
@@ -275,6 +320,12 @@ class Engine:
         self._guarded = {
             name: any(self._triggered[rp.id] for rp in st.rules)
             for name, st in self._static.items()
+        }
+        # values committed by quorum (not aggregated): their outvoted replicas are recorded
+        self._quorum = {
+            name: plan.values[name].policy is quorum
+            and not aggregates(plan.values[name].policy, plan.values[name].policy_args)
+            for name in self._static
         }
         self._clocks = Clocks(plan.rules)
         # Epoch-guarded triggers: from epoch `_until` on, each repeats every `_cycle` epochs.
@@ -599,6 +650,7 @@ class Engine:
 
         commits = violations = attempts = 0
         values: list[ValueEpoch] = []
+        dissents: list[Dissent] = []
         for name, cand, ag, rows, was, n_commits in pending:
             st = self.state[name]
             static = self._static[name]
@@ -631,6 +683,9 @@ class Engine:
                 sums = torch.zeros(cand.cells.numel(), dtype=torch.int64)
                 sums[changed] = got.checksum
                 ve.checksum = sums
+            if self._quorum[name]:
+                for p, n in dissent(cand, ag.winner, changed):
+                    dissents.append(Dissent(name, p, self._replica_worker(name, p), n))
             values.append(ve)
             commits += n_commits
             attempts += int(cand.cells.numel())
@@ -654,10 +709,18 @@ class Engine:
             faults=tuple(self.dataplane.take_faults())
             if hasattr(self.dataplane, "take_faults")
             else (),
+            dissent=tuple(dissents),
         )
         for o in self.observers:
             o.on_epoch(self, rec)
         return rec
+
+    def _replica_worker(self, value: str, replica: int) -> str:
+        """The worker that ran ``replica`` of ``value`` (a group knows; one worker: itself)."""
+        dp: Any = self.dataplane
+        if hasattr(dp, "replica_worker"):
+            return str(dp.replica_worker(value, replica))
+        return str(getattr(dp, "worker", "w0"))
 
     def _blocked(self, name: str, cand: Any, static: _ValueStatic, rows: Tensor) -> None:
         """Record why the proposed cells at ``rows`` stay unset: the highest-priority constraint

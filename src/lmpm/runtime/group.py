@@ -17,6 +17,7 @@ restore itself are shared.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,19 +44,84 @@ from lmpm.runtime.protocol import (
 
 @dataclass(frozen=True, slots=True)
 class _Merged:
-    """How one value's merged rows and columns map onto each worker's own."""
+    """How one value's merged rows and columns map onto each worker's own. The rows of several
+    workers may be the same cell (a `quorum(k of n)` value: each worker proposes every cell for
+    its replicas); their columns never overlap but for column 0 (keep current)."""
 
     workers: tuple[int, ...]  # the workers that had candidates for the value
     rows: tuple[Tensor, ...]  # per such worker: its rows' positions in the merged rows
     cols: tuple[Tensor, ...]  # per such worker: its columns' positions in the merged columns
-    owner_of_row: Tensor  # (n,) index into ``workers``
-    local_row: Tensor  # (n,) the row's position in its worker's rows
-    global_to_local: tuple[Tensor, ...]  # per such worker: (C,) merged column -> its own (-1)
+    local_rows: Tensor  # (len(workers), n): the merged row's position in each worker's rows, -1
+    global_to_local: Tensor  # (len(workers), C): merged column -> the worker's own column, -1
     cells: tuple[Tensor, ...]  # per such worker: its open cells
+
+    def writers(self, rows: Tensor, winner: Tensor) -> Tensor:
+        """(m,) index into ``workers``: the worker that applies each row, the one whose columns
+        hold the winner (else the first that has the row: keep current)."""
+        has = self.local_rows.index_select(1, rows) >= 0  # (S, m)
+        holds = self.global_to_local.index_select(1, winner) >= 0  # (S, m)
+        rank = has.to(torch.int64) + (has & holds).to(torch.int64)
+        return rank.argmax(dim=0)  # the first worker of the highest rank
 
 
 def _key(c: Candidates, j: int) -> tuple[int, int, int]:
     return int(c.col_rule[j]), int(c.col_replica[j]), int(c.col_slot[j])
+
+
+CORRUPT = "corrupt"  # the fault that perturbs a worker's proposals (quorum drills)
+PHASES = ("propose", "apply", "halo")
+INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
+# kill: SIGKILL the worker's process; hang: it stops answering; corrupt: its proposals are wrong
+# from the epoch on (it keeps answering: a quorum outvotes it, lmpm.runtime.engine.Dissent)
+HOWS = ("kill", "hang", CORRUPT)
+
+
+def parse_fault(spec: str, workers: int) -> tuple[int, str, int, str]:
+    """``w<i>:<phase>:<epoch>[:kill|hang|corrupt]`` (the LMPM_INJECT_FAULT variable) as
+    inject()'s arguments (``corrupt`` only in ``propose``)."""
+    parts = spec.strip().split(":")
+    how = parts[3] if len(parts) == 4 else "kill"
+    ok = len(parts) in (3, 4) and parts[0][:1] == "w" and parts[0][1:].isdigit()
+    ok = ok and parts[1] in PHASES and parts[2].isdigit() and how in HOWS
+    ok = ok and (how != CORRUPT or parts[1] == "propose")
+    if not ok or int(parts[0][1:]) >= workers:
+        raise UsageError(
+            f"{INJECT_ENV}={spec!r}: give w<i>:<phase>:<epoch>[:kill|hang|corrupt] with "
+            f"i < {workers} and phase one of {', '.join(PHASES)} (corrupt: propose)",
+            code="U085",
+        )
+    return int(parts[0][1:]), parts[1], int(parts[2]), how
+
+
+def check_fault(worker: int, phase: str, how: str, workers: int, hows: tuple[str, ...]) -> None:
+    """A fault to inject: a worker of the group, a phase, a kind this driver can inject."""
+    if not 0 <= worker < workers:
+        raise UsageError(f"worker {worker}: the group has workers 0..{workers - 1}", code="U084")
+    if how not in hows:
+        raise UsageError(
+            f"fault {how!r}: this driver injects {', '.join(hows)}",
+            code="U088",
+            hint="kill and hang need worker processes: lmpm run --workers N (Ray)",
+        )
+    if how == CORRUPT and phase != "propose":
+        raise UsageError(
+            f"a corrupt worker corrupts its proposals: phase {phase!r} must be 'propose'",
+            code="U084",
+        )
+
+
+def received(
+    topology: Topology, worker: int, changed: Mapping[tuple[str, int], Tensor]
+) -> dict[str, Tensor]:
+    """The cells of spread quorum values (lmpm.resolve.topology) that other workers wrote this
+    epoch (``changed[(value, sender)]``: (ncells,) bool) and ``worker`` received: sorted cells per
+    value, for its store."""
+    out: dict[str, Tensor] = {}
+    for (value, q), mask in changed.items():
+        if q != worker and topology.workers_of(value) > 1:
+            cells = mask.nonzero().squeeze(1)
+            out[value] = torch.cat([out[value], cells]).unique() if value in out else cells
+    return {v: c for v, c in out.items() if c.numel()}
 
 
 class InProcessTransport:
@@ -138,6 +204,8 @@ class WorkerGroup:
         self.since: dict[tuple[int, str], list[Tensor]] = {}
         self.workers: list[Any] = self._start()
         self.transport = InProcessTransport(self.workers, self.topology)
+        for spec in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
+            self.inject(*parse_fault(spec, self.size))
 
     # ---- reaching the workers (the in-process driver; RayGroup overrides these) -----------------
     def _start(self) -> list[Any]:
@@ -178,7 +246,13 @@ class WorkerGroup:
                 mask = torch.zeros(self.plan.values[name].ncells, dtype=torch.bool)
                 mask[cells] = True
                 changed[(name, i)] = mask
-        return replies, self.transport.exchange(changed)
+        moved = self.transport.exchange(changed)
+        epoch = next((s.epoch for s in subs if s is not None), -1)
+        for i, w in enumerate(self.workers):  # spread quorum values: every store keeps them whole
+            got = received(self.topology, i, {(v, q): m for (v, q), m in changed.items()})
+            if got:
+                w.keep_received(epoch, got)
+        return replies, moved
 
     def _resync(self) -> int:
         """Send every routed cell to its receivers (after a restore): bytes moved."""
@@ -190,6 +264,22 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Release the workers (processes, process groups) of a driver that has any."""
+
+    # ---- redundancy ------------------------------------------------------------------------------
+    def replica_worker(self, value: str, replica: int) -> str:
+        """The worker that ran ``replica`` of ``value``'s rules: worker p for replica p of a spread
+        quorum value; otherwise each cell's owner ("owners" when the value is split)."""
+        if self.topology.workers_of(value) > 1:
+            return f"w{replica}"
+        if self.size == 1 or self.topology.replicated[value]:
+            return "w0"
+        return "owners"
+
+    def inject(self, worker: int, phase: str, epoch: int, how: str = "corrupt") -> None:
+        """Make worker ``worker``'s proposals corrupt from ``epoch`` on (``how="corrupt"``, phase
+        ``propose``). Killing or hanging a worker needs worker processes (RayGroup)."""
+        check_fault(worker, phase, how, self.size, ("corrupt",))
+        self._calls("set_corrupt", [(epoch,) if i == worker else None for i in range(self.size)])
 
     # ---- inputs and outputs (the API edge, never the epoch loop) ---------------------------------
     @property
@@ -248,8 +338,12 @@ class WorkerGroup:
         cell moves to its receivers, so each worker's halo holds its owners' payload."""
         per: list[tuple[Any, ...]] = []
         for i in range(self.size):
+            # a spread quorum value's cells are in every worker's store (keep_received)
             mine = {
-                k: c[self.topology.owner[k[1]].index_select(0, c) == i] for k, c in commits.items()
+                k: c
+                if self.topology.workers_of(k[1]) > 1
+                else c[self.topology.owner[k[1]].index_select(0, c) == i]
+                for k, c in commits.items()
             }
             per.append((label, shards, upto, mine, committed, from_input))
         self._calls("restore_shards", list(per))
@@ -267,6 +361,11 @@ class WorkerGroup:
         parts: list[list[RuleWork]] = [[] for _ in self.workers]
         for rw in req.rules:
             target = self.plan.rules[rw.rule].target
+            spread = self.topology.workers_of(target)
+            if spread > 1:  # quorum(k of n): replica p of every cell on worker p
+                for p in range(spread):
+                    parts[p].append(RuleWork(rw.rule, rw.cells, (p,)))
+                continue
             owner = self.topology.owner[target].index_select(0, rw.cells)
             for i in range(len(self.workers)):
                 cells = rw.cells[owner == i]
@@ -278,10 +377,11 @@ class WorkerGroup:
                 subs.append(None)
                 continue
             record = None
-            if req.record is not None:
+            if req.record is not None:  # spread quorum values: recorded after the merge
                 record = {
                     name: c[self.topology.owner[name].index_select(0, c) == i]
                     for name, c in req.record.items()
+                    if self.topology.workers_of(name) == 1
                 }
             subs.append(
                 ProposeRequest(
@@ -306,7 +406,20 @@ class WorkerGroup:
         for name in names:
             got = [(i, r.values[name]) for i, r in enumerate(replies) if r and name in r.values]
             values[name] = self._merge(name, got, order)
+        self._record_spread(req)
         return ProposeReply(self.worker, values, seconds)
+
+    def _record_spread(self, req: ProposeRequest) -> None:
+        """``--trace cells`` of a spread quorum value: each replica worker records its candidates
+        under the merged columns (their payloads stay on it; the trace reads every store)."""
+        for name, which in (req.record or {}).items():
+            mg = self._merged.get(name)
+            if mg is None or self.topology.workers_of(name) == 1:
+                continue
+            args: list[tuple[Any, ...] | None] = [None] * self.size
+            for s, i in enumerate(mg.workers):
+                args[i] = (req.epoch, name, which, mg.cols[s].tolist())
+            self._calls("record_columns", args)
 
     def _merge(self, name: str, got: list[tuple[int, Candidates]], order: list[int]) -> Candidates:
         """One value's candidates: rows sorted by cell, columns in the request's rule order."""
@@ -326,11 +439,8 @@ class WorkerGroup:
                 rep.append(p)
                 slot.append(s)
         ncol = len(rule)
-        allcells = torch.cat([c.cells for _, c in got])
-        cells, perm = allcells.sort()
+        cells = torch.cat([c.cells for _, c in got]).unique()  # sorted
         n = cells.numel()
-        pos = torch.empty(n, dtype=torch.int64)
-        pos[perm] = torch.arange(n)
         k = got[0][1].applies.shape[1]
         valid = torch.zeros((n, ncol), dtype=torch.bool)
         score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
@@ -342,42 +452,40 @@ class WorkerGroup:
         checksum = None
         if got[0][1].checksum is not None:
             checksum = torch.zeros((n, ncol), dtype=torch.int64)
-        rows_of, cols_of, g2l, cells_of = [], [], [], []
-        owner_of_row = torch.empty(n, dtype=torch.int64)
-        local_row = torch.empty(n, dtype=torch.int64)
-        start = 0
+        rows_of, cols_of, cells_of = [], [], []
+        local_rows = torch.full((len(got), n), -1, dtype=torch.int64)
+        g2l = torch.full((len(got), ncol), -1, dtype=torch.int64)
         for slot_i, (_, c) in enumerate(got):
             m = c.cells.numel()
-            rows = pos[start : start + m]
-            start += m
+            rows = torch.searchsorted(cells, c.cells)
             cols = torch.tensor(
                 [0] + [col_of[_key(c, j)] for j in range(1, c.col_rule.numel())],
                 dtype=torch.int64,
             )
             rr, cc = rows.unsqueeze(1), cols.unsqueeze(0)
+            # column 0 (keep current) comes from every worker holding the row: the same payload,
+            # verdicts and validity; its score is the best proposal folded into it anywhere
+            keep_score = torch.maximum(score[rows, 0], c.score[:, 0])
             valid[rr, cc] = c.valid
             score[rr, cc] = c.score
+            score[rows, 0] = keep_score
             violated[rr, cc] = c.violated
             applies[rows] = c.applies
             if refreshed is not None and c.refreshed is not None:
-                refreshed[rows] = c.refreshed
+                refreshed[rows] |= c.refreshed
             if checksum is not None and c.checksum is not None:
                 checksum[rr, cc] = c.checksum
-            inv = torch.full((ncol,), -1, dtype=torch.int64)
-            inv[cols] = torch.arange(cols.numel())
-            owner_of_row[rows] = slot_i
-            local_row[rows] = torch.arange(m)
+            g2l[slot_i, cols] = torch.arange(cols.numel())
+            local_rows[slot_i, rows] = torch.arange(m)
             rows_of.append(rows)
             cols_of.append(cols)
-            g2l.append(inv)
             cells_of.append(c.cells)
         self._merged[name] = _Merged(
             tuple(i for i, _ in got),
             tuple(rows_of),
             tuple(cols_of),
-            owner_of_row,
-            local_row,
-            tuple(g2l),
+            local_rows,
+            g2l,
             tuple(cells_of),
         )
         return Candidates(
@@ -400,13 +508,13 @@ class WorkerGroup:
         where: dict[str, list[tuple[int, Tensor, Tensor]]] = {}
         for name, d in req.values.items():
             mg = self._merged[name]
-            n = mg.owner_of_row.numel()
+            n = mg.local_rows.shape[1]
             rows = torch.arange(n) if d.rows is None else d.rows
-            owner = mg.owner_of_row.index_select(0, rows)
+            owner = mg.writers(rows, d.winner)
             for s, i in enumerate(mg.workers):
                 sel = (owner == s).nonzero().squeeze(1)
-                mine = rows.index_select(0, sel)  # merged rows of this worker, in order
-                local = mg.local_row.index_select(0, mine)
+                mine = rows.index_select(0, sel)  # merged rows this worker applies, in order
+                local = mg.local_rows[s].index_select(0, mine)
                 winner = mg.global_to_local[s].index_select(0, d.winner.index_select(0, sel))
                 weights = None
                 if d.weights is not None:
@@ -426,7 +534,7 @@ class WorkerGroup:
         out: dict[str, Applied] = {}
         for name, d in req.values.items():
             mg = self._merged[name]
-            m = mg.owner_of_row.numel() if d.rows is None else d.rows.numel()
+            m = mg.local_rows.shape[1] if d.rows is None else d.rows.numel()
             changed = torch.ones(m, dtype=torch.bool)
             sums = torch.zeros(m, dtype=torch.int64) if req.checksums else None
             partial = False
@@ -458,4 +566,4 @@ class WorkerGroup:
         return ApplyReply(self.worker, out, durable)
 
 
-__all__ = ["InProcessTransport", "WorkerGroup"]
+__all__ = ["INJECT_ENV", "InProcessTransport", "WorkerGroup", "parse_fault"]

@@ -278,3 +278,21 @@ def worker_faults(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         }
         for e, w, p, c, s, pid in rows
     ]
+
+
+def quorum_dissent(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    """The quorum replicas outvoted, in order: the epoch, the value, the replica, the worker that
+    ran it and the committed cells where its proposal differed from the committed payload (none
+    in a log written before dissent was logged)."""
+    has = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'quorum_dissent'"
+    ).fetchone()
+    if not has:
+        return []
+    rows = conn.execute(
+        "SELECT epoch, value, replica, worker, cells FROM quorum_dissent ORDER BY seq"
+    )
+    return [
+        {"epoch": int(e), "value": str(v), "replica": int(p), "worker": str(w), "cells": int(c)}
+        for e, v, p, w, c in rows
+    ]

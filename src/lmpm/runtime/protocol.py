@@ -35,6 +35,9 @@ class RuleWork:
 
     rule: int  # RulePlan.id
     cells: Tensor  # (m,) int64
+    # the quorum replicas this worker computes (a `quorum(k of n)` value spread over workers:
+    # replica p on worker p); None: every replica of the rule
+    replicas: tuple[int, ...] | None = None
 
 
 @dataclass(slots=True)

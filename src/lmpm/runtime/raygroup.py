@@ -48,7 +48,16 @@ from torch import Tensor
 from lmpm.errors import LmpmError, RuntimeFault, UsageError
 from lmpm.resolve.plan import Plan
 from lmpm.resolve.topology import Topology
-from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.group import (
+    CORRUPT,
+    HOWS,
+    INJECT_ENV,
+    PHASES,
+    WorkerGroup,
+    check_fault,
+    parse_fault,
+    received,
+)
 from lmpm.runtime.protocol import (
     ApplyReply,
     ApplyRequest,
@@ -64,8 +73,6 @@ BLOCKED_GRACE = 1.0  # seconds the other workers get to answer once one has died
 RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
 SLICE = 0.25  # seconds between looks at the answers while waiting for the workers
 PING = 1.0  # seconds a worker gets to answer a ping during recovery before it is restarted
-PHASES = ("propose", "apply", "halo")
-INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
 
 
 class WorkerLost(RuntimeFault):
@@ -111,22 +118,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
-
-
-def parse_fault(spec: str, workers: int) -> tuple[int, str, int, str]:
-    """``w<i>:<phase>:<epoch>[:kill|hang]`` (the LMPM_INJECT_FAULT variable) as inject()'s
-    arguments."""
-    parts = spec.strip().split(":")
-    how = parts[3] if len(parts) == 4 else "kill"
-    ok = len(parts) in (3, 4) and parts[0][:1] == "w" and parts[0][1:].isdigit()
-    ok = ok and parts[1] in PHASES and parts[2].isdigit() and how in ("kill", "hang")
-    if not ok or int(parts[0][1:]) >= workers:
-        raise UsageError(
-            f"{INJECT_ENV}={spec!r}: give w<i>:<phase>:<epoch>[:kill|hang] with i < {workers} "
-            f"and phase one of {', '.join(PHASES)}",
-            code="U085",
-        )
-    return int(parts[0][1:]), parts[1], int(parts[2]), how
 
 
 class WorkerActor:
@@ -230,7 +221,16 @@ class WorkerActor:
                 mask[cells.cpu()] = True
                 changed[name] = mask
         self._maybe_fail("halo", epoch)
-        return to_wire(reply), self.transport.exchange(changed)
+        moved = self.transport.exchange(changed)
+        # a spread quorum value's cells written elsewhere: this worker's store keeps them too
+        got = received(
+            self.topology,
+            self.index,
+            {(v, q): m for (v, q), m in self.transport.received.items()},
+        )
+        if got:
+            self.dp.keep_received(epoch, got)
+        return to_wire(reply), moved
 
     def resync(self) -> int:
         """Send every routed cell (after a restore)."""
@@ -243,8 +243,11 @@ class WorkerActor:
     # ---- fault injection (tests, benchmarks) --------------------------------------------------
     def inject(self, phase: str, epoch: int, how: str = "kill") -> None:
         """Fail when this worker reaches ``phase`` of ``epoch``: ``kill`` (SIGKILL of this
-        process), ``hang`` (stop answering) or ``corrupt`` (the model's proposals are changed:
-        for quorum tests)."""
+        process), ``hang`` (stop answering) or ``corrupt`` (from ``epoch`` on, every proposal of
+        this worker is changed after its model ran: for quorum drills)."""
+        if how == CORRUPT:
+            self.dp.set_corrupt(epoch)
+            return
         self.faults.append((phase, epoch, how))
 
     def _maybe_fail(self, phase: str, epoch: int) -> None:
@@ -338,8 +341,6 @@ class RayGroup(WorkerGroup):
             seed=seed,
             checksum_policies=checksum_policies,
         )
-        for spec in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
-            self.inject(*parse_fault(spec, self.size))
 
     # ---- starting and stopping -------------------------------------------------------------------
     def _start(self) -> list[Any]:
@@ -348,7 +349,10 @@ class RayGroup(WorkerGroup):
             if self.cluster:
                 ray.init(address=self.cluster, logging_level=logging.ERROR, log_to_driver=True)
             else:
+                # "local": a new instance of our own, never another process's local Ray (which
+                # ray.init would otherwise join, refusing num_cpus)
                 ray.init(
+                    address="local",
                     num_cpus=max(os.cpu_count() or 1, self.size * self.threads),
                     include_dashboard=False,
                     logging_level=logging.ERROR,
@@ -400,7 +404,8 @@ class RayGroup(WorkerGroup):
         self.workers[i] = self._spawn(i)
         # the faults still to come for this worker (its predecessor held them)
         for w, phase, epoch, how in self._injected:
-            if w == i and epoch >= self.done and (w, phase, epoch) not in self._fired:
+            due = epoch >= self.done and (w, phase, epoch) not in self._fired
+            if w == i and (due or how == CORRUPT):  # corrupt: from its epoch on, for good
                 self.workers[i].inject.remote(phase, epoch, how)
 
     def _join(self) -> None:
@@ -666,9 +671,11 @@ class RayGroup(WorkerGroup):
         return out
 
     def inject(self, worker: int, phase: str, epoch: int, how: str = "kill") -> None:
-        """Make worker ``worker`` fail at ``phase`` (propose, apply, halo) of ``epoch``."""
+        """Make worker ``worker`` fail at ``phase`` (propose, apply, halo) of ``epoch``: ``kill``,
+        ``hang``, or ``corrupt`` (phase propose: its proposals are wrong from ``epoch`` on)."""
         if phase not in PHASES:
             raise UsageError(f"phase {phase!r}: one of {', '.join(PHASES)}", code="U084")
+        check_fault(worker, phase, how, self.size, HOWS)
         self._injected.append((worker, phase, epoch, how))
         self._get(
             [self.workers[worker].inject.remote(phase, epoch, how)], "inject", -1, RESTART_LIMIT
@@ -695,4 +702,12 @@ class RayGroup(WorkerGroup):
         return list(self._pids)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "Fault", "RayGroup", "WorkerActor", "WorkerLost"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "INJECT_ENV",
+    "Fault",
+    "RayGroup",
+    "WorkerActor",
+    "WorkerLost",
+    "parse_fault",
+]

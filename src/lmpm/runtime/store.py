@@ -116,9 +116,16 @@ class PayloadStore:
             raise sqlite_error(e, "write the payload store", self.path) from None
 
     def record_candidates(
-        self, epoch: int, value: str, cells: Tensor, table: Tensor, which: Tensor
+        self,
+        epoch: int,
+        value: str,
+        cells: Tensor,
+        table: Tensor,
+        which: Tensor,
+        cols: list[int] | None = None,
     ) -> None:
-        """Stage the candidate payloads of the open ``cells`` that are in ``which``."""
+        """Stage the candidate payloads of the open ``cells`` that are in ``which``; column j of
+        ``table`` is recorded as column ``cols[j]`` (the merged column of a group; default j)."""
         cells_np = cells.cpu().numpy()
         pick = np.isin(cells_np, which.cpu().numpy())
         if not pick.any():
@@ -130,7 +137,8 @@ class PayloadStore:
         for i, r in enumerate(rows_idx.tolist()):
             for col in range(tab.shape[1]):
                 raw = np.ascontiguousarray(tab[i, col], dtype=_TAGS[tag]).tobytes()
-                out.append((epoch, value, int(cells_np[r]), col, tag.encode() + raw))
+                at = col if cols is None else cols[col]
+                out.append((epoch, value, int(cells_np[r]), at, tag.encode() + raw))
         try:
             self._begin()
             self.conn.executemany("INSERT OR REPLACE INTO candidates VALUES (?,?,?,?,?)", out)

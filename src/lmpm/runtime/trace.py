@@ -626,7 +626,14 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
         "violations_per_epoch": series,
         "ruleset": ruleset_changes(conn),
         "faults": worker_faults(conn),
+        "dissent": quorum_dissent(conn),
     }
+
+
+def quorum_dissent(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    from lmpm.runtime.logread import quorum_dissent as read
+
+    return read(conn)
 
 
 def worker_faults(conn: sqlite3.Connection) -> list[dict[str, Any]]:

@@ -34,6 +34,9 @@ class GlooTransport:
         self.topology = topology
         self.rank = rank
         self.mine = [(i, k) for i, k in enumerate(topology.routes) if rank in (k[1], k[2])]
+        # the cells of spread quorum values the last exchange brought, per (value, sender):
+        # (ncells,) bool (the worker keeps them in its store)
+        self.received: dict[tuple[str, int], Tensor] = {}
 
     def exchange(self, changed: dict[str, Tensor]) -> int:
         """``changed[value]``: (ncells,) bool, the cells this rank wrote this epoch. Sends the
@@ -54,6 +57,7 @@ class GlooTransport:
         _wait(ops)
         ops = []
         recv: list[tuple[str, Tensor, Tensor, Tensor, Tensor]] = []
+        recv_keys: list[tuple[str, int, int]] = []
         for tag, (value, q, r) in self.mine:
             base = len(self.topology.routes) + 4 * tag
             w = self.worker
@@ -81,10 +85,21 @@ class GlooTransport:
                 )
                 ops += [dist.irecv(t, q, tag=base + j) for j, t in enumerate(got)]
                 recv.append((value, *got))
+                recv_keys.append((value, q, r))
         _wait(ops)
         moved = 0
-        for value, cells, payload, committed, from_input in recv:
+        self.received = {}
+        for (value, q, _), (_, cells, payload, committed, from_input) in zip(
+            recv_keys, recv, strict=True
+        ):
             w = self.worker
+            if self.topology.workers_of(value) > 1:  # a spread quorum value: kept in the store
+                mask = self.received.get((value, q))
+                if mask is None:
+                    mask = self.received[(value, q)] = torch.zeros(
+                        w.plan.values[value].ncells, dtype=torch.bool
+                    )
+                mask[cells] = True
             w.payload[value].index_copy_(0, cells, payload)
             w.committed[value].index_copy_(0, cells, committed.bool())
             w.from_input[value].index_copy_(0, cells, from_input.bool())
