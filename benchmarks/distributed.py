@@ -66,6 +66,7 @@ def _ray() -> Any:
     ray.cloudpickle.register_pickle_by_value(bench_runtime)
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a new local instance, never a cluster started elsewhere
             num_cpus=max(os.cpu_count() or 1, 8),
             include_dashboard=False,
             logging_level=logging.ERROR,
