@@ -5,9 +5,7 @@ and `lmpm trace`."""
 
 from __future__ import annotations
 
-import logging
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -274,21 +272,6 @@ def _commits(run_dir: Path) -> list[tuple[object, ...]]:
 
 
 # ---- Ray: 3 worker processes, one corrupt, one killed -------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[Any]:
-    """One local Ray instance for the module's Ray tests (as tests/runtime/test_raygroup.py)."""
-    ray = pytest.importorskip("ray")
-    ray.init(
-        address="local",  # our own instance, never the cluster another test started
-        num_cpus=4,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        _node_ip_address="127.0.0.1",
-    )
-    yield ray
-    ray.shutdown()
 
 
 def test_ray_corrupt_worker_is_outvoted_logged_and_traced(

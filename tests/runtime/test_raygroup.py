@@ -5,10 +5,8 @@ one-worker log; the fault is in the log and in `lmpm trace`."""
 
 from __future__ import annotations
 
-import logging
 import sqlite3
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +38,8 @@ EX = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray() -> Iterator[None]:
-    """One local Ray instance for the module (each group then starts its actors only)."""
-    ray.init(
-        address="local",  # our own instance, never the cluster another test started
-        num_cpus=4,
-        include_dashboard=False,
-        logging_level=logging.ERROR,
-        _node_ip_address="127.0.0.1",
-    )
-    yield
-    ray.shutdown()
+def _ray(local_ray: Any) -> None:
+    """Every test here runs on the module's local Ray instance (tests/runtime/conftest.py)."""
 
 
 def _run(
