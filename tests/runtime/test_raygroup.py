@@ -280,3 +280,17 @@ def test_random_programs_commit_alike_on_ray_workers(
         for v in a:
             for x, y in zip(a[v], b[v], strict=True):
                 assert torch.equal(x, y), (e, v, workers, fault, src)
+
+
+def test_a_cluster_address_where_nothing_answers_fails_fast() -> None:
+    import socket
+
+    from lmpm.runtime.raygroup import _probe
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(UsageError) as e:
+        _probe(f"127.0.0.1:{port}", timeout=2.0)
+    assert e.value.code == "U090" and "nothing answers" in e.value.message
+    _probe("auto")  # not host:port: left to Ray

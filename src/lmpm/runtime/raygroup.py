@@ -114,6 +114,24 @@ def _ray() -> Any:
     return ray
 
 
+def _probe(address: str, timeout: float = 3.0) -> None:
+    """Fail fast (U090) when nothing listens at a ``host:port`` cluster address (Ray itself would
+    retry for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto" and the like: Ray resolves them
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise UsageError(
+            f"--cluster {address}: nothing answers there ({e.strerror or e})",
+            code="U090",
+            hint="start a cluster with `ray start --head` and give the address it prints "
+            "(host:port)",
+        ) from None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -347,7 +365,15 @@ class RayGroup(WorkerGroup):
         ray = _ray()
         if not ray.is_initialized():
             if self.cluster:
-                ray.init(address=self.cluster, logging_level=logging.ERROR, log_to_driver=True)
+                _probe(self.cluster)
+                try:
+                    ray.init(address=self.cluster, logging_level=logging.ERROR, log_to_driver=True)
+                except (ConnectionError, RuntimeError, ValueError) as e:
+                    raise UsageError(
+                        f"--cluster {self.cluster}: cannot join the Ray cluster there: {e}",
+                        code="U090",
+                        hint="start one with `ray start --head` and give the address it prints",
+                    ) from None
             else:
                 # "local": a new instance of our own, never another process's local Ray (which
                 # ray.init would otherwise join, refusing num_cpus)
