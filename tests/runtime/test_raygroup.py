@@ -195,6 +195,10 @@ def test_api_workers_and_errors(tmp_path: Path) -> None:
         Run.from_file(EX / "gpt.lmpm", params={"N": 12}, workers=2, driver="single")
     assert e.value.code == "U084"
     with pytest.raises(UsageError) as e:
+        Run.from_file(EX / "gpt.lmpm", params={"N": 12}, workers=2, worker_timeout=0)
+    assert e.value.code == "U083"
+    assert main(["run", str(EX / "gpt.lmpm"), "--workers", "0", "--out", str(tmp_path)]) == 2
+    with pytest.raises(UsageError) as e:
         parse_fault("w9:apply:1", 2)
     assert e.value.code == "U085"
 

@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         backend=backend,
         epochs=args.epochs,
         keep_records=False,  # the commit log keeps them; a long run must not hold them all
-        workers=args.workers or 1,
+        workers=1 if args.workers is None else args.workers,
         driver=args.driver,
         cluster=args.cluster,
         worker_timeout=args.worker_timeout,

@@ -72,6 +72,12 @@ class Run:
         self.plan: Plan = resolve(front.ir, self.params, self.bindings, epochs=epochs)
         self.workers = workers
         self.driver = pick_driver(workers, driver, cluster)
+        if worker_timeout is not None and not worker_timeout > 0:
+            from lmpm.errors import UsageError
+
+            raise UsageError(
+                f"worker timeout {worker_timeout}: give a positive number of seconds", code="U083"
+            )
         group = None
         if self.driver != "single":
             if guard:
