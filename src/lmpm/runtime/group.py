@@ -249,7 +249,7 @@ class WorkerGroup:
         moved = self.transport.exchange(changed)
         epoch = next((s.epoch for s in subs if s is not None), -1)
         for i, w in enumerate(self.workers):  # spread quorum values: every store keeps them whole
-            got = received(self.topology, i, {(v, q): m for (v, q), m in changed.items()})
+            got = received(self.topology, i, changed)
             if got:
                 w.keep_received(epoch, got)
         return replies, moved

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from lmpm.bindings import Bindings
-from lmpm.errors import BindError, DiagnosticSink, InputError
+from lmpm.errors import BindError, DiagnosticSink, InputError, UsageError
 from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
 from lmpm.runtime.engine import Engine, Observer, RunResult
@@ -73,16 +73,12 @@ class Run:
         self.workers = workers
         self.driver = pick_driver(workers, driver, cluster)
         if worker_timeout is not None and not worker_timeout > 0:
-            from lmpm.errors import UsageError
-
             raise UsageError(
                 f"worker timeout {worker_timeout}: give a positive number of seconds", code="U083"
             )
         group = None
         if self.driver != "single":
             if guard:
-                from lmpm.errors import UsageError
-
                 raise UsageError("the payload guard checks one worker; use workers=1", code="U080")
             group = make_group(
                 self.plan,
@@ -108,18 +104,20 @@ class Run:
         self.inputs = {name: str(path) for name, path in (inputs or {}).items()}
         self.restored: Restored | None = None  # set by resume()
         self.until: str | None = None
-        for name, path in (inputs or {}).items():
-            vp = self.plan.values.get(name)
-            if vp is None:
-                from lmpm.errors import UsageError
-
-                raise UsageError(
-                    f"--input {name}=...: the program has no value `{name}` with cells",
-                    hint="values: " + ", ".join(self.plan.values),
-                    code="U020",
-                )
-            payload, mask = load_input(path, vp)
-            self.set_input(name, payload, mask)
+        try:
+            for name, path in (inputs or {}).items():
+                vp = self.plan.values.get(name)
+                if vp is None:
+                    raise UsageError(
+                        f"--input {name}=...: the program has no value `{name}` with cells",
+                        hint="values: " + ", ".join(self.plan.values),
+                        code="U020",
+                    )
+                payload, mask = load_input(path, vp)
+                self.set_input(name, payload, mask)
+        except BaseException:
+            self.close()  # worker processes started for this run
+            raise
 
     @classmethod
     def from_source(cls, text: str, file: str = "<input>", **kw: Any) -> Run:
@@ -191,7 +189,6 @@ class Run:
         argv: Sequence[str] = (),
     ) -> CommitLog:
         """Append every epoch to RUN_DIR/lmpm.db (commit log + constraint trace at ``trace``)."""
-        from lmpm.errors import UsageError
         from lmpm.runtime.commitlog import (
             DEFAULT_CHECKPOINT_EVERY,
             CommitLog,
@@ -300,8 +297,6 @@ def pick_driver(workers: int, driver: str | None, cluster: str | None) -> str:
     """Which driver runs ``workers`` workers: ``single`` (one in-process worker, the default),
     ``process`` (W partitioned workers in this process) or ``ray`` (one Ray actor per worker; the
     default for W > 1 and with a cluster address)."""
-    from lmpm.errors import UsageError
-
     if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 4096:
         raise UsageError(f"workers={workers!r}: give a count from 1 to 4096", code="U080")
     if driver is not None and driver not in DRIVERS:
@@ -398,7 +393,7 @@ def resume(
     ``trust_bind=True`` says to import what the run directory names): a run directory received
     from someone else never executes code by itself. The directory's lock is held until
     ``finish()``."""
-    from lmpm.errors import RunDirError, UsageError
+    from lmpm.errors import RunDirError
     from lmpm.runtime.commitlog import (
         MSG_FOREIGN,
         CommitLog,
