@@ -1,0 +1,426 @@
+"""The control plane of a training run: epochs of propose → check → agree → commit on a Params value.
+
+Per epoch (one outer step): every worker runs its ``minimize`` inner loop and returns metadata
+(:class:`~lmpm.train.worker.Proposal`); :func:`lmpm.train.policy.decide` turns the constraints and
+the commit policy into per-cell weights; the workers all-reduce and apply the outer step among
+themselves and report the committed θ's checksum, which must agree across workers; worker 0
+writes the checkpoint; then the epoch goes into the log in one transaction (durable last). The
+control plane never holds a parameter tensor.
+
+>>> from lmpm.train.spec import DataSpec
+>>> load_rows(b"hello world!", DataSpec("T", "t", length=4, rows=3, vocab=256)).tolist()
+[[104, 101, 108, 108], [111, 32, 119, 111], [114, 108, 100, 33]]
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from lmpm.errors import InputError, RuntimeFault
+from lmpm.train import log as tlog
+from lmpm.train.driver import LocalDriver, RayDriver, TrainFault, load_state
+from lmpm.train.policy import decide
+from lmpm.train.spec import DataSpec, TrainSpec
+from lmpm.train.worker import ring_bytes
+
+CHECKPOINTS = "checkpoints"
+KEEP = 2  # newest checkpoints kept (besides epoch 0's)
+
+
+def load_rows(src: str | Path | bytes, d: DataSpec) -> Tensor:
+    """A data value's (rows, length) tokens from a ``.npy`` array of the value's shape (``[L]`` for
+    ``Seq(L)``, ``[L, R]`` for ``Grid2D(L, R)``, as every LMPM input) or from text (bytes, row
+    after row)."""
+    where = {"value": d.name}
+    if isinstance(src, bytes):
+        raw = np.frombuffer(src, dtype=np.uint8).astype(np.int64)
+        arr = raw
+    else:
+        p = Path(src)
+        where["file"] = str(p)
+        if not p.is_file():
+            raise InputError(f"input file for `{d.name}` not found: {p}", where=where, code="R001")
+        if p.suffix.lower() == ".npy":
+            try:
+                a = np.load(p, allow_pickle=False)
+            except Exception as e:
+                raise InputError(f"cannot read {p}: {e}", where=where, code="R002") from None
+            want = (d.length,) if d.rows == 1 else (d.length, d.rows)
+            if tuple(a.shape) != want or a.dtype.kind not in "iu":
+                raise InputError(
+                    f"{p} holds a {a.dtype} array of shape {list(a.shape)}; `{d.name}` needs "
+                    f"integers of shape {list(want)}",
+                    where=where,
+                    code="R003",
+                )
+            arr = a.T.reshape(-1).astype(np.int64) if d.rows > 1 else a.astype(np.int64)
+        else:
+            arr = np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.int64)
+    need = d.rows * d.length
+    if arr.size < need:
+        raise InputError(
+            f"`{d.name}` needs {need} tokens ({d.rows} rows of {d.length}); the input has "
+            f"{arr.size}",
+            where=where,
+            code="R003",
+        )
+    rows = torch.from_numpy(arr[:need].copy()).view(d.rows, d.length)
+    if int(rows.min()) < 0 or int(rows.max()) >= d.vocab:
+        raise InputError(
+            f"`{d.name}` holds tokens outside 0..{d.vocab - 1} (every cell of a data value must be "
+            "set)",
+            where=where,
+            code="R003",
+        )
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
+class EpochReport:
+    """What the progress line and the API see of one committed epoch."""
+
+    epoch: int
+    loss: float
+    eval_loss: float | None
+    tokens: int
+    seconds: float
+    bytes: int
+    changed: int
+    frozen: int
+    projected: int
+    rejected: int
+    checksum: str
+    faults: tuple[TrainFault, ...] = ()
+
+
+@dataclass(slots=True)
+class TrainResult:
+    epochs: list[EpochReport] = field(default_factory=list)
+    faults: list[TrainFault] = field(default_factory=list)
+    output: Path | None = None
+    seconds: float = 0.0
+
+    @property
+    def loss(self) -> float:
+        return self.epochs[-1].loss if self.epochs else float("nan")
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.epochs[-1].eval_loss if self.epochs else None
+
+    @property
+    def bytes(self) -> int:
+        return sum(e.bytes for e in self.epochs)
+
+    @property
+    def tokens(self) -> int:
+        return sum(e.tokens for e in self.epochs)
+
+
+class Trainer:
+    """A training run of ``spec`` over ``data`` (each data value's (rows, length) tokens).
+
+    ``driver``: ``single`` (the workers in this process) or ``ray`` (a Ray actor per worker;
+    the default for more than one worker). ``init``: a state dict to start θ from (else the
+    module's seeded initialisation). ``run_dir``: where the log, checkpoints and the output go.
+    """
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        data: dict[str, Tensor],
+        *,
+        epochs: int,
+        workers: int = 1,
+        driver: str | None = None,
+        run_dir: str | Path | None = None,
+        init: dict[str, Tensor] | None = None,
+        cluster: str | None = None,
+        worker_timeout: float | None = None,
+        meta: dict[str, Any] | None = None,
+        progress: Callable[[EpochReport], None] | None = None,
+    ) -> None:
+        from lmpm.errors import UsageError
+
+        if epochs < 1:
+            raise UsageError(f"--epochs {epochs}: a training run needs at least one", code="U091")
+        if workers < 1:
+            raise UsageError(f"--workers {workers}: must be at least 1", code="U080")
+        self.spec = spec
+        self.epochs = epochs
+        self.workers = workers
+        self.driver_name = driver or ("ray" if workers > 1 else "single")
+        if self.driver_name not in ("single", "ray"):
+            raise UsageError(
+                f"--driver {self.driver_name}: a training run runs on `single` or `ray`",
+                code="U080",
+            )
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.progress = progress
+        total = epochs * spec.rule.steps
+        self.log: tlog.TrainLog | None = None
+        if self.run_dir is not None:
+            self.log = tlog.TrainLog.create(
+                self.run_dir,
+                {
+                    "program": spec.file,
+                    "module": spec.params.module,
+                    "value": spec.params.name,
+                    "workers": workers,
+                    "driver": self.driver_name,
+                    "policy": _policy_meta(spec),
+                    "steps": spec.rule.steps,
+                    "batch": spec.rule.batch,
+                    "epochs": epochs,
+                    **(meta or {}),
+                },
+            )
+        ckdir = self.run_dir / CHECKPOINTS if self.run_dir is not None else None
+        if ckdir is not None:
+            ckdir.mkdir(exist_ok=True)
+        try:
+            if self.driver_name == "ray":
+                kw: dict[str, Any] = {"cluster": cluster, "checkpoint_dir": ckdir}
+                if worker_timeout is not None:
+                    kw["timeout"] = worker_timeout
+                self.driver: LocalDriver | RayDriver = RayDriver(
+                    spec, workers, data, total_steps=total, init=init, **kw
+                )
+            else:
+                self.driver = LocalDriver(spec, workers, data, total_steps=total, init=init)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self.names = self.driver.names()
+        self.clocks = [0] * len(self.names)
+        self._ckdir = ckdir
+        self._kept: list[Path] = []
+
+    def _fail(self, e: BaseException) -> None:
+        if self.log is not None:
+            status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            self.log.mark(status, None if isinstance(e, KeyboardInterrupt) else str(e))
+            self.log.close()
+            self.log = None
+
+    def _workers_table(self, state: str) -> None:
+        if self.log is None:
+            return
+        for i, w in enumerate(self.driver.info()):
+            self.log.worker(
+                w["worker"],
+                backend=w["backend"],
+                host=w["host"],
+                pid=w["pid"],
+                state=state,
+                restarts=self.driver.restarts[i],
+            )
+
+    def _checkpoint(self, epoch: int) -> tuple[str, int, str] | None:
+        if self._ckdir is None:
+            if isinstance(self.driver, RayDriver):  # recovery needs a file: the driver's tmp dir
+                path = self.driver.checkpoint_dir / f"params-{epoch:06d}.safetensors"
+                self.driver.save(path, epoch)
+            return None
+        rel = f"{CHECKPOINTS}/params-{epoch:06d}.safetensors"
+        path = self._ckdir.parent / rel
+        nbytes, sha = self.driver.save(path, epoch)
+        if epoch > 0:
+            self._kept.append(path)
+            while len(self._kept) > KEEP:
+                self._kept.pop(0).unlink(missing_ok=True)
+        return rel, nbytes, sha
+
+    def run(self) -> TrainResult:
+        """Train every epoch; the log is marked finished (or failed, with the error)."""
+        try:
+            return self._run()
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            self.driver.close()
+
+    def _run(self) -> TrainResult:
+        t_start = time.perf_counter()
+        result = TrainResult()
+        ck0 = self._checkpoint(0)
+        if self.log is not None and ck0 is not None:
+            self.log.conn.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (0, ?, ?, ?, ?)", (*ck0, time.time())
+            )
+        self._workers_table("training")
+        numel = self.driver.numel()
+        for epoch in range(1, self.epochs + 1):
+            t0 = time.perf_counter()
+            props = self.driver.propose(epoch)
+            dec = decide(self.spec, self.names, epoch, props)
+            done = self.driver.commit(epoch, dec.weights, dec.keep)
+            sums = {c.checksum for c in done}
+            if len(sums) != 1:
+                ref = done[0].checksum
+                odd = [f"w{c.worker}" for c in done if c.checksum != ref]
+                raise RuntimeFault(
+                    f"the workers committed different parameters in epoch {epoch}",
+                    where={"worker": ", ".join(odd), "epoch": epoch},
+                    code="R071",
+                )
+            faults = tuple(self.driver.take_faults())
+            result.faults += faults
+            alive = [p for p in props if p is not None]
+            changed = 0
+            for c, keep in enumerate(dec.keep):
+                if keep and any(p.changed[c] for p in alive):
+                    self.clocks[c] += 1
+                    changed += 1
+            projected = {c for d in done for c in d.projected}
+            inner = max((p.seconds for p in alive), default=0.0)
+            nsteps = max((len(p.losses) for p in alive), default=0)
+            steps = [
+                sum(p.losses[i] for p in alive if i < len(p.losses))
+                / max(sum(1 for p in alive if i < len(p.losses)), 1)
+                for i in range(nsteps)
+            ]
+            loss = sum(steps) / max(len(steps), 1)
+            moved = ring_bytes(numel, self.workers)
+            checksum = f"{done[0].checksum:08x}"
+            ck = self._checkpoint(epoch)
+            seconds = time.perf_counter() - t0
+            report = EpochReport(
+                epoch,
+                loss,
+                done[0].eval_loss,
+                sum(p.tokens for p in alive),
+                seconds,
+                moved,
+                changed,
+                dec.frozen,
+                len(projected),
+                dec.rejected,
+                checksum,
+                faults,
+            )
+            result.epochs.append(report)
+            if self.log is not None:
+                for f in faults:
+                    self.log.fault(f.epoch, f.worker, f.phase, f.cause, f.seconds, f.pid)
+                rows = [
+                    tlog.WorkerRow(
+                        epoch,
+                        f"w{p.worker}",
+                        len(p.losses),
+                        sum(p.losses) / max(len(p.losses), 1),
+                        p.losses[-1] if p.losses else float("nan"),
+                        p.tokens,
+                        p.seconds,
+                        p.eval_loss,
+                    )
+                    for p in alive
+                ]
+                self.log.epoch(
+                    tlog.EpochRow(
+                        epoch,
+                        loss,
+                        report.eval_loss,
+                        report.tokens,
+                        seconds,
+                        inner,
+                        moved,
+                        changed,
+                        dec.frozen,
+                        len(projected),
+                        dec.rejected,
+                        max(self.clocks, default=0),
+                        checksum,
+                    ),
+                    workers=rows,
+                    steps=steps,
+                    constraints=[
+                        r
+                        if r.kind != "norm"
+                        else tlog.ConstraintRow(
+                            r.epoch,
+                            r.name,
+                            r.kind,
+                            r.checked,
+                            r.violations,
+                            "projected" if projected else "none",
+                        )
+                        for r in dec.constraints
+                    ],
+                    checkpoint=ck,
+                )
+                if faults:
+                    self._workers_table("training")
+            if self.progress is not None:
+                self.progress(report)
+        result.seconds = time.perf_counter() - t_start
+        if self.run_dir is not None:
+            out = self.run_dir / f"{self.spec.params.name}.safetensors"
+            self.driver.save(out, self.epochs)
+            result.output = out
+        if self.log is not None:
+            self._workers_table("done")
+            self.log.set_meta({"seconds": round(result.seconds, 3)})
+            self.log.mark("finished")
+            self.log.close()
+            self.log = None
+        return result
+
+
+def _policy_meta(spec: TrainSpec) -> dict[str, Any]:
+    p = spec.policy
+    if p.kind == "diloco":
+        return {
+            "kind": "diloco",
+            "outer_lr": p.outer_lr,
+            "momentum": p.momentum,
+            "nesterov": p.nesterov,
+        }
+    return {"kind": p.kind}
+
+
+def parameters(path: str | Path) -> dict[str, Tensor]:
+    """The parameters (by the module's parameter names) of a checkpoint or output file."""
+    state, _ = load_state(Path(path))
+    return {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
+
+
+def describe(result: TrainResult) -> str:
+    return json.dumps(
+        {
+            "epochs": len(result.epochs),
+            "loss": round(result.loss, 5),
+            "eval_loss": None if result.eval_loss is None else round(result.eval_loss, 5),
+            "tokens": result.tokens,
+            "bytes": result.bytes,
+            "faults": len(result.faults),
+            "seconds": round(result.seconds, 2),
+        }
+    )
+
+
+def load_init(path: str | Path) -> dict[str, Tensor]:
+    """A state dict from a safetensors file: a module's own weights (``_weights.save``), or an LMPM
+    training checkpoint/output (``param/<name>`` keys)."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"initial parameters not found: {p}", where={"file": str(p)}, code="R001")
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(p))
+    except Exception as e:
+        raise InputError(f"cannot read {p}: {e}", where={"file": str(p)}, code="R002") from None
+    if any(k.startswith("param/") for k in state):
+        return {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
+    return dict(state)
