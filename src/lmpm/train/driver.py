@@ -263,6 +263,10 @@ class TrainActor:
         time.sleep(10**6)
 
 
+class EpochLost(Exception):
+    """The commit of an epoch failed and the workers are back at its start: redo it."""
+
+
 class _Failed(Exception):
     def __init__(self, failed: list[tuple[int, str]], why: str = "") -> None:
         super().__init__(failed)
@@ -395,7 +399,7 @@ class RayDriver:
                     cause = getattr(e, "cause", None)
                     if isinstance(cause, LmpmError):
                         raise cause from None
-                    failed.append((i, "died"))
+                    failed.append((i, "blocked"))  # a collective broke under it: a peer died
                     why = why or _last_line(e)
         return out, sorted(failed), why
 
@@ -461,34 +465,21 @@ class RayDriver:
         self._get([a.restore.remote(path) for a in self.actors], START_LIMIT)
 
     def commit(self, epoch: int, weights: list[list[float]], keep: list[bool]) -> list[Committed]:
-        tries = 0
-        while True:
-            try:
-                refs = [
-                    a.commit.remote(epoch, w, keep)
-                    for a, w in zip(self.actors, weights, strict=True)
-                ]
-                return list(self._get(refs))
-            except _Failed as f:
-                tries += 1
-                if tries > MAX_RETRIES:
-                    raise WorkerLost(
-                        f"training workers failed {tries} times in the commit of epoch {epoch}",
-                        where={"epoch": epoch},
-                        code="R060",
-                    ) from None
-                t0 = time.perf_counter()
-                # the others are blocked in the all-reduce on the lost one: all are replaced
-                lost = set(range(self.size))
-                for i in lost:
-                    self._replace(i)
-                self._recovered(epoch, "commit", f.failed, t0, lost)
-                self._restore_all()
-                props = self.propose(epoch)
-                weights = [
-                    w if p is not None else [0.0] * len(w)
-                    for w, p in zip(weights, props, strict=True)
-                ]
+        """Every worker all-reduces and applies the outer step. A worker lost here leaves the others
+        blocked in the all-reduce: the ones that do not answer are replaced, every worker is
+        restored from the last checkpoint, and :class:`EpochLost` tells the control plane to redo
+        the epoch."""
+        refs = [a.commit.remote(epoch, w, keep) for a, w in zip(self.actors, weights, strict=True)]
+        out, failed, _ = self._gather(refs, None, grace=True)
+        if not failed:
+            return out
+        t0 = time.perf_counter()
+        lost = {i for i, _ in failed}
+        for i in lost:
+            self._replace(i)
+        self._recovered(epoch, "commit", failed, t0, lost)
+        self._restore_all()
+        raise EpochLost(epoch)
 
     def save(self, path: Path, epoch: int) -> tuple[int, str]:
         out = self._get([self.actors[0].save.remote(str(path), epoch)], START_LIMIT)[0]

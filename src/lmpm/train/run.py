@@ -27,10 +27,18 @@ from torch import Tensor
 
 from lmpm.errors import InputError, RuntimeFault
 from lmpm.train import log as tlog
-from lmpm.train.driver import LocalDriver, RayDriver, TrainFault, load_state
-from lmpm.train.policy import decide
+from lmpm.train.driver import (
+    MAX_RETRIES,
+    EpochLost,
+    LocalDriver,
+    RayDriver,
+    TrainFault,
+    WorkerLost,
+    load_state,
+)
+from lmpm.train.policy import Decision, decide
 from lmpm.train.spec import DataSpec, TrainSpec
-from lmpm.train.worker import ring_bytes
+from lmpm.train.worker import Committed, Proposal, ring_bytes
 
 CHECKPOINTS = "checkpoints"
 KEEP = 2  # newest checkpoints kept (besides epoch 0's)
@@ -240,6 +248,22 @@ class Trainer:
                 self._kept.pop(0).unlink(missing_ok=True)
         return rel, nbytes, sha
 
+    def _epoch(self, epoch: int) -> tuple[list[Proposal | None], Decision, list[Committed]]:
+        """Propose, decide, commit; redone (up to MAX_RETRIES times) when the commit fails."""
+        for _ in range(MAX_RETRIES + 1):
+            props = self.driver.propose(epoch)
+            dec = decide(self.spec, self.names, epoch, props)
+            try:
+                return props, dec, self.driver.commit(epoch, dec.weights, dec.keep)
+            except EpochLost:
+                continue
+        raise WorkerLost(
+            f"training workers failed {MAX_RETRIES + 1} times in the commit of epoch {epoch}",
+            where={"epoch": epoch},
+            code="R060",
+            hint="the run directory holds every epoch before this one",
+        )
+
     def run(self) -> TrainResult:
         """Train every epoch; the log is marked finished (or failed, with the error)."""
         try:
@@ -262,9 +286,7 @@ class Trainer:
         numel = self.driver.numel()
         for epoch in range(1, self.epochs + 1):
             t0 = time.perf_counter()
-            props = self.driver.propose(epoch)
-            dec = decide(self.spec, self.names, epoch, props)
-            done = self.driver.commit(epoch, dec.weights, dec.keep)
+            props, dec, done = self._epoch(epoch)
             sums = {c.checksum for c in done}
             if len(sums) != 1:
                 ref = done[0].checksum

@@ -1,0 +1,180 @@
+"""`lmpm run` of a training program (one with a ``Params`` value): inputs, the run directory, the
+progress line, fault injection, the closing line.
+
+    lmpm run examples/train_bytelm.lmpm --input Corpus=examples/train/corpus.npy \\
+        --input Held=examples/train/held.npy --epochs 20 --workers 4 --out runs/train
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from lmpm.errors import LmpmError, RunDirError, UsageError
+from lmpm.train import log as tlog
+from lmpm.train.spec import TrainSpec
+
+# `lmpm run` options that mean something only for cell programs
+CELL_ONLY = {
+    "until": "--until",
+    "trace": "--trace",
+    "trace_region": "--trace-region",
+    "checkpoint_every": "--checkpoint-every",
+    "backend": "--backend",
+}
+
+
+def refuse_cell_options(args: argparse.Namespace) -> None:
+    for attr, flag in CELL_ONLY.items():
+        if getattr(args, attr, None) is not None:
+            raise UsageError(
+                f"{flag} applies to cell programs; this is a training program (a Params value)",
+                code="U092",
+                hint="a training run checkpoints every epoch and logs to RUN_DIR/train.db "
+                "(lmpm top RUN_DIR)",
+            )
+    if getattr(args, "bind", None):
+        raise UsageError(
+            "--bind does not reach training programs yet: their modules and losses are the "
+            "built-in ones (lmpm.train.modules)",
+            code="U092",
+        )
+    if getattr(args, "driver", None) == "process":
+        raise UsageError(
+            "--driver process: a training run runs on `single` (workers in this process) or "
+            "`ray` (a process per worker)",
+            code="U092",
+        )
+
+
+def load_data(spec: TrainSpec, inputs: dict[str, str]) -> tuple[dict[str, Any], Any]:
+    """The data values' rows and the initial parameters (``--input P=FILE.safetensors``)."""
+    from lmpm.train.run import load_init, load_rows
+
+    needed = {d.name: d for d in (*spec.rule.data, *spec.rule.eval_data)}
+    known = {*needed, spec.params.name}
+    for name in inputs:
+        if name not in known:
+            raise UsageError(
+                f"--input {name}: the program has no data value `{name}`",
+                code="U093",
+                hint=f"its inputs are {', '.join(sorted(known))}",
+            )
+    missing = [n for n in needed if n not in inputs]
+    if missing:
+        raise UsageError(
+            f"a training run needs every data value: give --input "
+            f"{' '.join(f'{n}=FILE' for n in missing)}",
+            code="U093",
+        )
+    data = {n: load_rows(inputs[n], d) for n, d in needed.items()}
+    init = load_init(inputs[spec.params.name]) if spec.params.name in inputs else None
+    return data, init
+
+
+def run_training(
+    args: argparse.Namespace, spec: TrainSpec, source: str, params: dict[str, int], out_dir: Path
+) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lmpm.commands.run import _inputs
+    from lmpm.runtime.lock import RunLock
+    from lmpm.train.driver import parse_fault
+    from lmpm.train.run import EpochReport, Trainer
+
+    refuse_cell_options(args)
+    if args.epochs is None:
+        raise UsageError(
+            "a training run needs --epochs N (outer steps; each runs the rule's `steps` inner "
+            "steps on every worker)",
+            code="U091",
+        )
+    if args.seed is not None:
+        spec = dataclasses.replace(spec, rule=dataclasses.replace(spec.rule, seed=args.seed))
+    workers = 1 if args.workers is None else args.workers
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: must be at least 1", code="U080")
+    data, init = load_data(spec, _inputs(args.input))
+    fault = os.environ.get("LMPM_INJECT_FAULT")
+    planned = parse_fault(fault, workers) if fault else None
+    with RunLock(out_dir, what="delete (--force)" if args.force else "write"):
+        if tlog.holds_training(out_dir) or (out_dir / "lmpm.db").exists():
+            if not args.force:
+                raise RunDirError(
+                    f"{out_dir} already holds a run",
+                    code="D003",
+                    hint="use another --out, or --force to start over (deletes it)",
+                )
+            for name in (tlog.DB_NAME, "lmpm.db"):
+                for suffix in ("", "-wal", "-shm"):
+                    (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
+            shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+        console = Console(stderr=True)
+        with Progress(
+            TextColumn("[bold]epoch {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=args.quiet or not console.is_terminal,
+        ) as bar:
+            task = bar.add_task("train", total=args.epochs, info="starting workers")
+
+            def progress(r: EpochReport) -> None:
+                ev = "" if r.eval_loss is None else f"  held-out {_bits(r.eval_loss)}"
+                rate = r.tokens / r.seconds if r.seconds > 0 else 0.0
+                fl = f"  [yellow]{len(r.faults)} worker fault(s)[/]" if r.faults else ""
+                bar.update(
+                    task,
+                    advance=1,
+                    info=f"loss {_bits(r.loss)}{ev}  {rate:,.0f} tokens/s  "
+                    f"{_human(r.bytes)} exchanged{fl}",
+                )
+
+            trainer = Trainer(
+                spec,
+                data,
+                epochs=args.epochs,
+                workers=workers,
+                driver=args.driver,
+                run_dir=out_dir,
+                init=init,
+                cluster=args.cluster,
+                worker_timeout=args.worker_timeout,
+                meta={"source": source, "params": params, "argv": sys.argv[1:]},
+                progress=progress,
+            )
+            if planned is not None:
+                w, phase, epoch, how = planned
+                trainer.driver.inject(w, phase, epoch, how)
+            try:
+                res = trainer.run()
+            except LmpmError:
+                raise
+    ev = "" if res.eval_loss is None else f", held-out {_bits(res.eval_loss)}"
+    fl = f"; {len(res.faults)} worker fault(s) survived" if res.faults else ""
+    sys.stderr.write(
+        f"trained {len(res.epochs)} epochs × {spec.rule.steps} steps on {workers} worker(s): "
+        f"loss {_bits(res.loss)}{ev}; {res.tokens:,} tokens, {_human(res.bytes)} exchanged, "
+        f"{res.seconds:.1f} s{fl}; wrote {res.output} (watch: lmpm top {out_dir})\n"
+    )
+    return 0
+
+
+def _bits(nats: float) -> str:
+    return f"{nats:.4f} ({nats / math.log(2):.3f} bits)"
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
