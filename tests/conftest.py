@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,3 +44,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def examples() -> Path:
     return EXAMPLES
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[Any]:
+    """One local Ray instance for a module's Ray tests (each worker group then starts only its
+    actors): our own instance, never the cluster another test started beside."""
+    ray = pytest.importorskip("ray")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level=logging.ERROR,
+        _node_ip_address="127.0.0.1",
+    )
+    yield ray
+    ray.shutdown()

@@ -108,7 +108,10 @@ class LocalDriver:
         *,
         total_steps: int,
         init: dict[str, Tensor] | None = None,
+        threads: int | None = None,
     ) -> None:
+        if threads is not None:  # process-wide: this driver's workers share this process
+            torch.set_num_threads(threads)
         self.size = workers
         self.workers = [
             TrainWorker(spec, r, workers, data, total_steps=total_steps, init=init)
@@ -158,14 +161,16 @@ class LocalDriver:
         )
 
     def close(self) -> None:
-        self.workers = []
+        """Nothing to stop (the workers stay readable: tests, the Python API)."""
 
 
 class TrainActor:
     """The body of one Ray actor: a :class:`TrainWorker` and its gloo process group."""
 
-    def __init__(self, spec: TrainSpec, rank: int, world: int, data: Any, total: int, init: Any):
-        torch.set_num_threads(1)
+    def __init__(
+        self, spec: TrainSpec, rank: int, world: int, data: Any, total: int, init: Any, threads: int
+    ):
+        torch.set_num_threads(threads)
         self.rank = rank
         self.w = TrainWorker(spec, rank, world, data, total_steps=total, init=init)
         self.faults: list[tuple[str, int, str]] = []
@@ -290,6 +295,7 @@ class RayDriver:
         cluster: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         checkpoint_dir: Path | None = None,
+        threads: int | None = None,
     ) -> None:
         from lmpm.runtime.raygroup import _probe, _ray
 
@@ -322,7 +328,12 @@ class RayDriver:
                     _node_ip_address="127.0.0.1",
                 )
             self._owns_ray = True
-        opts: dict[str, Any] = {"max_restarts": 0, "max_task_retries": 0, "num_cpus": 1}
+        self.threads = 1 if threads is None else int(threads)
+        opts: dict[str, Any] = {
+            "max_restarts": 0,
+            "max_task_retries": 0,
+            "num_cpus": self.threads,
+        }
         if cluster:
             opts["scheduling_strategy"] = "SPREAD"
         self._cls = ray.remote(TrainActor).options(**opts)
@@ -349,7 +360,7 @@ class RayDriver:
     # ---- actors -----------------------------------------------------------------------------------
     def _spawn(self, i: int) -> Any:
         spec, data, total, init = self._args
-        return self._cls.remote(spec, i, self.size, data, total, init)
+        return self._cls.remote(spec, i, self.size, data, total, init, self.threads)
 
     def _join(self) -> None:
         addr, port = self._get([self.actors[0].rendezvous.remote()], START_LIMIT)[0]

@@ -140,6 +140,9 @@ class Trainer:
     ``driver``: ``single`` (the workers in this process) or ``ray`` (a Ray actor per worker;
     the default for more than one worker). ``init``: a state dict to start θ from (else the
     module's seeded initialisation). ``run_dir``: where the log, checkpoints and the output go.
+    ``threads``: torch threads per worker (Ray: default 1; in-process: this process's setting).
+    Runs with the same seed, workers and threads commit bit-identical parameters on either driver
+    (the thread count changes how torch sums, so it is part of the recipe).
     """
 
     def __init__(
@@ -154,6 +157,7 @@ class Trainer:
         init: dict[str, Tensor] | None = None,
         cluster: str | None = None,
         worker_timeout: float | None = None,
+        threads: int | None = None,
         meta: dict[str, Any] | None = None,
         progress: Callable[[EpochReport], None] | None = None,
     ) -> None:
@@ -197,14 +201,20 @@ class Trainer:
             ckdir.mkdir(exist_ok=True)
         try:
             if self.driver_name == "ray":
-                kw: dict[str, Any] = {"cluster": cluster, "checkpoint_dir": ckdir}
+                kw: dict[str, Any] = {
+                    "cluster": cluster,
+                    "checkpoint_dir": ckdir,
+                    "threads": threads,
+                }
                 if worker_timeout is not None:
                     kw["timeout"] = worker_timeout
                 self.driver: LocalDriver | RayDriver = RayDriver(
                     spec, workers, data, total_steps=total, init=init, **kw
                 )
             else:
-                self.driver = LocalDriver(spec, workers, data, total_steps=total, init=init)
+                self.driver = LocalDriver(
+                    spec, workers, data, total_steps=total, init=init, threads=threads
+                )
         except BaseException as e:
             self._fail(e)
             raise
