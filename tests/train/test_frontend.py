@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmpm.errors import CheckError, LmpmError
+from lmpm.errors import BindError, CheckError, LmpmError
 from lmpm.ir import compile_file, compile_source, lint
 from lmpm.ir.printer import print_ir
 from lmpm.ir.serialize import from_json, to_json
@@ -126,6 +126,24 @@ def test_a_bound_parameter_out_of_range_is_located() -> None:
     with pytest.raises(CheckError) as ei:
         train_spec(ir, {"H": 0})
     assert ei.value.code == "E156" and "steps" in ei.value.message
+
+
+def test_unbound_and_unknown_parameters_are_bind_errors() -> None:
+    ir = compile_source(TRAIN.replace("param H = 50", "param H"), "t.lmpm").ir
+    with pytest.raises(BindError) as ei:
+        train_spec(ir, {})
+    assert ei.value.code == "B003"
+    spec = train_spec(ir, {"H": 3})
+    assert spec is not None and spec.rule.steps == 3
+    with pytest.raises(BindError) as ei:
+        train_spec(ir, {"Q": 3})
+    assert ei.value.code == "B001"
+
+
+def test_an_option_that_cannot_be_evaluated_is_located() -> None:
+    front = compile_source(TRAIN.replace("steps=H", "steps=H/0"), "t.lmpm", raise_errors=False)
+    (d,) = front.errors
+    assert d.code == "E156" and d.span is not None and (d.span.line, d.span.col) == (10, 71)
 
 
 def test_ir_round_trips_and_prints() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmpm.errors import DiagnosticSink, Span
-from lmpm.ir.eval import EvalError, evaluate
+from lmpm.ir.eval import EvalError, evaluate, names_in
 from lmpm.ir.nodes import (
     BINARY_OPS,
     IR_VERSION,
@@ -1330,9 +1330,14 @@ class Builder:
                     "E156", f"`{key}` is an integer, got {_describe(v)}", v.span, _range(key, rule)
                 )
             ex = self._expr(v, _Scope())
+            env = self._param_defaults()
             try:
-                n: float = evaluate(ex, self._param_defaults())
-            except EvalError:
+                n: float = evaluate(ex, env)
+            except EvalError as err:
+                if all(name in env for _, name in names_in(ex)):
+                    raise self._fail(
+                        "E156", f"`{key}` cannot be evaluated: {err}", v.span
+                    ) from None
                 n = lo if lo is not None else 0  # decided when the parameters are bound
             self._in_range(key, n, rule, v.span)
             if ex.op == Op.CONST:

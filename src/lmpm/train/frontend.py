@@ -61,12 +61,12 @@ def train_spec(program: Program, params: Mapping[str, int]) -> TrainSpec | None:
     """What a checked training program asks for, with ``params`` (``--set``) over the defaults;
     None for a program without a Params value.
 
-    Raises :class:`lmpm.errors.BindError` for an unknown or missing parameter and
+    Raises :class:`lmpm.errors.BindError` for an unknown or missing parameter (B001, B003) and
     :class:`lmpm.errors.CheckError` (E156, E209) for a bound value out of range."""
     p = next((v for v in program.values if v.dtype == DType.PARAMS), None)
     if p is None:
         return None
-    env = bind_params(program, params)
+    env = bind_params(program, params, require_all=True)  # B001/B003 as for any run
     sink = DiagnosticSink()
     rule = next(r for r in program.rules if r.kind == RuleKind.MINIMIZE and r.target == p.name)
     commit = next(cm for cm in program.commits if cm.access.value == p.name)
