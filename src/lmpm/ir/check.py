@@ -1218,6 +1218,14 @@ def lint(program: Program) -> list[str]:
     for c in program.constraints:
         if c.access is not None and c.access.value not in values:
             problems.append(f"constraint {c.name} refers to an unknown value")
+    params = {v.name for v in program.values if v.dtype == DType.PARAMS}
+    for r in program.rules:
+        if (r.kind == RuleKind.MINIMIZE) != (r.target in params):
+            problems.append(f"rule {r.name}: minimize rules and Params targets go together")
+    accesses = [c.access for c in program.constraints] + [cm.access for cm in program.commits]
+    for a in accesses:
+        if a is not None and a.value in params and len(a.axes) != 1:
+            problems.append(f"an access of the Params value {a.value} has {len(a.axes)} axes")
     for w in program.workflows:
         if w.value not in values:
             problems.append(f"workflow {w.name} runs on an unknown value")
