@@ -9,11 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lmpm.errors import DiagnosticSink, Span
-from lmpm.ir.eval import EvalError, evaluate
+from lmpm.ir.eval import EvalError, evaluate, names_in
 from lmpm.ir.nodes import (
     BINARY_OPS,
     IR_VERSION,
     NEIGHBORHOODS,
+    PARAMS_SHAPES,
     RANK,
     TRUE,
     Access,
@@ -44,7 +45,9 @@ from lmpm.ir.nodes import (
     Workflow,
     Zone,
 )
+from lmpm.ir.printer import read_str
 from lmpm.lang import ast
+from lmpm.train.spec import OPTIMIZERS, SCHEDULES
 
 VOCABS = {"Byte": 256}  # built-in vocabularies
 EPOCH_VAR = "e"  # the epoch number, usable in every rule's call arguments
@@ -61,8 +64,28 @@ TYPES = {
     "Rule": DType.RULE,
     "Float": DType.FLOAT,
     "Tensor": DType.TENSOR,
+    "Params": DType.PARAMS,
 }
 BUILTIN_PREDICATES = {"change": PredKind.CHANGE, "read_future": PredKind.READ_FUTURE}
+
+# ---- training values: `minimize` options (lmpm.train.spec.MinimizeSpec) ----
+MINIMIZE = "minimize"
+NORM_PREDICATE = "NormAtMost"
+# (kind, lower bound, lower bound excluded, upper bound excluded, choices); kind int|number|choice
+_Opt = tuple[str, float | None, bool, float | None, tuple[str, ...]]
+MINIMIZE_OPTIONS: dict[str, _Opt] = {
+    "steps": ("int", 1, False, None, ()),  # inner optimizer steps per epoch (H)
+    "batch": ("int", 1, False, None, ()),  # rows per inner step per worker
+    "optimizer": ("choice", None, False, None, OPTIMIZERS),
+    "lr": ("number", 0, True, None, ()),
+    "weight_decay": ("number", 0, False, None, ()),
+    "momentum": ("number", 0, False, 1, ()),  # sgd only
+    "clip": ("number", 0, True, None, ()),  # global grad-norm clip
+    "schedule": ("choice", None, False, None, SCHEDULES),
+    "warmup": ("int", 0, False, None, ()),
+    "seed": ("int", None, False, None, ()),
+}
+DILOCO_OPTIONS = ("outer_lr", "momentum", "nesterov")
 
 
 MAX_DEPTH = 200  # deeper expressions are refused (E199): every later pass may recurse on them
@@ -146,6 +169,7 @@ class Builder:
                 self._guarded(item, lambda i: commits.append(self._commit(i)))
             elif isinstance(item, ast.Workflow):
                 self._guarded(item, lambda i: workflows.append(self._workflow(i)))
+        self._training_scope(rules, constraints, commits, workflows)
         return Program(
             IR_VERSION,
             self.file,
@@ -233,9 +257,19 @@ class Builder:
                 "E105",
                 f"unknown type `{t.name}`",
                 t.span,
-                "types are Token[V], Event, Rule, Float, Tensor[D]",
+                "types are Token[V], Event, Rule, Float, Tensor[D], Params[Module]",
             )
         dtype = TYPES[t.name]
+        if dtype == DType.PARAMS:
+            return self._params_value(v)
+        if v.shape.kind in {k.value for k in PARAMS_SHAPES}:
+            raise self._fail(
+                "E150",
+                f"`{v.shape.kind}()` is the shape of a Params value; `{v.name}` holds "
+                f"{dtype.value}s",
+                v.shape.span,
+                "write `value P : Params[Module] shape Tensors()` (or `Blocks()`)",
+            )
         vocab: Expr | None = None
         vocab_name: str | None = None
         if dtype in (DType.TOKEN, DType.TENSOR):
@@ -262,7 +296,8 @@ class Builder:
                 "E106",
                 f"unknown shape `{shape.kind}`",
                 shape.span,
-                "shapes are Seq(N), Grid2D(W,H), Grid3D(T,W,H), Set()",
+                "shapes are Seq(N), Grid2D(W,H), Grid3D(T,W,H), Set(); Params values: "
+                "Tensors(), Blocks()",
             )
         kind = kinds[shape.kind]
         if len(shape.dims) != RANK[kind]:
@@ -356,6 +391,8 @@ class Builder:
 
     def _access(self, e: ast.Expr, scope: _Scope, *, what: str) -> Access:
         """`Value[indices]` or a bare `Value` (all its cells)."""
+        if (p := self._params_of(e)) is not None:
+            return self._params_access(e, p)
         if isinstance(e, ast.Name):
             v = self._lookup_value(e.id, e.span)
             return Access(v.name, tuple(Axis(AxisKind.ALL) for _ in v.dims), e.span)
@@ -432,6 +469,8 @@ class Builder:
             return self.values[name]
         if name in self.names:
             kind, _ = self.names[name]
+            if kind == "value":
+                raise _Skip()  # its declaration failed, and said so
             raise self._fail("E101", f"`{name}` is a {kind}, not a value", span)
         raise self._fail(
             "E101",
@@ -441,7 +480,17 @@ class Builder:
         )
 
     def _target(self, e: ast.Expr, *, what: str) -> tuple[Value, tuple[str, ...]]:
-        """`Vid[t,x,y]` with distinct variable names (or a bare Set value)."""
+        """`Vid[t,x,y]` with distinct variable names (or a bare Set or Params value)."""
+        if (p := self._params_of(e)) is not None:
+            access = self._params_access(e, p)
+            if access.axes[0].kind != AxisKind.ALL:
+                raise self._fail(
+                    "E151",
+                    f"{what} is the whole Params value `{p.name}`, not some of its cells",
+                    e.span,
+                    f"write `{p.name}[*]`",
+                )
+            return p, ()
         if isinstance(e, ast.Name):
             v = self._lookup_value(e.id, e.span)
             if v.shape != ShapeKind.SET:
@@ -574,6 +623,16 @@ class Builder:
 
     # ---- statements ----------------------------------------------------------------------------
     def _visible(self, item: ast.Visible) -> Stencil:
+        for side in (item.target, item.source):
+            if (p := self._params_of(side)) is not None:
+                raise self._fail(
+                    "E152",
+                    f"`{p.name}` is a Params value; Params values take no `visible` clauses",
+                    side.span,
+                    "a Params value is read only by its loss: `minimize(Loss("
+                    + p.name
+                    + ", data), ...)`",
+                )
         target, vars_ = self._target(item.target, what="the target of `visible`")
         if target.shape == ShapeKind.SET:
             raise self._fail(
@@ -612,6 +671,18 @@ class Builder:
             )
         on = ons[0]
         target, vars_ = self._target(on.pattern, what="the `on` pattern")
+        if target.dtype == DType.PARAMS:
+            return self._minimize_rule(item, target, on, reads, emits[0], scores)
+        emit_call = emits[0].call
+        if isinstance(emit_call, ast.Call) and emit_call.func == MINIMIZE:
+            raise self._fail(
+                "E154",
+                f"`minimize` proposes parameters, but `{target.name}` holds "
+                f"{target.dtype.value}s: discrete cells are not differentiable",
+                emit_call.span,
+                "minimize a loss over a Params value: `value P : Params[Module] shape "
+                "Tensors()`, then `on P[*]` ... `emit proposal P[*] := minimize(Loss(P, data), ...)`",
+            )
         scope = _Scope(vars=set(vars_), allow_epoch=True)
         trigger = self._expr(on.guard, scope) if on.guard is not None else TRUE
         kind = RuleKind.SCHEDULE if target.shape == ShapeKind.SET else RuleKind.LOCAL
@@ -716,10 +787,24 @@ class Builder:
                     + (f"; {s}" if (s := _suggest(e.id, list(self.values))) else ""),
                 )
             v = self.values[e.id]
+            if v.dtype == DType.PARAMS:
+                raise self._fail(
+                    "E153",
+                    f"`{v.name}` is a Params value; rules do not read parameters as cells",
+                    e.span,
+                    f"a loss takes the parameters as its first argument: `Loss({v.name}, data)`",
+                )
             if v.shape == ShapeKind.SET:
                 raise self._fail("E104", f"`{v.name}` is a Set value; rules read cells", e.span)
             return Read(
                 name or v.name.lower(), ReadKind.VISIBLE, v.name, (), (), optional, item.span
+            )
+        if (p := self._params_of(e)) is not None:
+            raise self._fail(
+                "E153",
+                f"`{p.name}` is a Params value; rules do not read parameters as cells",
+                e.span,
+                f"a loss takes the parameters as its first argument: `Loss({p.name}, data)`",
             )
         acc = self._access(e, scope, what="a read")
         return Read(
@@ -826,6 +911,8 @@ class Builder:
             ) from None
         pred = item.pred
         scope = _Scope(free_params=True)
+        if (p := self._params_predicate(pred)) is not None:
+            return self._params_constraint(item, p, priority)
         if isinstance(pred, ast.Call) and pred.func in BUILTIN_PREDICATES:
             kind = BUILTIN_PREDICATES[pred.func]
             if len(pred.args) != 1 or pred.args[0].name is not None:
@@ -947,8 +1034,549 @@ class Builder:
                 item.target.span,
                 f"write `commit {access.value}[*] using ...`",
             )
+        value = self.values[access.value]
+        if value.dtype == DType.PARAMS:
+            return Commit(access, self._params_policy(item.policy), item.span)
+        pol = item.policy
+        name = (
+            pol.func if isinstance(pol, ast.Call) else pol.id if isinstance(pol, ast.Name) else ""
+        )
+        if name == "diloco":
+            raise self._fail(
+                "E160",
+                f"`diloco` commits a Params value; `{value.name}` holds {value.dtype.value}s",
+                pol.span,
+                "use it as `commit P[*] using diloco(outer_lr=0.7, momentum=0.9)` on a Params value",
+            )
         policy = self._bound_call(item.policy, "policy", (), _Scope())
         return Commit(access, policy, item.span)
+
+    # ---- training values (Params) ------------------------------------------------------------
+    def _params_value(self, v: ast.Value) -> Value:
+        """`value P : Params[Module] shape Tensors()|Blocks()`: cells named after the module."""
+        t = v.type
+        if len(t.args) != 1 or not isinstance(t.args[0], ast.Name):
+            raise self._fail(
+                "E150",
+                "`Params` takes the name of a module binding, e.g. `Params[ByteLM]`",
+                t.span,
+                "write `value P : Params[ByteLM] shape Tensors()`",
+            )
+        shape = v.shape
+        kinds = {k.value: k for k in PARAMS_SHAPES}
+        if shape.kind not in kinds or shape.dims:
+            raise self._fail(
+                "E150",
+                f"a Params value has the shape Tensors() (one cell per parameter tensor) or "
+                f"Blocks() (one per top-level block), got `{shape.kind}` with "
+                f"{len(shape.dims)} dimension(s)",
+                shape.span,
+                "write `shape Tensors()` or `shape Blocks()`",
+            )
+        if v.clock is not None and v.clock != "Lamport":
+            raise self._fail("E105", f"unknown clock `{v.clock}`", v.span, "the clock is `Lamport`")
+        kind = kinds[shape.kind]
+        return Value(
+            v.name, DType.PARAMS, None, None, kind, (), (), "Lamport", v.span, t.args[0].id
+        )
+
+    def _params_of(self, e: ast.Expr) -> Value | None:
+        """The Params value `e` names (`P`, `P[...]`), if it names one."""
+        base = e.base if isinstance(e, ast.Subscript) else e
+        if isinstance(base, ast.Name):
+            v = self.values.get(base.id)
+            if v is not None and v.dtype == DType.PARAMS:
+                return v
+        return None
+
+    def _params_access(self, e: ast.Expr, p: Value) -> Access:
+        """`P`, `P[*]` (every cell) or `P["glob"]` (the cells whose names match)."""
+        if isinstance(e, ast.Name):
+            return Access(p.name, (Axis(AxisKind.ALL),), e.span)
+        assert isinstance(e, ast.Subscript)
+        idx = e.indices
+        if len(idx) == 1 and isinstance(idx[0], ast.Star):
+            return Access(p.name, (Axis(AxisKind.ALL),), e.span)
+        if len(idx) == 1 and isinstance(idx[0], ast.Str) and idx[0].value:
+            return Access(p.name, (Axis(AxisKind.GLOB, pattern=idx[0].value),), e.span)
+        bad = idx[0] if len(idx) == 1 else e
+        raise self._fail(
+            "E151",
+            f"the cells of the Params value `{p.name}` are named tensors; select them with `*` "
+            f"or a name pattern, got {_describe(bad) if len(idx) == 1 else f'{len(idx)} indices'}",
+            bad.span,
+            f'write `{p.name}[*]` or `{p.name}["blocks.*"]` (fnmatch over names like '
+            "`blocks.0.attn.weight`)",
+        )
+
+    def _minimize_rule(
+        self,
+        item: ast.Rule,
+        target: Value,
+        on: ast.On,
+        reads: list[ast.Read],
+        emit: ast.Emit,
+        scores: list[ast.Score],
+    ) -> Rule:
+        if on.guard is not None:
+            raise self._fail(
+                "E154",
+                f"rule `{item.name}` minimizes a loss every epoch; it takes no `when` guard",
+                on.guard.span,
+                "drop the `when ...`",
+            )
+        scope = _Scope()
+        rule_reads = self._reads(reads[0], target, (), scope) if reads else ()
+        rule_reads = tuple(self._data_read(r) for r in rule_reads)
+        etarget, _ = self._target(emit.target, what="the emitted cell")
+        if etarget.name != target.name:
+            raise self._fail(
+                "E111",
+                "a rule emits proposals for the cells of its `on` pattern",
+                emit.target.span,
+                f"write `emit proposal {target.name}[*] := ...`",
+            )
+        call = emit.call
+        if not (isinstance(call, ast.Call) and call.func == MINIMIZE):
+            raise self._fail(
+                "E154",
+                f"a Params value is proposed by `minimize(...)`; rule `{item.name}` proposes "
+                f"{_describe(call)}",
+                call.span,
+                f"write `emit proposal {target.name}[*] := minimize(Loss({target.name}, data), "
+                "steps=50, batch=8)`",
+            )
+        proposal = self._minimize(call, target, rule_reads)
+        score = self._loss(scores[0].call, target, rule_reads, "score") if scores else None
+        return Rule(
+            item.name,
+            RuleKind.MINIMIZE,
+            target.name,
+            (),
+            TRUE,
+            rule_reads,
+            proposal,
+            score,
+            item.span,
+        )
+
+    def _data_read(self, r: Read) -> Read:
+        """A read of a minimize rule is data: a whole token value of rows (Seq or Grid2D)."""
+        v = self.values[r.source]
+        whole = r.kind == ReadKind.VISIBLE or (
+            r.kind == ReadKind.INDEX and all(a.kind == AxisKind.ALL for a in r.axes)
+        )
+        if v.dtype != DType.TOKEN or v.shape not in (ShapeKind.SEQ, ShapeKind.GRID2D):
+            raise self._fail(
+                "E157",
+                f"a loss reads token data (Seq(N): one row; Grid2D(L, R): R rows of L tokens); "
+                f"`{v.name}` is a {v.dtype.value} {v.shape.value} value",
+                r.span,
+                "declare the data as `value Corpus : Token[Byte] shape Grid2D(64, 4096)`",
+            )
+        if not whole:
+            raise self._fail(
+                "E157",
+                f"a loss reads whole data values (workers shard the rows); `{read_str(r)}` is "
+                f"part of `{v.name}`",
+                r.span,
+                f"write `{r.name} = {v.name}[*]`",
+            )
+        return Read(
+            r.name,
+            ReadKind.INDEX,
+            v.name,
+            tuple(Axis(AxisKind.ALL) for _ in v.dims),
+            (),
+            r.optional,
+            r.span,
+        )
+
+    def _loss(self, e: ast.Expr, p: Value, reads: tuple[Read, ...], what: str) -> Call:
+        """`Loss(P, data...)`: the Params value first (what is differentiated), then reads."""
+        form = f"`Loss({p.name}, data)`"
+        if not isinstance(e, ast.Call):
+            raise self._fail(
+                "E155",
+                f"the {what} must be a loss call {form}, got {_describe(e)}",
+                e.span,
+                "a loss binding takes the parameters and the data it is computed on",
+            )
+        args = e.args
+        first = args[0].value if args else None
+        if not (
+            isinstance(first, ast.Name) and first.id == p.name and args[0].name is None
+        ) and not (first is not None and self._params_of(first) is p):
+            raise self._fail(
+                "E155",
+                f"`{e.func}` does not take `{p.name}` as its first argument: "
+                "there is nothing to differentiate",
+                args[0].span if args else e.span,
+                f"write `{e.func}({p.name}, "
+                + ", ".join(r.name for r in reads[:1] or ())
+                + ("" if reads else "data")
+                + ")`",
+            )
+        if first is not None and isinstance(first, ast.Subscript):
+            self._params_access(first, p)  # `P[*]` only: a loss differentiates every cell
+            if not isinstance(first.indices[0], ast.Star):
+                raise self._fail(
+                    "E155",
+                    f"a loss differentiates the whole Params value; write `{p.name}`",
+                    first.span,
+                    f"freeze cells with `forbid change({p.name}[...])` instead",
+                )
+        out = [Arg(ArgKind.ACCESS, None, access=Access(p.name, (Axis(AxisKind.ALL),), first.span))]
+        names = [r.name for r in reads]
+        for a in args[1:]:
+            v = a.value
+            if a.name is not None:
+                raise self._fail(
+                    "E155",
+                    f"a loss takes its data positionally, got `{a.name}=`",
+                    a.span,
+                    f"write `{e.func}({p.name}, {', '.join(names) or 'data'})`",
+                )
+            if self._params_of(v) is not None:
+                raise self._fail(
+                    "E153",
+                    f"`{p.name}` as data of `{e.func}`: a Params value is what a loss "
+                    "differentiates, not what it reads",
+                    v.span,
+                    f"pass token data: `{e.func}({p.name}, {', '.join(names) or 'data'})`",
+                )
+            if not (isinstance(v, ast.Name) and v.id in names):
+                raise self._fail(
+                    "E155",
+                    f"a loss's data are the rule's reads; {_describe(v)}"
+                    + (f" `{v.id}`" if isinstance(v, ast.Name) else "")
+                    + " is not one",
+                    v.span,
+                    "the reads are: " + ", ".join(names)
+                    if names
+                    else "add `read {data = Corpus[*]}` to the rule",
+                )
+            out.append(Arg(ArgKind.READ, None, v.id))
+        if len(out) == 1:
+            raise self._fail(
+                "E155",
+                f"`{e.func}` reads no data",
+                e.span,
+                f"pass the data reads: `{e.func}({p.name}, {', '.join(names) or 'data'})`",
+            )
+        return Call(e.func, tuple(out), "loss", e.span)
+
+    def _minimize(self, c: ast.Call, p: Value, reads: tuple[Read, ...]) -> Call:
+        """`minimize(Loss(P, data...), steps=H, batch=B, ...)` with the options of MinimizeSpec."""
+        if not c.args or c.args[0].name is not None:
+            raise self._fail(
+                "E155",
+                "`minimize` takes the loss first, without a keyword",
+                c.args[0].span if c.args else c.span,
+                f"write `minimize(Loss({p.name}, data), steps=50, batch=8)`",
+            )
+        args = [Arg(ArgKind.CALL, None, call=self._loss(c.args[0].value, p, reads, "loss"))]
+        seen: set[str] = set()
+        for a in c.args[1:]:
+            if a.name is None:
+                raise self._fail(
+                    "E156",
+                    "`minimize` takes one loss, then keyword options",
+                    a.span,
+                    "options: " + ", ".join(MINIMIZE_OPTIONS),
+                )
+            if a.name not in MINIMIZE_OPTIONS:
+                near = _suggest(a.name, list(MINIMIZE_OPTIONS))
+                raise self._fail(
+                    "E156",
+                    f"`minimize` has no option `{a.name}`",
+                    a.span,
+                    (near + "; " if near else "") + "options: " + ", ".join(MINIMIZE_OPTIONS),
+                )
+            if a.name in seen:
+                raise self._fail("E156", f"option `{a.name}` is given twice", a.span)
+            seen.add(a.name)
+            args.append(self._option(a.name, a.value, MINIMIZE_OPTIONS[a.name]))
+        missing = [k for k in ("steps", "batch") if k not in seen]
+        if missing:
+            raise self._fail(
+                "E156",
+                f"`minimize` needs `{missing[0]}=`",
+                c.span,
+                "steps: inner optimizer steps per epoch; batch: rows per step per worker",
+            )
+        return Call(MINIMIZE, tuple(args), "minimize", c.span)
+
+    def _option(self, key: str, v: ast.Expr, rule: _Opt) -> Arg:
+        """One keyword option, its kind and range checked (params resolved with their defaults)."""
+        kind, lo, _, _, choices = rule
+        if kind == "choice":
+            if isinstance(v, ast.Str | ast.Name):
+                word = v.value if isinstance(v, ast.Str) else v.id
+                if word in choices:
+                    return Arg(ArgKind.STR, key, word)
+            near = _suggest(v.value, list(choices)) if isinstance(v, ast.Str) else None
+            raise self._fail(
+                "E156",
+                f"`{key}` is one of " + ", ".join(f'"{x}"' for x in choices) + f", got {_src(v)}",
+                v.span,
+                near or f'write `{key}="{choices[0]}"`',
+            )
+        if kind == "int":
+            if isinstance(v, ast.Float) or not isinstance(
+                v, ast.Int | ast.Name | ast.BinOp | ast.Neg
+            ):
+                raise self._fail(
+                    "E156", f"`{key}` is an integer, got {_describe(v)}", v.span, _range(key, rule)
+                )
+            ex = self._expr(v, _Scope())
+            env = self._param_defaults()
+            try:
+                n: float = evaluate(ex, env)
+            except EvalError as err:
+                if all(name in env for _, name in names_in(ex)):
+                    raise self._fail(
+                        "E156", f"`{key}` cannot be evaluated: {err}", v.span
+                    ) from None
+                n = lo if lo is not None else 0  # decided when the parameters are bound
+            self._in_range(key, n, rule, v.span)
+            if ex.op == Op.CONST:
+                return Arg(ArgKind.INT, key, ex.value)
+            return Arg(ArgKind.EXPR, key, expr=ex)
+        x = v.operand if isinstance(v, ast.Neg) else v
+        if not isinstance(x, ast.Int | ast.Float):
+            raise self._fail(
+                "E156", f"`{key}` is a number, got {_describe(v)}", v.span, _range(key, rule)
+            )
+        f = float(x.value) * (-1 if isinstance(v, ast.Neg) else 1)
+        self._in_range(key, f, rule, v.span)
+        return Arg(ArgKind.FLOAT, key, f)
+
+    def _in_range(self, key: str, n: float, rule: _Opt, span: Span) -> None:
+        _, lo, lo_open, hi, _ = rule
+        if (lo is not None and (n < lo or (lo_open and n == lo))) or (hi is not None and n >= hi):
+            raise self._fail("E156", f"`{key}` is {n:g}; {_range(key, rule)}", span)
+
+    def _params_predicate(self, pred: ast.Expr) -> Value | None:
+        """The Params value a constraint's predicate speaks about (its first operand), if any."""
+        if isinstance(pred, ast.Call):
+            first = pred.args[0].value if pred.args else None
+            return self._params_of(first) if first is not None else None
+        if isinstance(pred, ast.In):
+            return self._params_of(pred.lhs)
+        return None
+
+    def _params_constraint(self, item: ast.Constraint, p: Value, priority: int) -> Constraint:
+        """`forbid change(P[sel])` (freeze) or `require NormAtMost(P[sel], R)` (a norm bound)."""
+        pred = item.pred
+        allowed = (
+            f'the constraints on a Params value are `forbid change({p.name}["pos.*"])` (freeze) '
+            f'and `require {NORM_PREDICATE}({p.name}["blocks.*"], 40)` (a norm bound)'
+        )
+        func = pred.func if isinstance(pred, ast.Call) else None
+        if func == "change" and item.kind == "forbid":
+            assert isinstance(pred, ast.Call)
+            if len(pred.args) != 1 or pred.args[0].name is not None:
+                raise self._fail("E159", "`change` takes one access", pred.span, allowed)
+            access = self._params_access(pred.args[0].value, p)
+            return Constraint(
+                item.name,
+                item.kind,
+                PredKind.CHANGE,
+                access,
+                (),
+                None,
+                None,
+                priority,
+                Status.DYNAMIC,
+                item.span,
+            )
+        if func == NORM_PREDICATE and item.kind == "require":
+            assert isinstance(pred, ast.Call)
+            if len(pred.args) != 2 or any(a.name is not None for a in pred.args):
+                raise self._fail(
+                    "E159",
+                    f"`{NORM_PREDICATE}` takes a Params access and a bound",
+                    pred.span,
+                    f'write `require {NORM_PREDICATE}({p.name}["blocks.*"], 40)`',
+                )
+            access = self._params_access(pred.args[0].value, p)
+            b = pred.args[1].value
+            if not (isinstance(b, ast.Int | ast.Float) and b.value > 0):
+                raise self._fail(
+                    "E159",
+                    f"the bound of `{NORM_PREDICATE}` is a positive number, got {_src(b)}",
+                    b.span,
+                    "e.g. 40 or 2.5",
+                )
+            bound = (
+                Arg(ArgKind.INT, None, b.value)
+                if isinstance(b, ast.Int)
+                else Arg(ArgKind.FLOAT, None, b.value)
+            )
+            call = Call(
+                NORM_PREDICATE, (Arg(ArgKind.ACCESS, None, access=access), bound), "norm", pred.span
+            )
+            return Constraint(
+                item.name,
+                item.kind,
+                PredKind.USER,
+                access,
+                (),
+                None,
+                call,
+                priority,
+                Status.DYNAMIC,
+                item.span,
+            )
+        what = (
+            f"`{item.kind} {func}(...)`"
+            if func in ("change", NORM_PREDICATE)
+            else f"{_describe(pred)}"
+        )
+        raise self._fail(
+            "E159", f"{what} is not a constraint on a Params value", pred.span, allowed
+        )
+
+    def _params_policy(self, e: ast.Expr) -> Call:
+        """`diloco(outer_lr=F, momentum=F[, nesterov=0|1])`, `average` or
+        `satisfy(max_constraints_then_score)` (the best-scoring valid replica)."""
+        allowed = (
+            "a Params value commits with diloco(outer_lr=0.7, momentum=0.9), average, or "
+            "satisfy(max_constraints_then_score)"
+        )
+        name = e.func if isinstance(e, ast.Call) else e.id if isinstance(e, ast.Name) else None
+        args = e.args if isinstance(e, ast.Call) else ()
+        if name == "average" and not args:
+            return Call("average", (), "policy", e.span)
+        if (
+            name == "satisfy"
+            and len(args) == 1
+            and isinstance(args[0].value, ast.Name)
+            and args[0].value.id == "max_constraints_then_score"
+        ):
+            return Call("satisfy", (Arg(ArgKind.NAME, None, args[0].value.id),), "policy", e.span)
+        if name != "diloco" or not isinstance(e, ast.Call):
+            raise self._fail(
+                "E160",
+                f"{_src(e)} is not a commit policy for a Params value",
+                e.span,
+                allowed,
+            )
+        out: list[Arg] = []
+        seen: set[str] = set()
+        for a in args:
+            if a.name is None or a.name not in DILOCO_OPTIONS:
+                raise self._fail(
+                    "E160",
+                    "`diloco` takes the keywords " + ", ".join(DILOCO_OPTIONS),
+                    a.span,
+                    "write diloco(outer_lr=0.7, momentum=0.9)",
+                )
+            if a.name in seen:
+                raise self._fail("E160", f"`{a.name}` is given twice", a.span)
+            seen.add(a.name)
+            x = a.value
+            if a.name == "nesterov":
+                if not (isinstance(x, ast.Int) and x.value in (0, 1)):
+                    raise self._fail("E160", "`nesterov` is 0 or 1", x.span)
+                out.append(Arg(ArgKind.INT, a.name, x.value))
+                continue
+            if not isinstance(x, ast.Int | ast.Float):
+                raise self._fail(
+                    "E160", f"`{a.name}` is a number, got {_describe(x)}", x.span, allowed
+                )
+            f = float(x.value)
+            if a.name == "outer_lr" and f <= 0:
+                raise self._fail("E160", f"`outer_lr` must be above 0, got {f:g}", x.span)
+            if a.name == "momentum" and not 0 <= f < 1:
+                raise self._fail("E160", f"`momentum` must be in [0, 1), got {f:g}", x.span)
+            out.append(Arg(ArgKind.FLOAT, a.name, f))
+        missing = [k for k in ("outer_lr", "momentum") if k not in seen]
+        if missing:
+            raise self._fail(
+                "E160",
+                f"`diloco` needs `{missing[0]}=`",
+                e.span,
+                "write diloco(outer_lr=0.7, momentum=0.9)",
+            )
+        return Call("diloco", tuple(out), "policy", e.span)
+
+    def _training_scope(
+        self,
+        rules: list[Rule],
+        constraints: list[Constraint],
+        commits: list[Commit],
+        workflows: list[Workflow],
+    ) -> None:
+        """A training program trains one Params value with one minimize rule; its other values
+        are data the loss reads (rules, workflows, constraints and commits on them: not yet)."""
+        params = [v for v in self.values.values() if v.dtype == DType.PARAMS]
+        if not params:
+            return
+        p = params[0]
+        soon = "not supported yet: in a training program the other values are data inputs"
+        for extra in params[1:]:
+            self.sink.error(
+                "E162",
+                f"a second Params value `{extra.name}` (`{p.name}` is at line {p.span.line}); "
+                "one Params value per program is supported",
+                extra.span,
+                "train one module per program",
+            )
+        mins = [r for r in rules if r.target == p.name]
+        for r in mins[1:]:
+            self.sink.error(
+                "E162",
+                f"a second minimize rule on `{p.name}` (`{mins[0].name}` is at line "
+                f"{mins[0].span.line}); one per Params value is supported",
+                r.span,
+                "merge them into one rule (a loss may read several data values)",
+            )
+        for r in rules:
+            if r.target != p.name:
+                self.sink.error(
+                    "E162", f"rule `{r.name}` on `{r.target}` is {soon}", r.span, "remove it"
+                )
+        for w in workflows:
+            self.sink.error("E162", f"workflow `{w.name}` is {soon}", w.span, "remove it")
+        for c in constraints:
+            if c.access is None or c.access.value != p.name:
+                self.sink.error(
+                    "E162",
+                    f"constraint `{c.name}` on "
+                    + (f"`{c.access.value}`" if c.access is not None else "a data value")
+                    + f" is {soon}",
+                    c.span,
+                    "constrain the parameters: `forbid change(P[...])`, `require NormAtMost(...)`",
+                )
+        for cm in commits:
+            if cm.access.value != p.name:
+                self.sink.error(
+                    "E162",
+                    f"a commit of `{cm.access.value}` is {soon}",
+                    cm.span,
+                    "remove it",
+                )
+        if self.sink.has_errors:
+            return  # a statement about the Params value may have failed to build: say no more
+        if not mins:
+            self.sink.error(
+                "E162",
+                f"no rule trains the Params value `{p.name}`",
+                p.span,
+                f"add `rule Fit:` with `on {p.name}[*]` and "
+                f"`emit proposal {p.name}[*] := minimize(Loss({p.name}, data), steps=50, batch=8)`",
+            )
+        if not any(cm.access.value == p.name for cm in commits):
+            self.sink.error(
+                "E161",
+                f"the Params value `{p.name}` has no `commit` line; a training program says how "
+                "replicas agree",
+                p.span,
+                f"add `commit {p.name}[*] using diloco(outer_lr=0.7, momentum=0.9)` "
+                "(or `average`, or `satisfy(max_constraints_then_score)`)",
+            )
 
     # ---- workflows -----------------------------------------------------------------------------
     def _workflow(self, item: ast.Workflow) -> Workflow:
@@ -1115,6 +1743,16 @@ class Builder:
                     pass
         self._defaults = env
         return env
+
+
+def _range(key: str, rule: _Opt) -> str:
+    """The allowed values of a `minimize` option, in words."""
+    kind, lo, lo_open, hi, _ = rule
+    what = "an integer" if kind == "int" else "a number"
+    if lo is None:
+        return f"`{key}` is {what}"
+    low = f"above {lo:g}" if lo_open else f"at least {lo:g}"
+    return f"`{key}` must be {what} {low}" + (f" and below {hi:g}" if hi is not None else "")
 
 
 def _has_var(e: Expr) -> bool:

@@ -22,6 +22,7 @@ from lmpm.ir.nodes import (
     AxisKind,
     Call,
     Constraint,
+    DType,
     Expr,
     Op,
     PredKind,
@@ -272,8 +273,8 @@ class Checker:
 
     # ---- rules ---------------------------------------------------------------------------------
     def _rule(self, r: Rule) -> None:
-        if r.kind == RuleKind.SCHEDULE:
-            return
+        if r.kind in (RuleKind.SCHEDULE, RuleKind.MINIMIZE):
+            return  # a minimize rule reads whole data values: no visibility to check
         tgt = self.dims.get(r.target)
         if tgt is None:
             return
@@ -505,8 +506,12 @@ class Checker:
     def _signatures(self) -> None:
         for cm in self.p.commits:
             v = self.values.get(cm.access.value)
+            if v is not None and v.dtype == DType.PARAMS:
+                continue  # checked when built (diloco, average, satisfy)
             self._policy(cm.policy, v)
         for r in self.p.rules:
+            if r.kind == RuleKind.MINIMIZE:
+                continue  # checked when built (lmpm.train.spec.MinimizeSpec's options)
             if r.kind == RuleKind.SCHEDULE:
                 self._schedule(r.proposal)
             else:
@@ -520,6 +525,8 @@ class Checker:
             for call in self.p.calls():
                 if call.func in BUILTINS or call.func in reported or call.role == "policy":
                     continue
+                if call.role in TRAIN_ROLES:
+                    continue  # bound by the training runtime (lmpm.train)
                 reported.add(call.func)
                 near = _suggest(call.func, sorted(BUILTINS))
                 self.sink.warning(
@@ -787,14 +794,22 @@ class Checker:
         if self.known is None:
             return
         reported: set[str] = set()
+        params = {v.name for v in self.p.values if v.dtype == DType.PARAMS}
+        skip = {id(cm.policy) for cm in self.p.commits if cm.access.value in params}
         for call in self.p.calls():
             if call.func in self.known or call.func in reported:
                 continue
+            if call.role in TRAIN_ROLES or id(call) in skip:
+                continue  # bound by the training runtime (lmpm.train)
             reported.add(call.func)
             msg = f"`{call.func}` ({call.role}) is not bound to anything"
             hint = "bind it in a module passed with --bind, or use a built-in name"
             if self.strict:
                 self.sink.error("E207", msg, call.span, hint)
+
+
+# Call roles of a training program, bound by the training runtime rather than by name lookup.
+TRAIN_ROLES = ("minimize", "loss", "norm")
 
 
 # Probed facts per clause structure (see lmpm.ir.probe), shared by every check in the process.
@@ -1203,6 +1218,14 @@ def lint(program: Program) -> list[str]:
     for c in program.constraints:
         if c.access is not None and c.access.value not in values:
             problems.append(f"constraint {c.name} refers to an unknown value")
+    params = {v.name for v in program.values if v.dtype == DType.PARAMS}
+    for r in program.rules:
+        if (r.kind == RuleKind.MINIMIZE) != (r.target in params):
+            problems.append(f"rule {r.name}: minimize rules and Params targets go together")
+    accesses = [c.access for c in program.constraints] + [cm.access for cm in program.commits]
+    for a in accesses:
+        if a is not None and a.value in params and len(a.axes) != 1:
+            problems.append(f"an access of the Params value {a.value} has {len(a.axes)} axes")
     for w in program.workflows:
         if w.value not in values:
             problems.append(f"workflow {w.name} runs on an unknown value")

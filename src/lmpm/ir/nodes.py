@@ -96,6 +96,9 @@ class AxisKind(StrEnum):
     RANGE = "range"  # lo..hi inclusive
     ALL = "all"  # the whole axis
     REGION = "region"  # a bound call selecting cells over `width` axes (e.g. region("sky"))
+    GLOB = (
+        "glob"  # Params values: the cells whose names match `pattern` (fnmatch), `Theta["pos.*"]`
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +108,7 @@ class Axis:
     hi: Expr | None = None
     call: Call | None = None
     width: int = 1  # axes covered (REGION may cover several)
+    pattern: str | None = None  # GLOB: an fnmatch pattern over cell names (`blocks.*`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +170,7 @@ class DType(StrEnum):
     RULE = "rule"
     FLOAT = "float"
     TENSOR = "tensor"
+    PARAMS = "params"  # the parameters of a bound module (training programs); `module` names it
 
 
 class ShapeKind(StrEnum):
@@ -173,9 +178,19 @@ class ShapeKind(StrEnum):
     GRID2D = "Grid2D"
     GRID3D = "Grid3D"
     SET = "Set"
+    TENSORS = "Tensors"  # Params: one cell per parameter tensor (named `blocks.0.attn.weight`)
+    BLOCKS = "Blocks"  # Params: one cell per top-level child module (named `blocks`, `pos`)
 
 
-RANK = {ShapeKind.SEQ: 1, ShapeKind.GRID2D: 2, ShapeKind.GRID3D: 3, ShapeKind.SET: 0}
+RANK = {
+    ShapeKind.SEQ: 1,
+    ShapeKind.GRID2D: 2,
+    ShapeKind.GRID3D: 3,
+    ShapeKind.SET: 0,
+    ShapeKind.TENSORS: 0,  # the cell count is known once the module is built: no grid dims
+    ShapeKind.BLOCKS: 0,
+}
+PARAMS_SHAPES = (ShapeKind.TENSORS, ShapeKind.BLOCKS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +212,7 @@ class Value:
     axis_names: tuple[str, ...]  # canonical axis names for messages: t x y / i
     clock: str  # "Lamport"
     span: Span
+    module: str | None = None  # PARAMS only: the module binding (`Params[ByteLM]` → "ByteLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +249,7 @@ class Read:
 class RuleKind(StrEnum):
     LOCAL = "local"  # proposes payload for cells of a Seq/Grid value
     SCHEDULE = "schedule"  # proposes events for a Set value (the open set, MaskPlan)
+    MINIMIZE = "minimize"  # proposes new parameters of a Params value: `minimize(Loss(P, data))`
 
 
 @dataclass(frozen=True, slots=True)

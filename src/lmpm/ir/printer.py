@@ -75,6 +75,9 @@ def axis_str(a: Axis) -> str:
         case AxisKind.REGION:
             assert a.call is not None
             return call_str(a.call)
+        case AxisKind.GLOB:
+            assert a.pattern is not None
+            return _quote(a.pattern)
     raise AssertionError(a.kind)
 
 
@@ -98,7 +101,7 @@ def arg_str(a: Arg) -> str:
         case ArgKind.FLOAT:
             body = repr(float(a.value))  # type: ignore[arg-type]  # shortest round-trip form
         case ArgKind.STR:
-            body = '"' + str(a.value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+            body = _quote(str(a.value))
         case ArgKind.EXPR:
             assert a.expr is not None
             body = expr_str(a.expr)
@@ -113,6 +116,10 @@ def arg_str(a: Arg) -> str:
         case ArgKind.OF:
             body = " of ".join(arg_str(x) for x in a.parts)
     return key + body
+
+
+def _quote(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def call_str(c: Call) -> str:
@@ -147,7 +154,9 @@ def print_ir(p: Program) -> str:
         note = "" if prm.declared else "  // implicit: bind with --set"
         out.append(f"param {prm.name}{default}{note}")
     for v in p.values:
-        if v.vocab is not None:
+        if v.module is not None:
+            dtype = f"Params[{v.module}]"
+        elif v.vocab is not None:
             vocab = expr_str(v.vocab)
             shown = vocab if v.vocab_name in (None, vocab) else f"{v.vocab_name}={vocab}"
             dtype = f"{v.dtype.value.capitalize()}[{shown}]"

@@ -94,6 +94,8 @@ def _primitive(x: Any, hint: Any) -> bool:
         return isinstance(x, bool)
     if hint is int:
         return type(x) is int
+    if hint is float:
+        return type(x) in (int, float)
     if hint is str:
         return isinstance(x, str)
     if hint is type(None):
@@ -125,7 +127,7 @@ def _decode(x: Any, hint: Any, file: str) -> Any:
                 return o(x)
             if o is Span:
                 return _decode(x, Span, file)
-        if not any(_primitive(x, o) for o in opts if o in (int, str, bool)):
+        if not any(_primitive(x, o) for o in opts if o in (int, float, str, bool)):
             raise IRFormatError(
                 f"malformed IR document: {json.dumps(x)[:40]} is not one of {hint}", code="I002"
             )
