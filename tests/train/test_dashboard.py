@@ -320,3 +320,15 @@ def test_render_training_run_without_epochs(tmp_path: Path) -> None:
     rc, _, err = cli("render", str(tmp_path / "run"))
     assert rc == 0, err
     assert (tmp_path / "run" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_many_workers_are_capped_not_ready_first(tmp_path: Path) -> None:
+    log = TrainLog.create(tmp_path / "run", {**META, "workers": 40})
+    for i in range(40):
+        state = "restarting" if i == 37 else "ready"
+        log.worker(f"w{i:02d}", backend="cpu", host="h", pid=i, state=state, restarts=0)
+    log.close()
+    text = rendered(tmp_path / "run")
+    assert "w37" in text and "restarting" in text  # shown although it sorts last
+    assert "w00" in text and "w39" not in text
+    assert "24 more workers" in text

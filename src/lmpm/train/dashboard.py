@@ -32,6 +32,7 @@ from lmpm.train.log import TrainHistory
 
 GRAPH_HEIGHT = 10  # rows of the loss plot (each row is 4 braille dots high)
 FAULT_ROWS = 4  # the last worker_faults rows shown
+WORKER_ROWS = 16  # workers shown (those not ready first); the rest are counted
 STATUS_STYLE = {"running": "bold cyan", "finished": "bold green", "failed": "bold red"}
 TRAIN_STYLE = "cyan"
 EVAL_STYLE = "bold magenta"
@@ -148,7 +149,9 @@ def _workers(h: TrainHistory) -> RenderableType:
         t.add_column(name)
     t.add_column("last loss", justify="right")
     t.add_column("tokens", justify="right")
-    for w in sorted(set(live) | set(latest)):
+    names = sorted(set(live) | set(latest))
+    names.sort(key=lambda w: str(live.get(w, {}).get("state")) in ("ready", "running", "idle"))
+    for w in names[:WORKER_ROWS]:
         row = live.get(w, {})
         state = str(row.get("state", "?"))
         last = latest.get(w)
@@ -162,8 +165,10 @@ def _workers(h: TrainHistory) -> RenderableType:
             f"{last['last_loss']:.4f}" if last else "-",
             f"{tokens[w]:,}" if w in tokens else "-",
         )
-    if not live and not latest:
+    if not names:
         return Text("no workers yet", style="dim")
+    if len(names) > WORKER_ROWS:
+        return Group(t, Text(f"{len(names) - WORKER_ROWS} more workers", style="dim"))
     return t
 
 
