@@ -23,7 +23,7 @@ import pytest
 from rich.console import Console
 
 from lmpm.cli import main
-from lmpm.train.dashboard import frame, loss_plot
+from lmpm.train.dashboard import frame, loss_plot, policy_text
 from lmpm.train.log import ConstraintRow, EpochRow, TrainLog, WorkerRow, read
 
 GOLDEN = Path(__file__).with_name("golden")
@@ -32,9 +32,8 @@ META = {
     "program": "examples/bytelm.lmpm",
     "module": "ByteLM",
     "workers": 2,
-    "policy": "diloco",
-    "outer_lr": 0.7,
-    "momentum": 0.9,
+    "driver": "local",
+    "policy": {"kind": "diloco", "outer_lr": 0.7, "momentum": 0.9, "nesterov": True},
     "steps": H,
     "batch": 4,
     "epochs": 4,
@@ -115,7 +114,9 @@ def test_frame_parts(finished_run: Path) -> None:
         "finished",
         "4 / 4",
         "42.5 s",
-        "diloco(outer_lr=0.7, momentum=0.9)",
+        "policy   diloco",
+        "outer_lr=0.7 momentum=0.9 nesterov",
+        "2 (local driver)",
         "8 inner steps, batch 4",
         "gpu-b",
         "4202",
@@ -156,7 +157,7 @@ def test_top_once_real_process(finished_run: Path) -> None:
         check=False,
     )
     assert res.returncode == 0, res.stderr
-    assert "diloco(outer_lr=0.7, momentum=0.9)" in res.stdout
+    assert "outer_lr=0.7 momentum=0.9 nesterov" in res.stdout
     assert "Traceback" not in res.stderr
 
 
@@ -325,10 +326,18 @@ def test_render_training_run_without_epochs(tmp_path: Path) -> None:
 def test_many_workers_are_capped_not_ready_first(tmp_path: Path) -> None:
     log = TrainLog.create(tmp_path / "run", {**META, "workers": 40})
     for i in range(40):
-        state = "restarting" if i == 37 else "ready"
+        state = "restarting" if i == 37 else "training"
         log.worker(f"w{i:02d}", backend="cpu", host="h", pid=i, state=state, restarts=0)
     log.close()
     text = rendered(tmp_path / "run")
     assert "w37" in text and "restarting" in text  # shown although it sorts last
     assert "w00" in text and "w39" not in text
     assert "24 more workers" in text
+
+
+def test_policy_as_a_kind_with_top_level_parameters() -> None:
+    meta = {"policy": "diloco", "momentum": 0.0, "outer_lr": 0.5, "nesterov": False, "batch": 3}
+    assert policy_text(meta) == "diloco(outer_lr=0.5, momentum=0.0)"
+    meta = {"policy": {"kind": "diloco", "nesterov": True, "momentum": 0.9, "outer_lr": 0.7}}
+    assert policy_text(meta) == "diloco(outer_lr=0.7, momentum=0.9, nesterov)"
+    assert policy_text({}) == "?"

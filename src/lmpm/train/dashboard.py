@@ -33,6 +33,7 @@ from lmpm.train.log import TrainHistory
 GRAPH_HEIGHT = 10  # rows of the loss plot (each row is 4 braille dots high)
 FAULT_ROWS = 4  # the last worker_faults rows shown
 WORKER_ROWS = 16  # workers shown (those not ready first); the rest are counted
+HEALTHY = ("ready", "running", "training", "idle", "done")  # worker states listed after the others
 STATUS_STYLE = {"running": "bold cyan", "finished": "bold green", "failed": "bold red"}
 TRAIN_STYLE = "cyan"
 EVAL_STYLE = "bold magenta"
@@ -87,12 +88,18 @@ def _status(h: TrainHistory, now: float | None) -> RenderableType:
     grid.add_row("epoch", f"{done} / {planned}" if planned is not None else str(done))
     elapsed = _elapsed(m, now)
     grid.add_row("elapsed", duration(elapsed) if elapsed is not None else "?")
-    grid.add_row("policy", policy_text(m))
+    kind, params = policy_parts(m)
+    grid.add_row("policy", kind)
+    if params:
+        grid.add_row("", " ".join(params))
     inner = f"{m['steps']} inner steps" if m.get("steps") is not None else "?"
     if m.get("batch") is not None:
         inner += f", batch {m['batch']}"
     grid.add_row("H", inner)
-    grid.add_row("workers", str(_count(m.get("workers"), len(h.workers))))
+    workers = str(_count(m.get("workers"), len(h.workers)))
+    if m.get("driver"):
+        workers += f" ({m['driver']} driver)"
+    grid.add_row("workers", workers)
     if m.get("error"):
         grid.add_row("error", Text(str(m["error"]), style="red"))
     return grid
@@ -116,22 +123,45 @@ def _count(value: Any, fallback: int) -> int:
     return fallback
 
 
+POLICY_ORDER = ("outer_lr", "momentum", "nesterov")  # the order parameters are shown in
+
+
 def policy_text(meta: dict[str, Any]) -> str:
-    """``diloco(outer_lr=0.7, momentum=0.9, nesterov=True)`` from the run's metadata: ``policy``
-    is a kind (its parameters then top-level keys) or a mapping with a ``kind``."""
+    """``diloco(outer_lr=0.7, momentum=0.9, nesterov)`` from the run's metadata: ``policy`` is a
+    mapping with a ``kind`` (what :mod:`lmpm.train.run` writes) or a kind (its parameters then
+    top-level keys). A true flag is its name; a false one is left out.
+
+    >>> policy_text({"policy": {"kind": "diloco", "outer_lr": 0.7, "momentum": 0.9}})
+    'diloco(outer_lr=0.7, momentum=0.9)'
+    >>> policy_text({"policy": "average"})
+    'average'
+    """
+    kind, params = policy_parts(meta)
+    return f"{kind}({', '.join(params)})" if params else kind
+
+
+def policy_parts(meta: dict[str, Any]) -> tuple[str, list[str]]:
+    """(kind, ``["outer_lr=0.7", "momentum=0.9", "nesterov"]``) of the run's commit policy."""
     policy = meta.get("policy")
     if isinstance(policy, dict):
         kind = str(policy.get("kind", "?"))
         params = {k: v for k, v in policy.items() if k != "kind"}
     elif policy is None:
-        return "?"
+        return "?", []
     else:
         kind = str(policy)
-        keys = ("outer_lr", "momentum", "nesterov") if kind == "diloco" else ()
+        keys = POLICY_ORDER if kind == "diloco" else ()
         params = {k: meta[k] for k in keys if k in meta}
-    if not params:
-        return kind
-    return f"{kind}(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")"
+    ordered = [k for k in POLICY_ORDER if k in params] + sorted(set(params) - set(POLICY_ORDER))
+    out = []
+    for k in ordered:
+        v = params[k]
+        if isinstance(v, bool):
+            if v:
+                out.append(k)
+        else:
+            out.append(f"{k}={v}")
+    return kind, out
 
 
 # ---- workers ----------------------------------------------------------------------------------------
@@ -150,7 +180,7 @@ def _workers(h: TrainHistory) -> RenderableType:
     t.add_column("last loss", justify="right")
     t.add_column("tokens", justify="right")
     names = sorted(set(live) | set(latest))
-    names.sort(key=lambda w: str(live.get(w, {}).get("state")) in ("ready", "running", "idle"))
+    names.sort(key=lambda w: str(live.get(w, {}).get("state")) in HEALTHY)
     for w in names[:WORKER_ROWS]:
         row = live.get(w, {})
         state = str(row.get("state", "?"))
@@ -173,11 +203,11 @@ def _workers(h: TrainHistory) -> RenderableType:
 
 
 def _state_style(state: str) -> str:
-    if state in ("failed", "dead", "lost"):
+    if state in HEALTHY:
+        return "green"
+    if state in ("failed", "dead", "lost", "exited"):
         return "red"
-    if state in ("restarting", "starting"):
-        return "yellow"
-    return "green"
+    return "yellow"  # starting, restarting, ...
 
 
 # ---- loss -------------------------------------------------------------------------------------------
