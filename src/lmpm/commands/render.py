@@ -5,7 +5,9 @@
   ``lmpm.models.world``; other vocabularies a categorical colour map; unset cells are dark grey);
 - ``Token[Byte]`` sequences: the text (``NAME.txt``; unset bytes shown as ``_``), also printed;
 - with a run database in RUN_DIR (``lmpm.db``, the commit log and trace): a plot of violations per constraint per epoch
-  (``violations.png``).
+  (``violations.png``);
+- a training run (``train.db`` and no ``lmpm.db``): the loss curve, ``RUN_DIR/loss.png`` (or
+  ``--out DIR/loss.png``), see :mod:`lmpm.train.plots`.
 
 Value types come from the program: ``--program FILE``, else the program source and parameters the
 run database stores, else they are guessed from the arrays (1-D integer arrays of bytes are text, 2-D and
@@ -35,7 +37,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--program", metavar="FILE", help="the .lmpm program (value types, vocabularies)"
     )
-    p.add_argument("--out", metavar="DIR", help="write pictures here (default RUN_DIR/render)")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write pictures here (default RUN_DIR/render; RUN_DIR for a training run)",
+    )
     p.add_argument("--scale", type=int, default=8, help="pixels per cell (default 8)")
     p.add_argument("--fps", type=float, default=3.0, help="GIF frames per second (default 3)")
     p.add_argument("--value", action="append", default=[], help="render only these values")
@@ -57,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"no such run directory: {run_dir}", code="U030")
+    if (run_dir / "train.db").is_file() and trace_db(run_dir) is None:
+        return render_training(run_dir, Path(args.out) if args.out else run_dir)
     arrays = {p.stem: np.load(p, allow_pickle=False) for p in sorted(run_dir.glob("*.npy"))}
     if args.value:
         missing = [v for v in args.value if v not in arrays]
@@ -92,6 +100,18 @@ def run(args: argparse.Namespace) -> int:
             written.append(plot)
     for p in written:
         sys.stderr.write(f"wrote {p}\n")
+    return 0
+
+
+def render_training(run_dir: Path, out: Path) -> int:
+    """The loss curve of a training run: ``OUT/loss.png``."""
+    from lmpm.train.log import read
+    from lmpm.train.plots import plot_loss
+
+    history = read(run_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = plot_loss(history, out / "loss.png")
+    sys.stderr.write(f"wrote {path}\n")
     return 0
 
 
