@@ -209,6 +209,14 @@ def run(args: argparse.Namespace) -> int:
     print_diagnostics([d for d in front.diagnostics if d.severity == "error"], False)
     if front.errors:
         return 1
+    from lmpm.train.frontend import is_training, train_spec
+
+    if is_training(front.ir):
+        from lmpm.train.cli import run_training
+
+        spec = train_spec(front.ir, params)
+        assert spec is not None
+        return run_training(args, spec, path.read_text(encoding="utf-8"), params, out_dir)
     inputs = _inputs(args.input)
     seed = args.seed if args.seed is not None else 0
     backend = args.backend or "cpu"
