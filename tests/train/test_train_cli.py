@@ -1,0 +1,136 @@
+"""`lmpm run` of a training program, end to end in real subprocesses (small sizes), and its
+usage errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmpm.cli import main
+from lmpm.train import log as tlog
+from lmpm.train.run import parameters
+
+ROOT = Path(__file__).resolve().parents[2]
+PROGRAM = ROOT / "examples" / "train_bytelm.lmpm"
+INPUTS = [
+    "--input",
+    f"Corpus={ROOT / 'examples' / 'train' / 'corpus.npy'}",
+    "--input",
+    f"Held={ROOT / 'examples' / 'train' / 'held.npy'}",
+]
+SMALL = ["--set", "H=2", "--set", "B=2"]
+
+
+def lmpm(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lmpm", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        check=False,
+    )
+
+
+def test_run_top_render(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    p = lmpm("run", str(PROGRAM), *INPUTS, *SMALL, "--epochs", "3", "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "trained 3 epochs × 2 steps on 1 worker(s)" in p.stderr
+    h = tlog.read(out)
+    assert h.meta["status"] == "finished" and h.meta["source"] == PROGRAM.read_text()
+    assert len(h.epochs) == 3 and len(h.steps) == 6
+    theta = parameters(out / "Theta.safetensors")
+    assert "head.weight" in theta
+    top = lmpm("top", str(out), "--once")
+    assert top.returncode == 0, top.stderr
+    assert "finished" in top.stdout and "diloco" in top.stdout
+    png = lmpm("render", str(out))
+    assert png.returncode == 0, png.stderr
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same directory again: refused; --force starts over
+    again = lmpm("run", str(PROGRAM), *INPUTS, *SMALL, "--epochs", "1", "--out", str(out))
+    assert again.returncode == 1 and "already holds a run" in again.stderr
+    forced = lmpm(
+        "run", str(PROGRAM), *INPUTS, *SMALL, "--epochs", "1", "--out", str(out), "--force"
+    )
+    assert forced.returncode == 0, forced.stderr
+    assert len(tlog.read(out).epochs) == 1
+
+
+def test_injected_kill_is_survived_and_recorded(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    p = lmpm(
+        "run",
+        str(PROGRAM),
+        *INPUTS,
+        *SMALL,
+        "--epochs",
+        "3",
+        "--workers",
+        "2",
+        "--out",
+        str(out),
+        env={"LMPM_INJECT_FAULT": "w1:propose:2"},
+    )
+    assert p.returncode == 0, p.stderr
+    assert "1 worker fault(s) survived" in p.stderr
+    h = tlog.read(out)
+    assert [(f["worker"], f["epoch"], f["cause"]) for f in h.faults] == [("w1", 2, "died")]
+    top = lmpm("top", str(out), "--once")
+    assert "w1" in top.stdout and "died" in top.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ([], "needs --epochs N"),
+        (["--epochs", "1", "--trace", "cells"], "--trace applies to cell programs"),
+        (["--epochs", "1", "--driver", "process"], "--driver process: a training run"),
+        (["--epochs", "1", "--input", "Nope=x.npy"], "no data value `Nope`"),
+    ],
+)
+def test_usage_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], says: str
+) -> None:
+    rc = main(["run", str(PROGRAM), *INPUTS, *SMALL, "--out", str(tmp_path / "r"), *extra])
+    assert rc == 2
+    assert says in capsys.readouterr().err
+
+
+def test_missing_data_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["run", str(PROGRAM), "--epochs", "1", "--out", str(tmp_path / "r")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "needs every data value" in err and "Corpus=FILE" in err and "Held=FILE" in err
+
+
+def test_bad_data_file_is_an_input_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "c.npy"
+    import numpy as np
+
+    np.save(bad, np.zeros((3, 3), dtype=np.int64))
+    rc = main(
+        [
+            "run",
+            str(PROGRAM),
+            "--input",
+            f"Corpus={bad}",
+            *INPUTS[2:],
+            *SMALL,
+            "--epochs",
+            "1",
+            "--out",
+            str(tmp_path / "r"),
+        ]
+    )
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "[64, 8192]" in err and "Traceback" not in err
