@@ -246,8 +246,7 @@ class Trainer:
     def _checkpoint(self, epoch: int) -> tuple[str, int, str] | None:
         if self._ckdir is None:
             if isinstance(self.driver, RayDriver):  # recovery needs a file: the driver's tmp dir
-                path = self.driver.checkpoint_dir / f"params-{epoch:06d}.safetensors"
-                self.driver.save(path, epoch)
+                self.driver.save(self.driver.checkpoint_dir / "params.safetensors", epoch)
             return None
         rel = f"{CHECKPOINTS}/params-{epoch:06d}.safetensors"
         path = self._ckdir.parent / rel

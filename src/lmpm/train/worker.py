@@ -90,7 +90,7 @@ class Committed:
     epoch: int
     checksum: int
     projected: list[int]  # cells pulled back onto a norm bound
-    eval_loss: float | None  # the score of the committed θ (worker 0 only)
+    eval_loss: float | None  # the score of the committed θ (worker 0, every eval_every epochs)
 
 
 class TrainWorker:
@@ -145,6 +145,12 @@ class TrainWorker:
             self.shards.append(data[d.name][lo:hi])
         self.held = [data[d.name] for d in rule.eval_data]
         self.total_steps = max(int(total_steps), 1)
+        # the score of the committed θ costs a pass over the held-out rows: done every k epochs,
+        # k such that it reads about as many rows as the epoch trained on (and at the last epoch)
+        trained = max(rule.steps * rule.batch * world, 1)
+        held = self.held[0].shape[0] if self.held else 0
+        self.eval_every = max(1, -(-held // trained))
+        self.last_epoch = self.total_steps // max(rule.steps, 1)
         self.step = 0  # inner steps taken (the schedule's clock)
         self.proposed: list[Tensor] | None = None
 
@@ -275,7 +281,8 @@ class TrainWorker:
                         projected.append(ci)
         self.proposed = None
         ev = None
-        if self.rank == 0 and self.eval is not None:
+        due = epoch % self.eval_every == 0 or epoch >= self.last_epoch
+        if self.rank == 0 and self.eval is not None and due:
             with torch.no_grad():
                 for p, c in zip(self.params, self.committed, strict=True):
                     p.copy_(c)
