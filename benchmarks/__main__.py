@@ -40,6 +40,7 @@ SCRIPTS = (
     "vm",
     "epoch_overhead",
     "distributed",
+    "training",
 )
 TIMEOUT_S = 300  # per script
 
@@ -100,11 +101,19 @@ CLAIMS = (
           "kill_to_progress_s", "<=", 5.0, lambda x: f"{x:.2f} s"),
     Claim("distributed", "commits identical with a killed worker", {"case": "recovery"},
           "identical", "==", 1.0, lambda x: "yes" if x else "NO"),
+    Claim("training", "DiLoCo H=50: bytes / synchronous (H=1) baseline's", {"case": "diloco"},
+          "bytes_ratio", "<=", 1 / 40, lambda x: f"1/{1 / x:.0f}"),
+    Claim("training", "DiLoCo H=50: held-out loss / baseline's", {"case": "diloco"},
+          "loss_ratio", "<=", 1.03, lambda x: f"{x:.3f}"),
+    Claim("training", "worker SIGKILLed mid inner loop: loss / fault-free", {"case": "fault"},
+          "loss_ratio", "<=", 1.03, lambda x: f"{x:.3f}"),
 )  # fmt: skip
 INFO = (  # measured and shown, no goal
     ("trace", "`--durable` (synchronous=FULL) cost vs default", {"case": "durable"}, "overhead",
      _pct),
     ("trace", "`--trace cells` (32×32 region) overhead", {"case": "trace_cells"}, "overhead", _pct),
+    ("training", "training tokens/s, 4 Ray workers vs 1 in-process", {"case": "scaling"}, "ratio",
+     lambda x: f"{x:.2f}×"),
     ("epoch_overhead", "text epoch: µs outside the model (p10)", {"case": "text"},
      "outside_us_p10", lambda x: f"{x:.0f} µs"),
 )  # fmt: skip

@@ -9,7 +9,7 @@ By default the model is trained *through LMPM*: examples/train_bytelm.lmpm (a Pa
 proposals are `minimize` steps, committed with DiLoCo across --workers Ray workers) on the data of
 scripts/gen_corpus.py. `--plain` runs the plain PyTorch loop the shipped weights came from.
 
-    python scripts/train_text.py [--workers 4] [--epochs 26] [--out src/lmpm/models/weights]
+    python scripts/train_text.py [--workers 4] [--epochs 20] [--out src/lmpm/models/weights]
     python scripts/train_text.py --plain [--steps 1000] [--seed 0]
 """
 
@@ -40,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--plain", action="store_true", help="the plain PyTorch loop")
     ap.add_argument("--workers", type=int, default=4, help="LMPM workers (Ray actors)")
-    ap.add_argument("--epochs", type=int, default=26, help="LMPM outer steps (H = 50 inner each)")
+    ap.add_argument("--epochs", type=int, default=20, help="LMPM outer steps (H = 50 inner each)")
     ap.add_argument("--run-dir", type=Path, help="LMPM run directory (default: a temporary one)")
     args = ap.parse_args()
     if args.plain:
