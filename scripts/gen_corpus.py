@@ -26,7 +26,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    for name, rows, world in (("corpus", args.rows, TRAIN_WORLD), ("held", args.held, HELDOUT_WORLD)):
+    for name, rows, world in (
+        ("corpus", args.rows, TRAIN_WORLD),
+        ("held", args.held, HELDOUT_WORLD),
+    ):
         arr = text_corpus(rows, world).numpy().astype(np.uint8).T  # [64, rows]
         np.save(args.out / f"{name}.npy", np.ascontiguousarray(arr))
         print(f"wrote {args.out / f'{name}.npy'}: {rows} rows of 64 bytes")

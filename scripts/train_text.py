@@ -11,6 +11,7 @@ scripts/gen_corpus.py. `--plain` runs the plain PyTorch loop the shipped weights
 
     python scripts/train_text.py [--workers 4] [--epochs 20] [--out src/lmpm/models/weights]
     python scripts/train_text.py --plain [--steps 1000] [--seed 0]
+    python scripts/train_text.py --workers 1 --epochs 2 --inner 3    # a smoke run
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="the plain PyTorch loop")
     ap.add_argument("--workers", type=int, default=4, help="LMPM workers (Ray actors)")
     ap.add_argument("--epochs", type=int, default=20, help="LMPM outer steps (H = 50 inner each)")
+    ap.add_argument("--inner", type=int, help="LMPM inner steps per epoch (default: H = 50)")
     ap.add_argument("--run-dir", type=Path, help="LMPM run directory (default: a temporary one)")
     args = ap.parse_args()
     if args.plain:
@@ -48,7 +50,7 @@ def main() -> None:
             args.steps, args.seed, log=lambda s: print(s, file=sys.stderr, flush=True), **CONFIG
         )
     else:
-        model, metrics = train_lmpm(args.workers, args.epochs, args.seed, args.run_dir)
+        model, metrics = train_lmpm(args.workers, args.epochs, args.seed, args.run_dir, args.inner)
     path = _weights.save(model, args.out / "bytelm.safetensors", CONFIG, metrics=metrics)
     metrics["file"] = str(path)
     metrics["bytes"] = path.stat().st_size
@@ -56,7 +58,7 @@ def main() -> None:
 
 
 def train_lmpm(
-    workers: int, epochs: int, seed: int, run_dir: Path | None
+    workers: int, epochs: int, seed: int, run_dir: Path | None, inner: int | None = None
 ) -> tuple[Any, dict[str, Any]]:
     """ByteLM trained by `lmpm run examples/train_bytelm.lmpm` (through the Python API)."""
     import dataclasses
@@ -70,7 +72,7 @@ def train_lmpm(
     from lmpm.train.run import Trainer, load_rows, parameters
 
     assert BYTELM_CONFIG == CONFIG, "the Params module and the shipped model must agree"
-    spec = train_spec(compile_file(PROGRAM).ir, {})
+    spec = train_spec(compile_file(PROGRAM).ir, {} if inner is None else {"H": inner})
     assert spec is not None
     spec = dataclasses.replace(spec, rule=dataclasses.replace(spec.rule, seed=seed))
     data = {

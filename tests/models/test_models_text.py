@@ -71,23 +71,21 @@ def test_text_program_honours_constraint_and_is_deterministic(tmp_path: Path) ->
     assert np.array_equal(out, _run(tmp_path, seed=3))
 
 
-def test_train_text_smoke(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("how", "steps"),
+    [(["--plain", "--steps", "3"], 3), (["--workers", "1", "--epochs", "2", "--inner", "3"], 6)],
+)
+def test_train_text_smoke(tmp_path: Path, how: list[str], steps: int) -> None:
+    """The plain loop, and training through LMPM (examples/train_bytelm.lmpm)."""
     r = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "train_text.py"),
-            "--steps",
-            "3",
-            "--out",
-            str(tmp_path),
-        ],
+        [sys.executable, str(ROOT / "scripts" / "train_text.py"), *how, "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         check=True,
         timeout=300,
     )
     metrics = json.loads(r.stdout.strip().splitlines()[-1])
-    assert metrics["steps"] == 3 and metrics["heldout_bits_per_byte"] > 0
+    assert metrics["steps"] == steps and metrics["heldout_bits_per_byte"] > 0
     assert (tmp_path / "bytelm.safetensors").stat().st_size < 5_000_000
 
 
