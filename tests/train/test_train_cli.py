@@ -134,3 +134,48 @@ def test_bad_data_file_is_an_input_error(
     assert rc == 1
     err = capsys.readouterr().err
     assert "[64, 8192]" in err and "Traceback" not in err
+
+
+def test_kill_9_then_resume_is_the_uninterrupted_run(tmp_path: Path) -> None:
+    """SIGKILL of a training run after two logged epochs; --resume finishes it with the same
+    parameters, epoch for epoch, as a run that was never interrupted (θ, outer momentum, inner
+    optimizer states and schedule steps come back from the checkpoints)."""
+    import signal
+    import sqlite3
+    import time
+
+    # epochs of ~0.5 s: the kill lands in the middle of the third or a later one
+    args = [str(PROGRAM), *INPUTS, "--set", "H=40", "--set", "B=8", "--epochs", "6"]
+    whole = tmp_path / "whole"
+    assert lmpm("run", *args, "--out", str(whole)).returncode == 0
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmpm", "run", *args, "--out", str(cut)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 120
+    done = 0
+    while done < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        try:
+            conn = sqlite3.connect(f"file:{tlog.db_path(cut)}?mode=ro", uri=True)
+            done = conn.execute("SELECT COUNT(*) FROM train_epochs").fetchone()[0]
+            conn.close()
+        except sqlite3.Error:
+            pass
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    logged = len(tlog.read(cut).epochs)
+    assert 2 <= logged < 6
+    assert tlog.read(cut).meta["status"] == "running"  # killed: nobody marked it
+    r = lmpm("run", "--resume", str(cut))
+    assert r.returncode == 0, r.stderr
+    assert f"resumed at epoch {logged + 1}" in r.stderr
+    a, b = tlog.read(whole), tlog.read(cut)
+    assert [e["checksum"] for e in a.epochs] == [e["checksum"] for e in b.epochs]
+    assert b.meta["status"] == "finished" and len(b.meta["resumes"]) == 1
+    again = lmpm("run", "--resume", str(cut))
+    assert again.returncode == 0 and "nothing to do" in again.stderr
+    bad = lmpm("run", "--resume", str(cut), "--epochs", "7", "--workers", "3")
+    assert bad.returncode != 0 and "trained on 1 workers" in bad.stderr

@@ -256,6 +256,9 @@ def test_a_worker_killed_is_respawned_and_the_run_goes_on(
         assert [r["worker"] for r in h.worker_epochs if r["epoch"] == 3] == ["w0", "w1"]
     # every worker holds the same committed parameters after the fault
     assert len({e["checksum"] for e in h.epochs}) == 3
+    if phase == "commit":  # the epoch is redone from the checkpoint: as if nothing happened
+        clean, _ = train(make_spec(), data, epochs=3, workers=2, driver="ray")
+        assert [e.checksum for e in clean.epochs] == [e["checksum"] for e in h.epochs]
 
 
 def test_log_is_marked_failed_with_the_error(data: Any, tmp_path: Path) -> None:

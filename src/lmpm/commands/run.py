@@ -279,6 +279,12 @@ def _resume(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out} differs from --resume {args.resume}", code="U027")
     if not run_dir.is_dir():
         connect(run_dir)  # raises the RunDirError for a missing run
+    from lmpm.train.log import holds_training
+
+    if holds_training(run_dir):
+        from lmpm.train.cli import resume_training
+
+        return resume_training(args, run_dir)
     with RunLock(run_dir, what="resume", create_dir=False):
         return _resume_locked(args, run_dir)
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmpm.errors import LmpmError, RunDirError, UsageError
+from lmpm.errors import RunDirError, UsageError
 from lmpm.train import log as tlog
 from lmpm.train.spec import TrainSpec
 
@@ -81,13 +81,8 @@ def load_data(spec: TrainSpec, inputs: dict[str, str]) -> tuple[dict[str, Any], 
 def run_training(
     args: argparse.Namespace, spec: TrainSpec, source: str, params: dict[str, int], out_dir: Path
 ) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from lmpm.commands.run import _inputs
     from lmpm.runtime.lock import RunLock
-    from lmpm.train.driver import parse_fault
-    from lmpm.train.run import EpochReport, Trainer
 
     refuse_cell_options(args)
     if args.epochs is None:
@@ -101,9 +96,8 @@ def run_training(
     workers = 1 if args.workers is None else args.workers
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be at least 1", code="U080")
-    data, init = load_data(spec, _inputs(args.input))
-    fault = os.environ.get("LMPM_INJECT_FAULT")
-    planned = parse_fault(fault, workers) if fault else None
+    inputs = _inputs(args.input)
+    data, init = load_data(spec, inputs)
     with RunLock(out_dir, what="delete (--force)" if args.force else "write"):
         if tlog.holds_training(out_dir) or (out_dir / "lmpm.db").exists():
             if not args.force:
@@ -116,54 +110,128 @@ def run_training(
                 for suffix in ("", "-wal", "-shm"):
                     (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
             shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
-        console = Console(stderr=True)
-        with Progress(
-            TextColumn("[bold]epoch {task.completed}/{task.total}"),
-            BarColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=args.quiet or not console.is_terminal,
-        ) as bar:
-            task = bar.add_task("train", total=args.epochs, info="starting workers")
+        meta = {
+            "source": source,
+            "params": params,
+            "argv": sys.argv[1:],
+            "inputs": {k: str(Path(v).resolve()) for k, v in inputs.items()},
+            "seed": spec.rule.seed,
+        }
+        return _train(args, spec, data, init, out_dir, workers, args.epochs, meta, resume=False)
 
-            def progress(r: EpochReport) -> None:
-                ev = "" if r.eval_loss is None else f"  held-out {_bits(r.eval_loss)}"
-                rate = r.tokens / r.seconds if r.seconds > 0 else 0.0
-                fl = f"  [yellow]{len(r.faults)} worker fault(s)[/]" if r.faults else ""
-                bar.update(
-                    task,
-                    advance=1,
-                    info=f"loss {_bits(r.loss)}{ev}  {rate:,.0f} tokens/s  "
-                    f"{_human(r.bytes)} exchanged{fl}",
-                )
 
-            trainer = Trainer(
-                spec,
-                data,
-                epochs=args.epochs,
-                workers=workers,
-                driver=args.driver,
-                run_dir=out_dir,
-                init=init,
-                cluster=args.cluster,
-                worker_timeout=args.worker_timeout,
-                meta={"source": source, "params": params, "argv": sys.argv[1:]},
-                progress=progress,
+def resume_training(args: argparse.Namespace, run_dir: Path) -> int:
+    """`lmpm run --resume RUN_DIR [--epochs N]` of a training run: from the last logged epoch's
+    checkpoint (θ, the outer momentum, every worker's inner optimizer and schedule step) on; the
+    rest of the run is what an uninterrupted one would have computed."""
+    from lmpm.ir import compile_source
+    from lmpm.runtime.lock import RunLock
+    from lmpm.train.frontend import train_spec
+
+    refuse_cell_options(args)
+    for flag, given in (("--input", args.input), ("--set", args.set), ("--seed", args.seed)):
+        if given:
+            raise UsageError(
+                f"{flag} with --resume: a resumed training run keeps its recorded settings",
+                code="U094",
             )
-            if planned is not None:
-                w, phase, epoch, how = planned
-                trainer.driver.inject(w, phase, epoch, how)
-            try:
-                res = trainer.run()
-            except LmpmError:
-                raise
+    with RunLock(run_dir, what="resume", create_dir=False):
+        h = tlog.read(run_dir)
+        meta = h.meta
+        workers = int(meta["workers"])
+        if args.workers is not None and args.workers != workers:
+            raise UsageError(
+                f"--workers {args.workers}: {run_dir} was trained on {workers} workers (each "
+                "worker's data shard and inner optimizer belong to the run)",
+                code="D011",
+            )
+        done = h.epochs[-1]["epoch"] if h.epochs else 0
+        epochs = int(args.epochs if args.epochs is not None else meta["epochs"])
+        if epochs <= done:
+            sys.stderr.write(f"{run_dir} has trained {done} of {epochs} epochs: nothing to do\n")
+            return 0
+        front = compile_source(meta["source"], file=str(meta["program"]), overrides=meta["params"])
+        spec = train_spec(front.ir, meta["params"])
+        assert spec is not None
+        spec = dataclasses.replace(
+            spec, rule=dataclasses.replace(spec.rule, seed=int(meta.get("seed", spec.rule.seed)))
+        )
+        data, init = load_data(spec, dict(meta.get("inputs", {})))
+        if args.driver is None:
+            args.driver = meta.get("driver")
+        extra = {"argv": sys.argv[1:]}
+        return _train(args, spec, data, init, run_dir, workers, epochs, extra, resume=True)
+
+
+def _train(
+    args: argparse.Namespace,
+    spec: TrainSpec,
+    data: dict[str, Any],
+    init: Any,
+    out_dir: Path,
+    workers: int,
+    epochs: int,
+    meta: dict[str, Any],
+    *,
+    resume: bool,
+) -> int:
+    """Run the trainer under a progress bar; the closing line."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lmpm.train.driver import parse_fault
+    from lmpm.train.run import EpochReport, Trainer
+
+    fault = os.environ.get("LMPM_INJECT_FAULT")
+    planned = parse_fault(fault, workers) if fault else None
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("[bold]epoch {task.completed}/{task.total}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.quiet or not console.is_terminal,
+    ) as bar:
+        task = bar.add_task("train", total=epochs, info="starting workers")
+
+        def progress(r: EpochReport) -> None:
+            ev = "" if r.eval_loss is None else f"  held-out {_bits(r.eval_loss)}"
+            rate = r.tokens / r.seconds if r.seconds > 0 else 0.0
+            fl = f"  [yellow]{len(r.faults)} worker fault(s)[/]" if r.faults else ""
+            bar.update(
+                task,
+                completed=r.epoch,
+                info=f"loss {_bits(r.loss)}{ev}  {rate:,.0f} tokens/s  "
+                f"{_human(r.bytes)} exchanged{fl}",
+            )
+
+        trainer = Trainer(
+            spec,
+            data,
+            epochs=epochs,
+            workers=workers,
+            driver=args.driver,
+            run_dir=out_dir,
+            init=init,
+            cluster=args.cluster,
+            worker_timeout=args.worker_timeout,
+            meta=meta,
+            progress=progress,
+            resume=resume,
+        )
+        bar.update(task, completed=trainer.first - 1)
+        if planned is not None:
+            w, phase, epoch, how = planned
+            trainer.driver.inject(w, phase, epoch, how)
+        res = trainer.run()
     ev = "" if res.eval_loss is None else f", held-out {_bits(res.eval_loss)}"
     fl = f"; {len(res.faults)} worker fault(s) survived" if res.faults else ""
+    what = f"resumed at epoch {trainer.first}, " if resume else ""
     sys.stderr.write(
-        f"trained {len(res.epochs)} epochs × {spec.rule.steps} steps on {workers} worker(s): "
-        f"loss {_bits(res.loss)}{ev}; {res.tokens:,} tokens, {_human(res.bytes)} exchanged, "
-        f"{res.seconds:.1f} s{fl}; wrote {res.output} (watch: lmpm top {out_dir})\n"
+        f"{what}trained {len(res.epochs)} epochs × {spec.rule.steps} steps on {workers} "
+        f"worker(s): loss {_bits(res.loss)}{ev}; {res.tokens:,} tokens, {_human(res.bytes)} "
+        f"exchanged, {res.seconds:.1f} s{fl}; wrote {res.output} (watch: lmpm top {out_dir})\n"
     )
     return 0
 

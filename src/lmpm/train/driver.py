@@ -36,7 +36,7 @@ from torch import Tensor
 from lmpm.errors import LmpmError, RuntimeFault, UsageError
 from lmpm.runtime.lock import atomic_write
 from lmpm.train.spec import TrainSpec
-from lmpm.train.worker import Committed, Proposal, TrainWorker
+from lmpm.train.worker import Committed, Proposal, TrainWorker, inner_path
 
 DEFAULT_TIMEOUT = 600.0  # seconds one worker's inner loop may take before it counts as hung
 MAX_RETRIES = 3
@@ -139,10 +139,18 @@ class LocalDriver:
         w = self.workers[0]
         return save_state(path, w.state(), w.step, epoch)
 
+    def checkpoint(self, path: Path, epoch: int) -> tuple[int, str]:
+        """The parameters (worker 0) and every worker's inner state beside them."""
+        for w in self.workers:
+            w.save_inner(inner_path(path, w.rank))
+        return self.save(path, epoch)
+
     def restore(self, path: Path) -> None:
         state, step = load_state(path)
         for w in self.workers:
             w.load_state(state, step)
+            w.load_inner(inner_path(path, w.rank))
+            w.proposed = None
 
     def info(self) -> list[dict[str, Any]]:
         return [
@@ -254,9 +262,14 @@ class TrainActor:
     def save(self, path: str, epoch: int) -> tuple[int, str]:
         return save_state(Path(path), self.w.state(), self.w.step, epoch)
 
+    def checkpoint(self, path: str, epoch: int) -> tuple[int, str] | None:
+        self.w.save_inner(inner_path(Path(path), self.rank))
+        return self.save(path, epoch) if self.rank == 0 else None
+
     def restore(self, path: str) -> None:
         state, step = load_state(Path(path))
         self.w.load_state(state, step)
+        self.w.load_inner(inner_path(Path(path), self.rank))
         self.w.proposed = None
 
     def inject(self, phase: str, epoch: int, how: str) -> None:
@@ -472,8 +485,12 @@ class RayDriver:
     def _restore_all(self) -> None:
         if self.last_checkpoint is None:
             raise WorkerLost("every worker was lost before the first checkpoint", code="R061")
-        path = str(self.last_checkpoint)
-        self._get([a.restore.remote(path) for a in self.actors], START_LIMIT)
+        self.restore(self.last_checkpoint)
+
+    def restore(self, path: Path) -> None:
+        """Every worker back to a checkpoint: θ, momentum, its inner optimizer and step."""
+        self._get([a.restore.remote(str(path)) for a in self.actors], START_LIMIT)
+        self.last_checkpoint = path
 
     def commit(self, epoch: int, weights: list[list[float]], keep: list[bool]) -> list[Committed]:
         """Every worker all-reduces and applies the outer step. A worker lost here leaves the others
@@ -494,8 +511,13 @@ class RayDriver:
 
     def save(self, path: Path, epoch: int) -> tuple[int, str]:
         out = self._get([self.actors[0].save.remote(str(path), epoch)], START_LIMIT)[0]
-        self.last_checkpoint = path
         return tuple(out)  # type: ignore[return-value]
+
+    def checkpoint(self, path: Path, epoch: int) -> tuple[int, str]:
+        """The parameters (worker 0) and every worker's inner state; recovery restores it."""
+        out = self._get([a.checkpoint.remote(str(path), epoch) for a in self.actors], START_LIMIT)
+        self.last_checkpoint = path
+        return tuple(out[0])  # type: ignore[return-value]
 
     def info(self) -> list[dict[str, Any]]:
         return [

@@ -223,10 +223,12 @@ class TrainLog:
         steps: Sequence[float] = (),
         constraints: Sequence[ConstraintRow] = (),
         checkpoint: tuple[str, int, str] | None = None,
+        meta: Mapping[str, Any] | None = None,
     ) -> None:
         """Append one epoch, all or nothing. ``steps``: the mean loss of each inner step of the
         epoch (numbered on from the log's last step); ``checkpoint``: (file, bytes, sha256) of the
-        parameters file already renamed into place."""
+        parameters file already renamed into place; ``meta``: metadata that changes with the epoch
+        (the cells' clocks), in the same transaction."""
         c = self.conn
         try:
             c.execute("BEGIN IMMEDIATE")
@@ -249,6 +251,10 @@ class TrainLog:
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
                     (row.epoch, *checkpoint, time.time()),
                 )
+            c.executemany(
+                "INSERT OR REPLACE INTO meta VALUES (?, ?)",
+                [(k, json.dumps(v, sort_keys=True)) for k, v in (meta or {}).items()],
+            )
             c.execute("COMMIT")
         except sqlite3.Error as e:
             if c.in_transaction:

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmpm.errors import InputError, RuntimeFault
+from lmpm.errors import InputError, RunDirError, RuntimeFault, UsageError
+from lmpm.runtime.commitlog import file_sha256
 from lmpm.train import log as tlog
 from lmpm.train.driver import (
     MAX_RETRIES,
@@ -38,7 +39,7 @@ from lmpm.train.driver import (
 )
 from lmpm.train.policy import Decision, decide
 from lmpm.train.spec import DataSpec, TrainSpec
-from lmpm.train.worker import Committed, Proposal, ring_bytes
+from lmpm.train.worker import Committed, Proposal, inner_path, ring_bytes
 
 CHECKPOINTS = "checkpoints"
 KEEP = 2  # newest checkpoints kept (besides epoch 0's)
@@ -160,9 +161,8 @@ class Trainer:
         threads: int | None = None,
         meta: dict[str, Any] | None = None,
         progress: Callable[[EpochReport], None] | None = None,
+        resume: bool = False,
     ) -> None:
-        from lmpm.errors import UsageError
-
         if epochs < 1:
             raise UsageError(f"--epochs {epochs}: a training run needs at least one", code="U091")
         if workers < 1:
@@ -180,7 +180,30 @@ class Trainer:
         self.progress = progress
         total = epochs * spec.rule.steps
         self.log: tlog.TrainLog | None = None
-        if self.run_dir is not None:
+        self.first = 1  # the first epoch this run trains
+        restart: Path | None = None
+        clocks: list[int] | None = None
+        if resume:
+            if self.run_dir is None:
+                raise UsageError("resuming needs the run directory", code="U026")
+            hist = tlog.read(self.run_dir)
+            self.first = (hist.epochs[-1]["epoch"] if hist.epochs else 0) + 1
+            ck = {c["epoch"]: c for c in hist.checkpoints}.get(self.first - 1)
+            restart = self.run_dir / ck["file"] if ck is not None else None
+            if restart is None or not restart.is_file():
+                raise RunDirError(
+                    f"{self.run_dir}: the checkpoint of epoch {self.first - 1} is missing",
+                    code="D020",
+                    hint="start the run over (--force)",
+                )
+            if file_sha256(restart) != ck["sha256"]:  # type: ignore[index]
+                raise RunDirError(f"{restart} does not match its checksum in the log", code="D021")
+            clocks = hist.meta.get("clocks")
+            self.log = tlog.TrainLog.open(self.run_dir)
+            resumes = [*hist.meta.get("resumes", []), {"at": time.time(), "from": self.first - 1}]
+            self.log.set_meta({"epochs": epochs, "resumes": resumes, **(meta or {})})
+            self.log.mark("running")
+        elif self.run_dir is not None:
             self.log = tlog.TrainLog.create(
                 self.run_dir,
                 {
@@ -219,9 +242,18 @@ class Trainer:
             self._fail(e)
             raise
         self.names = self.driver.names()
-        self.clocks = [0] * len(self.names)
+        self.clocks = list(clocks) if clocks else [0] * len(self.names)
         self._ckdir = ckdir
         self._kept: list[Path] = []
+        if restart is not None:
+            try:
+                self.driver.restore(restart)
+            except BaseException as e:
+                self._fail(e)
+                self.driver.close()
+                raise
+            assert ckdir is not None
+            self._kept = sorted(p for p in ckdir.glob("params-*.safetensors") if p.name != _ck(0))
 
     def _fail(self, e: BaseException) -> None:
         if self.log is not None:
@@ -244,17 +276,22 @@ class Trainer:
             )
 
     def _checkpoint(self, epoch: int) -> tuple[str, int, str] | None:
+        """θ and the outer momentum (worker 0) and every worker's inner state, renamed into place
+        before the log names them; the newest KEEP epochs are kept, and epoch 0's."""
         if self._ckdir is None:
             if isinstance(self.driver, RayDriver):  # recovery needs a file: the driver's tmp dir
-                self.driver.save(self.driver.checkpoint_dir / "params.safetensors", epoch)
+                self.driver.checkpoint(self.driver.checkpoint_dir / "params.safetensors", epoch)
             return None
-        rel = f"{CHECKPOINTS}/params-{epoch:06d}.safetensors"
+        rel = f"{CHECKPOINTS}/{_ck(epoch)}"
         path = self._ckdir.parent / rel
-        nbytes, sha = self.driver.save(path, epoch)
+        nbytes, sha = self.driver.checkpoint(path, epoch)
         if epoch > 0:
             self._kept.append(path)
             while len(self._kept) > KEEP:
-                self._kept.pop(0).unlink(missing_ok=True)
+                old = self._kept.pop(0)
+                old.unlink(missing_ok=True)
+                for i in range(self.workers):
+                    inner_path(old, i).unlink(missing_ok=True)
         return rel, nbytes, sha
 
     def _epoch(self, epoch: int) -> tuple[list[Proposal | None], Decision, list[Committed]]:
@@ -286,14 +323,16 @@ class Trainer:
     def _run(self) -> TrainResult:
         t_start = time.perf_counter()
         result = TrainResult()
-        ck0 = self._checkpoint(0)
-        if self.log is not None and ck0 is not None:
-            self.log.conn.execute(
-                "INSERT OR REPLACE INTO checkpoints VALUES (0, ?, ?, ?, ?)", (*ck0, time.time())
-            )
+        if self.first == 1:
+            ck0 = self._checkpoint(0)
+            if self.log is not None and ck0 is not None:
+                self.log.conn.execute(
+                    "INSERT OR REPLACE INTO checkpoints VALUES (0, ?, ?, ?, ?)",
+                    (*ck0, time.time()),
+                )
         self._workers_table("training")
         numel = self.driver.numel()
-        for epoch in range(1, self.epochs + 1):
+        for epoch in range(self.first, self.epochs + 1):
             t0 = time.perf_counter()
             props, dec, done = self._epoch(epoch)
             sums = {c.checksum for c in done}
@@ -389,6 +428,7 @@ class Trainer:
                         for r in dec.constraints
                     ],
                     checkpoint=ck,
+                    meta={"clocks": self.clocks},
                 )
                 if faults:
                     self._workers_table("training")
@@ -406,6 +446,10 @@ class Trainer:
             self.log.close()
             self.log = None
         return result
+
+
+def _ck(epoch: int) -> str:
+    return f"params-{epoch:06d}.safetensors"
 
 
 def _policy_meta(spec: TrainSpec) -> dict[str, Any]:

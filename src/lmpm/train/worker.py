@@ -23,12 +23,14 @@ proposals never change them; the check still compares their checksums.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import time
 import zlib
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,6 +51,13 @@ def ring_bytes(numel: int, world: int, itemsize: int = 4) -> int:
 
 def crc(t: Tensor) -> int:
     return zlib.crc32(t.detach().contiguous().cpu().numpy().tobytes())
+
+
+def inner_path(params: Path, rank: int) -> Path:
+    """Where worker ``rank`` keeps its inner state beside a parameters checkpoint:
+    ``params-000003.safetensors`` → ``inner-w1-000003.pt``."""
+    stem = params.name.removesuffix(".safetensors").replace("params", f"inner-w{rank}", 1)
+    return params.with_name(stem + ".pt")
 
 
 def select(names: list[str], patterns: tuple[str, ...]) -> list[int]:
@@ -307,6 +316,23 @@ class TrainWorker:
                 c.copy_(state[f"param/{n}"])
                 m.copy_(state[f"momentum/{n}"])
         self.step = step
+
+    def save_inner(self, path: Path) -> None:
+        """This worker's inner optimizer state and schedule step (for an exact resume or redo)."""
+        from lmpm.runtime.lock import atomic_write
+
+        buf = io.BytesIO()
+        torch.save({"opt": self.opt.state_dict(), "step": self.step}, buf)
+        atomic_write(path, buf.getvalue())
+
+    def load_inner(self, path: Path) -> bool:
+        """Load what :meth:`save_inner` wrote; False (a fresh inner optimizer) when it is missing."""
+        if not path.is_file():
+            return False
+        st = torch.load(path, map_location="cpu", weights_only=True)
+        self.opt.load_state_dict(st["opt"])
+        self.step = int(st["step"])
+        return True
 
     def numel(self) -> int:
         return sum(c.numel() for c in self.committed)
