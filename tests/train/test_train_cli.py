@@ -3,6 +3,7 @@ usage errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -84,6 +85,14 @@ def test_injected_kill_is_survived_and_recorded(tmp_path: Path) -> None:
     assert [(f["worker"], f["epoch"], f["cause"]) for f in h.faults] == [("w1", 2, "died")]
     top = lmpm("top", str(out), "--once")
     assert "w1" in top.stdout and "died" in top.stdout
+    trace = lmpm("trace", str(out))
+    assert trace.returncode == 0, trace.stderr
+    assert "epoch 2: w1 died in propose" in trace.stdout and "restarts: w1 1" in trace.stdout
+    js = json.loads(lmpm("trace", str(out), "--json").stdout)
+    assert js["kind"] == "train" and [e["epoch"] for e in js["epochs"]] == [1, 2, 3]
+    assert js["restarts"] == {"w1": 1}
+    cell = lmpm("trace", str(out), "--cell", "Theta[0]")
+    assert cell.returncode == 2 and "apply to cell runs" in cell.stderr
 
 
 @pytest.mark.parametrize(

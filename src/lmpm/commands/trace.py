@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 HELP = "report a run's constraint trace: blocked proposals, where, when; or one cell's story"
@@ -25,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from lmpm.train.log import holds_training
+
+    if holds_training(args.run_dir) and not (Path(args.run_dir) / "lmpm.db").exists():
+        return _training(args)
 
     from lmpm.runtime.logread import connect
     from lmpm.runtime.trace import cell_story, plot, report
@@ -48,6 +53,26 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(rep, indent=1) + "\n")
     elif not args.plot:
         _render_report(rep, _console())
+    return 0
+
+
+def _training(args: argparse.Namespace) -> int:
+    """A training run's trace: epochs, constraints on the parameters, faults, resumes."""
+    from lmpm.errors import UsageError
+    from lmpm.train import log as tlog
+    from lmpm.train.tracereport import render, report
+
+    if args.cell or args.plot:
+        raise UsageError(
+            "--cell and --plot apply to cell runs; for a training run see `lmpm render RUN_DIR` "
+            "(the loss curve) and `lmpm top RUN_DIR`",
+            code="U095",
+        )
+    rep = report(tlog.read(args.run_dir))
+    if args.json:
+        sys.stdout.write(json.dumps(rep, indent=1) + "\n")
+    else:
+        render(rep, _console())
     return 0
 
 
