@@ -188,3 +188,56 @@ def test_kill_9_then_resume_is_the_uninterrupted_run(tmp_path: Path) -> None:
     assert again.returncode == 0 and "nothing to do" in again.stderr
     bad = lmpm("run", "--resume", str(cut), "--epochs", "7", "--workers", "3")
     assert bad.returncode != 0 and "trained on 1 workers" in bad.stderr
+
+
+CONSTRAINED = """\
+param H = 3
+value Corpus : Token[Byte] shape Grid2D(64, 8192) clock Lamport
+value Held : Token[Byte] shape Grid2D(64, 512) clock Lamport
+value Theta : Params[ByteLM] shape Blocks() clock Lamport
+
+rule Fit:
+  on Theta[*]
+  read {data = Corpus[*], held = Held[*]}
+  emit proposal Theta[*] := minimize(NextByteLoss(Theta, data), steps=H, batch=4, lr=1e-2)
+  score NextByteLoss(Theta, held)
+
+constraint Frozen:
+  forbid change(Theta["blocks.0"]) priority 1000
+
+constraint Bounded:
+  require NormAtMost(Theta["head"], 4.5) priority 10
+
+commit Theta[*] using satisfy(max_constraints_then_score)
+"""
+
+
+def test_constraints_of_a_program_hold_and_are_traced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A program's freeze (Blocks() cells) keeps blocks.0 bit-identical; its norm bound is enforced
+    on the committed head; both are in the trace; `satisfy` commits one replica's parameters."""
+    import torch
+
+    from lmpm.train.modules import MODULES
+
+    prog = tmp_path / "constrained.lmpm"
+    prog.write_text(CONSTRAINED)
+    out = tmp_path / "run"
+    rc = main(["run", str(prog), *INPUTS, "--epochs", "3", "--workers", "2", "--driver",
+               "single", "--out", str(out), "--quiet"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    theta = parameters(out / "Theta.safetensors")
+    torch.manual_seed(0)
+    init = dict(MODULES["ByteLM"]().named_parameters())
+    for name, t in theta.items():
+        assert torch.equal(t, init[name].detach()) == name.startswith("blocks.0."), name
+    head = torch.sqrt(sum((theta[n].double() ** 2).sum() for n in theta if n.startswith("head.")))
+    assert float(head) <= 4.5 + 1e-4
+    rep = tlog.read(out)
+    acts = {(c["name"], c["action"]) for c in rep.constraints}
+    assert ("Frozen", "frozen") in acts and ("Bounded", "projected") in acts
+    assert all(e["frozen"] == 1 for e in rep.epochs)
+    assert main(["trace", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Frozen (freeze)" in text and "Bounded (norm)" in text

@@ -186,6 +186,12 @@ class TrainActor:
     def hello(self) -> tuple[int, str]:
         return os.getpid(), socket.gethostname()
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def rendezvous(self) -> tuple[str, int]:
         import ray
 
@@ -524,6 +530,10 @@ class RayDriver:
             {"worker": f"w{i}", "backend": "cpu", "host": self.hosts[i], "pid": self.pids[i]}
             for i in range(self.size)
         ]
+
+    def nodes(self) -> list[str]:
+        """The Ray node of each worker."""
+        return list(self._get([a.node.remote() for a in self.actors], START_LIMIT))
 
     def take_faults(self) -> list[TrainFault]:
         out, self._new = self._new, []
