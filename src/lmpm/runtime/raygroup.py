@@ -132,6 +132,31 @@ def _probe(address: str, timeout: float = 3.0) -> None:
         ) from None
 
 
+def rendezvous() -> tuple[str, int]:
+    """This node's address and a free port: where a new process group meets (worker 0 asks)."""
+    import ray
+
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+def join_gloo(addr: str, port: int, rank: int, world: int, timeout: float) -> None:
+    """Join a new gloo process group (a new membership generation; the old group is dropped: a
+    gloo group cannot survive a dead peer)."""
+    import torch.distributed as dist
+
+    if addr.startswith("127."):  # one machine: the gloo pairs listen on loopback only
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -185,27 +210,13 @@ class WorkerActor:
 
     def rendezvous(self) -> tuple[str, int]:
         """An address and a free port for the process group (asked of worker 0)."""
-        import ray
-
-        return ray.util.get_node_ip_address(), _free_port()
+        return rendezvous()
 
     def join(self, addr: str, port: int, world: int, timeout: float) -> None:
         """Join a new process group (a new generation; the old one is dropped)."""
-        import torch.distributed as dist
-
         from lmpm.runtime.transport import GlooTransport
 
-        if addr.startswith("127."):  # one machine: the gloo pairs listen on loopback only
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{addr}:{port}",
-            rank=self.index,
-            world_size=world,
-            timeout=timedelta(seconds=timeout),
-        )
+        join_gloo(addr, port, self.index, world, timeout)
         self.transport = GlooTransport(self.dp, self.topology, self.index)
 
     # ---- the data plane ----------------------------------------------------------------------------

@@ -26,7 +26,6 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -193,27 +192,14 @@ class TrainActor:
         return str(ray.get_runtime_context().get_node_id())
 
     def rendezvous(self) -> tuple[str, int]:
-        import ray
+        from lmpm.runtime.raygroup import rendezvous
 
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        return rendezvous()
 
     def join(self, addr: str, port: int, world: int, timeout: float) -> None:
-        import torch.distributed as dist
+        from lmpm.runtime.raygroup import join_gloo
 
-        if addr.startswith("127."):
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://{addr}:{port}",
-            rank=self.rank,
-            world_size=world,
-            timeout=timedelta(seconds=timeout),
-        )
+        join_gloo(addr, port, self.rank, world, timeout)
 
     def share(self, src: int) -> int:
         """Broadcast the committed state from worker ``src`` to every worker (after a respawn)."""
