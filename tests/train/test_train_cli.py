@@ -178,6 +178,8 @@ def test_kill_9_then_resume_is_the_uninterrupted_run(tmp_path: Path) -> None:
     logged = len(tlog.read(cut).epochs)
     assert 2 <= logged < 6
     assert tlog.read(cut).meta["status"] == "running"  # killed: nobody marked it
+    top = lmpm("top", str(cut), "--once")  # ... but its process is gone, and top says so
+    assert "stopped" in top.stdout and "--resume" in top.stdout
     r = lmpm("run", "--resume", str(cut))
     assert r.returncode == 0, r.stderr
     assert f"resumed at epoch {logged + 1}" in r.stderr

@@ -178,7 +178,8 @@ def test_log_checkpoints_and_output(data: Any, tmp_path: Path) -> None:
     assert h.epochs[-1]["checksum"] == res.epochs[-1].checksum
     assert {c["epoch"] for c in h.checkpoints} == {0, 1, 2, 3}
     kept = sorted(p.name for p in (d / "checkpoints").iterdir())
-    assert kept == [
+    assert kept == [  # the newest two epochs and epoch 0: θ and each worker's inner state
+        *(f"inner-w{w}-{e:06d}.pt" for w in (0, 1) for e in (0, 2, 3)),
         "params-000000.safetensors",
         "params-000002.safetensors",
         "params-000003.safetensors",

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     from lmpm.train.dashboard import frame
     from lmpm.train.log import read
+    from lmpm.train.log import status as run_status
 
     if not args.interval > 0:
         raise UsageError(
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             auto_refresh=False,
             transient=False,  # the final frame stays on the screen
         ) as live:
-            while history.meta.get("status") == "running":
+            while run_status(history.meta) == "running":
                 time.sleep(args.interval)
                 try:
                     history = read(args.run_dir)

@@ -29,12 +29,18 @@ from rich.table import Table
 from rich.text import Text
 
 from lmpm.train.log import TrainHistory
+from lmpm.train.log import status as run_status
 
 GRAPH_HEIGHT = 10  # rows of the loss plot (each row is 4 braille dots high)
 FAULT_ROWS = 4  # the last worker_faults rows shown
 WORKER_ROWS = 16  # workers shown (those not ready first); the rest are counted
 HEALTHY = ("ready", "running", "training", "idle", "done")  # worker states listed after the others
-STATUS_STYLE = {"running": "bold cyan", "finished": "bold green", "failed": "bold red"}
+STATUS_STYLE = {
+    "running": "bold cyan",
+    "finished": "bold green",
+    "failed": "bold red",
+    "stopped": "bold red",
+}
 TRAIN_STYLE = "cyan"
 EVAL_STYLE = "bold magenta"
 EVAL_MARK = "●"
@@ -74,7 +80,7 @@ def frame(history: TrainHistory, *, width: int = 100, now: float | None = None) 
 
 def _status(h: TrainHistory, now: float | None) -> RenderableType:
     m = h.meta
-    status = str(m.get("status", "?"))
+    status = run_status(m)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -83,6 +89,8 @@ def _status(h: TrainHistory, now: float | None) -> RenderableType:
         program += f" ({m['module']})"
     grid.add_row("program", program)
     grid.add_row("status", Text(status, style=STATUS_STYLE.get(status, "bold yellow")))
+    if status == "stopped":
+        grid.add_row("", f"process {m.get('pid')} is gone: lmpm run --resume to continue")
     done = h.epochs[-1]["epoch"] if h.epochs else 0
     planned = m.get("epochs")
     grid.add_row("epoch", f"{done} / {planned}" if planned is not None else str(done))

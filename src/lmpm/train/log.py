@@ -36,6 +36,8 @@ Schema (version :data:`SCHEMA`)::
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sqlite3
 import time
 import urllib.parse
@@ -177,6 +179,7 @@ class TrainLog:
         log.set_meta(
             {"kind": "train", "schema": SCHEMA, "status": "running", "created": time.time(), **meta}
         )
+        log.claim()
         return log
 
     @classmethod
@@ -261,6 +264,10 @@ class TrainLog:
                 c.execute("ROLLBACK")
             raise sqlite_error(e, f"log epoch {row.epoch} in", self.path) from None
 
+    def claim(self) -> None:
+        """Record this process as the one running the training (what ``lmpm top`` checks)."""
+        self.set_meta({"pid": os.getpid(), "host": socket.gethostname()})
+
     def mark(self, status: str, error: str | None = None) -> None:
         """``status``: running | finished | failed | interrupted."""
         items: dict[str, Any] = {"status": status, "updated": time.time()}
@@ -272,6 +279,21 @@ class TrainLog:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def status(meta: Mapping[str, Any]) -> str:
+    """The run's status, checked: a log that says ``running`` whose process (on this host) is
+    gone says ``stopped`` (killed: ``lmpm run --resume`` continues it)."""
+    st = str(meta.get("status", "?"))
+    if st != "running" or meta.get("host") != socket.gethostname() or not meta.get("pid"):
+        return st
+    try:
+        os.kill(int(meta["pid"]), 0)
+    except ProcessLookupError:
+        return "stopped"
+    except (PermissionError, OverflowError, ValueError):
+        pass
+    return st
 
 
 @dataclass(slots=True)

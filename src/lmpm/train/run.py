@@ -202,6 +202,7 @@ class Trainer:
             self.log = tlog.TrainLog.open(self.run_dir)
             resumes = [*hist.meta.get("resumes", []), {"at": time.time(), "from": self.first - 1}]
             self.log.set_meta({"epochs": epochs, "resumes": resumes, **(meta or {})})
+            self.log.claim()
             self.log.mark("running")
         elif self.run_dir is not None:
             self.log = tlog.TrainLog.create(

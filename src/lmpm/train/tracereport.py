@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lmpm.train.log import TrainHistory
+from lmpm.train.log import TrainHistory, status
 
 
 def report(h: TrainHistory) -> dict[str, Any]:
@@ -28,7 +28,7 @@ def report(h: TrainHistory) -> dict[str, Any]:
         "kind": "train",
         "program": m.get("program"),
         "module": m.get("module"),
-        "status": m.get("status"),
+        "status": status(m),
         "error": m.get("error"),
         "policy": m.get("policy"),
         "workers": m.get("workers"),
