@@ -243,3 +243,19 @@ def test_constraints_of_a_program_hold_and_are_traced(
     assert main(["trace", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Frozen (freeze)" in text and "Bounded (norm)" in text
+
+
+def test_initial_parameters_must_be_the_modules(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = ROOT / "src" / "lmpm" / "models" / "weights" / "localgen.safetensors"
+    rc = main(["run", str(PROGRAM), *INPUTS, *SMALL, "--input", f"Theta={other}", "--epochs",
+               "1", "--out", str(tmp_path / "r")])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 1 and "does not hold the parameters of ByteLM" in err and "Traceback" not in err
+    shipped = ROOT / "src" / "lmpm" / "models" / "weights" / "bytelm.safetensors"
+    rc = main(["run", str(PROGRAM), *INPUTS, *SMALL, "--input", f"Theta={shipped}", "--epochs",
+               "1", "--out", str(tmp_path / "ok"), "--quiet"])  # fmt: skip
+    assert rc == 0
+    # started from the shipped model: already good on the held-out rows (~0.3 bits/byte)
+    assert tlog.read(tmp_path / "ok").epochs[0]["eval_loss"] < 0.25

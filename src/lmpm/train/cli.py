@@ -74,8 +74,44 @@ def load_data(spec: TrainSpec, inputs: dict[str, str]) -> tuple[dict[str, Any], 
             code="U093",
         )
     data = {n: load_rows(inputs[n], d) for n, d in needed.items()}
-    init = load_init(inputs[spec.params.name]) if spec.params.name in inputs else None
+    init = None
+    if spec.params.name in inputs:
+        init = load_init(inputs[spec.params.name])
+        check_init(spec, init, inputs[spec.params.name])
     return data, init
+
+
+def check_init(spec: TrainSpec, init: dict[str, Any], file: str) -> None:
+    """The initial parameters must be the module's: every parameter, each of its shape (InputError
+    R004 naming what differs; buffers and extra keys are refused too)."""
+    from lmpm.errors import InputError
+    from lmpm.train import modules
+
+    want = {k: tuple(v.shape) for k, v in modules.module(spec.params.module)().state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in init.items()}
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
+    shapes = [
+        f"{k} {list(got[k])} (not {list(want[k])})" for k in want if k in got and got[k] != want[k]
+    ]
+    if missing or extra or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {', '.join(missing[:4])}{' …' if len(missing) > 4 else ''}")
+        if extra:
+            parts.append(
+                f"not in {spec.params.module}: {', '.join(extra[:4])}"
+                f"{' …' if len(extra) > 4 else ''}"
+            )
+        if shapes:
+            parts.append(f"shapes differ: {'; '.join(shapes[:3])}")
+        raise InputError(
+            f"{file} does not hold the parameters of {spec.params.module}: {'; '.join(parts)}",
+            where={"value": spec.params.name, "file": file},
+            code="R004",
+            hint=f"give weights saved from {spec.params.module} (its state_dict), or an LMPM "
+            "training output or checkpoint",
+        )
 
 
 def run_training(

@@ -193,7 +193,7 @@ class Trainer:
             if restart is None or not restart.is_file():
                 raise RunDirError(
                     f"{self.run_dir}: the checkpoint of epoch {self.first - 1} is missing",
-                    code="D020",
+                    code="D022",
                     hint="start the run over (--force)",
                 )
             if file_sha256(restart) != ck["sha256"]:  # type: ignore[index]
