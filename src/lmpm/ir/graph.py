@@ -32,7 +32,8 @@ def graph(p: Program) -> tuple[list[Node], list[Edge]]:
     edges: list[Edge] = []
     for v in p.values:
         dims = ", ".join(expr_str(d) for d in v.dims)
-        nodes.append(Node(f"v_{v.name}", "value", f"{v.name} : {v.shape.value}({dims})"))
+        kind = f"Params[{v.module}] " if v.module else ""  # cells: the module's tensors/blocks
+        nodes.append(Node(f"v_{v.name}", "value", f"{v.name} : {kind}{v.shape.value}({dims})"))
     for s in p.stencils:
         idx = ", ".join(axis_str(a) for a in s.axes)
         label = f"{s.source}[{idx}]"
