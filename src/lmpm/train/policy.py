@@ -74,7 +74,7 @@ def decide(spec: TrainSpec, names: list[str], epoch: int, props: list[Proposal |
             if i not in frozen_cells:
                 rejected += 1
             continue
-        keep[i] = i not in frozen_cells or any(p.changed[i] for p in ok)
+        keep[i] = True
         if best:
             win = min(ok, key=lambda p: (_score(p), p.worker))
             weights[win.worker][i] = 1.0
