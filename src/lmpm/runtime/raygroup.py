@@ -132,6 +132,13 @@ def _probe(address: str, timeout: float = 3.0) -> None:
         ) from None
 
 
+def node_id() -> str:
+    """The id of the Ray node this process (a worker) runs on."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def rendezvous() -> tuple[str, int]:
     """This node's address and a free port: where a new process group meets (worker 0 asks)."""
     import ray
@@ -203,10 +210,7 @@ class WorkerActor:
         return os.getpid()
 
     def node(self) -> str:
-        """The id of the Ray node this worker runs on."""
-        import ray
-
-        return str(ray.get_runtime_context().get_node_id())
+        return node_id()
 
     def rendezvous(self) -> tuple[str, int]:
         """An address and a free port for the process group (asked of worker 0)."""

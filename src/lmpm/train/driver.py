@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmpm.errors import LmpmError, RuntimeFault, UsageError
+from lmpm.errors import LmpmError, UsageError
 from lmpm.runtime.lock import atomic_write
+from lmpm.runtime.raygroup import WorkerLost, _Failed
 from lmpm.train.spec import TrainSpec
 from lmpm.train.worker import Committed, Proposal, TrainWorker, inner_path
 
@@ -42,10 +43,6 @@ MAX_RETRIES = 3
 START_LIMIT = 180.0
 SLICE = 0.25
 TRAIN_PHASES = ("propose", "commit")
-
-
-class WorkerLost(RuntimeFault):
-    """Training workers kept failing: the run stops (every committed epoch is kept)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +183,9 @@ class TrainActor:
         return os.getpid(), socket.gethostname()
 
     def node(self) -> str:
-        """The id of the Ray node this worker runs on."""
-        import ray
+        from lmpm.runtime.raygroup import node_id
 
-        return str(ray.get_runtime_context().get_node_id())
+        return node_id()
 
     def rendezvous(self) -> tuple[str, int]:
         from lmpm.runtime.raygroup import rendezvous
@@ -275,12 +271,6 @@ class TrainActor:
 
 class EpochLost(Exception):
     """The commit of an epoch failed and the workers are back at its start: redo it."""
-
-
-class _Failed(Exception):
-    def __init__(self, failed: list[tuple[int, str]], why: str = "") -> None:
-        super().__init__(failed)
-        self.failed, self.why = failed, why
 
 
 class RayDriver:

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -79,7 +78,3 @@ def cells(m: nn.Module, granularity: str) -> list[tuple[str, list[int]]]:
         key = ".".join(parts[:2]) if parts[0] in seq and len(parts) > 2 else parts[0]
         out.setdefault(key, []).append(i)
     return list(out.items())
-
-
-def flat(tensors: list[Tensor]) -> Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])

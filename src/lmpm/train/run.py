@@ -14,7 +14,6 @@ control plane never holds a parameter tensor.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,7 +34,6 @@ from lmpm.train.driver import (
     RayDriver,
     TrainFault,
     WorkerLost,
-    load_state,
 )
 from lmpm.train.policy import Decision, decide
 from lmpm.train.spec import DataSpec, TrainSpec
@@ -467,22 +465,7 @@ def _policy_meta(spec: TrainSpec) -> dict[str, Any]:
 
 def parameters(path: str | Path) -> dict[str, Tensor]:
     """The parameters (by the module's parameter names) of a checkpoint or output file."""
-    state, _ = load_state(Path(path))
-    return {k.removeprefix("param/"): v for k, v in state.items() if k.startswith("param/")}
-
-
-def describe(result: TrainResult) -> str:
-    return json.dumps(
-        {
-            "epochs": len(result.epochs),
-            "loss": round(result.loss, 5),
-            "eval_loss": None if result.eval_loss is None else round(result.eval_loss, 5),
-            "tokens": result.tokens,
-            "bytes": result.bytes,
-            "faults": len(result.faults),
-            "seconds": round(result.seconds, 2),
-        }
-    )
+    return load_init(path)
 
 
 def load_init(path: str | Path) -> dict[str, Tensor]:

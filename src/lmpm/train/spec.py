@@ -20,7 +20,6 @@ from lmpm.errors import Span
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "cosine")
-POLICIES = ("diloco", "average", "best")
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,17 +40,10 @@ from lmpm.errors import ModelError
 from lmpm.train import modules
 from lmpm.train.spec import TrainSpec
 
-# ring all-reduce: each of W workers sends 2·(W-1)/W of the buffer
-RING = "ring"
-
 
 def ring_bytes(numel: int, world: int, itemsize: int = 4) -> int:
     """Bytes all W workers send in total for one ring all-reduce of ``numel`` elements."""
     return 2 * (world - 1) * numel * itemsize
-
-
-def crc(t: Tensor) -> int:
-    return zlib.crc32(t.detach().contiguous().cpu().numpy().tobytes())
 
 
 def inner_path(params: Path, rank: int) -> Path:
