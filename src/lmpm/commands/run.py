@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=int, help="run this many epochs")
     p.add_argument("--until", choices=["stable"], help="stop at the first epoch with no commit")
     p.add_argument("--backend", help="worker backend (cpu, cuda; default cpu)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each value's epoch after its model as one compiled step (torch.compile; the "
+        "first epochs compile, later runs reuse the cache; commits are identical)",
+    )
     p.add_argument("--out", metavar="RUN_DIR", help="write outputs here (default runs/<program>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
@@ -233,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         driver=args.driver,
         cluster=args.cluster,
         worker_timeout=args.worker_timeout,
+        compile=args.compile,
     )
     tracer, region = make_tracer(session, level, args.trace_region)
     info = RunInfo(
@@ -374,6 +381,7 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
         driver=args.driver,
         cluster=args.cluster,
         worker_timeout=args.worker_timeout,
+        compile=args.compile,
     )
     region_text = meta.get("trace_region")
     if args.trace_region:
@@ -536,6 +544,9 @@ def _execute(
     faults = getattr(session.dataplane, "faults", [])
     if faults:
         note += f"{len(faults)} worker fault(s) survived (lmpm trace {out_dir}); "
+    compiled = session.engine.compiled
+    if compiled is not None:
+        note += compiled.summary() + "; "
     sys.stderr.write(
         f"{note}{res.epochs} epochs ({state}), {res.commits} commits, "
         f"{res.attempts / max(res.seconds, 1e-9):,.0f} attempts/s; wrote "

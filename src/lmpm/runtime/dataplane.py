@@ -84,6 +84,11 @@ def checksum(payload: Tensor, cell_dims: int) -> Tensor:
     return _mix(x + _GOLDEN)
 
 
+# one rule replica's proposals for a value: (rule, cells (n,), replica, proposals (n, k, *cell),
+# scores (n, k) float64)
+Proposal = tuple[RulePlan, Tensor, int, Tensor, Tensor]
+
+
 @dataclass(frozen=True, slots=True)
 class _ValueTables:
     """What the worker needs about one proposed value, built once and kept on its device."""
@@ -375,6 +380,24 @@ class DataPlane:
     # ---- propose ---------------------------------------------------------------------------------
     def propose(self, req: ProposeRequest) -> ProposeReply:
         e = req.epoch
+        per_value, model_seconds = self.run_models(req)
+        self._staged = {}
+        values = {
+            name: self._candidates(name, e, parts, req.fresh.get(name, False))
+            for name, parts in per_value.items()
+        }
+        if req.record and self.store is not None:
+            for name, cells in req.record.items():
+                st = self._staged.get(name)
+                if st is not None:
+                    self.store.record_candidates(e, name, st.cells, st.table, cells)
+        return ProposeReply(self.worker, values, model_seconds)
+
+    def run_models(self, req: ProposeRequest) -> tuple[dict[str, list[Proposal]], float]:
+        """Gather every fired rule's reads, run all models and scores: per value, each rule
+        replica's (rule, cells, replica, proposals (n, k, *cell), scores (n, k)); and the seconds
+        the models took."""
+        e = req.epoch
         self._phase = dict(req.phases or {})
         self._active = req.active
         items: list[WorkItem] = []
@@ -416,7 +439,7 @@ class DataPlane:
             raise
         model_seconds = time.perf_counter() - tm
 
-        per_value: dict[str, list[tuple[RulePlan, Tensor, int, Tensor, Tensor]]] = {}
+        per_value: dict[str, list[Proposal]] = {}
         outputs = _item_outputs(results, len(items)) if results is not None else []
         corrupt = self.corrupt_from is not None and e >= self.corrupt_from
         for (rp, cells, rep), (prop, score) in zip(meta, outputs):
@@ -425,17 +448,7 @@ class DataPlane:
             if corrupt:
                 prop = _corrupt(prop, vp)
             per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
-        self._staged = {}
-        values = {
-            name: self._candidates(name, e, parts, req.fresh.get(name, False))
-            for name, parts in per_value.items()
-        }
-        if req.record and self.store is not None:
-            for name, cells in req.record.items():
-                st = self._staged.get(name)
-                if st is not None:
-                    self.store.record_candidates(e, name, st.cells, st.table, cells)
-        return ProposeReply(self.worker, values, model_seconds)
+        return per_value, model_seconds
 
     def _shape(
         self, rp: RulePlan, vp: ValuePlan, prop: Tensor, score: Tensor
@@ -561,9 +574,7 @@ class DataPlane:
             )
         return hit
 
-    def _columns(
-        self, parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]], widths: list[int]
-    ) -> tuple[Tensor, ...]:
+    def _columns(self, parts: list[Proposal], widths: list[int]) -> tuple[Tensor, ...]:
         """(C,) rule id, replica and slot of each candidate column (-1: keep); per layout."""
         if len(parts) == 1:  # one rule fired (the common case): no generator
             key: tuple[tuple[int, int, int], ...] = ((parts[0][0].id, parts[0][2], widths[0]),)
@@ -584,7 +595,7 @@ class DataPlane:
         self,
         name: str,
         e: int,
-        parts: list[tuple[RulePlan, Tensor, int, Tensor, Tensor]],
+        parts: list[Proposal],
         fresh: bool,
     ) -> Candidates:
         """Build, fold and check one value's candidate table; stage it for apply."""

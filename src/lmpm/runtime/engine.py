@@ -46,8 +46,9 @@ from lmpm.resolve.policies import aggregates, quorum
 from lmpm.resolve.schedules import epoch_horizon, make_schedule
 from lmpm.runtime.agree import agree
 from lmpm.runtime.clocks import Clocks
+from lmpm.runtime.compiled import CompiledEpoch
 from lmpm.runtime.crdt import ORSet
-from lmpm.runtime.dataplane import DataPlane
+from lmpm.runtime.dataplane import DataPlane, Proposal, checksum
 from lmpm.runtime.protocol import (
     ApplyReply,
     ApplyRequest,
@@ -346,6 +347,35 @@ class Engine:
         self.stop: StopReason | None = None
         self._started = False
         self._consts: dict[tuple[str, int, torch.dtype], Tensor] = {}
+        self.compiled: CompiledEpoch | None = None  # see compile()
+        self._active_mask: dict[str, Tensor] = {}
+
+    def compile(self) -> CompiledEpoch:
+        """Run each value's epoch after its model as one compiled step from now on (``--compile``;
+        :mod:`lmpm.runtime.compiled`). Needs a one-worker data plane in this process."""
+        if self.compiled is None:
+            if not isinstance(self.dataplane, DataPlane):
+                raise UsageError(
+                    "--compile runs the epoch step next to one worker's payload; this run has a "
+                    "worker group",
+                    code="U101",
+                    hint="drop --compile, or run with one worker",
+                )
+            if self.guard:
+                raise UsageError("--compile and the payload guard do not mix", code="U102")
+            if self.dataplane.device.type != "cpu":
+                # The step writes the payload and the cells' metadata together; on CUDA the
+                # metadata would have to live on the device too (not built yet).
+                raise UsageError(
+                    f"--compile runs with the cpu backend; this run's payload is on "
+                    f"{self.dataplane.device}",
+                    code="U103",
+                    hint="drop --compile, or run with --backend cpu",
+                )
+            self.compiled = CompiledEpoch(
+                self.plan, self.dataplane.device, quota=self.schedule.has_quota
+            )
+        return self.compiled
 
     # ---- state -----------------------------------------------------------------------------------
     def mark_input(self, value: str, cells: Tensor) -> None:
@@ -394,6 +424,7 @@ class Engine:
             self.ruleset.remove(name)
         self.ruleset_events.append(ev)
         self._active = self._active_ids()
+        self._active_mask = {}
         return ev
 
     def _active_ids(self) -> frozenset[int] | None:
@@ -592,10 +623,20 @@ class Engine:
         }
         work = self._work(e, open_)
         req = ProposeRequest(e, work, self._fresh, self.record, phases, self._active)
-        reply: ProposeReply = self.dataplane.propose(req)
+        fused: dict[str, Proposal] = {}
+        if self._compiled_epoch():
+            reply, order, fused = self._propose_compiled(req)
+        else:
+            if self.compiled is not None:
+                self.compiled.stats.eager_epochs += 1
+            reply = self.dataplane.propose(req)
+            order = list(reply.values)
         for name, cells in open_.items():
             proposed = reply.values.get(name)
-            if proposed is None or proposed.cells.numel() != cells.numel():
+            seen = proposed.cells if proposed is not None else None
+            if name in fused:
+                seen = fused[name][1]
+            if seen is None or seen.numel() != cells.numel():
                 # open cells no rule fired on (the proposed ones that stay unset are refined by
                 # _blocked below; cells that commit need no reason)
                 self.why[name].index_fill_(0, cells, NOT_FIRED)
@@ -607,7 +648,7 @@ class Engine:
 
         # agree per value; the worker applies all values together at the boundary.
         decisions: dict[str, ValueDecision] = {}
-        pending = []
+        pending: dict[str, tuple[Any, Any, Tensor | None, Tensor, int]] = {}
         for name, cand in reply.values.items():
             vp = self.plan.values[name]
             st = self.state[name]
@@ -641,8 +682,11 @@ class Engine:
                     ag.winner.index_select(0, rows),
                     None if ag.weights is None else ag.weights.index_select(0, rows),
                 )
-            pending.append((name, cand, ag, rows, was, commits))
-        applied: ApplyReply = self.dataplane.apply(ApplyRequest(e, decisions, self.checksums))
+            pending[name] = (cand, ag, rows, was, commits)
+        if decisions or not fused:
+            applied = self.dataplane.apply(ApplyRequest(e, decisions, self.checksums))
+        else:
+            applied = ApplyReply(self.dataplane.worker, {}, self.dataplane.store is not None)
         if self.guard:
             from lmpm.runtime.guard import check_message
 
@@ -651,7 +695,15 @@ class Engine:
         commits = violations = attempts = 0
         values: list[ValueEpoch] = []
         dissents: list[Dissent] = []
-        for name, cand, ag, rows, was, n_commits in pending:
+        for name in order:  # the order eager commits in: a value's clocks read the ones before
+            if name in fused:
+                ve, n_commits, n_viol = self._fused(name, e, fused[name])
+                values.append(ve)
+                commits += n_commits
+                attempts += int(ve.cells.numel())
+                violations += n_viol
+                continue
+            cand, ag, rows, was, n_commits = pending[name]
             st = self.state[name]
             static = self._static[name]
             got = applied.values[name]
@@ -693,6 +745,8 @@ class Engine:
             if k:
                 viol = cand.violated if k == 1 else cand.violated.any(dim=2)
                 violations += int(viol.count_nonzero())
+        if fused and self.dataplane.store is not None:
+            self.dataplane.store.sync(e)
         self.epoch = e + 1
         self._count_quiet(e, commits)
         rec = EpochRecord(
@@ -714,6 +768,81 @@ class Engine:
         for o in self.observers:
             o.on_epoch(self, rec)
         return rec
+
+    # ---- the compiled epoch step (--compile) ----------------------------------------------------
+    def _compiled_epoch(self) -> bool:
+        """This epoch runs the compiled steps: compiling, and nothing watches the candidate tables
+        (--trace cells, taps) or corrupts proposals (fault drills)."""
+        if self.compiled is None or not self.compiled.specs or self.record:
+            return False
+        dp: Any = self.dataplane
+        return not dp.taps and dp.corrupt_from is None
+
+    def _propose_compiled(
+        self, req: ProposeRequest
+    ) -> tuple[ProposeReply, list[str], dict[str, Proposal]]:
+        """Run the models; build the eager values' candidates (the compiled values' come in their
+        steps). Returns the eager reply, the values in commit order and the compiled values'
+        proposals."""
+        dp: Any = self.dataplane
+        assert self.compiled is not None
+        per_value, model_seconds = dp.run_models(req)
+        dp._staged = {}
+        values = {}
+        fused: dict[str, Proposal] = {}
+        for name, parts in per_value.items():
+            if self.compiled.compiles(name):
+                fused[name] = parts[0]
+            else:
+                values[name] = dp._candidates(name, req.epoch, parts, req.fresh.get(name, False))
+        return ProposeReply(dp.worker, values, model_seconds), list(per_value), fused
+
+    def _fused(self, name: str, e: int, part: Proposal) -> tuple[ValueEpoch, int, int]:
+        """One compiled value's epoch: its step, then durability and the record."""
+        assert self.compiled is not None
+        rp, cells, _, prop, sc = part
+        static = self._static[name]
+        active = self._active_mask.get(name)
+        if active is None:
+            ids = static.constraint_ids.tolist()
+            on = [self._active is None or i in self._active for i in ids]
+            active = self._active_mask[name] = torch.tensor(
+                on, dtype=torch.bool, device=self.dataplane.device
+            )
+        dp: Any = self.dataplane
+        clocks = {s: st.clock for s, st in self.state.items()}
+        out = self.compiled.step(
+            name, e, cells, prop, sc, dp, self.state[name], self.why[name], active, clocks
+        )
+        if dp.device.type != "cpu":  # records are host metadata
+            out = tuple(t.cpu() for t in out)
+            cells = cells.cpu()
+        winner, changed, score, valid, violated, applies, new_clock, was, counts = out
+        n_commits, n_viol = counts.tolist()
+        ve = ValueEpoch(
+            name,
+            cells,
+            valid,
+            score,
+            self.compiled.columns(rp.id, prop.shape[1]),
+            violated,
+            static.constraint_ids,
+            winner,
+            changed,
+            new_clock,
+            was,
+            applies,
+        )
+        if n_commits and (dp.store is not None or self.checksums):
+            rows = cells if n_commits == cells.numel() else cells[changed]
+            new = dp.payload[name].index_select(0, rows.to(dp.device))
+            if dp.store is not None:
+                dp.store.append_commits(e, name, rows, new)
+            if self.checksums:
+                sums = torch.zeros(cells.numel(), dtype=torch.int64)
+                sums[changed] = checksum(new, len(self.plan.values[name].cell_shape)).cpu()
+                ve.checksum = sums
+        return ve, n_commits, n_viol
 
     def _replica_worker(self, value: str, replica: int) -> str:
         """The worker that ran ``replica`` of ``value`` (a group knows; one worker: itself)."""

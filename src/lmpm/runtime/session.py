@@ -60,6 +60,7 @@ class Run:
         cluster: str | None = None,
         worker_timeout: float | None = None,
         topology: Any = None,
+        compile: bool = False,
     ) -> None:
         self.front = front
         self.params = dict(params or {})
@@ -101,6 +102,12 @@ class Run:
             dataplane=group,
         )
         self.dataplane = self.engine.dataplane
+        if compile:
+            try:
+                self.engine.compile()
+            except BaseException:
+                self.close()
+                raise
         self.inputs = {name: str(path) for name, path in (inputs or {}).items()}
         self.restored: Restored | None = None  # set by resume()
         self.until: str | None = None
@@ -384,6 +391,7 @@ def resume(
     driver: str | None = None,
     cluster: str | None = None,
     worker_timeout: float | None = None,
+    compile: bool = False,
 ) -> Run:
     """A :class:`Run` continuing RUN_DIR from its last complete epoch, with its stored settings
     (what `lmpm run --resume` does). ``run.restored`` says where it resumed; ``run.epochs`` is the
@@ -443,6 +451,7 @@ def resume(
         driver=driver,
         cluster=cluster,
         worker_timeout=worker_timeout,
+        compile=compile,
     )
     region_text = meta.get("trace_region")
     tracer, region = make_tracer(run, meta["trace"], region_text)

@@ -1,0 +1,619 @@
+"""The compiled epoch step (``lmpm run --compile``): per value, everything after the model as one
+``torch.compile``'d function.
+
+An eager epoch spends dozens of small tensor operations per value after its model has run: build
+the candidate table, fold a proposal equal to the committed payload into keep-current, check every
+constraint, agree, write the winners, advance the Lamport clocks and the provenance, record why a
+cell stays unset. Each costs microseconds of Python and dispatcher time whatever the tensor's size
+(one open cell in causal text generation). :class:`CompiledEpoch` traces that whole sequence once
+per value into one graph (``fullgraph``: no Python left inside it), which inductor fuses into a few
+kernels; on CUDA the steady-state graph is captured as a CUDA graph (mode ``reduce-overhead``).
+
+What is baked into a value's graph is static for the run: the cell shape and dtype, the commit
+policy, the constraints' kinds and priorities, the clock reads. What changes per epoch is an input:
+the open cells, the proposals and their scores, the epoch, the RuleSet (a (K,) bool mask). Shapes
+are bucketed (the open-cell count rounded up to a power of two, padded by repeating the first row:
+identical rows make identical decisions and write identical bytes), so a run compiles each value
+once per bucket, not once per epoch; :attr:`CompiledEpoch.compiles` counts them.
+
+A value runs eagerly (the ordinary propose/agree/apply protocol) when the compiled step cannot
+express it; :func:`eligibility` says why, and ``lmpm show --compiled`` prints it:
+
+- more than one rule (or quorum replicas) proposes it;
+- its policy is not ``satisfy`` or ``winner_takes_all`` (aggregates, quorum, user policies);
+- a constraint on it is a bound Python predicate (user code);
+- the schedule commits a quota of the cells (confidence).
+
+An epoch also runs eagerly while candidates are being recorded (``--trace cells``), a tap watches
+the candidate tables, or a fault is injected. Compiled and eager runs commit the same payload, the
+same clocks and provenance and the same epoch records (tests/runtime/test_compiled.py).
+
+This module runs in the control plane's process next to a one-worker data plane (the payload and
+the metadata share a host); a run over a worker group runs eagerly.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import RuntimeFault
+from lmpm.ir.nodes import PredKind
+from lmpm.resolve import policies
+from lmpm.resolve.plan import Plan
+from lmpm.runtime.clocks import clock_reads
+
+NO_WINNER = -1  # lmpm.runtime.engine.NO_WINNER (no import cycle)
+
+# The compiled steps' inductor cache (kept across runs: a warm cache skips code generation).
+CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are cached across runs: ``$TORCHINDUCTOR_CACHE_DIR``, else
+    ``~/.cache/lmpm/inductor``."""
+    got = os.environ.get(CACHE_ENV)
+    return Path(got) if got else Path.home() / ".cache" / "lmpm" / "inductor"
+
+
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """One constraint as the compiled step evaluates it."""
+
+    forbid: bool
+    in_set: bool  # else change()
+    covers_all: bool  # speaks about every cell (no row mask)
+    needs_inputs: bool  # `inputs()` region: masked by the cells committed from an input
+
+
+@dataclass(frozen=True, slots=True)
+class StepSpec:
+    """What one value's compiled step bakes into its graph."""
+
+    value: str
+    rule: int  # the one rule proposing the value
+    cdims: int  # len(cell_shape)
+    dtype: torch.dtype
+    policy: str  # satisfy | winner_takes_all
+    checks: tuple[_Check, ...]
+    priority: tuple[int, ...]  # per constraint
+    # blocked reasons: constraint columns from the highest priority down, and their ids
+    order: tuple[int, ...]
+    ids: tuple[int, ...]
+    clock_sources: tuple[str, ...]  # per clock read: the value whose clocks it reads
+    clock_uniform: tuple[bool, ...]
+    clock_masked: tuple[bool, ...]
+    tracks_inputs: bool  # the worker keeps the value's input flags (an `inputs()` constraint)
+
+
+def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
+    """Why ``value`` runs eagerly under ``--compile`` (None: it compiles)."""
+    from lmpm.resolve.plan import live_constraints, rules_by_target
+
+    rules = rules_by_target(plan).get(value, [])
+    vp = plan.values[value]
+    if len(rules) != 1:
+        return f"{len(rules)} rules propose it (the compiled step takes one)"
+    if rules[0].replicas != 1:
+        return f"{rules[0].replicas} quorum replicas propose it"
+    if vp.policy not in (policies.satisfy, policies.winner_takes_all):
+        return f"its policy {vp.policy_text} is not satisfy or winner_takes_all"
+    for cp in live_constraints(plan).get(value, []):
+        if cp.pred not in (PredKind.IN_SET, PredKind.CHANGE):
+            return f"constraint `{cp.name}` is a bound Python predicate"
+    if quota:
+        return "the schedule commits a quota of the cells"
+    return None
+
+
+def step_spec(plan: Plan, value: str) -> StepSpec:
+    from lmpm.resolve.plan import live_constraints, rules_by_target
+
+    (rp,) = rules_by_target(plan)[value]
+    vp = plan.values[value]
+    cps = live_constraints(plan).get(value, [])
+    prio = tuple(cp.priority for cp in cps)
+    order = tuple(sorted(range(len(cps)), key=lambda j: -prio[j]))  # stable: program order
+    reads = clock_reads(rp)
+    return StepSpec(
+        value,
+        rp.id,
+        len(vp.cell_shape),
+        vp.dtype,
+        "satisfy" if vp.policy is policies.satisfy else "winner_takes_all",
+        tuple(
+            _Check(
+                cp.kind == "forbid",
+                cp.pred == PredKind.IN_SET,
+                bool(cp.cells.all()) and not cp.needs_inputs_region,
+                cp.needs_inputs_region,
+            )
+            for cp in cps
+        ),
+        prio,
+        order,
+        tuple(cps[j].id for j in order),
+        tuple(cr.source for cr in reads),
+        tuple(cr.uniform for cr in reads),
+        tuple(cr.valid is not None for cr in reads),
+        any(cp.needs_inputs_region for cp in cps),
+    )
+
+
+def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
+    """The plain (uncompiled) function of one value's epoch after its model: what
+    :class:`CompiledEpoch` hands to ``torch.compile``. It writes the payload and the metadata in
+    place and returns the epoch's metadata."""
+    checks = spec.checks
+    k = len(checks)
+    priority = list(spec.priority)
+    order = list(spec.order)
+    ids = list(spec.ids)
+    cdims = spec.cdims
+    dtype = spec.dtype
+    satisfy = spec.policy == "satisfy"
+    rule_id = spec.rule
+    uniform = spec.clock_uniform
+    masked = spec.clock_masked
+    tracks_inputs = spec.tracks_inputs
+    own_read = [src == spec.value for src in spec.clock_sources]
+
+    def step(
+        e: Tensor,  # () int64
+        cells: Tensor,  # (n,) int64, sorted, unique (padding repeats row 0)
+        prop: Tensor,  # (n, k, *cell)
+        sc: Tensor,  # (n, k) float64
+        payload: Tensor,  # the data plane's (N, *cell)
+        dp_committed: Tensor,  # the data plane's (N,) bool
+        from_input: Tensor,  # the data plane's (N,) bool
+        committed: Tensor,  # the control plane's (N,) bool
+        clock: Tensor,  # (N,) int64
+        rule: Tensor,  # (N,) int64
+        epoch: Tensor,  # (N,) int64
+        kept_score: Tensor,  # (N,) float64
+        why: Tensor,  # (N,) int64
+        active: Tensor,  # (K,) bool: the constraint is in the RuleSet
+        vtables: Sequence[Tensor],  # per IN_SET check: (vocab + 2,) violation table
+        where_tables: Sequence[Tensor],  # per check not covering all cells: (N,) bool
+        clock_index: Sequence[Tensor],  # per clock read: (R,) uniform, else (N, K) source index
+        clock_valid: Sequence[Tensor],  # per masked clock read: (N, K) bool
+        clock_src: Sequence[Tensor],  # per clock read of another value: its (M,) clocks
+    ) -> tuple[Tensor, ...]:
+        # Shape-specific code: the candidate columns (keep-current + k proposals) are unrolled, so
+        # every operation below is elementwise over the open cells (no reduction over a
+        # dimension of 2..9 columns, which a compiled loop handles poorly).
+        n = cells.shape[0]
+        ncol = 1 + prop.shape[1]
+        current = payload.index_select(0, cells)  # (n, *cell)
+        was = committed.index_select(0, cells)
+        kept = kept_score.index_select(0, cells)
+        cols = [current] + [prop[:, j].to(dtype) for j in range(ncol - 1)]
+        scs = [sc[:, j] for j in range(ncol - 1)]
+
+        def equal(x: Tensor, y: Tensor) -> Tensor:
+            eq = x == y
+            return eq.flatten(1).all(dim=1) if cdims else eq
+
+        # a proposal equal to the committed payload is keep-current, freshly scored
+        same = [equal(col, current) & was for col in cols[1:]]
+        refreshed = _any(same)
+        best_same = _max([torch.where(m, x, -torch.inf) for m, x in zip(same, scs)])
+        score = [torch.where(refreshed, best_same, kept), *scs]
+        valid = [torch.ones_like(was)] + [~m for m in same]
+        # constraints: per column (n,) verdicts, masked by the cells they speak about and the RuleSet
+        verdicts: list[list[Tensor]] = []  # [constraint][column]
+        applies: list[Tensor] = []
+        vt = iter(vtables)
+        wt = iter(where_tables)
+        for j, ck in enumerate(checks):
+            if ck.in_set:
+                vtab = next(vt)
+                hi = vtab.numel() - 2
+                viol = [
+                    vtab.take((c if c.dtype == torch.int64 else c.long()).clamp(-1, hi))
+                    for c in cols
+                ]
+            else:
+                holds = [torch.zeros_like(was)] + [~equal(c, current) & was for c in cols[1:]]
+                viol = holds if ck.forbid else [~h for h in holds]
+            # keep-current of an unset cell satisfies every forbid, violates every require
+            viol[0] = viol[0] & was if ck.forbid else viol[0] | ~was
+            on = active[j].expand(n)
+            if not ck.covers_all:
+                on = on & next(wt).index_select(0, cells)
+                if ck.needs_inputs:
+                    on = on & from_input.index_select(0, cells)
+            verdicts.append([v & ok & on for v, ok in zip(viol, valid)])
+            applies.append(on)
+        # agree
+        if satisfy:
+            eligible = _narrow(verdicts, valid, priority)
+        else:
+            eligible = [torch.zeros_like(was), *valid[1:]]
+        winner = _best(score, eligible)
+        if not satisfy:
+            winner = torch.where(_any(eligible[1:]), winner, torch.zeros_like(winner))
+        changed = winner != 0
+        # apply: a cell that keeps writes back its own payload (column 0)
+        new = _pick(cols, winner, cdims)
+        payload.index_put_((cells,), new)
+        now = was | changed
+        committed.index_put_((cells,), now)
+        dp_committed.index_put_((cells,), now)
+        if tracks_inputs:
+            from_input.index_put_((cells,), from_input.index_select(0, cells) & ~changed)
+        # Lamport clocks: 1 + max(own, every clock the rule read)
+        own = clock.index_select(0, cells)
+        top = own
+        ci = iter(clock_valid)
+        cs = iter(clock_src)
+        for j in range(len(uniform)):
+            src = clock if own_read[j] else next(cs)  # a value's own clocks: no aliased input
+            if uniform[j]:
+                got = src.index_select(0, clock_index[j]).amax().expand(n)
+            else:
+                g = src.take(clock_index[j].index_select(0, cells))
+                if masked[j]:
+                    g = g * next(ci).index_select(0, cells)
+                got = _max([g[:, i] for i in range(g.shape[1])])
+            top = torch.maximum(top, got)
+        new_clock = torch.where(changed, top + 1, own)
+        clock.index_put_((cells,), new_clock)
+        rule.index_put_((cells,), torch.where(changed, rule_id, rule.index_select(0, cells)))
+        epoch.index_put_((cells,), torch.where(changed, e, epoch.index_select(0, cells)))
+        won = _pick(score, winner, 0)
+        kept_score.index_put_((cells,), torch.where(changed, won, kept))
+        # why a proposed cell stays unset: the highest-priority constraint every valid proposal
+        # violates, else one some proposal violates, else no winner
+        code = torch.full_like(cells, NO_WINNER)
+        if k:
+            some = _any(valid[1:])
+            every = [
+                _all([v | ~ok for v, ok in zip(verdicts[i][1:], valid[1:])]) & some for i in order
+            ]
+            anyv = [_any([v & ok for v, ok in zip(verdicts[i][1:], valid[1:])]) for i in order]
+            for hit in (anyv, every):  # `every` overrides `some`
+                for i in reversed(range(len(order))):  # the first hit (highest priority) last
+                    code = torch.where(hit[i], ids[i], code)
+        stays = ~changed & ~was
+        why.index_put_((cells,), torch.where(stays, code, why.index_select(0, cells)))
+        score_t = torch.stack(score, dim=1)
+        valid_t = torch.stack(valid, dim=1)
+        if k:
+            violated = torch.stack([torch.stack(v, dim=1) for v in verdicts], dim=2)
+            applies_t = torch.stack(applies, dim=1)
+        else:
+            violated = torch.zeros((n, ncol, 0), dtype=torch.bool, device=cells.device)
+            applies_t = torch.ones((n, 0), dtype=torch.bool, device=cells.device)
+        n_viol = _sum([_any([v[c] for v in verdicts]) for c in range(ncol)]).sum() if k else e * 0
+        counts = torch.stack((changed.sum(), n_viol))
+        return winner, changed, score_t, valid_t, violated, applies_t, new_clock, was, counts
+
+    return step
+
+
+def _any(xs: Sequence[Tensor]) -> Tensor:
+    out = xs[0]
+    for x in xs[1:]:
+        out = out | x
+    return out
+
+
+def _all(xs: Sequence[Tensor]) -> Tensor:
+    out = xs[0]
+    for x in xs[1:]:
+        out = out & x
+    return out
+
+
+def _max(xs: Sequence[Tensor]) -> Tensor:
+    out = xs[0]
+    for x in xs[1:]:
+        out = torch.maximum(out, x)
+    return out
+
+
+def _pick(cols: Sequence[Tensor], winner: Tensor, cdims: int) -> Tensor:
+    """``cols[winner]`` per cell (a chain of selects over the unrolled columns)."""
+    out = cols[0]
+    for j in range(1, len(cols)):
+        hit = (winner == j).reshape(-1, *([1] * cdims))
+        out = torch.where(hit, cols[j], out)
+    return out
+
+
+def _best(score: Sequence[Tensor], eligible: Sequence[Tensor]) -> Tensor:
+    """The eligible column with the highest score, ties to the lowest column
+    (:func:`lmpm.resolve.policies.best_by_score`, unrolled); 0 when none is eligible."""
+    s = [torch.where(ok, x, -torch.inf) for ok, x in zip(eligible, score)]
+    top = _max(s)
+    winner = torch.zeros(score[0].shape, dtype=torch.int64, device=score[0].device)
+    found = torch.zeros_like(eligible[0])
+    for j, (ok, x) in enumerate(zip(eligible, s)):
+        hit = ok & (x == top) & ~found
+        winner = torch.where(hit, j, winner)
+        found = found | hit
+    return winner
+
+
+def _narrow(
+    verdicts: list[list[Tensor]], eligible: list[Tensor], priority: list[int]
+) -> list[Tensor]:
+    """:func:`lmpm.resolve.policies.narrow`, unrolled over the columns."""
+    for prio in sorted(set(priority), reverse=True):
+        ks = [j for j, p in enumerate(priority) if p == prio]
+        if len(ks) == 1:
+            ok = [e & ~v for e, v in zip(eligible, verdicts[ks[0]])]
+            some = _any(ok)
+            eligible = [torch.where(some, o, e) for o, e in zip(ok, eligible)]
+            continue
+        count = []
+        for c, e in enumerate(eligible):
+            sat = _sum([~verdicts[j][c] for j in ks])
+            count.append(torch.where(e, sat, -1))
+        top = _max(count)
+        eligible = [e & (x == top) for e, x in zip(eligible, count)]
+    return eligible
+
+
+def _sum(xs: Sequence[Tensor]) -> Tensor:
+    out = xs[0].to(torch.int64)
+    for x in xs[1:]:
+        out = out + x.to(torch.int64)
+    return out
+
+
+def bucket(n: int) -> int:
+    """The padded row count a step of ``n`` open cells is compiled for (a power of two)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass
+class CompileStats:
+    """What ``--compile`` did in a run (``lmpm run`` prints it; benchmarks read it)."""
+
+    compiles: int = 0  # graphs compiled (one per value and shape bucket)
+    cache_hits: int = 0  # of those, found in inductor's on-disk cache (an earlier run built them)
+    compile_seconds: float = 0.0  # tracing and code generation (a warm cache skips most)
+    steps: int = 0  # compiled steps run
+    eager_epochs: int = 0  # epochs run eagerly (tracing candidates, taps, faults)
+    graphs: dict[str, list[torch.fx.GraphModule]] = field(default_factory=dict)  # value -> traced
+    buckets: dict[str, set[int]] = field(default_factory=dict)  # value -> open-cell buckets
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "compiles": self.compiles,
+            "cache_hits": self.cache_hits,
+            "compile_seconds": round(self.compile_seconds, 3),
+            "steps": self.steps,
+            "eager_epochs": self.eager_epochs,
+        }
+
+
+# Flat argument lists: the step's fixed tensor arguments, then its table lists (these lengths).
+_HEAD = 14
+
+
+def _flat(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Callable[..., Any]:
+    """``step`` over one flat tuple of tensors (what a traced graph takes)."""
+
+    def flat(*ts: Tensor) -> tuple[Tensor, ...]:
+        rest = list(ts[_HEAD:])
+        lists = []
+        for n in lens:
+            lists.append(rest[:n])
+            rest = rest[n:]
+        return step(*ts[:_HEAD], *lists)
+
+    return flat
+
+
+# Compiled graphs of this process, by spec and the exact signature of their inputs: a later run
+# of the same program (tests, benchmarks, notebooks) reuses them.
+_GRAPHS: dict[tuple[Any, ...], tuple[Callable[..., Any], torch.fx.GraphModule]] = {}
+
+
+def _signature(args: Sequence[Tensor]) -> tuple[Any, ...]:
+    return tuple((t.dtype, tuple(t.shape), t.stride(), t.device) for t in args)
+
+
+def compile_step(
+    spec: StepSpec, args: Sequence[Tensor], lens: tuple[int, ...]
+) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
+    """Trace ``spec``'s step on the shapes of ``args`` into one aten graph and compile it with
+    inductor (explicit graphs: no dynamo frame, no guards; the caller calls it only with inputs
+    of this signature). Returns (compiled, graph, how): "built" (code generated now), "cached"
+    (inductor's on-disk cache had it, from an earlier run) or "reused" (this process had it)."""
+    key = (spec, _signature(args), lens)
+    hit = _GRAPHS.get(key)
+    if hit is not None:
+        return hit[0], hit[1], "reused"
+    flat = _flat(value_step(spec), lens)
+    with warnings.catch_warnings():
+        # inductor's imports and code generation warn about torch internals, not about the run
+        warnings.simplefilter("ignore")
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        gm = make_fx(flat, tracing_mode="fake")(*args)
+        device = args[0].device
+        # Realize intermediates used by several loops instead of recomputing them in each (a
+        # step reads the same gathered rows in its checks, its agreement and its writes).
+        options: dict[str, Any] = {"realize_opcount_threshold": 4}
+        if device.type == "cuda":
+            options["triton.cudagraphs"] = True
+        else:
+            options["cpp_wrapper"] = True  # buffers allocated and the kernel called in C++
+        from torch._dynamo.utils import counters
+
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        with config.patch(options):
+            fn: Callable[..., Any] = compile_fx(gm, [t.clone() for t in args])  # type: ignore[assignment]
+        cached = counters["inductor"]["fxgraph_cache_hit"] > hits
+    _GRAPHS[key] = (fn, gm)
+    return fn, gm, "cached" if cached else "built"
+
+
+class CompiledEpoch:
+    """The compiled steps of a run's values (built lazily, one graph per value and bucket)."""
+
+    def __init__(self, plan: Plan, device: torch.device, *, quota: bool = False) -> None:
+        from lmpm.resolve.plan import rules_by_target
+
+        self.plan = plan
+        self.device = device
+        self.stats = CompileStats()
+        self.reasons: dict[str, str | None] = {
+            name: eligibility(plan, name, quota=quota) for name in rules_by_target(plan)
+        }
+        self.specs = {
+            name: step_spec(plan, name) for name, why in self.reasons.items() if why is None
+        }
+        self._rules = {name: rules_by_target(plan)[name][0] for name in self.specs}
+        self._tables: dict[str, tuple[list[Tensor], ...]] = {}
+        # (value, open-cell bucket, proposals per cell) -> compiled step; the value's other inputs
+        # keep their shapes for the whole run
+        self._fns: dict[tuple[str, int, int], Callable[..., Any]] = {}
+        self._cols: dict[tuple[int, int], Tensor] = {}
+        self._e = torch.zeros((), dtype=torch.int64, device=device)
+        os.environ.setdefault(CACHE_ENV, str(cache_dir()))
+
+    def compiles(self, value: str) -> bool:
+        return value in self.specs
+
+    def summary(self) -> str:
+        """One line for the end of a run: what compiled, in how long, what ran eagerly."""
+        st = self.stats
+        parts = [
+            f"compiled {len(self.specs)} of {len(self.reasons)} values "
+            f"({st.compiles} graph{'s' if st.compiles != 1 else ''}"
+            + (f", {st.cache_hits} from the cache" if st.cache_hits else "")
+            + f", {st.compile_seconds:.1f} s; {st.steps} compiled steps)"
+        ]
+        eager = [name for name, why in self.reasons.items() if why is not None]
+        if eager:
+            parts.append("eager: " + ", ".join(eager) + " (lmpm show --compiled says why)")
+        if st.eager_epochs:
+            parts.append(f"{st.eager_epochs} epochs ran eagerly (candidates traced)")
+        return ", ".join(parts)
+
+    def tables(self, value: str, dataplane: Any) -> tuple[list[Tensor], ...]:
+        """The static tables a value's step reads (device copies, made once)."""
+        hit = self._tables.get(value)
+        if hit is None:
+            tabs = dataplane._tables[value]
+            vtables = [t for t in tabs.tables if t is not None]
+            where = [c for c, whole in zip(tabs.cells, tabs.covers_all) if not whole]
+            reads = clock_reads(self._rules[value])
+            index = [dataplane._dev(cr.index) for cr in reads]
+            valid = [dataplane._dev(cr.valid) for cr in reads if cr.valid is not None]
+            hit = self._tables[value] = (vtables, where, index, valid)
+        return hit
+
+    def columns(self, rule: int, k: int) -> Tensor:
+        """(C,) rule id per column for one rule proposing ``k`` candidates per cell."""
+        hit = self._cols.get((rule, k))
+        if hit is None:
+            hit = self._cols[(rule, k)] = torch.tensor([-1] + [rule] * k)
+        return hit
+
+    def step(
+        self,
+        value: str,
+        e: int,
+        cells: Tensor,
+        prop: Tensor,
+        sc: Tensor,
+        dataplane: Any,
+        state: Any,
+        why: Tensor,
+        active: Tensor,
+        clocks: dict[str, Tensor],
+    ) -> tuple[Tensor, ...]:
+        """Run ``value``'s compiled step on one epoch's proposals; returns (winner, changed, score,
+        valid, violated, applies, new_clock, was) for the ``n`` open cells and (2,) int64: how
+        many commit, how many (cell, candidate) pairs violate a constraint."""
+        n = cells.numel()
+        b = bucket(n)
+        if b != n:  # pad by repeating row 0: identical rows decide and write identically
+            pad = b - n
+            cells = torch.cat((cells, cells[:1].expand(pad)))
+            prop = torch.cat((prop, prop[:1].expand(pad, *prop.shape[1:])))
+            sc = torch.cat((sc, sc[:1].expand(pad, *sc.shape[1:])))
+        spec = self.specs[value]
+        vtables, where, index, valid = self.tables(value, dataplane)
+        self._e.fill_(e)
+        args = (
+            self._e,
+            cells,
+            prop.contiguous(),
+            sc.contiguous(),
+            dataplane.payload[value],
+            dataplane.committed[value],
+            dataplane.from_input[value],
+            state.committed,
+            state.clock,
+            state.rule,
+            state.epoch,
+            state.score,
+            why,
+            active,
+            *vtables,
+            *where,
+            *index,
+            *valid,
+            *(clocks[s] for s in spec.clock_sources if s != value),
+        )
+        key = (value, b, prop.shape[1])
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = self._compile(value, spec, args, e)
+            self.stats.buckets.setdefault(value, set()).add(b)
+        out = fn(*args)
+        self.stats.steps += 1
+        if b == n:
+            return tuple(out)
+        # padded: the rows past n repeat row 0, so the counts are taken over the first n
+        out = tuple(t[:n] for t in out[:-1])
+        changed, violated = out[1], out[4]
+        n_viol = violated.any(dim=2).count_nonzero() if violated.shape[2] else changed.sum() * 0
+        return (*out, torch.stack((changed.count_nonzero(), n_viol)))
+
+    def _compile(
+        self, value: str, spec: StepSpec, args: tuple[Tensor, ...], e: int
+    ) -> Callable[..., Any]:
+        vtables, where, index, valid = self._tables[value]
+        lens = (
+            len(vtables),
+            len(where),
+            len(index),
+            len(valid),
+            sum(s != value for s in spec.clock_sources),
+        )
+        t0 = time.perf_counter()
+        try:
+            fn, gm, how = compile_step(spec, args, lens)
+        except Exception as exc:  # tracing and code generation run before anything is written
+            raise RuntimeFault(
+                f"--compile could not compile the epoch step of `{value}`: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                where={"value": value, "epoch": e},
+                code="R080",
+                hint="run without --compile (the eager epoch commits the same)",
+            ) from exc
+        if how != "reused":
+            self.stats.compiles += 1
+        if how == "cached":
+            self.stats.cache_hits += 1
+        self.stats.compile_seconds += time.perf_counter() - t0
+        self.stats.graphs.setdefault(value, []).append(gm)
+        return fn
