@@ -486,6 +486,8 @@ class CompiledEpoch:
         self._cols: dict[tuple[int, int], Tensor] = {}
         self._e = torch.zeros((), dtype=torch.int64, device=device)
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))
+        # called before a step is compiled: (value, open-cell bucket); the CLI shows a note
+        self.on_compile: Callable[[str, int], None] | None = None
 
     def compiles(self, value: str) -> bool:
         return value in self.specs
@@ -599,6 +601,8 @@ class CompiledEpoch:
             len(valid),
             sum(s != value for s in spec.clock_sources),
         )
+        if self.on_compile is not None:
+            self.on_compile(value, int(args[1].numel()))
         t0 = time.perf_counter()
         try:
             fn, gm, how = compile_step(spec, args, lens)
