@@ -41,6 +41,7 @@ SCRIPTS = (
     "epoch_overhead",
     "distributed",
     "training",
+    "compile",
 )
 TIMEOUT_S = 300  # per script
 LONGER = {"training": 600}  # scripts whose quick mode needs more (the issue allows 10 minutes)
@@ -108,6 +109,12 @@ CLAIMS = (
           "loss_ratio", "<=", 1.03, lambda x: f"{x:.3f}"),
     Claim("training", "worker SIGKILLed mid inner loop: loss / fault-free", {"case": "fault"},
           "loss_ratio", "<=", 1.03, lambda x: f"{x:.3f}"),
+    Claim("compile", "text.lmpm --compile: time outside the model", {"case": "text"},
+          "compiled_outside_share", "<=", 0.05, _share),
+    Claim("compile", "video.lmpm --compile: time outside the model", {"case": "video"},
+          "compiled_outside_share", "<=", 0.05, _share),
+    Claim("compile", "--compile control-plane attempts/s vs eager (16×64×64)",
+          {"case": "throughput"}, "ratio", ">=", 2.0, lambda x: f"{x:.2f}×"),
 )  # fmt: skip
 INFO = (  # measured and shown, no goal
     ("trace", "`--durable` (synchronous=FULL) cost vs default", {"case": "durable"}, "overhead",
@@ -117,6 +124,12 @@ INFO = (  # measured and shown, no goal
      lambda x: f"{x:.2f}×"),
     ("epoch_overhead", "text epoch: µs outside the model (p10)", {"case": "text"},
      "outside_us_p10", lambda x: f"{x:.0f} µs"),
+    ("compile", "text epoch outside the model: eager / --compile", {"case": "text"},
+     "outside_ratio", lambda x: f"{x:.2f}×"),
+    ("compile", "--compile cold: text + video steps (s)", {"case": "compile_time"},
+     "text_cold_s", lambda x: f"{x:.1f} s text"),
+    ("compile", "--compile warm cache: text step (s)", {"case": "compile_time"},
+     "text_warm_s", lambda x: f"{x:.1f} s"),
 )  # fmt: skip
 
 

@@ -1,0 +1,215 @@
+"""The compiled epoch step (``--compile``) against the eager epoch, side by side in one process.
+
+Each case runs the same program eagerly and compiled (lmpm.runtime.compiled), alternating, after
+one compiled warm-up run (its graphs are then reused by every later run in the process, so the
+timed runs compile nothing), and checks that both commit the same outputs.
+
+- ``text``: examples/text.lmpm with the bundled prompt (one open cell per epoch): per epoch, the
+  10th percentile of the time outside the model and of the whole epoch; the outside-model share
+  (goal ≤ 5% compiled).
+- ``video``: examples/video.lmpm with the bundled caption and locked patch (the README demo): the
+  median outside-model share over runs (goal ≤ 5% compiled).
+- ``throughput``: the control-plane workload of benchmarks/runtime.py (Vid 16×64×64 with every
+  constraint live and a null model, red-black): cell-commit attempts per second of control-plane
+  time, eager and compiled (goal ≥ 2× eager).
+- ``compile_time``: a fresh process compiling the text and the video steps with an empty inductor
+  cache (cold), then another with the cache the first filled (warm); seconds, and graphs built.
+
+    python benchmarks/compile.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EX = ROOT / "examples"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from lmpm.ir import compile_file  # noqa: E402
+from lmpm.runtime.engine import RunResult  # noqa: E402
+from lmpm.runtime.session import Run  # noqa: E402
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[int(p * (len(xs) - 1))]
+
+
+def _outputs(run: Run) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v) for k, v in run.outputs().items()}
+
+
+def alternate(
+    make: Callable[[bool], Run], epochs: int | None, repeats: int
+) -> dict[bool, list[tuple[Run, RunResult]]]:
+    """Warm up compiled, then ``repeats`` runs of each mode, alternating; outputs checked equal."""
+    make(True).run(epochs)  # compiles every step this program needs (reused from now on)
+    out: dict[bool, list[tuple[Run, RunResult]]] = {False: [], True: []}
+    for _ in range(repeats):
+        for compiled in (False, True):
+            run = make(compiled)
+            out[compiled].append((run, run.run(epochs)))
+    want = _outputs(out[False][0][0])
+    for compiled in (False, True):
+        for run, _ in out[compiled]:
+            got = _outputs(run)
+            for k, v in want.items():
+                if not np.array_equal(got[k], v, equal_nan=True):
+                    raise AssertionError(f"{k}: compiled={compiled} differs from eager")
+        assert out[True][-1][0].engine.compiled is not None
+        if compiled:
+            assert out[True][-1][0].engine.compiled.stats.compiles == 0, "recompiled"
+    return out
+
+
+def text(repeats: int) -> dict[str, Any]:
+    front = compile_file(EX / "text.lmpm")
+    prompt = {"Txt": str(EX / "text" / "prompt.txt")}
+    runs = alternate(lambda c: Run(front, inputs=prompt, seed=0, compile=c), None, repeats)
+    row: dict[str, Any] = {"benchmark": "compile", "case": "text"}
+    for compiled, label in ((False, "eager"), (True, "compiled")):
+        outside, whole = [], []
+        for _, res in runs[compiled]:
+            for rec in res.records[1:]:
+                outside.append((rec.seconds - rec.model_seconds) * 1e6)
+                whole.append(rec.seconds * 1e6)
+        row[f"{label}_outside_us_p10"] = round(pct(outside, 0.1), 1)
+        row[f"{label}_epoch_us_p10"] = round(pct(whole, 0.1), 1)
+        row[f"{label}_outside_share"] = round(pct(outside, 0.1) / pct(whole, 0.1), 4)
+    row["outside_ratio"] = round(row["eager_outside_us_p10"] / row["compiled_outside_us_p10"], 2)
+    row["epochs"] = runs[True][0][1].epochs
+    row["repeats"] = repeats
+    row["goal_share"] = 0.05
+    return row
+
+
+def video(epochs: int, repeats: int) -> dict[str, Any]:
+    front = compile_file(EX / "video.lmpm")
+    inputs = {"Txt": str(EX / "video" / "caption.txt"), "Vid": str(EX / "video" / "patch.npy")}
+    runs = alternate(lambda c: Run(front, inputs=inputs, seed=0, compile=c), epochs, repeats)
+    row: dict[str, Any] = {"benchmark": "compile", "case": "video"}
+    for compiled, label in ((False, "eager"), (True, "compiled")):
+        shares = [1 - r.model_seconds / r.seconds for _, r in runs[compiled]]
+        per_epoch = [r.seconds / r.epochs * 1e3 for _, r in runs[compiled]]
+        row[f"{label}_outside_share"] = round(statistics.median(shares), 4)
+        row[f"{label}_ms_per_epoch"] = round(statistics.median(per_epoch), 2)
+    row["epochs"] = epochs
+    row["repeats"] = repeats
+    row["goal_share"] = 0.05
+    return row
+
+
+def throughput(epochs: int, repeats: int) -> dict[str, Any]:
+    sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+    from runtime import BINDINGS, caption, params
+
+    p = params(16, 64, 64)
+    front = compile_file(EX / "video.lmpm", overrides=p)
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    finals: dict[bool, Any] = {}
+    for i in range(repeats + 1):
+        for compiled in (False, True):
+            run = Run(front, params=p, bindings=BINDINGS, seed=0, compile=compiled)
+            caption(run)
+            run.engine.step()  # allocations (and, the first time, compiling): not timed
+            res = run.run(epochs + 1)
+            if i:
+                rates[compiled].append(res.attempts / (res.seconds - res.model_seconds))
+            finals[compiled] = run
+    for name in finals[False].plan.values:
+        assert torch.equal(finals[False].payload(name), finals[True].payload(name)), name
+    eager, compiled = statistics.median(rates[False]), statistics.median(rates[True])
+    return {
+        "benchmark": "compile",
+        "case": "throughput",
+        "cells": finals[True].plan.total_cells,
+        "epochs": epochs,
+        "eager_attempts_per_s": round(eager),
+        "compiled_attempts_per_s": round(compiled),
+        "ratio": round(compiled / eager, 2),
+        "goal": 2.0,
+    }
+
+
+_CHILD = """
+import json, sys, time
+from pathlib import Path
+from lmpm.ir import compile_file
+from lmpm.runtime.session import Run
+ex = Path(sys.argv[1])
+out = {}
+t0 = time.perf_counter()
+run = Run(compile_file(ex / "text.lmpm"), inputs={"Txt": str(ex / "text" / "prompt.txt")},
+          compile=True)
+run.run()
+out["text"] = run.engine.compiled.stats.to_json()
+inputs = {"Txt": str(ex / "video" / "caption.txt"), "Vid": str(ex / "video" / "patch.npy")}
+run = Run(compile_file(ex / "video.lmpm"), inputs=inputs, compile=True)
+run.run(2)
+out["video"] = run.engine.compiled.stats.to_json()
+out["wall_s"] = time.perf_counter() - t0
+print(json.dumps(out))
+"""
+
+
+def compile_time() -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        got = []
+        for _ in ("cold", "warm"):
+            proc = subprocess.run(
+                [sys.executable, "-c", _CHILD, str(EX)],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=600,
+            )
+            got.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    row: dict[str, Any] = {"benchmark": "compile", "case": "compile_time"}
+    for label, g in zip(("cold", "warm"), got):
+        for case in ("text", "video"):
+            row[f"{case}_{label}_s"] = g[case]["compile_seconds"]
+            row[f"{case}_{label}_graphs"] = g[case]["compiles"]
+            row[f"{case}_{label}_cache_hits"] = g[case]["cache_hits"]
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=12, help="video epochs per run")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and epochs")
+    ap.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm processes")
+    a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.epochs = 3, 6
+    torch.set_num_threads(2)
+    t = time.perf_counter()
+    for row in (
+        text(a.repeats),
+        video(a.epochs, a.repeats),
+        throughput(3 if a.quick else 6, 2 if a.quick else 3),
+    ):
+        print(json.dumps(row), flush=True)
+    if not a.no_compile_time:
+        print(json.dumps(compile_time()), flush=True)
+    print(f"# {time.perf_counter() - t:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
