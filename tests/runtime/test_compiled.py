@@ -238,3 +238,4 @@ def test_cli_compile_writes_what_eager_writes(tmp_path: Path) -> None:
             assert "compiled 1 of 1 values" in proc.stderr
         out[bool(flag)] = (d / "Txt.json").read_text()
     assert out[True] == out[False]
+

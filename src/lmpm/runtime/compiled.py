@@ -481,9 +481,9 @@ class CompiledEpoch:
         }
         self._rules = {name: rules_by_target(plan)[name][0] for name in self.specs}
         self._tables: dict[str, tuple[list[Tensor], ...]] = {}
-        # (value, open-cell bucket, proposals per cell) -> compiled step; the value's other inputs
-        # keep their shapes for the whole run
-        self._fns: dict[tuple[str, int, int], Callable[..., Any]] = {}
+        # (value, open-cell bucket, proposals per cell, their dtype) -> compiled step; the value's
+        # other inputs keep their shapes and dtypes for the whole run
+        self._fns: dict[tuple[str, int, int, torch.dtype], Callable[..., Any]] = {}
         self._cols: dict[tuple[int, int], Tensor] = {}
         self._e = torch.zeros((), dtype=torch.int64, device=device)
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))
@@ -576,7 +576,7 @@ class CompiledEpoch:
             *valid,
             *(clocks[s] for s in spec.clock_sources if s != value),
         )
-        key = (value, b, prop.shape[1])
+        key = (value, b, prop.shape[1], prop.dtype)  # (the graph reads the proposals' dtype)
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = self._compile(value, spec, args, e)
