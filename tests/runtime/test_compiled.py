@@ -239,3 +239,21 @@ def test_cli_compile_writes_what_eager_writes(tmp_path: Path) -> None:
         out[bool(flag)] = (d / "Txt.json").read_text()
     assert out[True] == out[False]
 
+
+
+@pytest.mark.parametrize(
+    ("program", "inputs", "epochs"),
+    [
+        ("gpt.lmpm", {"Txt": "text/prompt.txt"}, 6),
+        ("text_free.lmpm", {"Txt": "text/prompt.txt"}, 8),
+        ("video.lmpm", {"Txt": "video/caption.txt", "Vid": "video/patch.npy"}, 3),
+        ("video_free.lmpm", {"Txt": "video/caption.txt"}, 3),
+        ("latent.lmpm", {"Z": "latent/z0.npy"}, 3),
+    ],
+)
+def test_the_other_examples(program: str, inputs: dict[str, str], epochs: int) -> None:
+    """Every example program with its own models and inputs (latent's values both run eagerly:
+    an aggregating policy and a Python predicate)."""
+    front = compile_file(EX / program)
+    paths = {k: str(EX / v) for k, v in inputs.items()}
+    both(lambda c: Run(front, inputs=paths, seed=0, compile=c), epochs)
