@@ -1,6 +1,6 @@
 """`lmpm show FILE --compiled`: which values' epoch steps compile and why the others run eagerly,
 what each graph bakes in, and the traced graph summarized (traced with fake tensors, never
-compiled)."""
+compiled); and the note `lmpm run --compile` prints before a step compiles."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from lmpm.cli import main
 from lmpm.commands.compiled_view import op_counts, written_inputs
+from lmpm.commands.run import compiling_note
 
 ROOT = Path(__file__).resolve().parents[2]
 EX = ROOT / "examples"
@@ -144,3 +145,27 @@ def test_graph_summary_helpers() -> None:
     ops = op_counts(gm)
     assert ops["where"] == 2 and ops["index_put_"] == 1 and ops["add_"] == 1
     assert written_inputs(gm) == [0]
+
+
+def test_compiling_note_words() -> None:
+    assert compiling_note("Txt", 1) == "compiling the epoch step of Txt (1 open cell)…"
+    assert (
+        compiling_note("Vid", 2048) == "compiling the epoch step of Vid (up to 2,048 open cells)…"
+    )
+
+
+def test_run_compile_says_it_is_compiling(tmp_path: Path) -> None:
+    """Not --quiet, stderr not a terminal (no progress bar): the note is a plain line on stderr
+    before the first epoch's step compiles; --quiet prints no note."""
+    prompt = str(EX / "text" / "prompt.txt")
+    base = ["run", str(EX / "text.lmpm"), "--input", f"Txt={prompt}", "--compile", "--epochs", "2"]
+    proc = cli(*base, "--out", str(tmp_path / "a"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "compiling the epoch step of Txt (1 open cell)…", proc.stderr
+    assert "compiled 1 of 1 values" in proc.stderr
+    assert "\x1b[" not in proc.stderr  # plain text: no terminal codes
+    quiet = cli(*base, "--out", str(tmp_path / "b"), "--quiet")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "compiling the epoch step" not in quiet.stderr
+    assert "compiled 1 of 1 values" in quiet.stderr
