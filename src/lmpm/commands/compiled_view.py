@@ -339,7 +339,8 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
         def stop(*_: Any) -> Any:
             raise _Stop
 
-        return stop, gm, "built"
+        # "reused": the caller counts no compile and does none of a fresh compile's upkeep
+        return stop, gm, "reused"
 
     saved = ce.on_compile
     ce.on_compile = None
