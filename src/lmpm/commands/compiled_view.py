@@ -50,6 +50,7 @@ class Traced:
     open_cells: int  # the open cells it was traced for
     k: int  # proposals per cell
     k_given: bool  # the rule's literal `k=` (else 1, assumed)
+    opened: bool  # epoch 0 opens cells of the value (else traced at 1 cell)
 
 
 class _Stop(Exception):
@@ -218,7 +219,8 @@ def _graph_lines(t: Traced) -> list[str]:
     cells = f"{t.open_cells} open cell{'s' if t.open_cells != 1 else ''}"
     pad = f" padded to {t.bucket}" if t.bucket != t.open_cells else ""
     return [
-        f"  graph        traced at {cells}{pad} (what epoch 0 opens),",
+        f"  graph        traced at {cells}{pad} "
+        + ("(what epoch 0 opens)," if t.opened else "(epoch 0 opens none),"),
         f"               {t.k} proposal{'s' if t.k != 1 else ''} per cell "
         + ("(the rule's k)" if t.k_given else "(assumed: the model decides at run time)"),
         "               with fake tensors: nothing ran, nothing was compiled",
@@ -315,7 +317,8 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     spec = ce.specs[value]
     rp = rules_by_target(run.plan)[value][0]
     k, _ = _proposals(rp)
-    if open_cells is None or not open_cells.numel():
+    opened = open_cells is not None and bool(open_cells.numel())
+    if open_cells is None or not opened:
         open_cells = torch.zeros(1, dtype=torch.int64)
     n = int(open_cells.numel())
     prop = torch.zeros((n, k, *vp.cell_shape), dtype=vp.dtype)
@@ -382,7 +385,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     if len(names) != len(args):
         names = [f"arg{i}" for i in range(len(args))]
     written = [names[i] for i in written_inputs(gm)]
-    return Traced(gm, names, written, int(args[1].numel()), n, k, _proposals(rp)[1])
+    return Traced(gm, names, written, int(args[1].numel()), n, k, _proposals(rp)[1], opened)
 
 
 def input_names(spec: StepSpec, run: Run, value: str, lens: tuple[int, ...]) -> list[str]:
