@@ -496,6 +496,12 @@ def _execute(
             transient=False,
         ) as bar:
             task = bar.add_task("run", total=epochs, completed=session.engine.epoch, info="")
+            compiled = session.engine.compiled
+            if compiled is not None and not args.quiet:
+                # compiling a step takes seconds (more on a cold cache): say why the epoch waits
+                compiled.on_compile = lambda value, n: bar.console.print(
+                    compiling_note(value, n), highlight=False, markup=False
+                )
 
             def progress(rec: object) -> None:
                 from lmpm.runtime.engine import EpochRecord
@@ -555,6 +561,12 @@ def _execute(
     if res.stop is not None and res.stop.total_unset:
         console.print(_unset_note(res.stop.total_unset, res.stop.unset), highlight=False)
     return 0
+
+
+def compiling_note(value: str, n: int) -> str:
+    """The line `lmpm run --compile` prints before a step compiles (``n``: its open-cell bucket)."""
+    cells = "1 open cell" if n == 1 else f"up to {n:,} open cells"
+    return f"compiling the epoch step of {value} ({cells})…"
 
 
 def _unset_note(total: int, unset: dict[str, dict[str, int]]) -> str:

@@ -1,4 +1,5 @@
-"""`lmpm show FILE`: the program as a graph (text, DOT, SVG, Mermaid) or its IR."""
+"""`lmpm show FILE`: the program as a graph (text, DOT, SVG, Mermaid) or its IR; with --compiled,
+what `lmpm run --compile` makes of each proposed value (lmpm.commands.compiled_view)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
 from lmpm.commands.check import unknown_params
-from lmpm.errors import LmpmError
+from lmpm.errors import LmpmError, UsageError
 
 HELP = "show a program as a graph: values, visibility, rules, constraints, commits"
 
@@ -32,9 +33,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --plan: partition the values over N workers and print the routes",
     )
     p.add_argument(
-        "--bind", action="append", default=[], help="bindings module (with --plan --workers)"
+        "--bind",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="bindings module (with --plan --workers and --compiled)",
     )
     p.add_argument("--vm", action="store_true", help="show workflows as VM instruction tensors")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="what `lmpm run --compile` does with each proposed value: compiled or eager and "
+        "why, what its graph bakes in, and the traced graph's ops (nothing is compiled)",
+    )
+    p.add_argument(
+        "--graph",
+        "-v",
+        action="store_true",
+        help="with --compiled: also print each traced graph's code",
+    )
     p.add_argument("-o", "--output", help="write to this file instead of stdout")
 
 
@@ -51,10 +68,35 @@ def _topology(front: Any, overrides: dict[str, int], workers: int, bind: list[st
     return topology_text(plan, partition(plan, workers))
 
 
+def _check_compiled(args: argparse.Namespace) -> None:
+    """--compiled prints a text report of its own: the other views do not combine with it."""
+    if args.graph and not args.compiled:
+        raise UsageError(
+            "--graph prints the traced graphs of --compiled",
+            code="U110",
+            hint="lmpm show FILE --compiled --graph",
+        )
+    if not args.compiled:
+        return
+    for given, flag in (
+        (args.format != "text", f"--format {args.format}"),
+        (args.plan, "--plan"),
+        (args.workers is not None, "--workers"),
+        (args.vm, "--vm"),
+    ):
+        if given:
+            raise UsageError(
+                f"--compiled prints a text report; it does not combine with {flag}",
+                code="U110",
+                hint="drop " + flag.split()[0],
+            )
+
+
 def run(args: argparse.Namespace) -> int:
     from lmpm.ir import compile_file
     from lmpm.ir import graph as g
 
+    _check_compiled(args)
     path = program_path(args.file)
     overrides = parse_sets(args.set)
     front = compile_file(path, overrides=overrides, raise_errors=False)
@@ -62,7 +104,11 @@ def run(args: argparse.Namespace) -> int:
     print_diagnostics(front.diagnostics, False)
     if front.errors:
         return 1
-    if args.vm:
+    if args.compiled:
+        from lmpm.commands.compiled_view import compiled_text
+
+        out = compiled_text(front, overrides, args.bind, graph=args.graph)
+    elif args.vm:
         from lmpm.vm import compile_workflow, instructions_text
 
         if not front.ir.workflows:

@@ -1,0 +1,413 @@
+"""`lmpm show FILE --compiled`: what ``--compile`` makes of each proposed value.
+
+For every value a rule proposes: whether its epoch step compiles or runs eagerly, and why
+(:func:`lmpm.runtime.compiled.eligibility`); for a compiled one, what its graph bakes in (the
+:class:`~lmpm.runtime.compiled.StepSpec` in words) and the graph itself, summarized: the step is
+traced into an aten FX graph with ``make_fx(tracing_mode="fake")`` at a representative shape,
+exactly as ``--compile`` traces it, but inductor does not run (tracing takes well under a second,
+code generation ten). ``--graph`` prints the traced graph's code.
+
+The trace goes through :meth:`CompiledEpoch.step` itself, so the inputs are assembled, padded to
+the shape bucket and ordered as in a run; only :func:`~lmpm.runtime.compiled.compile_step` is
+replaced by a tracer, and the step stops before anything runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from unittest import mock
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import LmpmError, RuntimeFault, UsageError
+
+if TYPE_CHECKING:
+    from lmpm.ir import Frontend
+    from lmpm.resolve.plan import ConstraintPlan, RulePlan
+    from lmpm.runtime.compiled import StepSpec
+    from lmpm.runtime.session import Run
+
+# The step's results, in the order :meth:`CompiledEpoch.step` documents them.
+OUTPUTS = ("winner", "changed", "score", "valid", "violated", "applies", "new_clock", "was")
+OUTPUTS_COUNTS = "counts"
+WIDTH = 100  # columns the report wraps long lists to
+
+
+@dataclass
+class Traced:
+    """One value's step traced at one shape."""
+
+    graph: torch.fx.GraphModule
+    inputs: list[str]  # a name per graph input
+    written: list[str]  # the inputs the graph writes in place
+    bucket: int  # open-cell rows the graph takes (padded)
+    open_cells: int  # the open cells it was traced for
+    k: int  # proposals per cell
+    k_given: bool  # the rule's literal `k=` (else 1, assumed)
+    opened: bool  # epoch 0 opens cells of the value (else traced at 1 cell)
+
+
+class _Stop(Exception):
+    """Raised in place of running a traced step."""
+
+
+def compiled_text(
+    front: Frontend, params: dict[str, int], bind: Sequence[str], *, graph: bool = False
+) -> str:
+    """The report `lmpm show --compiled` prints (``graph``: with each traced graph's code)."""
+    from lmpm.runtime.session import Run
+    from lmpm.train.frontend import is_training
+
+    if is_training(front.ir):
+        raise UsageError(
+            f"{front.ast.file} is a training program; --compiled shows the epoch step of a cell "
+            "program (what `lmpm run --compile` compiles)",
+            code="U110",
+        )
+    run = Run(front, params=params, bind=tuple(bind), compile=True)
+    try:
+        return _report(run, graph)
+    finally:
+        run.close()
+
+
+def _report(run: Run, graph: bool) -> str:
+    from lmpm.resolve.plan import live_constraints, rules_by_target
+
+    ce = run.engine.compiled
+    assert ce is not None  # Run(compile=True) makes it or raises
+    plan = run.plan
+    rules = rules_by_target(plan)
+    live = live_constraints(plan)
+    n, total = len(ce.specs), len(ce.reasons)
+    out = [
+        f"{run.front.ast.file}: the epoch step under --compile: {n} of {total} proposed "
+        f"value{'s' if total != 1 else ''} compile{'s' if n == 1 else ''}",
+        "",
+    ]
+    if not ce.reasons:
+        out.append("no rule proposes a value: there is no epoch step to compile")
+    open0 = run.engine.open_cells(0)
+    for name, why in ce.reasons.items():
+        if why is not None:
+            out.append(f"{name}: eager: {why}")
+            out.append("  (each epoch runs the ordinary propose, check, agree and apply steps)")
+            out.append("")
+            continue
+        spec = ce.specs[name]
+        rp = rules[name][0]
+        cps = live.get(name, [])
+        out.append(f"{name}: compiled (one graph per bucket of open cells, a power of two)")
+        out.extend(_spec_lines(run, spec, rp, cps))
+        traced = trace_value(run, name, open0.get(name))
+        out.extend(_graph_lines(traced))
+        if graph:
+            ph = [nd.name for nd in traced.graph.graph.nodes if nd.op == "placeholder"]
+            out.extend(_wrap("  graph code (", [f"{a} = {b}" for a, b in zip(ph, traced.inputs)]))
+            out[-1] += "):"
+            out.extend("    " + line for line in traced.graph.code.strip("\n").splitlines())
+        out.append("")
+    if ce.specs:
+        out.extend(
+            textwrap.wrap(
+                "A compiled value's epoch still runs eagerly while candidates are traced "
+                "(--trace cells), a tap watches the candidate tables, or a fault is injected.",
+                WIDTH,
+            )
+        )
+        if not graph:
+            out.append("lmpm show --compiled --graph prints each traced graph.")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _proposals(rp: RulePlan) -> tuple[int, bool]:
+    """Proposals per cell to trace with, and whether the rule says so: its literal ``k=``, else 1
+    (the built-in models' default; the model decides at run time)."""
+    k = rp.kwargs.get("k")
+    if isinstance(k, int) and not isinstance(k, bool) and k >= 1:
+        return k, True
+    return 1, False
+
+
+def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan]) -> list[str]:
+    """What the graph bakes in, in words."""
+    from lmpm.ir.printer import call_str
+
+    vp = run.plan.values[spec.value]
+    shape = f"{vp.ncells} cells" + (f" ({'x'.join(map(str, vp.dims))})" if len(vp.dims) > 1 else "")
+    cell = (
+        f"a {list(vp.cell_shape)} {_dtype(spec.dtype)} tensor per cell"
+        if spec.cdims
+        else f"one {_dtype(spec.dtype)} per cell"
+    )
+    if vp.vocab is not None:
+        cell += f" (tokens < {vp.vocab})"
+    lines = [
+        f"  rule         {rp.name} (rule {spec.rule}) proposes it: {call_str(rp.ir.proposal)}",
+        f"  cells        {shape}, {cell}",
+        f"  policy       {vp.policy_text}"
+        + ("" if spec.policy == "satisfy" else " (the best-scored proposal, constraints ignored)"),
+    ]
+    if not spec.checks:
+        lines.append("  constraints  none checked at run time")
+    else:
+        lines.append(f"  constraints  {len(spec.checks)}, highest priority first:")
+        width = max(len(cp.name) for cp in cps)
+        for j in spec.order:
+            cp, ck = cps[j], spec.checks[j]
+            if ck.needs_inputs:
+                where = "on the cells given as input"
+            elif ck.covers_all:
+                where = "on every cell"
+            else:
+                where = f"on {int(cp.cells.count_nonzero())} of {vp.ncells} cells"
+            lines.append(
+                f"    {cp.name:<{width}}  {cp.kind} {_pred(cp)}  priority {spec.priority[j]}, "
+                f"{where}"
+            )
+    if not spec.clock_sources:
+        lines.append("  clock reads  none (a commit's clock is 1 + its own)")
+    else:
+        lines.append("  clock reads  a commit's clock is 1 + the max of its own and:")
+        ce = run.engine.compiled
+        assert ce is not None
+        index = ce.tables(spec.value, run.dataplane)[2]
+        for j, src in enumerate(spec.clock_sources):
+            idx = index[j] if j < len(index) else None
+            if spec.clock_uniform[j]:
+                how = "the same cells for every cell"
+                if idx is not None:
+                    how = f"the same {idx.numel()} cell{'s' if idx.numel() != 1 else ''} for every cell"
+            else:
+                how = "per cell"
+                if idx is not None and idx.dim() == 2:
+                    how = f"per cell, up to {idx.shape[1]} cell{'s' if idx.shape[1] != 1 else ''}"
+            if spec.clock_masked[j]:
+                how += ", masked where the read is invalid"
+            own = " (its own clocks)" if src == spec.value else ""
+            lines.append(f"    {src}{own}: {how}")
+    return lines
+
+
+def _pred(cp: ConstraintPlan) -> str:
+    from lmpm.ir.nodes import PredKind
+    from lmpm.ir.printer import access_str, call_str
+
+    c = cp.ir
+    acc = access_str(c.access) if c.access is not None else cp.target
+    if cp.pred == PredKind.IN_SET and c.set is not None:
+        return f"{acc} in {call_str(c.set)}"
+    return f"{cp.pred.value}({acc})"
+
+
+def _dtype(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _graph_lines(t: Traced) -> list[str]:
+    ops = op_counts(t.graph)
+    nodes = list(t.graph.graph.nodes)
+    n_in = sum(nd.op == "placeholder" for nd in nodes)
+    outs = _outputs(t.graph)
+    shown = [f"{op} ×{c}" for op, c in ops.most_common()]
+    cells = f"{t.open_cells} open cell{'s' if t.open_cells != 1 else ''}"
+    pad = f" padded to {t.bucket}" if t.bucket != t.open_cells else ""
+    return [
+        f"  graph        traced at {cells}{pad} "
+        + ("(what epoch 0 opens)," if t.opened else "(epoch 0 opens none),"),
+        f"               {t.k} proposal{'s' if t.k != 1 else ''} per cell "
+        + ("(the rule's k)" if t.k_given else "(assumed: the model decides at run time)"),
+        "               with fake tensors: nothing ran, nothing was compiled",
+        *_wrap(f"    {sum(ops.values())} aten ops: ", shown),
+        *_wrap(f"    {n_in} inputs: ", t.inputs),
+        *_wrap(f"    {len(outs)} outputs: ", outs),
+        *_wrap("    written in place: ", t.written or ["nothing"]),
+    ]
+
+
+def _wrap(head: str, items: Sequence[str]) -> list[str]:
+    """``head`` and the comma-separated ``items``, wrapped to WIDTH columns between items."""
+    lines = [head]
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if len(lines[-1]) + 1 + len(piece) > WIDTH and lines[-1] != head:
+            lines.append(" " * 6 + piece)
+        else:
+            lines[-1] += ("" if lines[-1] == head else " ") + piece
+    return lines
+
+
+def op_counts(gm: torch.fx.GraphModule) -> Counter[str]:
+    """aten ops of ``gm`` by kind (overloads merged: ``index_put_``, ``where``, ...)."""
+    out: Counter[str] = Counter()
+    for nd in gm.graph.nodes:
+        if nd.op == "call_function":
+            out[_op_name(nd.target)] += 1
+    return out
+
+
+def _op_name(target: Any) -> str:
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return str(getattr(packet, "__name__", packet))
+    return str(getattr(target, "__name__", target))
+
+
+def _outputs(gm: torch.fx.GraphModule) -> list[str]:
+    for nd in gm.graph.nodes:
+        if nd.op == "output":
+            res = nd.args[0]
+            k = len(res) if isinstance(res, (tuple, list)) else 1
+            if k == len(OUTPUTS) + 1:
+                return [*OUTPUTS, OUTPUTS_COUNTS]
+            return [f"out{i}" for i in range(k)]
+    return []
+
+
+def written_inputs(gm: torch.fx.GraphModule) -> list[int]:
+    """Positions of the graph inputs an op writes in place (through views, too)."""
+    placeholders = [nd for nd in gm.graph.nodes if nd.op == "placeholder"]
+    pos = {nd: i for i, nd in enumerate(placeholders)}
+    hit: set[int] = set()
+    for nd in gm.graph.nodes:
+        schema = getattr(nd.target, "_schema", None)
+        if nd.op != "call_function" or schema is None:
+            continue
+        for i, arg in enumerate(schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            src = nd.args[i] if i < len(nd.args) else nd.kwargs.get(arg.name)
+            base = _base(src)
+            if base in pos:
+                hit.add(pos[base])
+    return sorted(hit)
+
+
+def _base(node: Any) -> Any:
+    """The node a view chain starts from (``x.view(...)[0]`` → ``x``)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        if schema is None or not schema.arguments or not node.args:
+            break
+        info = schema.arguments[0].alias_info
+        if info is None or info.is_write:
+            break
+        node = node.args[0]
+    return node
+
+
+def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
+    """Trace ``value``'s compiled step at ``open_cells`` (1 cell when none) and the rule's ``k``
+    proposals per cell, through :meth:`CompiledEpoch.step` with its compiler replaced by
+    ``make_fx``."""
+    from lmpm.resolve.plan import rules_by_target
+    from lmpm.runtime import compiled as cmod
+
+    ce = run.engine.compiled
+    assert ce is not None
+    eng = run.engine
+    vp = run.plan.values[value]
+    spec = ce.specs[value]
+    rp = rules_by_target(run.plan)[value][0]
+    k, _ = _proposals(rp)
+    opened = open_cells is not None and bool(open_cells.numel())
+    if open_cells is None or not opened:
+        open_cells = torch.zeros(1, dtype=torch.int64)
+    n = int(open_cells.numel())
+    prop = torch.zeros((n, k, *vp.cell_shape), dtype=vp.dtype)
+    sc = torch.zeros((n, k), dtype=torch.float64)
+    active = torch.ones(len(spec.checks), dtype=torch.bool)
+    clocks = {s: st.clock for s, st in eng.state.items()}
+    got: dict[str, Any] = {}
+
+    def tracer(
+        spec: StepSpec, args: Sequence[Tensor], lens: tuple[int, ...]
+    ) -> tuple[Any, torch.fx.GraphModule, str]:
+        import warnings
+
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = make_fx(cmod._flat(cmod.value_step(spec), lens), tracing_mode="fake")(*args)
+        got.update(gm=gm, args=list(args), lens=lens)
+
+        def stop(*_: Any) -> Any:
+            raise _Stop
+
+        # "reused": the caller counts no compile and does none of a fresh compile's upkeep
+        return stop, gm, "reused"
+
+    saved = ce.on_compile
+    ce.on_compile = None
+    try:
+        with mock.patch.object(cmod, "compile_step", tracer), torch.inference_mode():
+            ce.step(
+                value,
+                0,
+                open_cells,
+                prop,
+                sc,
+                run.dataplane,
+                eng.state[value],
+                eng.why[value],
+                active,
+                clocks,
+            )
+    except _Stop:
+        pass
+    except LmpmError:
+        raise
+    except Exception as exc:  # a tracing failure is what --compile would hit: say so
+        raise RuntimeFault(
+            f"tracing the epoch step of `{value}` failed: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}",
+            where={"value": value},
+            code="R080",
+            hint="`lmpm run --compile` fails the same way; run without --compile",
+        ) from None
+    finally:
+        ce.on_compile = saved
+    if "gm" not in got:
+        raise RuntimeFault(
+            f"the epoch step of `{value}` was not traced", where={"value": value}, code="R080"
+        )
+    gm: torch.fx.GraphModule = got["gm"]
+    names = input_names(spec, run, value, got["lens"])
+    args: list[Tensor] = got["args"]
+    if len(names) != len(args):
+        names = [f"arg{i}" for i in range(len(args))]
+    written = [names[i] for i in written_inputs(gm)]
+    return Traced(gm, names, written, int(args[1].numel()), n, k, _proposals(rp)[1], opened)
+
+
+def input_names(spec: StepSpec, run: Run, value: str, lens: tuple[int, ...]) -> list[str]:
+    """A name per flat graph input: the step's parameters, then its tables named after the
+    constraint or the clock source they belong to."""
+    from lmpm.resolve.plan import live_constraints
+    from lmpm.runtime.compiled import value_step
+
+    params = list(inspect.signature(value_step(spec)).parameters)
+    head = params[: len(params) - len(lens)]
+    cps = live_constraints(run.plan).get(value, [])
+    per: dict[str, list[str]] = {
+        "vtables": [cps[j].name for j, ck in enumerate(spec.checks) if ck.in_set],
+        "where_tables": [cps[j].name for j, ck in enumerate(spec.checks) if not ck.covers_all],
+        "clock_index": list(spec.clock_sources),
+        "clock_valid": [s for s, m in zip(spec.clock_sources, spec.clock_masked) if m],
+        "clock_src": [s for s in spec.clock_sources if s != value],
+    }
+    names = list(head)
+    for list_name, n in zip(params[len(head) :], lens):
+        labels = per.get(list_name, [])
+        for i in range(n):
+            label = labels[i] if len(labels) == n else str(i)
+            names.append(f"{list_name}[{label}]")
+    return names
