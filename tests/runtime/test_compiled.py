@@ -240,7 +240,6 @@ def test_cli_compile_writes_what_eager_writes(tmp_path: Path) -> None:
     assert out[True] == out[False]
 
 
-
 @pytest.mark.parametrize(
     ("program", "inputs", "epochs"),
     [

@@ -264,7 +264,10 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
                 g = src.take(clock_index[j].index_select(0, cells))
                 if masked[j]:
                     g = g * next(ci).index_select(0, cells)
-                got = _max([g[:, i] for i in range(g.shape[1])])
+                # a few reads unrolled (a compiled loop reduces a short row poorly); a causal
+                # context's dozens of reads as one reduction (an unrolled graph would grow with N)
+                width = g.shape[1]
+                got = _max([g[:, i] for i in range(width)]) if width <= 8 else g.amax(dim=1)
             top = torch.maximum(top, got)
         new_clock = torch.where(changed, top + 1, own)
         clock.index_put_((cells,), new_clock)
