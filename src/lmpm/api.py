@@ -48,7 +48,7 @@ class Compiled:
         **kw: Any,
     ) -> Run:
         """A :class:`lmpm.runtime.session.Run` (``bindings=``, ``inputs=``, ``seed=``, ``epochs=``,
-        ``backend=``, ``bind=``...), checked as `lmpm run` checks before epoch 0. With
+        ``backend=``, ``bind=``, ``compile=``...), checked as `lmpm run` checks before epoch 0. With
         ``run_dir=`` every epoch goes to RUN_DIR/lmpm.db, as `lmpm run --out RUN_DIR` writes it
         (``trace=`` off/summary/cells, ``trace_region=``), and the outputs are written there when
         the run ends; `lmpm trace RUN_DIR` and ``lmpm.resume(RUN_DIR)`` read it."""
@@ -104,13 +104,20 @@ def compile(
     return Compiled(compile_file(p, overrides=params), dict(params))
 
 
-def resume(run_dir: str | Path, *, epochs: int | None = None, backend: str | None = None) -> Run:
+def resume(
+    run_dir: str | Path,
+    *,
+    epochs: int | None = None,
+    backend: str | None = None,
+    compile: bool = False,
+) -> Run:
     """Continue the run in ``run_dir`` (written by `lmpm run --out` or ``runner(run_dir=...)``)
     from its last complete epoch, with the settings it was started with: what
-    `lmpm run --resume RUN_DIR` does. Call ``.run()`` on the result, then ``.finish()``."""
+    `lmpm run --resume RUN_DIR` does (``compile=True``: the compiled epoch step, as
+    `--compile`). Call ``.run()`` on the result, then ``.finish()``."""
     from lmpm.runtime.session import resume as _resume
 
-    return _resume(run_dir, epochs=epochs, backend=backend)
+    return _resume(run_dir, epochs=epochs, backend=backend, compile=compile)
 
 
 def _short(text: str) -> str:

@@ -101,6 +101,7 @@ def test_injected_kill_is_survived_and_recorded(tmp_path: Path) -> None:
         ([], "needs --epochs N"),
         (["--epochs", "1", "--trace", "cells"], "--trace applies to cell programs"),
         (["--epochs", "1", "--driver", "process"], "--driver process: a training run"),
+        (["--epochs", "1", "--compile"], "--compile compiles the epoch step of cell programs"),
         (["--epochs", "1", "--input", "Nope=x.npy"], "no data value `Nope`"),
     ],
 )

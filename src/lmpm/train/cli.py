@@ -45,6 +45,13 @@ def refuse_cell_options(args: argparse.Namespace) -> None:
             "built-in ones (lmpm.train.modules)",
             code="U092",
         )
+    if getattr(args, "compile", False):
+        raise UsageError(
+            "--compile compiles the epoch step of cell programs; this is a training program "
+            "(its inner loop is autograd on the worker)",
+            code="U092",
+            hint="drop --compile",
+        )
     if getattr(args, "driver", None) == "process":
         raise UsageError(
             "--driver process: a training run runs on `single` (workers in this process) or "
