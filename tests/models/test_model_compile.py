@@ -3,7 +3,7 @@ and never otherwise, commit what the eager run commits, and fall back to eager, 
 line naming the rule, when they cannot compile (lmpm.models.compile, docs/models.md).
 
 Most tests compile through dynamo with a counting backend (no code generation: fast); one compiles
-a small module with inductor.
+a small module with inductor, and one the built-in ByteLM on its smallest bucket.
 """
 
 from __future__ import annotations
@@ -19,9 +19,12 @@ from torch import Tensor, nn
 import lmpm
 from lmpm.bindings import COMPILE_ATTR, Bindings, compile_flag, load_module
 from lmpm.errors import BindError, ModelError
-from lmpm.ir import compile_source
+from lmpm.ir import compile_file, compile_source
+from lmpm.models import text, video
 from lmpm.models.compile import CompiledModel
 from lmpm.runtime.session import Run
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PROG = """param N = 8
 value Txt : Token[Byte] shape Seq(N)
@@ -229,3 +232,52 @@ def test_the_models_own_error_is_a_model_error_not_a_fallback(
     assert err.value.code == "R050" and "rule 'Gen'" in str(err.value)
     assert "bad context" in str(err.value)
     assert "warning:" not in capsys.readouterr().err
+
+
+def test_builtin_flags() -> None:
+    """ByteLM and TextScore opt in (faster in the text example); the video models do not (their
+    compiled forward is slower in the video example: docs/models.md)."""
+    assert compile_flag(text.byte_lm) is text.compiled_byte_lm
+    assert compile_flag(text.text_score) is text.compiled_text_score
+    for fn in (video.local_gen, video.model_score, video.coarse_gen):
+        assert compile_flag(fn) is False
+
+
+def test_compiled_bytelm_commits_the_same_bytes() -> None:
+    """The text example with ByteLM compiled: the same bytes, scores within 1e-4 (6 epochs: one
+    context bucket, one graph)."""
+    front = compile_file(ROOT / "examples" / "text.lmpm")
+    prompt = {"Txt": str(ROOT / "examples" / "text" / "prompt.txt")}
+    eager, compiled = Run(front, inputs=prompt), Run(front, inputs=prompt, compile=True)
+    re_, rc = eager.run(6), compiled.run(6)
+    model, score = compiled.dataplane.models[compiled.plan.rules[0].id]
+    assert model.calls == 6 and model.failed is None and score.failed is None
+    assert torch.equal(eager.payload("Txt"), compiled.payload("Txt"))
+    for a, b in zip(re_.records, rc.records):
+        for x, y in zip(a.values, b.values, strict=True):
+            assert torch.equal(x.winner, y.winner)
+            assert torch.allclose(x.score, y.score, atol=1e-4, rtol=0)
+    es, cs = eager.engine.state["Txt"].score, compiled.engine.state["Txt"].score
+    assert torch.allclose(es, cs, atol=1e-4, rtol=0)
+
+
+def test_compiled_video_model_matches_eager() -> None:
+    """The video factories (not opted in by default) pad the cells to a power of two and give
+    the eager log-probs within 1e-4."""
+    g = torch.Generator().manual_seed(0)
+    n = 5  # bucket 8: three padding rows
+    inputs = {
+        "cells": torch.arange(n),
+        "coords": torch.randint(0, 8, (n, 3), generator=g),
+        "neighbors": torch.randint(0, 16, (n, 8), generator=g),
+        "neighbors_mask": torch.rand(n, 8, generator=g) < 0.5,
+        "prev_frame": torch.randint(0, 16, (n, 1), generator=g),
+        "prev_frame_mask": torch.ones(n, 1, dtype=torch.bool),
+        "txt": torch.tensor(list(b"a red square")).expand(n, -1),
+        "txt_mask": torch.ones(n, 12, dtype=torch.bool),
+    }
+    eager = video.local_gen(inputs, vocab=16)["logits"]
+    again = {k: v.clone() for k, v in inputs.items()}  # fresh tensors: no cached forward
+    compiled = video.compiled_local_gen()(again, vocab=16)["logits"]
+    assert compiled.shape == (n, 16)
+    assert torch.allclose(eager, compiled, atol=1e-4, rtol=0)
