@@ -199,6 +199,7 @@ def test_a_model_that_cannot_compile_runs_eagerly_with_a_warning(
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1  # once, not every epoch
     assert "rule `Gen`" in warnings[0] and "Tiny" in warnings[0] and "runs eagerly" in warnings[0]
+    assert "no code for this graph" in warnings[0]  # what dynamo's error wraps
     assert torch.equal(eager.payload("Txt"), run.payload("Txt"))
     assert res.commits == res_e.commits
 

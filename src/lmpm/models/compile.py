@@ -81,13 +81,23 @@ class CompiledModel:
         return out
 
     def fall_back(self, exc: BaseException) -> None:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        self.failed = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        self.failed = _first_line(exc)
         self.fn = None
         sys.stderr.write(
             f"warning: rule `{self.rule}`: its {self.role} {model_name(self.eager)} could not be "
             f"compiled ({self.failed[:300]}); it runs eagerly\n"
         )
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: first line`` of an error; dynamo's ``backend='x' raised:`` with the line it wraps."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        first += " " + lines[1]
+    return f"{type(exc).__name__}: {first}"
 
 
 def compiled_model(fn: Model | None, rule: str, role: str = "model") -> CompiledModel | None:
