@@ -11,6 +11,11 @@ program uses it), modules passed with ``--bind`` (a dotted module name or a ``.p
         return [0, 1, 2]
 
 or with a module-level dict ``LMPM_BINDINGS = {"Palette": palette}``.
+
+A model (or score) may opt in to compilation under ``lmpm run --compile`` / ``Run(compile=True)``:
+``@lmpm.bind("Name", compile=True)``, or the attribute ``lmpm_compile`` (:data:`COMPILE_ATTR`) on
+the callable itself, which is how ``LMPM_BINDINGS`` and the ``bindings=`` mapping opt in
+(``fn.lmpm_compile = True``). See :func:`bind` and docs/models.md, "Compiled models".
 """
 
 from __future__ import annotations
@@ -56,17 +61,60 @@ BUILTINS: dict[str, str] = {
 
 _DECORATED: dict[str, Any] = {}  # filled by @bind while a --bind module is imported
 
+# The attribute by which a bound model or score opts in to compilation under --compile: ``True``
+# (the worker calls ``torch.compile(fn)``) or a zero-argument callable returning the compiled model
+# to call instead (the model compiles its own heavy part; the built-in models do). lmpm.models.compile
+COMPILE_ATTR = "lmpm_compile"
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def bind(name: str) -> Callable[[F], F]:
-    """Decorator: bind ``name`` in LMPM programs to the decorated callable or class."""
+def bind(name: str, *, compile: bool | Callable[[], Any] = False) -> Callable[[F], F]:
+    """Decorator: bind ``name`` in LMPM programs to the decorated callable or class.
+
+    ``compile`` opts a model (or a score) in to compilation: under ``lmpm run --compile`` /
+    ``Run(compile=True)``, and never otherwise, the worker calls a compiled version of it.
+
+    - ``compile=True``: ``torch.compile(fn)`` (dynamo with its default ``dynamic=None``: graph
+      breaks are allowed, a second input shape recompiles with dynamic shapes). Suits a model whose
+      work is one big tensor computation; Python glue in it (caches, ``int(tensor)``, boolean-mask
+      indexing) breaks the graph, and every call pays dynamo's guards (tens of µs).
+    - ``compile=factory``: a zero-argument callable the worker calls once, at the first epoch,
+      returning the model to call instead, e.g. the same function with only its ``nn.Module``'s
+      forward compiled (what the built-in models do, lmpm.models.compile.ModuleGraphs).
+
+    The decorator sets ``obj.lmpm_compile`` (:data:`COMPILE_ATTR`); setting that attribute by hand
+    opts in a callable bound through ``LMPM_BINDINGS`` or ``bindings=``. A model that fails to
+    compile runs eagerly, with one ``warning:`` line naming its rule (docs/models.md)::
+
+        @lmpm.bind("Denoise", compile=True)
+        def denoise(inputs, **kw):
+            return {"logits": net(inputs["nbr"].float())}
+    """
 
     def deco(obj: F) -> F:
+        if compile is not False:
+            try:
+                setattr(obj, COMPILE_ATTR, compile)
+            except (AttributeError, TypeError):
+                raise BindError(
+                    f'@lmpm.bind("{name}", compile=...): cannot set `{COMPILE_ATTR}` on '
+                    f"{type(obj).__name__} {obj!r}",
+                    code="B015",
+                    hint="bind a Python function, a class or an nn.Module to opt in to compilation",
+                ) from None
         _DECORATED[name] = obj
         return obj
 
     return deco
+
+
+def compile_flag(obj: Any) -> bool | Callable[[], Any]:
+    """How a bound object opted in to compilation (:data:`COMPILE_ATTR`): False when it did not."""
+    flag = getattr(obj, COMPILE_ATTR, False)
+    if flag is True or (callable(flag) and not isinstance(flag, bool)):
+        return flag  # type: ignore[no-any-return]
+    return False
 
 
 def register_builtin(name: str, target: str) -> None:

@@ -27,6 +27,7 @@ the block's position (frame, column, row).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmpm.models import _weights
+from lmpm.models.compile import ModuleGraphs, bucket
 from lmpm.models.text import _LastCall
 from lmpm.models.world import K
 
@@ -156,8 +158,36 @@ def local_features(inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
 _LAST = _LastCall()
 
 
-def local_logp(inputs: dict[str, Tensor]) -> Tensor:
-    """(n, 16) log-probs of every open Vid cell's token."""
+def _logp(forward: Callable[..., Tensor], *args: Tensor) -> Tensor:
+    """Log-probs of a forward's logits: the part of a call :class:`CompiledHead` compiles."""
+    return torch.log_softmax(forward(*args).float(), -1)
+
+
+class CompiledHead:
+    """``_logp(model, *args)`` of one module (``LocalGen`` or ``CoarseGen``: all but the caption
+    encoder, whose ``torch.unique`` has a data-dependent shape) as explicit inductor graphs, one
+    per power-of-two count of cells (padding rows: zeros, nothing visible)."""
+
+    def __init__(self) -> None:
+        self.graphs: ModuleGraphs | None = None
+
+    def __call__(self, model: nn.Module, *args: Tensor) -> Tensor:
+        if self.graphs is None or self.graphs.module is not model:
+            self.graphs = ModuleGraphs(model, _logp)
+        n = args[0].shape[0]
+        rows = bucket(n)
+        if rows != n:
+            args = tuple(F.pad(a, (0, 0, 0, rows - n)) for a in args)
+        with torch.no_grad():
+            return self.graphs(*(a.contiguous() for a in args))[:n]
+
+
+_LOCAL = CompiledHead()
+_COARSE = CompiledHead()
+
+
+def local_logp(inputs: dict[str, Tensor], compiled: bool = False) -> Tensor:
+    """(n, 16) log-probs of every open Vid cell's token (``compiled``: :class:`CompiledHead`)."""
     key = tuple(inputs[k] for k in ("cells", "neighbors", "neighbors_mask", "txt") if k in inputs)
     hit = _LAST.get(key)
     if hit is not None:
@@ -166,8 +196,8 @@ def local_logp(inputs: dict[str, Tensor]) -> Tensor:
     tokens, visible = local_features(inputs)
     with torch.no_grad():
         cap = model.cap(inputs["txt"], inputs["txt_mask"])
-        logits = model(tokens, visible, cap, inputs["coords"])
-    logp = torch.log_softmax(logits.float(), -1)
+        args = (tokens, visible, cap, inputs["coords"])
+        logp = _LOCAL(model, *args) if compiled else _logp(model, *args)
     _LAST.put(key, logp)
     return logp
 
@@ -181,9 +211,15 @@ def local_gen(
     **_: Any,
 ) -> dict[str, Tensor]:
     """`Model(neighbors, prev, txt, coarse)`: logits over the palette for every open Vid cell."""
+    return _local_gen(inputs, False, vocab, k, temperature)
+
+
+def _local_gen(
+    inputs: dict[str, Tensor], compiled: bool, vocab: int | None, k: int, temperature: float
+) -> dict[str, Tensor]:
     if vocab is not None and vocab != K:
         raise ValueError(f"the video model proposes {K} palette tokens; the value has {vocab}")
-    logits = local_logp(inputs) / max(float(temperature), 1e-3)
+    logits = local_logp(inputs, compiled) / max(float(temperature), 1e-3)
     if int(k) > 1:
         return {"logits": logits[:, None, :].expand(-1, int(k), -1).contiguous()}
     return {"logits": logits}
@@ -191,7 +227,11 @@ def local_gen(
 
 def model_score(inputs: dict[str, Tensor], **_: Any) -> Tensor:
     """`ModelScore(...)`: the log-prob of each candidate under the LocalGen model, (n, k)."""
-    logp = local_logp(inputs)
+    return _model_score(inputs, False)
+
+
+def _model_score(inputs: dict[str, Tensor], compiled: bool) -> Tensor:
+    logp = local_logp(inputs, compiled)
     prop = inputs["proposal"].long().clamp(0, K - 1)
     return logp.gather(1, prop).double()
 
@@ -200,12 +240,61 @@ def coarse_gen(
     inputs: dict[str, Tensor], *, vocab: int | None = None, k: int = 1, **_: Any
 ) -> dict[str, Tensor]:
     """`CoarseGen(txt)`: logits of each open Coarse cell's mode token."""
+    return _coarse_gen(inputs, False, vocab, k)
+
+
+def _coarse_gen(
+    inputs: dict[str, Tensor], compiled: bool, vocab: int | None, k: int
+) -> dict[str, Tensor]:
     if vocab is not None and vocab != K:
         raise ValueError(f"CoarseGen proposes {K} palette tokens; the value has {vocab}")
     model = load_coarse()
     with torch.no_grad():
         cap = model.cap(inputs["txt"], inputs["txt_mask"])
-        logits = torch.log_softmax(model(cap, inputs["coords"]).float(), -1)
+        args = (cap, inputs["coords"])
+        logits = _COARSE(model, *args) if compiled else _logp(model, *args)
     if int(k) > 1:
         return {"logits": logits[:, None, :].expand(-1, int(k), -1).contiguous()}
     return {"logits": logits}
+
+
+# ---- compiled versions (lmpm_compile factories; docs/models.md, "Compiled models") ---------------
+# Not set on the bound functions: in examples/video.lmpm the compiled LocalGen takes about 1.8x the
+# eager time per epoch (inductor's fused embedding sums over 2,048 cells lose to ATen's kernels);
+# benchmarks/model_compile.py --example video measures them.
+
+
+def compiled_local_gen() -> Callable[..., dict[str, Tensor]]:
+    """`Model` over the compiled ``LocalGen`` (:class:`CompiledHead`)."""
+
+    def local_gen_compiled(
+        inputs: dict[str, Tensor],
+        *,
+        vocab: int | None = None,
+        k: int = 1,
+        temperature: float = 1.0,
+        **_: Any,
+    ) -> dict[str, Tensor]:
+        return _local_gen(inputs, True, vocab, k, temperature)
+
+    return local_gen_compiled
+
+
+def compiled_model_score() -> Callable[..., Tensor]:
+    """`ModelScore` over the compiled ``LocalGen``."""
+
+    def model_score_compiled(inputs: dict[str, Tensor], **_: Any) -> Tensor:
+        return _model_score(inputs, True)
+
+    return model_score_compiled
+
+
+def compiled_coarse_gen() -> Callable[..., dict[str, Tensor]]:
+    """`CoarseGen` over the compiled ``CoarseGen`` module."""
+
+    def coarse_gen_compiled(
+        inputs: dict[str, Tensor], *, vocab: int | None = None, k: int = 1, **_: Any
+    ) -> dict[str, Tensor]:
+        return _coarse_gen(inputs, True, vocab, k)
+
+    return coarse_gen_compiled

@@ -233,6 +233,25 @@ class DataPlane:
         # Fault injection (tests, drills): from this epoch on, every proposal of this worker is
         # perturbed after its model ran, as if the model returned corrupt output (see _corrupt)
         self.corrupt_from: int | None = None
+        # rule id -> (model, score) the worker calls instead of the plan's (compile_models)
+        self.models: dict[int, tuple[Any, Any]] = {}
+
+    def compile_models(self) -> dict[str, tuple[Any, Any]]:
+        """Call the compiled version of every model and score that opted in (``lmpm_compile``,
+        lmpm.models.compile) from now on: what ``--compile`` does besides the epoch step. Returns
+        rule name -> (model, score) wrappers (None where that one did not opt in)."""
+        from lmpm.models.compile import compiled_model
+
+        out: dict[str, tuple[Any, Any]] = {}
+        for rp in self.plan.rules:
+            if rp.id in self.models:
+                continue
+            model = compiled_model(rp.model, rp.name, "model")
+            score = compiled_model(rp.score, rp.name, "score")
+            if model is not None or score is not None:
+                out[rp.name] = (model, score)
+                self.models[rp.id] = (model or rp.model, score or rp.score)
+        return out
 
     # ---- device-resident static tables -----------------------------------------------------------
     def _dev(self, t: Tensor) -> Tensor:
@@ -403,8 +422,10 @@ class DataPlane:
         items: list[WorkItem] = []
         meta: list[tuple[RulePlan, Tensor, int]] = []
         inputs_of: dict[int, dict[str, Tensor]] = {}
+        models = self.models
         for rw in req.rules:
             rp = self.plan.rules[rw.rule]
+            model, score = models.get(rp.id) or (rp.model, rp.score)  # (compile_models)
             vp = self.plan.values[rp.target]
             cells = self._here(rw.cells)
             inputs = inputs_of[rp.id] = self._inputs(rp, cells)
@@ -416,7 +437,7 @@ class DataPlane:
                 items.append(
                     WorkItem(
                         rp.name,
-                        rp.model,
+                        model,
                         inputs,
                         global_cells,
                         vp.vocab,
@@ -426,7 +447,7 @@ class DataPlane:
                         epoch=e,
                         value=vp.name,
                         replica=rep,
-                        score=rp.score,
+                        score=score,
                         score_inputs=score_inputs,
                     )
                 )

@@ -105,6 +105,7 @@ class Run:
         if compile:
             try:
                 self.engine.compile()
+                self.dataplane.compile_models()  # the models that opted in (lmpm_compile)
             except BaseException:
                 self.close()
                 raise
