@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmpm.cli import main
-from lmpm.commands.compiled_view import op_counts, written_inputs
+from lmpm.commands._compiled_view import op_counts, written_inputs
 from lmpm.commands.run import compiling_note
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -49,8 +49,19 @@ FIELDS = (
 )
 
 
-def same_runs(a: Run, ra: RunResult, b: Run, rb: RunResult) -> None:
-    """Two runs of one program committed the same things, epoch by epoch."""
+# Compiled built-in models score within this of their eager scores (docs/models.md)
+SCORE_TOL = 1e-4
+
+
+def _equal(p: torch.Tensor, q: torch.Tensor, scores: bool, tol: float) -> bool:
+    if scores and tol:
+        return bool(torch.allclose(p, q, rtol=0.0, atol=tol, equal_nan=True))
+    return torch.equal(p, q)
+
+
+def same_runs(a: Run, ra: RunResult, b: Run, rb: RunResult, tol: float = 0.0) -> None:
+    """Two runs of one program committed the same things, epoch by epoch (``tol``: scores may
+    differ by this much, everything else is exact)."""
     assert (ra.epochs, ra.commits, ra.attempts) == (rb.epochs, rb.commits, rb.attempts)
     assert len(ra.records) == len(rb.records)
     for x, y in zip(ra.records, rb.records):
@@ -67,20 +78,23 @@ def same_runs(a: Run, ra: RunResult, b: Run, rb: RunResult) -> None:
                 p, q = getattr(vx, f), getattr(vy, f)
                 assert (p is None) == (q is None), (x.epoch, vx.value, f)
                 if p is not None:
-                    assert torch.equal(p, q), (x.epoch, vx.value, f, p, q)
+                    assert _equal(p, q, f == "score", tol), (x.epoch, vx.value, f, p, q)
     for name in a.plan.values:
         assert torch.equal(a.payload(name), b.payload(name)), name
         for f in ("committed", "clock", "rule", "epoch", "score"):
-            assert torch.equal(getattr(a.engine.state[name], f), getattr(b.engine.state[name], f))
+            p, q = getattr(a.engine.state[name], f), getattr(b.engine.state[name], f)
+            assert _equal(p, q, f == "score", tol), (name, f)
     for name, why in a.engine.why.items():
         assert torch.equal(why, b.engine.why[name]), name
 
 
-def both(make: Any, epochs: int | None = None) -> tuple[Run, RunResult, Run, RunResult]:
+def both(
+    make: Any, epochs: int | None = None, tol: float = 0.0
+) -> tuple[Run, RunResult, Run, RunResult]:
     eager, compiled = make(False), make(True)
     assert compiled.engine.compiled is not None and eager.engine.compiled is None
     re_, rc = eager.run(epochs), compiled.run(epochs)
-    same_runs(eager, re_, compiled, rc)
+    same_runs(eager, re_, compiled, rc, tol)
     return eager, re_, compiled, rc
 
 
@@ -262,8 +276,9 @@ def test_cli_compile_writes_what_eager_writes(tmp_path: Path) -> None:
     ],
 )
 def test_the_other_examples(program: str, inputs: dict[str, str], epochs: int) -> None:
-    """Every example program with its own models and inputs (latent's values both run eagerly:
-    an aggregating policy and a Python predicate)."""
+    """Every example program with its own models and inputs, the built-in text models compiled
+    too (their scores within SCORE_TOL, every committed token the same; latent's values both
+    run eagerly: an aggregating policy and a Python predicate)."""
     front = compile_file(EX / program)
     paths = {k: str(EX / v) for k, v in inputs.items()}
-    both(lambda c: Run(front, inputs=paths, seed=0, compile=c), epochs)
+    both(lambda c: Run(front, inputs=paths, seed=0, compile=c), epochs, SCORE_TOL)

@@ -1,5 +1,5 @@
 """`lmpm show FILE`: the program as a graph (text, DOT, SVG, Mermaid) or its IR; with --compiled,
-what `lmpm run --compile` makes of each proposed value (lmpm.commands.compiled_view)."""
+what `lmpm run --compile` makes of each proposed value (lmpm.commands._compiled_view)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     if front.errors:
         return 1
     if args.compiled:
-        from lmpm.commands.compiled_view import compiled_text
+        from lmpm.commands._compiled_view import compiled_text
 
         out = compiled_text(front, overrides, args.bind, graph=args.graph)
     elif args.vm:
