@@ -1,20 +1,24 @@
 """The compiled epoch step (``lmpm run --compile``): per value, everything after the model as one
-``torch.compile``'d function.
+compiled graph.
 
 An eager epoch spends dozens of small tensor operations per value after its model has run: build
 the candidate table, fold a proposal equal to the committed payload into keep-current, check every
 constraint, agree, write the winners, advance the Lamport clocks and the provenance, record why a
 cell stays unset. Each costs microseconds of Python and dispatcher time whatever the tensor's size
-(one open cell in causal text generation). :class:`CompiledEpoch` traces that whole sequence once
-per value into one graph (``fullgraph``: no Python left inside it), which inductor fuses into a few
-kernels; on CUDA the steady-state graph is captured as a CUDA graph (mode ``reduce-overhead``).
+(one open cell in causal text generation). :class:`CompiledEpoch` traces that whole sequence per
+value (:func:`value_step`, no Python left in it) with ``make_fx`` into one aten graph, which
+inductor compiles into a few fused C++ kernels behind a C++ wrapper. These are explicit graphs:
+the run calls them directly, keyed by the shapes it compiled them for, so no dynamo frame and no
+guards run per epoch (a plan of work on handles, realized by the worker).
 
 What is baked into a value's graph is static for the run: the cell shape and dtype, the commit
-policy, the constraints' kinds and priorities, the clock reads. What changes per epoch is an input:
-the open cells, the proposals and their scores, the epoch, the RuleSet (a (K,) bool mask). Shapes
-are bucketed (the open-cell count rounded up to a power of two, padded by repeating the first row:
-identical rows make identical decisions and write identical bytes), so a run compiles each value
-once per bucket, not once per epoch; :attr:`CompiledEpoch.compiles` counts them.
+policy, the constraints' kinds and priorities, the clock reads, the number of candidate columns
+(unrolled: every operation is elementwise over the open cells). What changes per epoch is an
+input: the open cells, the proposals and their scores, the epoch, the RuleSet (a (K,) bool mask).
+Shapes are bucketed (the open-cell count rounded up to a power of two, padded by repeating the
+first row: identical rows make identical decisions and write identical bytes), so a run compiles
+each value once per bucket, not once per epoch; :attr:`CompileStats.compiles` counts them, and
+inductor's on-disk cache (:func:`cache_dir`) serves later runs.
 
 A value runs eagerly (the ordinary propose/agree/apply protocol) when the compiled step cannot
 express it; :func:`eligibility` says why, and ``lmpm show --compiled`` prints it:
@@ -28,8 +32,8 @@ An epoch also runs eagerly while candidates are being recorded (``--trace cells`
 the candidate tables, or a fault is injected. Compiled and eager runs commit the same payload, the
 same clocks and provenance and the same epoch records (tests/runtime/test_compiled.py).
 
-This module runs in the control plane's process next to a one-worker data plane (the payload and
-the metadata share a host); a run over a worker group runs eagerly.
+This module runs in the control plane's process next to a one-worker data plane on the CPU (the
+payload and the metadata share a host); a worker group or a CUDA backend is refused (U101, U103).
 """
 
 from __future__ import annotations
@@ -449,14 +453,12 @@ def compile_step(
         from torch.fx.experimental.proxy_tensor import make_fx
 
         gm = make_fx(flat, tracing_mode="fake")(*args)
-        device = args[0].device
-        # Realize intermediates used by several loops instead of recomputing them in each (a
-        # step reads the same gathered rows in its checks, its agreement and its writes).
-        options: dict[str, Any] = {"realize_opcount_threshold": 4}
-        if device.type == "cuda":
-            options["triton.cudagraphs"] = True
-        else:
-            options["cpp_wrapper"] = True  # buffers allocated and the kernel called in C++
+        options: dict[str, Any] = {
+            # realize intermediates used by several loops instead of recomputing them in each (a
+            # step reads the same gathered rows in its checks, its agreement and its writes)
+            "realize_opcount_threshold": 4,
+            "cpp_wrapper": True,  # buffers allocated and the kernels called in C++, not Python
+        }
         from torch._dynamo.utils import counters
 
         hits = counters["inductor"]["fxgraph_cache_hit"]

@@ -814,9 +814,6 @@ class Engine:
         out = self.compiled.step(
             name, e, cells, prop, sc, dp, self.state[name], self.why[name], active, clocks
         )
-        if dp.device.type != "cpu":  # records are host metadata
-            out = tuple(t.cpu() for t in out)
-            cells = cells.cpu()
         winner, changed, score, valid, violated, applies, new_clock, was, counts = out
         n_commits, n_viol = counts.tolist()
         ve = ValueEpoch(
@@ -835,7 +832,7 @@ class Engine:
         )
         if n_commits and (dp.store is not None or self.checksums):
             rows = cells if n_commits == cells.numel() else cells[changed]
-            new = dp.payload[name].index_select(0, rows.to(dp.device))
+            new = dp.payload[name].index_select(0, rows)
             if dp.store is not None:
                 dp.store.append_commits(e, name, rows, new)
             if self.checksums:
