@@ -529,7 +529,8 @@ class Engine:
         """No commit for a full cycle (:meth:`stable_period`) counted from the epoch at which
         every epoch-guarded trigger has settled (``e >= 3`` settles at epoch 3): no rule can
         commit any more, whatever the number of further epochs."""
-        return self.quiet >= self.stable_period()
+        # the period is at least one epoch: right after a commit there is nothing to count
+        return self.quiet > 0 and self.quiet >= self.stable_period()
 
     def _count_quiet(self, e: int, commits: int) -> None:
         if commits:
