@@ -433,6 +433,34 @@ def _signature(args: Sequence[Tensor]) -> tuple[Any, ...]:
     return tuple((t.dtype, tuple(t.shape), t.stride(), t.device) for t in args)
 
 
+def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any]:
+    """The compiled graph itself, under the wrappers ``compile_fx`` puts around it (a dynamo
+    guard switch, AOT autograd's runtime wrappers: five Python calls, ~25 µs an epoch once the
+    model has evicted them from the caches) when calling it alone does exactly what the wrapped
+    call does: checked once, on copies of the inputs (outputs and inputs written in place equal).
+    Otherwise ``fn`` as it is."""
+    inner: Any = fn
+    while not hasattr(inner, "current_callable"):
+        inner = getattr(inner, "__wrapped__", None)
+        if inner is None:
+            return fn
+    if not getattr(inner, "_boxed_call", False):
+        return fn
+
+    def direct(*ts: Tensor) -> Any:
+        return inner(list(ts))
+
+    a, b = [t.clone() for t in args], [t.clone() for t in args]
+    try:
+        want, got = fn(*a), direct(*b)
+    except Exception:
+        return fn
+    same = len(want) == len(got) and all(torch.equal(x, y) for x, y in zip(want, got))
+    if same and all(torch.equal(x, y) for x, y in zip(a, b)):
+        return direct
+    return fn
+
+
 def compile_step(
     spec: StepSpec, args: Sequence[Tensor], lens: tuple[int, ...]
 ) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
@@ -468,6 +496,7 @@ def compile_step(
         with config.patch(options):
             fn: Callable[..., Any] = compile_fx(gm, [t.clone() for t in args])  # type: ignore[assignment]
         cached = counters["inductor"]["fxgraph_cache_hit"] > hits
+    fn = _direct(fn, args)
     _GRAPHS[key] = (fn, gm)
     return fn, gm, "cached" if cached else "built"
 
