@@ -255,12 +255,20 @@ def byte_lm(
     counter-based RNG. ``pick="top"``: the ``k`` most likely *distinct* bytes (greedy decoding
     with the runner-ups kept), so a constraint that rejects the favourite always finds the best
     byte it allows among the others."""
-    return _byte_lm(inputs, None, vocab, k, temperature, pick)
+    return _byte_lm(inputs, None, vocab=vocab, k=k, temperature=temperature, pick=pick)
 
 
 def _byte_lm(
-    inputs: dict[str, Tensor], step: Any, vocab: int | None, k: int, temperature: float, pick: str
+    inputs: dict[str, Tensor],
+    step: Any,
+    *,
+    vocab: int | None = None,
+    k: int = 1,
+    temperature: float = 1.0,
+    pick: str = "sample",
+    **_: Any,
 ) -> dict[str, Tensor]:
+    """:func:`byte_lm` with ``step`` computing the log-probs (None: the eager forward)."""
     if vocab is not None and vocab != BYTES:
         raise ValueError(f"ByteLM proposes bytes (vocab 256); the value has {vocab} tokens")
     if pick not in PICKS:
@@ -288,16 +296,8 @@ def _text_score(inputs: dict[str, Tensor], step: Any) -> Tensor:
 def compiled_byte_lm() -> Callable[..., dict[str, Tensor]]:
     """`ByteLM` over the compiled forward (:class:`CompiledLogp`)."""
 
-    def byte_lm_compiled(
-        inputs: dict[str, Tensor],
-        *,
-        vocab: int | None = None,
-        k: int = 1,
-        temperature: float = 1.0,
-        pick: str = "sample",
-        **_: Any,
-    ) -> dict[str, Tensor]:
-        return _byte_lm(inputs, _COMPILED, vocab, k, temperature, pick)
+    def byte_lm_compiled(inputs: dict[str, Tensor], **kwargs: Any) -> dict[str, Tensor]:
+        return _byte_lm(inputs, _COMPILED, **kwargs)
 
     return byte_lm_compiled
 

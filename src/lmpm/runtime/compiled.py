@@ -393,7 +393,6 @@ class CompileStats:
     compile_seconds: float = 0.0  # tracing and code generation (a warm cache skips most)
     steps: int = 0  # compiled steps run
     eager_epochs: int = 0  # epochs run eagerly (tracing candidates, taps, faults)
-    graphs: dict[str, list[torch.fx.GraphModule]] = field(default_factory=dict)  # value -> traced
     buckets: dict[str, set[int]] = field(default_factory=dict)  # value -> open-cell buckets
 
     def to_json(self) -> dict[str, Any]:
@@ -643,7 +642,7 @@ class CompiledEpoch:
             self.on_compile(value, int(args[1].numel()))
         t0 = time.perf_counter()
         try:
-            fn, gm, how = compile_step(spec, args, lens)
+            fn, _, how = compile_step(spec, args, lens)
         except Exception as exc:  # tracing and code generation run before anything is written
             raise RuntimeFault(
                 f"--compile could not compile the epoch step of `{value}`: "
@@ -661,5 +660,4 @@ class CompiledEpoch:
         if how == "cached":
             self.stats.cache_hits += 1
         self.stats.compile_seconds += time.perf_counter() - t0
-        self.stats.graphs.setdefault(value, []).append(gm)
         return fn
