@@ -89,19 +89,14 @@ def best_by_score(score: Tensor, eligible: Tensor) -> Tensor:
 
 def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
     """Narrow ``eligible`` level by level: most constraints satisfied at the highest priority first."""
-    return narrow(a.violated, eligible, a.priority.tolist())
-
-
-def narrow(violated: Tensor, eligible: Tensor, priority: list[int]) -> Tensor:
-    """:func:`lexicographic` on the (n, C, K) verdicts with the K priorities given as numbers (the
-    compiled epoch step bakes them into its graph)."""
-    k = violated.shape[2]
+    k = a.violated.shape[2]
     if k == 0:
         return eligible
     if k == 1:
-        ok = eligible > violated.squeeze(2)  # eligible and not violated (bools: a > b is a & ~b)
+        ok = eligible > a.violated.squeeze(2)  # eligible and not violated (bools: a > b is a & ~b)
         return torch.where(ok.any(dim=1, keepdim=True), ok, eligible)
-    sat = ~violated  # (n, C, K)
+    sat = ~a.violated  # (n, C, K)
+    priority = a.priority.tolist()
     for prio in sorted(set(priority), reverse=True):
         ks = [j for j, p in enumerate(priority) if p == prio]
         if len(ks) == 1:

@@ -355,7 +355,7 @@ def _best(score: Sequence[Tensor], eligible: Sequence[Tensor]) -> Tensor:
 def _narrow(
     verdicts: list[list[Tensor]], eligible: list[Tensor], priority: list[int]
 ) -> list[Tensor]:
-    """:func:`lmpm.resolve.policies.narrow`, unrolled over the columns."""
+    """:func:`lmpm.resolve.policies.lexicographic`, unrolled over the columns."""
     for prio in sorted(set(priority), reverse=True):
         ks = [j for j, p in enumerate(priority) if p == prio]
         if len(ks) == 1:
