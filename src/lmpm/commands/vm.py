@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--seed", type=int, default=0, help="the counter-based RNG's seed")
     r.add_argument("--out", metavar="RUN_DIR", help="write the commit log and VM status here")
     r.add_argument("--force", action="store_true", help="replace a run already in --out")
+    r.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the VM step as one compiled graph (commits the same; compiles first)",
+    )
     r.add_argument("--show", type=int, default=4, metavar="K", help="print the first K streams")
     r.add_argument("--json", action="store_true", help="streams and stats as JSON on stdout")
     s = sub.add_parser("status", help="per-stream status of a finished `lmpm vm run`")
@@ -88,7 +93,10 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         run_dir=args.out,
         source=path.read_text(encoding="utf-8"),
+        compile=args.compile,
     )
+    if args.compile and not args.json:
+        sys.stderr.write(f"compiling the VM step ({run.vm.core.B} streams)...\n")
     vm = run.run()
     st = run.stats
     streams = _streams(vm)
@@ -103,6 +111,12 @@ def _run(args: argparse.Namespace) -> int:
         f"({st.steps_all_forced} steps needed none); VM {st.vm_seconds:.3f}s, "
         f"model {st.model_seconds:.3f}s\n"
     )
+    if vm.compiled is not None:
+        c = vm.compiled
+        sys.stdout.write(
+            f"compiled: {c.compiles} graph{'s' if c.compiles != 1 else ''} "
+            f"in {c.compile_seconds:.1f}s, {c.steps} compiled steps\n"
+        )
     for s in streams[: args.show]:
         sys.stdout.write(_stream_line(s))
     if args.out:

@@ -464,14 +464,27 @@ def compile_step(
     spec: StepSpec, args: Sequence[Tensor], lens: tuple[int, ...]
 ) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
     """Trace ``spec``'s step on the shapes of ``args`` into one aten graph and compile it with
-    inductor (explicit graphs: no dynamo frame, no guards; the caller calls it only with inputs
-    of this signature). Returns (compiled, graph, how): "built" (code generated now), "cached"
-    (inductor's on-disk cache had it, from an earlier run) or "reused" (this process had it)."""
+    inductor (:func:`compile_graph`)."""
     key = (spec, _signature(args), lens)
+    return compile_graph(key, lambda: _flat(value_step(spec), lens), args)
+
+
+def compile_graph(
+    key: tuple[Any, ...],
+    make: Callable[[], Callable[..., Any]],
+    args: Sequence[Tensor],
+    *,
+    cpp_wrapper: bool = True,
+) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
+    """Trace ``make()`` (a function of flat tensors, with no Python decision that depends on
+    their values) on the shapes of ``args`` into one aten graph with ``make_fx`` and compile it
+    with inductor: explicit graphs, no dynamo frame and no guards; the caller calls the result
+    only with inputs of this signature (``key`` says everything else the graph depends on).
+    Returns (compiled, graph, how): "built" (code generated now), "cached" (inductor's on-disk
+    cache had it, from an earlier run) or "reused" (this process had it)."""
     hit = _GRAPHS.get(key)
     if hit is not None:
         return hit[0], hit[1], "reused"
-    flat = _flat(value_step(spec), lens)
     with warnings.catch_warnings():
         # inductor's imports and code generation warn about torch internals, not about the run
         warnings.simplefilter("ignore")
@@ -479,12 +492,13 @@ def compile_step(
         from torch._inductor.compile_fx import compile_fx
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        gm = make_fx(flat, tracing_mode="fake")(*args)
+        gm = make_fx(make(), tracing_mode="fake")(*args)
         options: dict[str, Any] = {
             # realize intermediates used by several loops instead of recomputing them in each (a
             # step reads the same gathered rows in its checks, its agreement and its writes)
             "realize_opcount_threshold": 4,
-            "cpp_wrapper": True,  # buffers allocated and the kernels called in C++, not Python
+            # buffers allocated and the kernels called in C++, not Python
+            "cpp_wrapper": cpp_wrapper,
             # Scalar loops: a step is gathers and scatters by cell index, which vectorized loops
             # do lane by lane through a stack buffer (7× slower at 32,768 open cells).
             "cpp.simdlen": 1,

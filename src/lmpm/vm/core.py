@@ -124,6 +124,17 @@ class Core:
         self.st_tags = torch.zeros((b, n), dtype=i64, device=dev)
         self.visits: list[Tensor] = []  # (pc after each transition step) for decisions()
         self.visits_mask: list[Tensor] = []
+        # Traced by lmpm.vm.compiled: _settle runs its rounds without asking (a Python bool)
+        # whether a stream moved, and counts the rounds that moved one in `settled`.
+        self.unrolled = False
+        self.settled: Tensor | None = None
+        # A settle round moves a stream through one zone with no generation and nothing to feed,
+        # forward, so a settle chain passes each such zone at most once: as many rounds.
+        plen = self.pend - self.pstart  # (B, Z)
+        self.settle_rounds = int((~self.generate & (plen == 0).any(0)).sum())
+        # what the compiled step computed for the next step: cleared by any eager change of state
+        self.next_forced: Forced | None = None
+        self.flags: tuple[bool, bool] | None = None  # (finished.all(), waiting.any())
         self._settle(torch.ones(b, dtype=torch.bool, device=dev))
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -190,6 +201,8 @@ class Core:
     # ---- the step --------------------------------------------------------------------------------
     def forced(self) -> Forced:
         """The tokens the VM forces this step (from tool results first, then the zone's prompt)."""
+        if self.next_forced is not None:
+            return self.next_forced
         active = ~self.finished & ~self.waiting
         pc = self.pc.clamp(max=self.Z - 1)
         plen = self.pend[self.ar, pc] - self.pstart[self.ar, pc]
@@ -203,6 +216,7 @@ class Core:
 
     def commit(self, sampled: Tensor, forced: Forced | None = None) -> StepOut:
         """Commit one token per active stream: the forced one, else ``sampled[b]``."""
+        self.next_forced = self.flags = None
         f = forced if forced is not None else self.forced()
         active = f.mask | f.ask
         tok = torch.where(f.mask, f.tokens, sampled.to(self.device, torch.int64))
@@ -285,7 +299,11 @@ class Core:
 
     def _settle(self, moved: Tensor) -> None:
         """Zones with nothing to feed (an empty input) and no generation end at once."""
-        for _ in range(self.Z + 1):
+        # At most `settle_rounds` rounds move a stream, and a round in which none moves changes
+        # nothing, so the rounds that move streams come first: the traced step (``unrolled``)
+        # runs them all without asking and counts those that moved one in ``settled``.
+        rounds: list[Tensor] = []
+        for _ in range(self.settle_rounds):
             pc = self.pc.clamp(max=self.Z - 1)
             plen = self.pend[self.ar, pc] - self.pstart[self.ar, pc]
             empty = (
@@ -297,23 +315,26 @@ class Core:
                 & ~self.waiting
                 & (self.inj_pos >= self.inj_len)
             )
-            if not bool(empty.any()):
+            if self.unrolled:
+                rounds.append(empty.any())
+            elif not bool(empty.any()):
                 return
             self._leave(empty, self.pc + 1)
+        if self.unrolled:
+            self.settled = torch.stack(rounds).sum() if rounds else self.pc.new_zeros(())
 
     # ---- tool results ----------------------------------------------------------------------------
     def feed_results(self, rows: Tensor, results: list[list[int]]) -> None:
         """Queue tool-result tokens for ``rows`` (forced before anything else) and resume them."""
+        self.next_forced = self.flags = None
         width = max([len(r) for r in results] + [1])
         if width > self.inj.shape[1]:
             pad = torch.full((self.B, width - self.inj.shape[1]), -1, dtype=torch.int64)
             self.inj = torch.cat([self.inj, pad.to(self.device)], 1)
-        block = torch.full((len(results), self.inj.shape[1]), -1, dtype=torch.int64)
-        for i, r in enumerate(results):  # one row per tool call: the results are Python lists
-            if r:
-                block[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        w = self.inj.shape[1]
+        block = torch.tensor([r + [-1] * (w - len(r)) for r in results], dtype=torch.int64)
         rows = rows.to(self.device)
-        self.inj[rows] = block.to(self.device)
+        self.inj[rows] = block.reshape(len(results), w).to(self.device)
         self.inj_len[rows] = torch.tensor([len(r) for r in results], device=self.device)
         self.inj_pos[rows] = 0
         self.waiting[rows] = False

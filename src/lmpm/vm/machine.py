@@ -25,7 +25,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -34,6 +34,9 @@ from lmpm.errors import WorkflowError
 from lmpm.ir.nodes import ArgKind
 from lmpm.vm.compile import ByteTokenizer, Instructions
 from lmpm.vm.core import Core, Forced, StepOut
+
+if TYPE_CHECKING:
+    from lmpm.vm.compiled import CompiledStep
 
 Tool = Callable[[list[Any]], Sequence[str]]
 
@@ -55,10 +58,16 @@ class VM:
         tools: Mapping[str, Tool] | Any = None,
         tokenizer: ByteTokenizer | None = None,
         device: str | torch.device = "cpu",
+        compile: bool = False,
     ) -> None:
         self.ins = ins
         self.tok = tokenizer or ByteTokenizer(min(ins.vocab, 256))
         self.core = Core(ins, streams=streams, inputs=inputs, tokenizer=self.tok, device=device)
+        self.compiled: CompiledStep | None = None
+        if compile:
+            from lmpm.vm.compiled import CompiledStep
+
+            self.compiled = CompiledStep(self.core, ins.workflow.name)
         self._tools = tools
         self._tool_fns: dict[int, Tool] = {}
         self.steps = 0
@@ -74,19 +83,24 @@ class VM:
         if self.callbacks_ready:
             self.resolve_callbacks()
             forced = None
-        out = self.core.commit(sampled, forced)
+        if self.compiled is not None:
+            out = self.compiled.step(sampled, forced)
+        else:
+            out = self.core.commit(sampled, forced)
         self.steps += 1
         return out
 
     @property
     def done(self) -> bool:
         """Every stream has left its last zone (or filled its length)."""
-        return bool(self.core.finished.all())
+        flags = self.core.flags  # the compiled step's, for the state it left
+        return flags[0] if flags is not None else bool(self.core.finished.all())
 
     @property
     def callbacks_ready(self) -> bool:
         """Some stream waits for a tool result."""
-        return bool(self.core.waiting.any())
+        flags = self.core.flags
+        return flags[1] if flags is not None else bool(self.core.waiting.any())
 
     def resolve_callbacks(self) -> int:
         """Call every pending tool once for all its waiting streams; feed the results back."""
@@ -99,7 +113,7 @@ class VM:
             rows = waiting[tool_ids == tid]
             call = self.ins.tool_calls[tid]
             fn = self._tool(tid)
-            args = [self._args(call, int(b)) for b in rows.tolist()]
+            args = self._args(call, rows)
             try:
                 results = list(fn(args))
             except Exception as e:
@@ -147,11 +161,24 @@ class VM:
         self._tool_fns[tid] = fn
         return fn
 
-    def _args(self, call: Any, b: int) -> list[Any]:
-        caps = self.captures(b)
-        out: list[Any] = []
-        for a in call.args:
-            out.append(caps.get(str(a.value), "") if a.kind == ArgKind.NAME else a.value)
+    def _args(self, call: Any, rows: Tensor) -> list[list[Any]]:
+        """Each row's argument list for ``call``: a capture's text or a literal (the rows' spans
+        and tokens read in one go, only the captures the call names decoded)."""
+        core = self.core
+        slots = {name: i for i, name in enumerate(self.ins.capture_names)}
+        spans = core.cap_span[rows].tolist()
+        tokens = core.tokens[rows].tolist()
+        out: list[list[Any]] = []
+        for span, row in zip(spans, tokens):
+            args: list[Any] = []
+            for a in call.args:
+                if a.kind != ArgKind.NAME:
+                    args.append(a.value)
+                    continue
+                slot = slots.get(str(a.value))
+                s, e = span[slot] if slot is not None else (-1, -1)
+                args.append(self.tok.decode(row[s:e]) if s >= 0 else "")
+            out.append(args)
         return out
 
     # ---- extraction and debugging ---------------------------------------------------------------

@@ -44,6 +44,7 @@ class Stats:
     model_seconds: float = 0.0
     vm_seconds: float = 0.0  # forced() + commit(): the VM's own share of a step
     tool_seconds: float = 0.0
+    compile_seconds: float = 0.0  # building the compiled step (--compile), not in vm_seconds
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -67,6 +68,7 @@ class WorkflowRun:
         run_dir: str | Path | None = None,
         source: str = "",
         device: str = "cpu",
+        compile: bool = False,
     ) -> None:
         from lmpm.bindings import Bindings
 
@@ -79,6 +81,7 @@ class WorkflowRun:
             inputs=inputs,
             tools=dict(tools) if tools is not None else self.bindings,
             device=device,
+            compile=compile,
         )
         self.seed = seed
         self.device = torch.device(device)
@@ -180,9 +183,14 @@ class WorkflowRun:
             logp = torch.log_softmax(logits.float(), -1).gather(1, tok[:, None])[:, 0]
         else:
             st.steps_all_forced += 1
+        built = vm.compiled.compile_seconds if vm.compiled is not None else 0.0
         t3 = time.perf_counter()
         out = vm.step(sampled, forced)
         t4 = time.perf_counter()
+        if vm.compiled is not None:
+            built = vm.compiled.compile_seconds - built
+            st.compile_seconds += built
+            t4 -= built
         st.model_seconds += t3 - t2
         st.vm_seconds += (t2 - t1) + (t4 - t3)
         n = int(out.active.sum())
