@@ -433,21 +433,22 @@ def _signature(args: Sequence[Tensor]) -> tuple[Any, ...]:
 
 
 def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any]:
-    """The compiled graph itself, under the wrappers ``compile_fx`` puts around it (a dynamo
+    """The compiled graph itself, without the wrappers ``compile_fx`` puts around it (a dynamo
     guard switch, AOT autograd's runtime wrappers: five Python calls, ~25 µs an epoch once the
-    model has evicted them from the caches) when calling it alone does exactly what the wrapped
+    model has evicted them from the caches), when calling it alone does exactly what the wrapped
     call does: checked once, on copies of the inputs (outputs and inputs written in place equal).
-    Otherwise ``fn`` as it is."""
+    Otherwise ``fn`` as it is. The graph is the inductor module's ``call`` (a list of inputs in,
+    a list of outputs back), which ``CompiledFxGraph.__call__`` runs and which AOT autograd's
+    wrapper carries as ``current_callable``."""
     inner: Any = fn
-    while not hasattr(inner, "current_callable"):
+    while not callable(getattr(inner, "current_callable", None)):
         inner = getattr(inner, "__wrapped__", None)
         if inner is None:
             return fn
-    if not getattr(inner, "_boxed_call", False):
-        return fn
+    call = inner.current_callable
 
     def direct(*ts: Tensor) -> Any:
-        return inner(list(ts))
+        return call(list(ts))
 
     a, b = [t.clone() for t in args], [t.clone() for t in args]
     try:
