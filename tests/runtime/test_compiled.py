@@ -141,6 +141,10 @@ def test_video_example_padded_buckets() -> None:
     stats = run.engine.compiled.stats  # type: ignore[union-attr]
     assert stats.buckets["Vid"] == {bucket(96)} == {128}
     assert stats.eager_epochs == 0
+    # the run calls each graph itself, not through compile_fx's Python wrappers (checked equal
+    # once on copies; a torch upgrade that moves the graph falls back to the wrappers silently)
+    fns = run.engine.compiled._fns.values()  # type: ignore[union-attr]
+    assert fns and all(getattr(fn, "__name__", "") == "direct" for fn in fns)
 
 
 def test_sudoku_mixed_eager_and_compiled_values(tmp_path: Path) -> None:

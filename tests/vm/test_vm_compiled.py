@@ -61,6 +61,8 @@ def test_bundled_example_and_a_wider_tool_result_recompile_once() -> None:
         got.append(vm)
     same_vm(*got)
     assert got[1].compiled is not None and got[1].compiled.compiles == 2
+    # both graphs are called directly, not through compile_fx's Python wrappers
+    assert all(fn.__name__ == "direct" for fn, _ in got[1].compiled._graphs.values())
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
