@@ -147,6 +147,28 @@ def test_video_example_padded_buckets() -> None:
     assert fns and all(getattr(fn, "__name__", "") == "direct" for fn in fns)
 
 
+def test_compiled_read_gathers_give_the_model_what_eager_gathers() -> None:
+    """Under --compile LMPM's own models get their non-uniform reads from one compiled graph per
+    rule and open-cell bucket: the same tensors as the eager gathers, padded buckets included."""
+    run = _video(3, 8, 8, seed=1)(True)
+    run.run(3)  # some cells committed, some not: masks differ across reads
+    dp = run.engine.dataplane
+    assert dp.read_gathers is not None
+    gathers, dp.read_gathers = dp.read_gathers, None
+    assert dp._trusted == {rp.id for rp in run.plan.rules}  # LMPM's own models: no copies
+    for rp in run.plan.rules:
+        n = run.plan.values[rp.target].ncells
+        for cells in (torch.arange(0, n, 2), torch.arange(n), torch.tensor([1, 5, 6])):
+            dp.read_gathers = None
+            want = dp._inputs(rp, cells)
+            dp.read_gathers = gathers
+            got = dp._inputs(rp, cells)
+            assert want.keys() == got.keys()
+            for k in want:
+                assert torch.equal(want[k], got[k]), (rp.name, k)
+    assert gathers.compiles >= 1
+
+
 def test_sudoku_mixed_eager_and_compiled_values(tmp_path: Path) -> None:
     """Grid's constraints are Python predicates (eager); Cand compiles: the values commit in
     program order either way, so the clocks Grid reads from Cand agree."""

@@ -676,3 +676,71 @@ class CompiledEpoch:
             self.stats.cache_hits += 1
         self.stats.compile_seconds += time.perf_counter() - t0
         return fn
+
+
+def _gather_fn(cdims: tuple[int, ...]) -> Callable[..., tuple[Tensor, ...]]:
+    """A rule's non-uniform reads for its open cells, as :meth:`DataPlane._inputs` gathers them
+    eagerly: per read (its payload's cell rank in ``cdims``) the read cells' payload, mask and
+    index. Inputs: the open cells, then per read its (N, K) index and valid tables and the
+    source's payload and committed flags."""
+
+    def gather(cells: Tensor, *tabs: Tensor) -> tuple[Tensor, ...]:
+        out: list[Tensor] = []
+        for j, cd in enumerate(cdims):
+            index, valid, payload, committed = tabs[4 * j : 4 * j + 4]
+            idx = index.index_select(0, cells)  # (n, K)
+            mask = valid.index_select(0, cells) & committed.take(idx)
+            if cd == 0:
+                data = payload.take(idx)
+            else:
+                data = payload.index_select(0, idx.reshape(-1)).reshape(
+                    *idx.shape, *payload.shape[1:]
+                )
+            out += [data, mask, idx]
+        return tuple(out)
+
+    return gather
+
+
+class ReadGathers:
+    """Under ``--compile``: the model inputs of LMPM's own models (which never write into them),
+    their non-uniform reads gathered by one compiled graph per rule and open-cell bucket instead
+    of a dozen eager gathers (uniform reads stay broadcast views of one gathered row)."""
+
+    def __init__(self) -> None:
+        self._fns: dict[tuple[int, int], tuple[Callable[..., Any], tuple[int, ...]]] = {}
+        self.compiles = 0
+        self.compile_seconds = 0.0
+
+    def gather(self, rp: Any, cells: Tensor, dp: Any) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """Read index -> (data (n, K[, *cell]), mask (n, K), index (n, K)) of ``rp``'s
+        non-uniform reads for ``cells``."""
+        reads = [j for j, rd in enumerate(rp.reads) if not rd.uniform]
+        if not reads:
+            return {}
+        n = cells.numel()
+        b = bucket(n)
+        if b != n:  # padded by repeating the first cell; the rows past n are dropped
+            cells = torch.cat((cells, cells[:1].expand(b - n)))
+        args: list[Tensor] = [cells]
+        for j in reads:
+            rd = rp.reads[j]
+            src = rd.source
+            args += [dp._dev(rd.index), dp._dev(rd.valid), dp.payload[src], dp.committed[src]]
+        hit = self._fns.get((rp.id, b))
+        if hit is None:
+            cdims = tuple(dp.payload[rp.reads[j].source].dim() - 1 for j in reads)
+            t0 = time.perf_counter()
+            fn, _, how = compile_graph(
+                ("gather", cdims, _signature(args)), lambda: _gather_fn(cdims), args
+            )
+            if how != "reused":
+                self.compiles += 1
+                gc.collect()
+                gc.freeze()
+            self.compile_seconds += time.perf_counter() - t0
+            hit = self._fns[(rp.id, b)] = (fn, cdims)
+        out = hit[0](*args)
+        if b != n:
+            out = [t[:n] for t in out]
+        return {j: (out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i, j in enumerate(reads)}

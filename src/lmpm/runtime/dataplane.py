@@ -235,6 +235,16 @@ class DataPlane:
         self.corrupt_from: int | None = None
         # rule id -> (model, score) the worker calls instead of the plan's (compile_models)
         self.models: dict[int, tuple[Any, Any]] = {}
+        # --compile: LMPM's own models' reads gathered by compiled graphs (compile_reads)
+        self.read_gathers: Any = None
+
+    def compile_reads(self) -> None:
+        """Gather the reads of LMPM's own models with compiled graphs from now on (``--compile``;
+        :class:`lmpm.runtime.compiled.ReadGathers`)."""
+        from lmpm.runtime.compiled import ReadGathers
+
+        if self.read_gathers is None:
+            self.read_gathers = ReadGathers()
 
     def compile_models(self) -> dict[str, tuple[Any, Any]]:
         """Call the compiled version of every model and score that opted in (``lmpm_compile``,
@@ -552,10 +562,17 @@ class DataPlane:
             "cells": cells.clone() if copy else cells,
             "coords": coords.clone() if key and copy else coords,
         }
+        gathered = (
+            self.read_gathers.gather(rp, cells, self)
+            if self.read_gathers is not None and n > 1 and not copy
+            else {}
+        )
         for j, rd in enumerate(rp.reads):
             committed = self.committed[rd.source]
             payload = self.payload[rd.source]
-            if rd.uniform:
+            if j in gathered:
+                data, mask, idx = gathered[j]
+            elif rd.uniform:
                 # Every cell reads the same cells: one gathered row, broadcast (an expanded view
                 # cannot be written in place).
                 row = self._dev(rd.index)[0]
