@@ -388,7 +388,7 @@ def bucket(n: int) -> int:
 class CompileStats:
     """What ``--compile`` did in a run (``lmpm run`` prints it; benchmarks read it)."""
 
-    compiles: int = 0  # graphs compiled (one per value and shape bucket)
+    compiles: int = 0  # graphs compiled (per value and shape bucket; per rule for read gathers)
     cache_hits: int = 0  # of those, found in inductor's on-disk cache (an earlier run built them)
     compile_seconds: float = 0.0  # tracing and code generation (a warm cache skips most)
     steps: int = 0  # compiled steps run
@@ -707,10 +707,9 @@ class ReadGathers:
     their non-uniform reads gathered by one compiled graph per rule and open-cell bucket instead
     of a dozen eager gathers (uniform reads stay broadcast views of one gathered row)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats: CompileStats | None = None) -> None:
         self._fns: dict[tuple[int, int], tuple[Callable[..., Any], tuple[int, ...]]] = {}
-        self.compiles = 0
-        self.compile_seconds = 0.0
+        self.stats = stats if stats is not None else CompileStats()  # the run's, shared
 
     def gather(self, rp: Any, cells: Tensor, dp: Any) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """Read index -> (data (n, K[, *cell]), mask (n, K), index (n, K)) of ``rp``'s
@@ -735,10 +734,11 @@ class ReadGathers:
                 ("gather", cdims, _signature(args)), lambda: _gather_fn(cdims), args
             )
             if how != "reused":
-                self.compiles += 1
+                self.stats.compiles += 1
+                self.stats.cache_hits += how == "cached"
                 gc.collect()
                 gc.freeze()
-            self.compile_seconds += time.perf_counter() - t0
+            self.stats.compile_seconds += time.perf_counter() - t0
             hit = self._fns[(rp.id, b)] = (fn, cdims)
         out = hit[0](*args)
         if b != n:

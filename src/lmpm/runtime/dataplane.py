@@ -238,13 +238,13 @@ class DataPlane:
         # --compile: LMPM's own models' reads gathered by compiled graphs (compile_reads)
         self.read_gathers: Any = None
 
-    def compile_reads(self) -> None:
+    def compile_reads(self, stats: Any = None) -> None:
         """Gather the reads of LMPM's own models with compiled graphs from now on (``--compile``;
-        :class:`lmpm.runtime.compiled.ReadGathers`)."""
+        :class:`lmpm.runtime.compiled.ReadGathers`; ``stats``: the run's CompileStats)."""
         from lmpm.runtime.compiled import ReadGathers
 
         if self.read_gathers is None:
-            self.read_gathers = ReadGathers()
+            self.read_gathers = ReadGathers(stats)
 
     def compile_models(self) -> dict[str, tuple[Any, Any]]:
         """Call the compiled version of every model and score that opted in (``lmpm_compile``,

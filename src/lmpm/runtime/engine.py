@@ -375,7 +375,7 @@ class Engine:
             self.compiled = CompiledEpoch(
                 self.plan, self.dataplane.device, quota=self.schedule.has_quota
             )
-            self.dataplane.compile_reads()
+            self.dataplane.compile_reads(self.compiled.stats)
         return self.compiled
 
     # ---- state -----------------------------------------------------------------------------------
