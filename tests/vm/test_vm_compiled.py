@@ -16,12 +16,11 @@ from hypothesis import strategies as st
 
 from lmpm.ir import compile_file
 from lmpm.vm import VM, compile_workflow
-from lmpm.vm.reference import Reference
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_vm_property import WHO, _compile, echo, workflows
+from test_vm_property import WHO, _compile, echo, matches_reference, workflows
 from test_vm_run import count, make
-from vm_helpers import PairTokenizer, instructions, run_reference, run_vm, scripted
+from vm_helpers import PairTokenizer, instructions, run_vm, scripted
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,14 +69,7 @@ def test_bundled_example_and_a_wider_tool_result_recompile_once() -> None:
 def test_random_workflows_compiled_match_the_reference(zones: str, seed: int, length: int) -> None:
     ins = _compile(zones, 6, length)
     assume(ins is not None)
-    vm = VM(ins, inputs={"who": WHO}, tools={"Echo": echo}, compile=True)
-    run_vm(vm, seed)
-    ref = Reference(ins, inputs={"who": WHO}, tools={"Echo": echo})
-    run_reference(ref, seed)
-    assert vm.done and ref.done
-    assert vm.generative_sequence() == [ref.tok.decode(s.tokens) for s in ref.streams]
-    assert vm.extract() == [s.captures() for s in ref.streams]
-    assert vm.decisions() == [s.decisions for s in ref.streams]
+    matches_reference(ins, seed, compile=True)
 
 
 def test_empty_inputs_settle_through_zones_as_eagerly() -> None:

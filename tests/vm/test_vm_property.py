@@ -92,7 +92,12 @@ def test_fast_parser_builds_lark_s_ast(zones: str) -> None:
 def test_vm_matches_the_reference_interpreter(zones: str, seed: int, length: int) -> None:
     ins = _compile(zones, 6, length)
     assume(ins is not None)
-    vm = VM(ins, inputs={"who": WHO}, tools={"Echo": echo})
+    matches_reference(ins, seed)
+
+
+def matches_reference(ins: Any, seed: int, compile: bool = False) -> None:
+    """The VM (eager or compiled) and the reference interpreter write the same streams."""
+    vm = VM(ins, inputs={"who": WHO}, tools={"Echo": echo}, compile=compile)
     run_vm(vm, seed)
     ref = Reference(ins, inputs={"who": WHO}, tools={"Echo": echo})
     run_reference(ref, seed)
