@@ -10,10 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from lmpm.errors import WorkflowError
 from lmpm.ir import compile_file
 from lmpm.vm import VM, compile_workflow
 
@@ -119,6 +121,15 @@ def test_polling_between_steps_reads_the_graph_s_flags() -> None:
         vm.step(torch.tensor([120, 121]), vm.forced())
     assert bool(vm.core.finished.all())
     assert vm.extract() == [{"a": "xx"}, {"a": "yy"}]
+
+
+def test_sampled_tokens_of_the_wrong_shape_are_a_located_error() -> None:
+    ins = instructions("  zone q:\n    generate max 2\n", streams=2)
+    for compile in (False, True):
+        vm = VM(ins, compile=compile)
+        with pytest.raises(WorkflowError) as info:
+            vm.step(torch.tensor([[1], [2]]), vm.forced())
+        assert info.value.code == "R159" and "(2,) tensor" in str(info.value)
 
 
 def test_cli_compile_prints_its_graphs_and_the_same_streams(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The compiled VM step (``VM(..., compile=True)``, ``lmpm vm run --compile``).
 
-An eager VM step is about seventy small tensor operations (the program counter's dereferences,
+An eager VM step is about two hundred small tensor operations (the program counter's dereferences,
 the trigger ring, the exits, the history writes) and a few Python decisions that read a tensor
 (is a settle round needed, is every stream done, is a tool call waiting). At a thousand streams
 each costs microseconds of dispatch whatever its size, so the step costs as much as stepping every
@@ -88,9 +88,10 @@ _FORCED = 4  # Forced's fields
 
 def _step_fn(core: Core, rebound: list[str]) -> Callable[..., tuple[Tensor, ...]]:
     """One step over flat tensors: the state (``STATE``), the constants (``CONSTANTS``), the
-    sampled tokens and this step's ``Forced``. Returns the ``StepOut``, the state fields the step replaced (their names go to
-    ``rebound`` while tracing), the zone visits, the next ``Forced`` and (3,) int64 flags: every
-    stream done, a tool waiting, settle rounds that moved a stream."""
+    sampled tokens and this step's ``Forced``. Returns the ``StepOut``, the state fields the step
+    replaced (their names go to ``rebound`` while tracing), the zone visits, the next ``Forced``
+    and (3,) int64 flags: every stream done, a tool waiting, settle rounds that moved a
+    stream."""
 
     def step(*ts: Tensor) -> tuple[Tensor, ...]:
         n, m = len(STATE), len(STATE) + len(CONSTANTS)

@@ -80,6 +80,15 @@ class VM:
 
     def step(self, sampled: Tensor, forced: Forced | None = None) -> StepOut:
         """Commit a step: forced tokens where the workflow forces, ``sampled`` elsewhere."""
+        b = self.core.B
+        if not isinstance(sampled, Tensor) or tuple(sampled.shape) != (b,):
+            got = tuple(sampled.shape) if isinstance(sampled, Tensor) else type(sampled).__name__
+            raise WorkflowError(
+                f"step() takes one sampled token per stream, a ({b},) tensor; got {got}",
+                where={"workflow": self.ins.workflow.name, "streams": b},
+                code="R159",
+                hint="pass sampled[b] for every stream (any value where forced().ask is False)",
+            )
         if self.callbacks_ready:
             self.resolve_callbacks()
             forced = None
