@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from lmpm.errors import WorkflowError
+from lmpm.errors import UsageError, WorkflowError
 from lmpm.ir import compile_file
 from lmpm.vm import VM, compile_workflow
 
@@ -130,6 +130,13 @@ def test_sampled_tokens_of_the_wrong_shape_are_a_located_error() -> None:
         with pytest.raises(WorkflowError) as info:
             vm.step(torch.tensor([[1], [2]]), vm.forced())
         assert info.value.code == "R159" and "(2,) tensor" in str(info.value)
+
+
+def test_compiled_step_runs_on_the_cpu_only() -> None:
+    ins = instructions("  zone q:\n    generate max 2\n", streams=2)
+    with pytest.raises(UsageError) as info:
+        VM(ins, device="meta", compile=True)
+    assert info.value.code == "U104"
 
 
 def test_cli_compile_prints_its_graphs_and_the_same_streams(tmp_path: Path) -> None:

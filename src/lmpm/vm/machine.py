@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lmpm.errors import WorkflowError
+from lmpm.errors import UsageError, WorkflowError
 from lmpm.ir.nodes import ArgKind
 from lmpm.vm.compile import ByteTokenizer, Instructions
 from lmpm.vm.core import Core, Forced, StepOut
@@ -62,6 +62,13 @@ class VM:
     ) -> None:
         self.ins = ins
         self.tok = tokenizer or ByteTokenizer(min(ins.vocab, 256))
+        if compile and torch.device(device).type != "cpu":
+            # as the engine's --compile (U103): a CUDA step would be a CUDA graph, not built
+            raise UsageError(
+                f"the compiled VM step runs on the cpu; these streams are on {device}",
+                code="U104",
+                hint="drop compile=True (the eager step runs on any device)",
+            )
         self.core = Core(ins, streams=streams, inputs=inputs, tokenizer=self.tok, device=device)
         self.compiled: CompiledStep | None = None
         if compile:
