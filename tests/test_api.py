@@ -72,6 +72,34 @@ def test_run_dir_trace_records_and_resume(tmp_path: Path) -> None:
     assert (again.outputs()["Txt"] == whole.outputs()["Txt"]).all()
 
 
+def test_resume_keeps_a_durable_run_durable(tmp_path: Path) -> None:
+    """A run started with `lmpm run --durable` stays durable (synchronous=FULL, and so stored)
+    when the Python API resumes it, as when the CLI does."""
+    import subprocess
+    import sys
+
+    from lmpm.runtime.logread import connect, read_meta
+
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(PROG)
+    out = tmp_path / "r"
+    cli = [sys.executable, "-m", "lmpm", "run", str(prog), "--epochs", "2", "--out", str(out)]
+    done = subprocess.run([*cli, "--durable"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    again = lmpm.resume(out, epochs=4)
+    try:
+        assert again.log is not None and again.log.info.durable
+        assert again.log.conn.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+        again.run(again.epochs)
+    finally:
+        again.finish()
+    conn = connect(out)
+    try:
+        assert read_meta(conn)["durable"] is True
+    finally:
+        conn.close()
+
+
 def test_a_binding_that_overrides_a_builtin_is_not_held_to_its_signature() -> None:
     """`Uniform` with k=0 breaks the built-in's signature; the run's own `Uniform` decides."""
     import torch

@@ -300,17 +300,13 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
     from lmpm.ir import compile_file, compile_source
     from lmpm.runtime.commitlog import (
         MSG_FOREIGN,
-        CommitLog,
-        RunInfo,
         check_epochs,
         connect,
         file_sha256,
         program_hash,
         read_meta,
-        restore,
     )
-    from lmpm.runtime.session import Run, make_tracer, stored_workers
-    from lmpm.runtime.trace import parse_region
+    from lmpm.runtime.session import open_resumed
 
     conn = connect(run_dir, readonly=True, check=True)
     try:
@@ -368,61 +364,24 @@ def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
             sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
     epochs = args.epochs if args.epochs is not None else meta["epochs"]
     until = args.until or meta["until"]
-    backend = args.backend or meta["backend"]
-    session = Run(
+    session, log, restored = open_resumed(
         front,
-        params=params,
-        bind=meta["bind"],
-        seed=int(meta["seed"]),
-        backend=backend,
-        epochs=meta.get("plan_epochs", meta["epochs"]),
-        keep_records=False,
-        workers=stored_workers(meta, run_dir, args.workers),
+        meta,
+        run_dir,
+        epochs=epochs,
+        until=until,
+        backend=args.backend,
+        workers=args.workers,
         driver=args.driver,
         cluster=args.cluster,
         worker_timeout=args.worker_timeout,
         compile=args.compile,
+        keep_records=False,
+        durable=args.durable,
+        trace_region=args.trace_region,
+        ruleset=args.ruleset or (),
+        argv=sys.argv[1:],
     )
-    region_text = meta.get("trace_region")
-    if args.trace_region:
-        mine = parse_region(
-            args.trace_region, {n: vp.dims for n, vp in session.plan.values.items()}
-        )
-        if str(mine) != region_text:
-            raise RunDirError(
-                f"{run_dir} was started with --trace-region {region_text!r}; this command gives "
-                f"{str(mine)!r}; nothing was changed",
-                code="D011",
-            )
-    tracer, region = make_tracer(session, meta["trace"], region_text)
-    durable = bool(args.durable or meta.get("durable", False))
-    conn = connect(run_dir, readonly=False, durable=durable)
-    try:
-        restored = restore(session.engine, conn, run_dir)
-        for op, name in args.ruleset or ():
-            session.engine.change_ruleset(op, name, "cli")
-    except BaseException:
-        conn.close()
-        session.close()
-        raise
-    info = RunInfo(
-        program_hash=meta["program_hash"],
-        program_file=meta["program_file"],
-        source=meta["source"],
-        params=params,
-        bind=tuple(meta["bind"]),
-        seed=int(meta["seed"]),
-        backend=backend,
-        epochs=epochs,
-        until=until,
-        trace=meta["trace"],
-        trace_region=region,
-        checkpoint_every=int(meta["checkpoint_every"]),
-        inputs=dict(meta.get("inputs", {})),
-        durable=durable,
-        workers=session.workers,
-    )
-    log = CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=sys.argv[1:])
     note = (
         f"resumed at epoch {restored.epoch} (checkpoint {restored.checkpoint} + "
         f"{restored.replayed} commit rows"

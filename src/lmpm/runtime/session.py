@@ -403,15 +403,7 @@ def resume(
     from someone else never executes code by itself. The directory's lock is held until
     ``finish()``."""
     from lmpm.errors import RunDirError
-    from lmpm.runtime.commitlog import (
-        MSG_FOREIGN,
-        CommitLog,
-        RunInfo,
-        connect,
-        program_hash,
-        read_meta,
-        restore,
-    )
+    from lmpm.runtime.commitlog import MSG_FOREIGN, connect, program_hash, read_meta
     from lmpm.runtime.lock import RunLock
 
     run_dir = Path(run_dir)
@@ -440,51 +432,116 @@ def resume(
             code="U040",
             hint="pass bind=[...] naming them again, or trust_bind=True",
         )
+    lock = RunLock(run_dir, what="resume", create_dir=False).acquire()
+    try:
+        run, log, restored = open_resumed(
+            front,
+            meta,
+            run_dir,
+            epochs=epochs,
+            until=until,
+            backend=backend,
+            driver=driver,
+            cluster=cluster,
+            worker_timeout=worker_timeout,
+            compile=compile,
+            argv=argv,
+        )
+    except BaseException:
+        lock.release()
+        raise
+    run.restored = restored
+    run.epochs, run.until = log.info.epochs, log.info.until
+    run._lock = lock
+    run._attach(log, run_dir)
+    return run
+
+
+def open_resumed(
+    front: Frontend,
+    meta: Mapping[str, Any],
+    run_dir: Path,
+    *,
+    epochs: int | None = None,
+    until: str | None = None,
+    backend: str | None = None,
+    workers: int | None = None,
+    driver: str | None = None,
+    cluster: str | None = None,
+    worker_timeout: float | None = None,
+    compile: bool = False,
+    keep_records: bool = True,
+    durable: bool = False,
+    trace_region: str | None = None,
+    ruleset: Sequence[tuple[str, str]] = (),
+    argv: Sequence[str] = (),
+) -> tuple[Run, CommitLog, Restored]:
+    """The Run continuing RUN_DIR (its program checked against the stored one, its lock held by
+    the caller) restored to its last complete epoch, and its commit log open for the epochs to
+    come, with the run's stored settings: what `lmpm run --resume` and :func:`resume` share.
+    ``durable`` turns ``--durable`` on (a run started with it keeps it); ``trace_region`` must
+    name the stored region; ``ruleset``: (enable|disable, constraint) changes from now on."""
+    from lmpm.errors import RunDirError
+    from lmpm.runtime.commitlog import CommitLog, RunInfo, connect, restore
+    from lmpm.runtime.trace import parse_region
+
     backend = backend or meta["backend"]
     run = Run(
         front,
-        params=params,
+        params=dict(meta["params"]),
         bind=meta["bind"],
         seed=int(meta["seed"]),
         backend=backend,
         epochs=meta.get("plan_epochs", meta["epochs"]),
-        workers=stored_workers(meta, run_dir),
+        keep_records=keep_records,
+        workers=stored_workers(meta, run_dir, workers),
         driver=driver,
         cluster=cluster,
         worker_timeout=worker_timeout,
         compile=compile,
     )
-    region_text = meta.get("trace_region")
-    tracer, region = make_tracer(run, meta["trace"], region_text)
-    lock = RunLock(run_dir, what="resume", create_dir=False).acquire()
-    conn = connect(run_dir, readonly=False)
     try:
-        run.restored = restore(run.engine, conn, run_dir)
+        region_text = meta.get("trace_region")
+        if trace_region:
+            mine = parse_region(trace_region, {n: vp.dims for n, vp in run.plan.values.items()})
+            if str(mine) != region_text:
+                raise RunDirError(
+                    f"{run_dir} was started with --trace-region {region_text!r}; this command "
+                    f"gives {str(mine)!r}; nothing was changed",
+                    code="D011",
+                )
+        tracer, region = make_tracer(run, meta["trace"], region_text)
+        durable = bool(durable or meta.get("durable", False))
+        conn = connect(run_dir, readonly=False, durable=durable)
+    except BaseException:
+        run.close()
+        raise
+    try:
+        restored = restore(run.engine, conn, run_dir)
+        for op, name in ruleset:
+            run.engine.change_ruleset(op, name, "cli")
     except BaseException:
         conn.close()
-        lock.release()
+        run.close()
         raise
-    run.epochs = epochs if epochs is not None else meta["epochs"]
     info = RunInfo(
         program_hash=meta["program_hash"],
         program_file=meta["program_file"],
         source=meta["source"],
-        params=params,
+        params=dict(meta["params"]),
         bind=tuple(meta["bind"]),
         seed=int(meta["seed"]),
         backend=backend,
-        epochs=run.epochs,
+        epochs=epochs if epochs is not None else meta["epochs"],
         until=until or meta["until"],
         trace=meta["trace"],
         trace_region=region,
         checkpoint_every=int(meta["checkpoint_every"]),
         inputs=dict(meta.get("inputs", {})),
+        durable=durable,
         workers=run.workers,
     )
-    run.until = info.until
-    run._lock = lock
-    run._attach(CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=list(argv)), run_dir)
-    return run
+    return run, CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=list(argv)), restored
 
 
 def stored_workers(meta: Mapping[str, Any], run_dir: Path, asked: int | None = None) -> int:
