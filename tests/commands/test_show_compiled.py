@@ -48,6 +48,7 @@ def test_text_compiles_with_its_spec_and_graph() -> None:
     assert "satisfy(max_constraints_then_score)" in out
     assert 'Plain  require Txt[t] in Set(97..122, " ,.")  priority 10, on every cell' in out
     assert "Txt (its own clocks): per cell" in out
+    assert "reads        context: a compiled gather per open-cell bucket" in out
     # epoch 0 opens one cell; the rule's k=8 proposals are unrolled into the graph
     assert "traced at 1 open cell (what epoch 0 opens)" in out
     assert "8 proposals per cell" in out
@@ -123,12 +124,16 @@ def test_bindings_come_from_bind(tmp_path: Path) -> None:
     )
     binds = tmp_path / "binds.py"
     binds.write_text(
-        "from lmpm.models.null import random_tokens\n\nLMPM_BINDINGS = {'MyGen': random_tokens}\n"
+        "from lmpm.models.null import random_tokens\n\n"
+        "def my_gen(inputs, **kw):\n    return random_tokens(inputs, **kw)\n\n"
+        "LMPM_BINDINGS = {'MyGen': my_gen}\n"
     )
     rc, out, err = inproc("show", str(prog), "--compiled", "--bind", str(binds))
     assert rc == 0, err
     assert "A: compiled" in out and "MyGen(context, k=3)" in out
     assert "3 proposals per cell" in out and "Lower  require" in out
+    # the user's own model may write into its inputs: it gets eager copies
+    assert "reads        gathered eagerly (a bound model gets copies" in out
     rc, out, err = inproc("show", str(prog), "--compiled")
     assert rc == 1 and "MyGen" in err and "Traceback" not in err
 

@@ -150,6 +150,7 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
         cell += f" (tokens < {vp.vocab})"
     lines = [
         f"  rule         {rp.name} (rule {spec.rule}) proposes it: {call_str(rp.ir.proposal)}",
+        *_read_lines(run, rp),
         f"  cells        {shape}, {cell}",
         f"  policy       {vp.policy_text}"
         + ("" if spec.policy == "satisfy" else " (the best-scored proposal, constraints ignored)"),
@@ -193,6 +194,23 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
             own = " (its own clocks)" if src == spec.value else ""
             lines.append(f"    {src}{own}: {how}")
     return lines
+
+
+def _read_lines(run: Run, rp: RulePlan) -> list[str]:
+    """How the model's reads are gathered under --compile (lmpm.runtime.compiled.ReadGathers)."""
+    if not rp.reads:
+        return []
+    head = "  reads        "
+    if rp.id not in run.dataplane._trusted:
+        return [head + "gathered eagerly (a bound model gets copies it may write into)"]
+    per_cell = [a for rd in rp.reads if not rd.uniform for a in rd.args]
+    shared = [a for rd in rp.reads if rd.uniform for a in rd.args]
+    lines = []
+    if per_cell:
+        lines.append(f"{', '.join(per_cell)}: a compiled gather per open-cell bucket")
+    if shared:
+        lines.append(f"{', '.join(shared)}: one row, broadcast to every cell")
+    return [(head if i == 0 else " " * len(head)) + line for i, line in enumerate(lines)]
 
 
 def _pred(cp: ConstraintPlan) -> str:
