@@ -384,6 +384,13 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def freeze_compiled() -> None:
+    """After compiling: inductor loaded millions of long-lived objects that every later full
+    garbage collection would walk (a 50 ms pause in some epoch). Freeze them out of it."""
+    gc.collect()
+    gc.freeze()
+
+
 @dataclass
 class CompileStats:
     """What ``--compile`` did in a run (``lmpm run`` prints it; benchmarks read it)."""
@@ -394,6 +401,14 @@ class CompileStats:
     steps: int = 0  # compiled steps run
     eager_epochs: int = 0  # epochs run eagerly (tracing candidates, taps, faults)
     buckets: dict[str, set[int]] = field(default_factory=dict)  # value -> open-cell buckets
+
+    def record(self, how: str, seconds: float) -> None:
+        """One graph obtained by :func:`compile_graph` (``how``) in ``seconds``."""
+        if how != "reused":
+            self.compiles += 1
+            self.cache_hits += how == "cached"
+            freeze_compiled()
+        self.compile_seconds += seconds
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -666,15 +681,7 @@ class CompiledEpoch:
                 code="R080",
                 hint="run without --compile (the eager epoch commits the same)",
             ) from exc
-        if how != "reused":
-            self.stats.compiles += 1
-            # Compiling loads inductor: millions of long-lived objects that every later full
-            # garbage collection would walk (a 50 ms pause in some epoch). Freeze them out of it.
-            gc.collect()
-            gc.freeze()
-        if how == "cached":
-            self.stats.cache_hits += 1
-        self.stats.compile_seconds += time.perf_counter() - t0
+        self.stats.record(how, time.perf_counter() - t0)
         return fn
 
 
@@ -708,13 +715,20 @@ class ReadGathers:
     of a dozen eager gathers (uniform reads stay broadcast views of one gathered row)."""
 
     def __init__(self, stats: CompileStats | None = None) -> None:
-        self._fns: dict[tuple[int, int], tuple[Callable[..., Any], tuple[int, ...]]] = {}
         self.stats = stats if stats is not None else CompileStats()  # the run's, shared
+        # rule id -> its non-uniform reads and their static tables, (index, valid) per read
+        self._reads: dict[int, tuple[list[int], list[tuple[Tensor, Tensor]]]] = {}
+        self._fns: dict[tuple[int, int], Callable[..., Any]] = {}  # (rule id, bucket) -> graph
 
     def gather(self, rp: Any, cells: Tensor, dp: Any) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """Read index -> (data (n, K[, *cell]), mask (n, K), index (n, K)) of ``rp``'s
         non-uniform reads for ``cells``."""
-        reads = [j for j, rd in enumerate(rp.reads) if not rd.uniform]
+        hit = self._reads.get(rp.id)
+        if hit is None:
+            reads = [j for j, rd in enumerate(rp.reads) if not rd.uniform]
+            tables = [(dp._dev(rp.reads[j].index), dp._dev(rp.reads[j].valid)) for j in reads]
+            hit = self._reads[rp.id] = (reads, tables)
+        reads, tables = hit
         if not reads:
             return {}
         n = cells.numel()
@@ -722,25 +736,19 @@ class ReadGathers:
         if b != n:  # padded by repeating the first cell; the rows past n are dropped
             cells = torch.cat((cells, cells[:1].expand(b - n)))
         args: list[Tensor] = [cells]
-        for j in reads:
-            rd = rp.reads[j]
-            src = rd.source
-            args += [dp._dev(rd.index), dp._dev(rd.valid), dp.payload[src], dp.committed[src]]
-        hit = self._fns.get((rp.id, b))
-        if hit is None:
+        for j, (index, valid) in zip(reads, tables):
+            src = rp.reads[j].source
+            args += [index, valid, dp.payload[src], dp.committed[src]]
+        fn = self._fns.get((rp.id, b))
+        if fn is None:
             cdims = tuple(dp.payload[rp.reads[j].source].dim() - 1 for j in reads)
             t0 = time.perf_counter()
             fn, _, how = compile_graph(
                 ("gather", cdims, _signature(args)), lambda: _gather_fn(cdims), args
             )
-            if how != "reused":
-                self.stats.compiles += 1
-                self.stats.cache_hits += how == "cached"
-                gc.collect()
-                gc.freeze()
-            self.stats.compile_seconds += time.perf_counter() - t0
-            hit = self._fns[(rp.id, b)] = (fn, cdims)
-        out = hit[0](*args)
+            self.stats.record(how, time.perf_counter() - t0)
+            self._fns[(rp.id, b)] = fn
+        out = fn(*args)
         if b != n:
             out = [t[:n] for t in out]
         return {j: (out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i, j in enumerate(reads)}

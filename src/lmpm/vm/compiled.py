@@ -146,7 +146,7 @@ class CompiledStep:
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))  # kept across runs
 
     def _graph(self, width: int, args: tuple[Tensor, ...]) -> tuple[Callable[..., Any], list[str]]:
-        from lmpm.runtime.compiled import _signature, compile_graph
+        from lmpm.runtime.compiled import _signature, compile_graph, freeze_compiled
 
         key = ("vm", self.core.settle_rounds, _signature(args))
         rebound: list[str] = []
@@ -154,7 +154,7 @@ class CompiledStep:
         try:
             # All inputs of one element crash inductor's C++ wrapper (torch 2.13): one stream
             # runs with the Python wrapper.
-            fn, gm, _ = compile_graph(
+            fn, gm, how = compile_graph(
                 key,
                 lambda: _step_fn(self.core, rebound),
                 args,
@@ -168,6 +168,8 @@ class CompiledStep:
                 code="R158",
                 hint="run without --compile (the eager step commits the same)",
             ) from exc
+        if how != "reused":
+            freeze_compiled()
         if not rebound:  # reused from another core of this process: the graph knows
             rebound = list(gm.meta.get("lmpm_rebound", ()))
         gm.meta["lmpm_rebound"] = tuple(rebound)
