@@ -19,7 +19,8 @@ outputs are checked equal to the timed runs' (same seed).
 - ``video_generation``: the model alone (examples/video_free.lmpm) generating a video from a caption
   of each held-out pair (and, for reference, of four trained pairs): the object's IoU with the scene
   the caption describes, on frames t ≥ 1 against the copy-previous-frame baseline (the true previous
-  frame held still; ``ratio`` = model / baseline), whether it moved the right way, its colour.
+  frame held still; ``ratio`` = model / baseline), whether it moved the right way, its colour;
+  ``heldout_sweep``: every held-out pair × shape × speed × setting (72 captions), per speed.
 
     python benchmarks/examples.py [--epochs 16] [--threads 1] [--repeats 5]
 """
@@ -201,7 +202,7 @@ def video_model() -> dict[str, Any]:
 
 
 def video_generation(epochs: int) -> dict[str, Any]:
-    from lmpm.models.training import TRAINED_PAIRS, heldout_generation
+    from lmpm.models.training import TRAINED_PAIRS, heldout_generation, heldout_sweep
 
     held = heldout_generation(epochs=epochs)
     trained = heldout_generation(TRAINED_PAIRS, epochs=epochs)
@@ -210,6 +211,7 @@ def video_generation(epochs: int) -> dict[str, Any]:
         "case": "video_generation",
         "heldout": held,
         "trained": trained,
+        "heldout_sweep": heldout_sweep(epochs=epochs),
         "ratio": round(held["object_iou_t_ge_1"] / max(held["copy_prev_iou_t_ge_1"], 1e-9), 3),
     }
 

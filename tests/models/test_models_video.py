@@ -112,7 +112,7 @@ def test_train_video_smoke(tmp_path: Path) -> None:
 
 def test_model_alone_draws_the_object_of_a_heldout_caption() -> None:
     # "a yellow circle moves right ...": yellow + right never occurs in training
-    from lmpm.models.training import generate_video, object_iou
+    from lmpm.models.training import generate_video, motion_ok, object_iou
 
     assert ("yellow", "right") in world.HELDOUT_PAIRS
     vid = generate_video(world.HELDOUT_CAPTION + b"\n", seed=0)
@@ -120,7 +120,25 @@ def test_model_alone_draws_the_object_of_a_heldout_caption() -> None:
     yellow = world.NAMES.index("yellow")
     shapes = torch.isin(vid, torch.tensor(world.palette("shapes")))
     assert (vid[shapes] == yellow).float().mean() > 0.9  # the caption's colour, not another
-    assert object_iou(vid, truth, yellow).mean() > 0.4  # where the caption puts it
+    assert object_iou(vid, truth, yellow).mean() > 0.8  # where the caption puts it, frame by frame
+    assert motion_ok(vid, yellow, "right") == [True, True, True]  # and it moves the caption's way
     # and the cloud the caption asks for: white in the sky band (what TextPaint overrules)
     sky = world.region("sky", shape=(32, 32))
     assert (vid[:, sky] == world.NAMES.index("white")).sum() >= 8
+
+
+def test_training_draws_its_cells_where_the_object_passes() -> None:
+    from lmpm.models.training import _focus_cells
+
+    w = world.generate(8, 1, split="train")
+    videos = w.videos.reshape(8, -1)
+    shapes = torch.tensor(world.palette("shapes"))
+    passes = torch.isin(videos.reshape(8, 4, -1), shapes).any(1, keepdim=True).expand(-1, 4, -1)
+    passes = passes.reshape(8, -1)
+    share = passes.float().mean()  # the object's columns and rows: a few % of the video
+    g = torch.Generator().manual_seed(0)
+    focused = _focus_cells(g, videos, 4, 4096, 20.0)
+    uniform = _focus_cells(g, videos, 4, 4096, 0.0)
+    hit = passes.gather(1, focused).float().mean()
+    assert share < 0.1 and hit > 0.4  # weight 21 vs 1: most cells drawn where the object passes
+    assert abs(passes.gather(1, uniform).float().mean() - share) < 0.03  # focus 0: uniform

@@ -14,10 +14,13 @@ gather tables (``docs/runtime.md``):
 
 A cell never sees its own token. The network: one embedding per (slot, token-or-unset) summed — the
 first layer of an MLP over the one-hot inputs — plus a caption vector (byte embeddings → a 1-D
-convolution → max-pool over the committed bytes; computed once per distinct caption) and the
-position, then two GELU layers to logits over the 16-token palette. It is trained MaskGIT-style
-(``scripts/train_video.py``): every training video hides a random share of its cells (0 to 100%),
-so it proposes from any partial context. The worker samples the proposals from the logits with the
+convolution → max-pool over the committed bytes; computed once per distinct caption), the
+position, and the object's *path*: one embedding per (frame, column) and per (frame, row), each
+multiplied by a projection of the caption (a moving object's columns depend on t and x together,
+which a sum of per-axis embeddings cannot say); then two GELU layers to logits over the 16-token
+palette. It is trained MaskGIT-style (``scripts/train_video.py``): every training video hides a
+random share of its cells (0 to 100%), so it proposes from any partial context, and the cells it
+learns from are drawn mostly where an object passes. The worker samples the proposals from the logits with the
 counter-based RNG; ``ModelScore(...)`` is the log-prob of each candidate under the same forward pass
 (cached: no second forward).
 
@@ -83,6 +86,15 @@ class LocalGen(nn.Module):
         self.pos_x = nn.Embedding(POS, hidden)
         self.pos_y = nn.Embedding(POS, hidden)
         self.pos_t = nn.Embedding(FRAMES, hidden)
+        # where the caption's object is in frame t: a shape moving along its path occupies columns
+        # that depend on (t, x) and rows on (t, y), so one embedding per (frame, column) and per
+        # (frame, row), each gated by the caption (which says how the object moves)
+        self.path_x = nn.Embedding(FRAMES * POS, hidden)
+        self.path_y = nn.Embedding(FRAMES * POS, hidden)
+        nn.init.normal_(self.path_x.weight, std=0.5)
+        nn.init.normal_(self.path_y.weight, std=0.5)
+        self.cap_x = nn.Linear(caption, hidden)
+        self.cap_y = nn.Linear(caption, hidden)
         self.mlp = nn.Sequential(
             nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, K)
         )
@@ -93,12 +105,13 @@ class LocalGen(nn.Module):
         tok = torch.where(visible, tokens.long().clamp(0, K - 1), torch.full_like(tokens, UNSET))
         h = self.slots(tok + self.offsets).sum(1)
         c = coords.long()
-        pos = (
-            self.pos_t(c[:, 0].clamp(0, FRAMES - 1))
-            + self.pos_x(c[:, 1].clamp(0, POS - 1))
-            + self.pos_y(c[:, 2].clamp(0, POS - 1))
-        )
-        h = h + self.cap_in(caption) + pos
+        t = c[:, 0].clamp(0, FRAMES - 1)
+        x = c[:, 1].clamp(0, POS - 1)
+        y = c[:, 2].clamp(0, POS - 1)
+        pos = self.pos_t(t) + self.pos_x(x) + self.pos_y(y)
+        path = self.cap_x(caption) * self.path_x(t * POS + x)
+        path = path + self.cap_y(caption) * self.path_y(t * POS + y)
+        h = h + self.cap_in(caption) + pos + path
         out: Tensor = self.mlp(h)
         return out
 
