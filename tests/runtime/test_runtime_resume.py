@@ -222,3 +222,32 @@ def test_a_run_killed_while_starting_leaves_no_log(tmp_path: Path) -> None:
         main(["run", str(prog), "--bind", str(bind), "--epochs", "3", "--out", str(out), "--quiet"])
         == 0
     )
+
+
+def test_a_ruleset_change_survives_sigkill(tmp_path: Path) -> None:
+    # `--resume D --disable Low` is killed mid-run; a plain resume continues with Low still
+    # disabled (the event is in the log with the epoch it governs) and commits what an
+    # uninterrupted run with the same change commits.
+    prog = tmp_path / "grid.lmpm"
+    prog.write_text(
+        PROG.replace("value MaskPlan", "value RuleSet : Rule shape Set()\nvalue MaskPlan")
+    )
+    bind = tmp_path / "slow.py"
+    bind.write_text(BIND)
+    common = ["--bind", str(bind), "--seed", "5", "--quiet"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, out):
+        assert main(["run", str(prog), *common, "--epochs", "4", "--out", str(d)]) == 0
+    change = ["run", "--resume", "--disable", "Low", "--epochs", str(EPOCHS), *common]
+    assert main([*change[:2], str(ref), *change[2:]]) == 0
+    proc = _spawn([*change[:2], str(out), *change[2:]], sleep=0.03)
+    assert _kill_at(proc, out / "lmpm.db", 8, 0.02), "the resumed run finished before the kill"
+    proc = _spawn(["run", "--resume", str(out), "--bind", str(bind), "--quiet"], sleep=0.0)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err.decode()
+    for name in OUTPUTS:
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    assert _log(out / "lmpm.db") == _log(ref / "lmpm.db")
+    q = "SELECT seq, epoch, op, name, clock, by FROM ruleset_events ORDER BY seq"  # not `at`
+    events = _query(out / "lmpm.db", q)
+    assert events == _query(ref / "lmpm.db", q) and len(events) == 1
