@@ -272,7 +272,7 @@ def _coarse_gen(
 
 
 # ---- compiled versions (lmpm_compile factories; docs/models.md, "Compiled models") ---------------
-# Not set on the bound functions: in examples/video.lmpm the compiled LocalGen takes about 1.8x the
+# Not set on the bound functions: in examples/video.lmpm the compiled LocalGen takes about 2x the
 # eager time per epoch (inductor's fused embedding sums over 2,048 cells lose to ATen's kernels);
 # benchmarks/model_compile.py --example video measures them.
 
