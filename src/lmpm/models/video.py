@@ -20,9 +20,9 @@ multiplied by a projection of the caption (a moving object's columns depend on t
 which a sum of per-axis embeddings cannot say); then two GELU layers to logits over the 16-token
 palette. It is trained MaskGIT-style (``scripts/train_video.py``): every training video hides a
 random share of its cells (0 to 100%), so it proposes from any partial context, and the cells it
-learns from are drawn mostly where an object passes. The worker samples the proposals from the logits with the
-counter-based RNG; ``ModelScore(...)`` is the log-prob of each candidate under the same forward pass
-(cached: no second forward).
+learns from are drawn mostly where an object passes. The worker samples the proposals from the
+logits with the counter-based RNG; ``ModelScore(...)`` is the log-prob of each candidate under the
+same forward pass (cached: no second forward).
 
 ``CoarseGen(txt)`` proposes ``Coarse[t, i, j]`` (the mode token of a 8×8 block) from the caption and
 the block's position (frame, column, row).
