@@ -79,6 +79,26 @@ EOF
 echo "sheet:  $OUT/video_sheet.png   (runs: $OUT/video_alone, $OUT/video; lmpm render either)"
 echo
 
+# A `require` constraint chooses among what the model proposes. The seed's rule asks for one
+# sample per cell, and the model proposes the caption's white cloud with probability > 98%, so
+# TextPaint has nothing blue-ish to pick there. The same two programs with 4 hotter candidates:
+CALL='Model(neighbors, prev, txt, coarse)'
+for F in video_free video; do
+  grep -qF "$CALL" examples/$F.lmpm
+  sed "s/$CALL/Model(neighbors, prev, txt, coarse, k=4, temperature=2.0)/" examples/$F.lmpm \
+    >$OUT/${F}_k4.lmpm
+done
+echo "== the same, with 4 candidates per cell at temperature 2: $CALL -> ...(..., k=4, temperature=2.0)"
+quiet $L run $OUT/video_free_k4.lmpm --input Txt=$CAP --epochs 16 --seed 0 \
+  --out $OUT/video_alone_k4 --force --quiet
+quiet $L run $OUT/video_k4.lmpm --input Txt=$CAP --epochs 16 --seed 0 \
+  --out $OUT/video_k4 --force --quiet --trace cells
+$PY scripts/compare.py $OUT/video_alone_k4 $OUT/video_k4 --value Vid \
+  --sheet $OUT/video_k4_sheet.png --labels "model alone,constrained" \
+  --title "the same with k=4, temperature=2.0: TextPaint now has blue-ish candidates" \
+  | tee $OUT/video_k4_compare.txt
+echo
+
 PROMPT=examples/text/prompt.txt
 echo "== text: prompt \"$(cat $PROMPT)\"  (ByteLM, greedy with its 8 best bytes as candidates)"
 echo "   model alone:  examples/text_free.lmpm   constrained: examples/text.lmpm (Plain: lowercase)"
