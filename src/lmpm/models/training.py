@@ -386,6 +386,17 @@ def generate_video(
         return run.payloads()["Vid"].reshape(run.plan.values["Vid"].dims).clone()
 
 
+def _generated(
+    scene: world.Scene, *, program: Path = VIDEO_ALONE, epochs: int = 16, seed: int = 0
+) -> tuple[Tensor, Tensor, int]:
+    """``program`` run on ``scene``'s caption: the video, the scene itself (the truth) and the
+    object's token."""
+    (shape,) = scene.shapes
+    dims = {"T": scene.T, "W": scene.W, "H": scene.H}
+    video = generate_video(world.caption(scene), program=program, epochs=epochs, seed=seed, **dims)
+    return video, world.render(scene), world.NAMES.index(shape.colour)
+
+
 def heldout_generation(
     pairs: tuple[tuple[str, str], ...] | None = None,
     *,
@@ -407,11 +418,8 @@ def heldout_generation(
     for i, (colour, direction) in enumerate(pairs):
         kind = world.SHAPE_KINDS[i % len(world.SHAPE_KINDS)]
         scene = world.staged(colour, kind, direction, T=T, W=W, H=H)
-        truth = world.render(scene)
-        text = world.caption(scene)
-        captions.append(text.decode())
-        video = generate_video(text, program=program, epochs=epochs, seed=seed, T=T, W=W, H=H)
-        tok = world.NAMES.index(colour)
+        captions.append(world.caption(scene).decode())
+        video, truth, tok = _generated(scene, program=program, epochs=epochs, seed=seed)
         iou = object_iou(video, truth, tok)
         ious.append(float(iou.mean()))
         ious_later.append(float(iou[1:].mean()))
@@ -446,14 +454,12 @@ def heldout_sweep(*, epochs: int = 16, seed: int = 3) -> dict[str, Any]:
         sorted(world.HELDOUT_PAIRS), world.SHAPE_KINDS, (1, 2), SETTINGS
     ):
         scene = world.staged(colour, kind, direction, speed=speed, ground=ground, cloud=cloud)
-        text = world.caption(scene)
-        video = generate_video(text, epochs=epochs, seed=seed)
-        tok = world.NAMES.index(colour)
-        iou = float(object_iou(video, world.render(scene), tok).mean())
+        video, truth, tok = _generated(scene, epochs=epochs, seed=seed)
+        iou = float(object_iou(video, truth, tok).mean())
         moved = motion_ok(video, tok, direction)
         by_speed.setdefault(speed, []).append((iou, sum(moved) / len(moved)))
         if iou < 0.8:
-            worst.append({"caption": text.decode(), "object_iou": round(iou, 3)})
+            worst.append({"caption": world.caption(scene).decode(), "object_iou": round(iou, 3)})
     out: dict[str, Any] = {"captions": sum(len(v) for v in by_speed.values()), "worst": worst}
     for speed, rows in sorted(by_speed.items()):
         out[f"speed{speed}"] = {
