@@ -38,11 +38,25 @@ def with_row(value: float, row: int = 2) -> Callable[..., torch.Tensor]:
     return model
 
 
+@pytest.mark.parametrize("row", [0, 2, 5])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite_proposal(value: float) -> None:
+def test_non_finite_proposal(value: float, row: int) -> None:
+    # (first, middle and last row: the host's one-pass check must see each)
     with pytest.raises(ModelError, match="NaN/inf in 'proposal'") as e:
-        run(with_row(value))
-    assert_attributed(e.value, [42])
+        run(with_row(value, row))
+    assert_attributed(e.value, [40 + row])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_non_finite_proposal_any_float_dtype(dtype: torch.dtype) -> None:
+    def model(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        y = inputs["x"].to(dtype)
+        y[5] = float("nan")
+        return y
+
+    with pytest.raises(ModelError, match="NaN/inf in 'proposal'") as e:
+        run(model, dtype=dtype)
+    assert_attributed(e.value, [45])
 
 
 def test_non_finite_score_names_only_bad_cells() -> None:
@@ -76,13 +90,17 @@ def test_wrong_dtype_for_value() -> None:
     assert_attributed(e.value, [40, 41, 42, 43])
 
 
-def test_token_outside_vocab() -> None:
+@pytest.mark.parametrize(
+    ("tokens", "bad"),
+    [([0, 9, 10, 3, -1, 2], [42, 44]), ([0, 1, 2, 3, 4, 10], [45]), ([-1, 1, 2, 3, 4, 5], [40])],
+)
+def test_token_outside_vocab(tokens: list[int], bad: list[int]) -> None:
     def model(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.tensor([0, 9, 10, 3, -1, 2])
+        return torch.tensor(tokens)
 
     with pytest.raises(ModelError, match=r"outside \[0, vocab\)") as e:
         run(model, vocab=10)
-    assert_attributed(e.value, [42, 44])
+    assert_attributed(e.value, bad)
 
 
 def test_bad_logits() -> None:

@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -345,6 +346,28 @@ def _rows_any(flag: Tensor) -> Tensor:
     return flag.flatten(1).any(1) if flag.dim() > 1 else flag
 
 
+def _mark_nonfinite(bad: Tensor, t: Tensor, code: int) -> None:
+    """``bad |= code`` on the rows of ``t`` holding NaN or ±inf. On the host, where looking costs
+    no device sync, one min/max pass (both NaN when any element is) says whether there are any;
+    the rows are only worked out when there are."""
+    if bad.device.type == "cpu" and t.numel() and not t.is_complex():
+        lo, hi = torch.aminmax(t)
+        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
+            return
+    bad |= _rows_any(~torch.isfinite(t)).to(torch.int8) * code
+
+
+def _mark_outside(bad: Tensor, proposal: Tensor, vocab: int) -> None:
+    """``bad |= BAD_TOKEN`` on the rows holding a token outside [0, vocab) (host: one min/max
+    pass when every token is inside)."""
+    if bad.device.type == "cpu" and proposal.numel():
+        lo, hi = torch.aminmax(proposal)
+        if int(lo) >= 0 and int(hi) < vocab:
+            return
+    outside = (proposal < 0) | (proposal >= vocab)
+    bad |= _rows_any(outside).to(torch.int8) * BAD_TOKEN
+
+
 def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResult, Tensor]:
     """Run ``call``'s model once and normalize its output to one proposal/score row per cell.
 
@@ -491,13 +514,12 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 else R_SHAPE,
             )
         if proposal.is_floating_point() or proposal.is_complex():
-            bad |= _rows_any(~torch.isfinite(proposal)).to(torch.int8) * BAD_PROPOSAL
+            _mark_nonfinite(bad, proposal, BAD_PROPOSAL)
         if call.vocab is not None:
-            outside = (proposal < 0) | (proposal >= call.vocab)
-            bad |= _rows_any(outside).to(torch.int8) * BAD_TOKEN
+            _mark_outside(bad, proposal, call.vocab)
     if call.score is not None:
         proposal, score = _rule_score(call, proposal, backend, worker)
-    bad |= _rows_any(~torch.isfinite(score)).to(torch.int8) * BAD_SCORE
+    _mark_nonfinite(bad, score, BAD_SCORE)
     result = GroupResult(
         rule=call.rule,
         cells=call.cells,
