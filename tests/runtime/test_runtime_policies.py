@@ -134,6 +134,8 @@ def test_satisfy_equals_its_definition_on_random_candidates(seed: int) -> None:
     # few distinct scores (ties) and unset cells' keep-current at -inf
     score = torch.randint(0, 3, (n, c), generator=g).double()
     score[torch.rand(n, generator=g) > 0.5, 0] = -torch.inf
+    if seed % 2:  # -inf elsewhere too: an eligible -inf still beats every ineligible column
+        score[torch.rand(n, c, generator=g) > 0.8] = -torch.inf
     a = Agree(
         torch.randint(0, 9, (n, c), generator=g),
         valid,

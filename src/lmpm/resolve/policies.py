@@ -80,11 +80,12 @@ def register(name: str) -> Callable[[Policy], Policy]:
 
 
 def best_by_score(score: Tensor, eligible: Tensor) -> Tensor:
-    """Column with the highest score among eligible ones; ties → lowest column. (n,) int64."""
-    s = torch.where(eligible, score, -torch.inf)
-    hit = eligible & (s == s.amax(dim=1, keepdim=True))
-    # argmax over a bool picks the first True: the lowest column among the tied best.
-    return hit.view(torch.uint8).argmax(dim=1)
+    """Column with the highest score among eligible ones; ties → lowest column; 0 when none is
+    eligible. (n,) int64. Scores are never NaN (the workers reject a NaN score); an eligible
+    -inf (keep-current of an unset cell) ranks as the lowest finite number, above every
+    ineligible column."""
+    s = torch.where(eligible, score.clamp(min=torch.finfo(score.dtype).min), -torch.inf)
+    return s.argmax(dim=1)  # the first of equal maxima: the lowest column among the tied best
 
 
 def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
