@@ -265,7 +265,7 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
             if uniform[j]:
                 got = src.index_select(0, clock_index[j]).amax().expand(n)
             else:
-                g = src.take(clock_index[j].index_select(0, cells))
+                g = src.take(clock_index[j].index_select(0, cells).long())
                 if masked[j]:
                     g = g * next(ci).index_select(0, cells)
                 # a few reads unrolled (a compiled loop reduces a short row poorly); a causal
@@ -583,7 +583,10 @@ class CompiledEpoch:
             vtables = [t for t in tabs.tables if t is not None]
             where = [c for c, whole in zip(tabs.cells, tabs.covers_all) if not whole]
             reads = clock_reads(self._rules[value])
-            index = [dataplane._dev(cr.index) for cr in reads]
+            index = [
+                dataplane._dev(cr.index) if cr.uniform else _int32(dataplane._dev(cr.index))
+                for cr in reads
+            ]
             valid = [dataplane._dev(cr.valid) for cr in reads if cr.valid is not None]
             hit = self._tables[value] = (vtables, where, index, valid)
         return hit
@@ -685,6 +688,14 @@ class CompiledEpoch:
         return fn
 
 
+def _int32(index: Tensor) -> Tensor:
+    """A static gather table as int32 when its cell ids fit (half the memory a step reads after
+    the model has pushed it out of the caches); the graphs widen each id as they load it."""
+    if index.numel() and int(index.abs().max()) >= 2**31:
+        return index
+    return index.to(torch.int32)
+
+
 def _gather_fn(cdims: tuple[int, ...]) -> Callable[..., tuple[Tensor, ...]]:
     """A rule's non-uniform reads for its open cells, as :meth:`DataPlane._inputs` gathers them
     eagerly: per read (its payload's cell rank in ``cdims``) the read cells' payload, mask and
@@ -695,7 +706,7 @@ def _gather_fn(cdims: tuple[int, ...]) -> Callable[..., tuple[Tensor, ...]]:
         out: list[Tensor] = []
         for j, cd in enumerate(cdims):
             index, valid, payload, committed = tabs[4 * j : 4 * j + 4]
-            idx = index.index_select(0, cells)  # (n, K)
+            idx = index.index_select(0, cells).long()  # (n, K)
             mask = valid.index_select(0, cells) & committed.take(idx)
             if cd == 0:
                 data = payload.take(idx)
@@ -726,7 +737,9 @@ class ReadGathers:
         hit = self._reads.get(rp.id)
         if hit is None:
             reads = [j for j, rd in enumerate(rp.reads) if not rd.uniform]
-            tables = [(dp._dev(rp.reads[j].index), dp._dev(rp.reads[j].valid)) for j in reads]
+            tables = [
+                (_int32(dp._dev(rp.reads[j].index)), dp._dev(rp.reads[j].valid)) for j in reads
+            ]
             hit = self._reads[rp.id] = (reads, tables)
         reads, tables = hit
         if not reads:
