@@ -164,6 +164,9 @@ class _Cyclic(Schedule):
         self._phases = phases  # value -> (ncells,) int64 phase of each cell
         self._count = {v: int(p.max()) + 1 if p.numel() else 1 for v, p in phases.items()}
         self.period = max(self._count.values(), default=1)
+        for value, p in phases.items():  # each phase's cells, made once, before the first epoch
+            for phase in range(max(self._count[value], 2)):
+                self._cache[(value, phase)] = (p == phase).nonzero().squeeze(1)
 
     def phase(self, value: str, e: int) -> int | None:
         return e % self._count[value] if value in self._phases else 0

@@ -575,6 +575,12 @@ class CompiledEpoch:
             parts.append(f"{st.eager_epochs} epochs ran eagerly (candidates traced)")
         return ", ".join(parts)
 
+    def prepare(self, dataplane: Any) -> None:
+        """Make every compiled value's static tables now (when the run compiles), so the first
+        epoch does not."""
+        for value in self.specs:
+            self.tables(value, dataplane)
+
     def tables(self, value: str, dataplane: Any) -> tuple[list[Tensor], ...]:
         """The static tables a value's step reads (device copies, made once)."""
         hit = self._tables.get(value)
@@ -731,17 +737,18 @@ class ReadGathers:
         self._reads: dict[int, tuple[list[int], list[tuple[Tensor, Tensor]]]] = {}
         self._fns: dict[tuple[int, int], Callable[..., Any]] = {}  # (rule id, bucket) -> graph
 
+    def prepare(self, rp: Any, dp: Any) -> tuple[list[int], list[tuple[Tensor, Tensor]]]:
+        """``rp``'s non-uniform reads and their tables on ``dp``'s device (static: made when the
+        run compiles, not in its first epoch)."""
+        reads = [j for j, rd in enumerate(rp.reads) if not rd.uniform]
+        tables = [(_int32(dp._dev(rp.reads[j].index)), dp._dev(rp.reads[j].valid)) for j in reads]
+        self._reads[rp.id] = (reads, tables)
+        return reads, tables
+
     def gather(self, rp: Any, cells: Tensor, dp: Any) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """Read index -> (data (n, K[, *cell]), mask (n, K), index (n, K)) of ``rp``'s
         non-uniform reads for ``cells``."""
-        hit = self._reads.get(rp.id)
-        if hit is None:
-            reads = [j for j, rd in enumerate(rp.reads) if not rd.uniform]
-            tables = [
-                (_int32(dp._dev(rp.reads[j].index)), dp._dev(rp.reads[j].valid)) for j in reads
-            ]
-            hit = self._reads[rp.id] = (reads, tables)
-        reads, tables = hit
+        reads, tables = self._reads.get(rp.id) or self.prepare(rp, dp)
         if not reads:
             return {}
         n = cells.numel()

@@ -245,6 +245,9 @@ class DataPlane:
 
         if self.read_gathers is None:
             self.read_gathers = ReadGathers(stats)
+            for rp in self.plan.rules:
+                if rp.id in self._trusted:  # the rules whose reads it gathers (see _inputs)
+                    self.read_gathers.prepare(rp, self)
 
     def compile_models(self) -> dict[str, tuple[Any, Any]]:
         """Call the compiled version of every model and score that opted in (``lmpm_compile``,

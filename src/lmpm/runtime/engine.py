@@ -375,6 +375,7 @@ class Engine:
             self.compiled = CompiledEpoch(
                 self.plan, self.dataplane.device, quota=self.schedule.has_quota
             )
+            self.compiled.prepare(self.dataplane)
             self.dataplane.compile_reads(self.compiled.stats)
         return self.compiled
 
