@@ -347,3 +347,35 @@ def test_tensor_values_resume_exactly_after_sigkill(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr.decode()
     for name in ("Z.npy", "M.npy"):
         assert (cut / name).read_bytes() == (ref / name).read_bytes(), name
+
+
+def test_a_kept_read_of_an_input_value_follows_every_change_to_it() -> None:
+    """LMPM's own models get a read of all of an input-only value's cells (the video's caption)
+    kept between epochs; a new input, a reload or a halo write must show in the next read."""
+    run = Run.from_file(
+        EX / "video.lmpm",
+        params={"T": 1, "W": 8, "H": 8, "x1": 0, "x2": 1, "y1": 0, "y2": 1},
+        inputs={"Txt": str(EX / "video" / "caption.txt")},
+        seed=0,
+    )
+    dp = run.dataplane
+    rp = next(r for r in run.plan.rules if r.name == "CoarsePlan")
+    cells = torch.arange(1)
+    first = dp._inputs(rp, cells)["txt"]
+    again = dp._inputs(rp, cells)["txt"]
+    assert again.data_ptr() == first.data_ptr()  # kept: nothing changed
+    n = run.plan.values["Txt"].ncells
+    new = torch.arange(n) % 7 + 97
+    dp.set_input("Txt", new, torch.ones(n, dtype=torch.bool))
+    assert dp._inputs(rp, cells)["txt"][0].tolist() == new.tolist()
+    dp.payload["Txt"].index_copy_(0, torch.tensor([3]), torch.tensor([120]))  # a halo write
+    assert int(dp._inputs(rp, cells)["txt"][0, 3]) == 120
+    dp.committed["Txt"].index_fill_(0, torch.tensor([5]), False)
+    assert not bool(dp._inputs(rp, cells)["txt_mask"][0, 5])
+    dp.load(
+        "Txt",
+        torch.full((n,), 98),
+        torch.ones(n, dtype=torch.bool),
+        torch.ones(n, dtype=torch.bool),
+    )
+    assert dp._inputs(rp, cells)["txt"][0].tolist() == [98] * n

@@ -218,6 +218,11 @@ class DataPlane:
             rp.id for rp in plan.rules if _ours(rp.model) and (rp.score is None or _ours(rp.score))
         }
         self._row_cache: dict[tuple[Any, ...], Tensor] = {}  # see _rows
+        # values no rule proposes to (inputs only): only set_input, load and the halo transports
+        # write them, each through torch (bumping the tensors' versions), so a read of all their
+        # cells is kept until their payload or flags change (see _uniform_read)
+        self._static = set(plan.values) - {rp.target for rp in plan.rules}
+        self._uniform_cache: dict[tuple[int, int], tuple[Any, ...]] = {}  # see _uniform_read
         self._ones_cache: dict[tuple[str, tuple[int, ...]], Tensor] = {}
         # values whose `inputs()` region some constraint reads: the only ones whose input flags
         # the worker must keep up to date
@@ -578,11 +583,10 @@ class DataPlane:
             elif rd.uniform:
                 # Every cell reads the same cells: one gathered row, broadcast (an expanded view
                 # cannot be written in place).
-                row = self._dev(rd.index)[0]
+                row, mask, data = self._uniform_read(rp, j, payload, committed, copy)
                 k = row.numel()
                 idx = row.expand(n, k)
-                mask = (self._dev(rd.valid)[0] & committed.index_select(0, row)).expand(n, k)
-                data = payload.index_select(0, row)
+                mask = mask.expand(n, k)
                 data = data.expand(n, k, *data.shape[1:])
             else:
                 idx = rows(rd.index, cells, key and ("index", j, *key))  # (n, K)
@@ -601,6 +605,33 @@ class DataPlane:
                 inputs[f"{name}_mask"] = mask  # (n, K) visible and committed
                 inputs[f"{name}_index"] = idx  # (n, K) flat index into the source value
         return inputs
+
+    def _uniform_read(
+        self, rp: RulePlan, j: int, payload: Tensor, committed: Tensor, copy: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Read ``j`` of ``rp``, which every cell makes alike: (cells (K,), mask (K,), payload
+        (K, *cell)). For LMPM's own models, a read of a value no rule writes is kept while the
+        value's tensors are the same ones at the same version (the caption of every video
+        epoch); anyone else's model gets fresh rows (it may write into them)."""
+        rd = rp.reads[j]
+        # (tensors made in inference mode, by a restore inside an epoch, keep no version)
+        cache = (
+            not copy
+            and rd.source in self._static
+            and not payload.is_inference()
+            and not committed.is_inference()
+        )
+        if cache:
+            stamp = (payload._version, committed._version)
+            hit = self._uniform_cache.get((rp.id, j))
+            if hit is not None and hit[0] is payload and hit[1] is committed and hit[2] == stamp:
+                return hit[3], hit[4], hit[5]
+        row = self._dev(rd.index)[0]
+        mask = self._dev(rd.valid)[0] & committed.index_select(0, row)
+        data = payload.index_select(0, row)
+        if cache:
+            self._uniform_cache[(rp.id, j)] = (payload, committed, stamp, row, mask, data)
+        return row, mask, data
 
     def _score_keys(self, rp: RulePlan, inputs: Mapping[str, Tensor]) -> tuple[str, ...]:
         """The model inputs a rule's score call receives: cells, coords and its reads' tensors
