@@ -392,8 +392,13 @@ def test_identical_runs_write_identical_checkpoints(
     for p in procs:
         rc, err = _done(p)
         assert rc == 0, err
-    assert len(shas(a)) == 4 and shas(a) == shas(b)
+    # four checkpoints (epochs 0, 4, 8 and the end), each the control plane's file and the
+    # worker's payload shard
+    labels = {name.split(".")[0] for name in shas(a)}
+    assert len(labels) == 4 and len(shas(a)) == 8 and shas(a) == shas(b)
     from safetensors.numpy import load_file
 
-    ck = load_file(str(a / "checkpoints" / "epoch-00000009.safetensors"))
-    assert ck["G.payload"].shape == (36,)
+    ck = load_file(str(a / "checkpoints" / "epoch-00000009.safetensors"))  # metadata only
+    assert ck["G.clock"].shape == (36,) and "G.payload" not in ck
+    shard = load_file(str(a / "checkpoints" / "epoch-00000009.cpu-0.safetensors"))
+    assert shard["G.payload"].shape == (36,)
