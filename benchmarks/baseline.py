@@ -9,6 +9,8 @@ the median of each numeric field on both sides and ``change`` = this tree / the 
 fields named with ``--metric``.
 
     python benchmarks/baseline.py runtime.py --epochs 6
+    python benchmarks/baseline.py --here runtime.py \
+        --reference-dir $PWD/.bench/baseline-3287e81/tests/runtime   # one reference for both
     python benchmarks/baseline.py examples.py --repeats 3 --metric outside_model_share
     python benchmarks/baseline.py --ref HEAD~3 --rounds 5 trace.py
     python benchmarks/baseline.py --here --rounds 6 epoch_overhead.py --program P --metric outside_us_p10

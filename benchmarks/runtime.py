@@ -10,6 +10,9 @@ Prints one JSON line per case:
   implementations side by side in this process, identical commits checked. Goal ≥ 100×.
 
     python benchmarks/runtime.py [--epochs 6]
+
+``benchmarks/baseline.py --here runtime.py`` runs this script on the pre-redesign engine too, so
+both engines are timed against the same reference interpreter (this tree's).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+REFERENCE_DIR = ROOT / "tests" / "runtime"  # where reference.py is found; --reference-dir
 
 from lmpm.ir import compile_file  # noqa: E402
 from lmpm.models.null import random_tokens, zero_score  # noqa: E402
@@ -61,7 +64,14 @@ def caption(run: Run) -> None:
     payload[: len(text)] = torch.tensor(list(text))
     mask = torch.zeros(vp.ncells, dtype=torch.bool)
     mask[: len(text)] = True
-    run.set_input("Txt", payload, mask)
+    # run.set_input / run.payload; the pre-redesign engine had them on run.engine (baseline.py --here)
+    old: Any = run.engine
+    (run.set_input if hasattr(run, "set_input") else old.set_input)("Txt", payload, mask)
+
+
+def payload(run: Run, name: str) -> torch.Tensor:
+    old: Any = run.engine
+    return run.payload(name) if hasattr(run, "payload") else old.payload(name)
 
 
 def throughput(epochs: int) -> dict[str, Any]:
@@ -89,6 +99,7 @@ def throughput(epochs: int) -> dict[str, Any]:
 
 
 def vs_reference(epochs: int) -> dict[str, Any]:
+    sys.path.insert(0, str(REFERENCE_DIR))
     from reference import Reference
 
     p = params(4, 32, 32)
@@ -102,7 +113,7 @@ def vs_reference(epochs: int) -> dict[str, Any]:
         "Txt",
         [
             int(x) if bool(c) else None
-            for x, c in zip(run.payload("Txt").tolist(), committed.tolist())
+            for x, c in zip(payload(run, "Txt").tolist(), committed.tolist())
         ],
     )
     assert vp.ncells == len(ref.payload["Txt"])
@@ -113,7 +124,7 @@ def vs_reference(epochs: int) -> dict[str, Any]:
     for _ in range(epochs):
         ref.step()
     slow = time.perf_counter() - t
-    got = torch.where(run.engine.state["Vid"].committed, run.payload("Vid"), -1).tolist()
+    got = torch.where(run.engine.state["Vid"].committed, payload(run, "Vid"), -1).tolist()
     want = [x if c else -1 for x, c in zip(ref.payload["Vid"], ref.committed["Vid"])]
     assert got == want, "vectorized runtime and reference interpreter disagree"
     assert run.engine.state["Vid"].clock.tolist() == ref.clock["Vid"]
@@ -139,9 +150,17 @@ def main() -> None:
         action="store_true",
         help="a short run for the benchmark summary (python -m benchmarks)",
     )
+    ap.add_argument(
+        "--reference-dir",
+        type=Path,
+        help="load reference.py from this directory (default: tests/runtime of this tree)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.epochs = 3
+    if args.reference_dir is not None:
+        global REFERENCE_DIR
+        REFERENCE_DIR = args.reference_dir.resolve()
     torch.set_num_threads(2)
     print(json.dumps(throughput(args.epochs)), flush=True)
     print(json.dumps(vs_reference(2)), flush=True)
