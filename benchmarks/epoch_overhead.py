@@ -13,14 +13,24 @@ with the same program ``P``:
     python benchmarks/baseline.py --here --rounds 6 epoch_overhead.py --program /tmp/text.lmpm
     python benchmarks/epoch_overhead.py --program examples/video.lmpm --epochs 12 \
         --input Txt=examples/video/caption.txt --input Vid=examples/video/patch.npy
+
+The outside-model *share* also depends on the model's speed. ``--bind NAME=FILE:FUNC`` binds a
+model loaded from a file, so both trees can run one model (e.g. the pre-redesign tree's ByteLM):
+
+    B=$PWD/.bench/baseline-3287e81
+    python benchmarks/baseline.py --here epoch_overhead.py --program $B/examples/text.lmpm \
+        --bind ByteLM=$B/src/lmpm/models/text.py:byte_lm \
+        --bind TextScore=$B/src/lmpm/models/text.py:text_score
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from lmpm.ir import compile_file
 from lmpm.runtime.session import Run
@@ -31,6 +41,22 @@ EX = Path(__file__).resolve().parents[1] / "examples"
 def pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
     return xs[int(p * (len(xs) - 1))]
+
+
+def load(spec: str, modules: dict[str, Any]) -> tuple[str, Any]:
+    """``NAME=FILE:FUNC`` -> (NAME, FUNC of FILE loaded as a module of its own, once per file)."""
+    name, _, where = spec.partition("=")
+    file, _, func = where.rpartition(":")
+    if not name or not file or not func:
+        raise SystemExit(f"--bind {spec!r}: expected NAME=FILE:FUNC")
+    mod = modules.get(file)
+    if mod is None:
+        found = importlib.util.spec_from_file_location(f"bound_{len(modules)}", file)
+        if found is None or found.loader is None:
+            raise SystemExit(f"--bind {spec!r}: cannot load {file}")
+        mod = modules[file] = importlib.util.module_from_spec(found)
+        found.loader.exec_module(mod)
+    return name, getattr(mod, func)
 
 
 def main() -> None:
@@ -44,17 +70,26 @@ def main() -> None:
     )
     ap.add_argument("--epochs", type=int, help="run this many epochs (default: until stable)")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument(
+        "--bind",
+        action="append",
+        default=[],
+        metavar="NAME=FILE:FUNC",
+        help="bind NAME to FUNC of the Python file FILE (loaded once, shared by every run)",
+    )
     ap.add_argument("--quick", action="store_true", help="3 repeats")
     a = ap.parse_args()
     if a.quick:
         a.repeats = 3
     inputs = dict(x.split("=", 1) for x in a.input or [f"Txt={EX / 'text' / 'prompt.txt'}"])
     front = compile_file(a.program)
+    modules: dict[str, Any] = {}
+    bindings = dict(load(spec, modules) for spec in a.bind)
     outside: list[float] = []
     whole: list[float] = []
     epochs = 0
     for _ in range(a.repeats):
-        run = Run(front, inputs=inputs, seed=0)
+        run = Run(front, inputs=inputs, seed=0, bindings=bindings)
         run.engine.keep_records = True
         res = run.run(a.epochs)
         epochs = res.epochs

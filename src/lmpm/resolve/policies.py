@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -96,6 +97,12 @@ def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
     if k == 1:
         ok = eligible > a.violated.squeeze(2)  # eligible and not violated (bools: a > b is a & ~b)
         return torch.where(ok.any(dim=1, keepdim=True), ok, eligible)
+    weights = _packed_weights(tuple(a.priority.tolist()), a.violated.device)
+    if weights is not None:
+        # one key per candidate, ordered as the levels order them: keep the eligible maxima
+        key = a.violated.to(torch.float64) @ weights  # (n, C), minus the packed violation counts
+        key = torch.where(eligible, key, -torch.inf)
+        return eligible & (key == key.amax(dim=1, keepdim=True))
     sat = ~a.violated  # (n, C, K)
     priority = a.priority.tolist()
     for prio in sorted(set(priority), reverse=True):
@@ -109,6 +116,27 @@ def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
         # amax: an integer amin is many times slower in torch's CPU kernels
         eligible = eligible & (count == count.amax(dim=1, keepdim=True))
     return eligible
+
+
+@lru_cache(maxsize=256)
+def _packed_weights(priority: tuple[int, ...], device: torch.device) -> Tensor | None:
+    """(K,) float64: minus the weight of one violation of each constraint in a packed key.
+
+    Each priority level owns a bit field wide enough for its count of violations, the highest
+    level in the top bits, so the integer order of ``sum violated * -weight`` is the lexicographic
+    order of (violations at the highest level, ..., at the lowest), reversed: the largest key has
+    the fewest. Exact in float64 while the fields fit in 53 bits (None otherwise: loop the levels).
+    Shared between calls: never written."""
+    shift: dict[int, int] = {}
+    bits = 0
+    for prio in sorted(set(priority)):  # the lowest level in the lowest bits
+        shift[prio] = bits
+        bits += priority.count(prio).bit_length()
+    if bits > 53:
+        return None
+    return torch.tensor(
+        [-float(1 << shift[p]) for p in priority], dtype=torch.float64, device=device
+    )
 
 
 @register("satisfy")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -51,6 +52,12 @@ def clock_reads(rp: RulePlan) -> tuple[ClockRead, ...]:
     return tuple(out)
 
 
+class Clocked(Protocol):
+    """A value's control-plane state: its (N,) int64 Lamport clocks."""
+
+    clock: Tensor
+
+
 class Clocks:
     """New clocks of an epoch's committing cells."""
 
@@ -77,7 +84,7 @@ class Clocks:
 
     def _read_max(
         self,
-        clocks: Mapping[str, Tensor],
+        state: Mapping[str, Clocked],
         rp: RulePlan,
         cells: Tensor,
         phase: int | None,
@@ -85,7 +92,7 @@ class Clocks:
         """(n,) or () max clock over what ``rp`` reads for ``cells`` (None: it reads nothing)."""
         read_max: Tensor | None = None
         for j, cr in enumerate(self.reads[rp.id]):
-            src = clocks[cr.source]
+            src = state[cr.source].clock
             if cr.uniform:
                 top = src.index_select(0, cr.index).amax()  # (), broadcast over the cells
             else:
@@ -99,7 +106,7 @@ class Clocks:
 
     def advance(
         self,
-        clocks: Mapping[str, Tensor],
+        state: Mapping[str, Clocked],
         rules: tuple[RulePlan, ...],
         own: Tensor,
         cells: Tensor,
@@ -120,7 +127,7 @@ class Clocks:
         n = cells.numel()
         if contributed is None:  # one rule: the common case, no masks
             (rp,) = rules
-            read_max = self._read_max(clocks, rp, cells, phase)
+            read_max = self._read_max(state, rp, cells, phase)
             if read_max is None:
                 bumped = own + 1
             elif fresh and read_max.dim() == 1:
@@ -136,7 +143,7 @@ class Clocks:
             sel = sel & changed
             if not bool(sel.any()):
                 continue
-            read_max = self._read_max(clocks, rp, cells, phase)
+            read_max = self._read_max(state, rp, cells, phase)
             if read_max is not None:
                 top = torch.where(sel, torch.maximum(top, read_max), top)
         return torch.where(changed, top + 1, own)

@@ -906,7 +906,7 @@ class Engine:
                         rp.id: used[:, cand.col_rule == rp.id].any(dim=1) for rp in static.rules
                     }
             new_clock = self._clocks.advance(
-                {s: self.state[s].clock for s in self.plan.values},
+                self.state,
                 static.rules,
                 own,
                 cells,
