@@ -229,3 +229,17 @@ def test_trace_flags_are_checked(tmp_path: Path) -> None:
         )
         == 2
     )
+
+
+def test_report_of_a_program_without_constraints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog = tmp_path / "free.lmpm"
+    prog.write_text("\n".join(line for line in CELLS.splitlines() if "constraint" not in line))
+    out = tmp_path / "run"
+    assert main(["run", str(prog), "--epochs", "3", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["trace", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "the program declares no constraint" in text
+    assert "constraints" not in [line.strip() for line in text.splitlines()]  # no empty table

@@ -153,7 +153,10 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
             "—" if proved else f"{c['won']:,}",
             c["fired_epochs"] or "—",
         )
-    console.print(t)
+    if rep["constraints"]:
+        console.print(t)
+    else:
+        console.print("the program declares no constraint")
 
     if rep["blocked"]:
         b = Table(
