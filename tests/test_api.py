@@ -47,7 +47,9 @@ def test_runner_makes_the_run_checks_before_epoch_0() -> None:
     unbound = PROG.replace("Uniform(", "Unifrom(")
     with pytest.raises(CheckError) as e:
         lmpm.compile(text=unbound).runner()
-    assert [d.code for d in e.value.diagnostics if d.severity == "error"] == ["E207"]
+    (err,) = [d for d in e.value.diagnostics if d.severity == "error"]
+    assert err.code == "E207" and err.hint is not None
+    assert err.hint.startswith("did you mean `Uniform`?")  # the typo's nearest bound name
 
 
 def test_run_dir_trace_records_and_resume(tmp_path: Path) -> None:

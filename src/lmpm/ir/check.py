@@ -804,6 +804,9 @@ class Checker:
             reported.add(call.func)
             msg = f"`{call.func}` ({call.role}) is not bound to anything"
             hint = "bind it in a module passed with --bind, or use a built-in name"
+            close = _suggest(call.func, sorted(self.known))
+            if close:
+                hint = f"{close} ({hint})"
             if self.strict:
                 self.sink.error("E207", msg, call.span, hint)
 
