@@ -142,7 +142,12 @@ def load_module(spec: str) -> dict[str, Any]:
     except UsageError:
         raise
     except ModuleNotFoundError as e:
-        raise UsageError(f"--bind {spec}: module not found ({e.name})", code="U004") from None
+        # a module name is looked up on sys.path, which holds no working directory for `lmpm`
+        local = Path(*spec.split(".")).with_suffix(".py")
+        hint = f"to load the file, pass its path: --bind ./{local}" if local.is_file() else None
+        raise UsageError(
+            f"--bind {spec}: module not found ({e.name})", code="U004", hint=hint
+        ) from None
     except Exception as e:
         raise BindError(
             f"--bind {spec}: importing it raised {type(e).__name__}: {e}", code="B010"

@@ -95,12 +95,15 @@ def test_strict_makes_unbound_names_errors(tmp_path: Path) -> None:
     # every name of the video program is a built-in (models/video.py, models/world.py)
     assert run("check", str(VIDEO), "--strict")[0] == 0
     mine = write(tmp_path, VIDEO.read_text().replace("Model(", "MyModel("), "mine.lmpm")
-    assert run("check", mine)[0] == 0
+    rc, _, err = run("check", mine)
+    assert rc == 0 and "W210" in err and "`MyModel`" in err
     rc, _, err = run("check", mine, "--strict")
     assert rc == 1 and "error[E207]: `MyModel` (model) is not bound to anything" in err
     binds = tmp_path / "binds.py"
     binds.write_text("import lmpm\n\nLMPM_BINDINGS = {'MyModel': object()}\n")
     assert run("check", mine, "--strict", "--bind", str(binds))[0] == 0
+    rc, _, err = run("check", mine, "--bind", str(binds))  # without --strict: no warning either
+    assert rc == 0 and "W210" not in err
 
 
 def test_bind_module_faults(tmp_path: Path) -> None:
@@ -108,7 +111,21 @@ def test_bind_module_faults(tmp_path: Path) -> None:
     empty.write_text("x = 1\n")
     rc, _, err = run("check", str(VIDEO), "--strict", "--bind", str(empty))
     assert rc == 1 and "B012" in err
-    assert run("check", str(VIDEO), "--strict", "--bind", "no_such_module_xyz")[0] == 2
+    for strict in (["--strict"], []):  # a --bind that cannot load is an error either way
+        rc, _, err = run("check", str(VIDEO), *strict, "--bind", "no_such_module_xyz")
+        assert rc == 2 and "module not found" in err and "hint" not in err
+
+
+def test_bind_names_a_file_of_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "my_binds_xyz.py").write_text("LMPM_BINDINGS = {'MyModel': object()}\n")
+    monkeypatch.chdir(tmp_path)
+    # as the `lmpm` script sees it (`python -m pytest` puts the working directory on the path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    rc, _, err = run("check", str(VIDEO), "--strict", "--bind", "my_binds_xyz")  # not on the path
+    assert rc == 2 and "hint: to load the file, pass its path: --bind ./my_binds_xyz.py" in err
+    assert run("check", str(VIDEO), "--strict", "--bind", "./my_binds_xyz.py")[0] == 0
 
 
 @pytest.mark.parametrize("fmt", ["text", "dot", "mermaid", "ir"])

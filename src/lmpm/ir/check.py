@@ -525,6 +525,8 @@ class Checker:
             for call in self.p.calls():
                 if call.func in BUILTINS or call.func in reported or call.role == "policy":
                     continue
+                if call.func in self.user_bound:
+                    continue  # bound by a --bind module
                 if call.role in TRAIN_ROLES:
                     continue  # bound by the training runtime (lmpm.train)
                 reported.add(call.func)
