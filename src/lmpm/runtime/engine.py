@@ -916,20 +916,20 @@ class Engine:
                 None if self._guarded[name] else self.schedule.phase(name, e),
                 fresh,
             )
-            fields = [
-                cells,
-                new_clock,
-                cand.col_rule.index_select(0, winner),
-                score.gather(1, winner.unsqueeze(1)).squeeze(1),
-            ]
+            fields = [cells, new_clock, score.gather(1, winner.unsqueeze(1)).squeeze(1)]
+            if len(static.rules) > 1:  # (one rule: every committing column is that rule's)
+                fields.append(cand.col_rule.index_select(0, winner))
             if commits < n:
                 if keep is None:
                     keep = changed.nonzero().squeeze(1)
                 fields = [t.index_select(0, keep) for t in fields]
-            idx, clock, rule, won = fields
+            idx, clock, won = fields[:3]
             st.committed.index_fill_(0, idx, True)
             st.clock.index_put_((idx,), clock)
-            st.rule.index_put_((idx,), rule)
+            if len(static.rules) > 1:
+                st.rule.index_put_((idx,), fields[3])
+            else:
+                st.rule.index_fill_(0, idx, static.rules[0].id)
             st.epoch.index_fill_(0, idx, e)
             st.score.index_put_((idx,), won)
         return ValueEpoch(
