@@ -896,10 +896,11 @@ class Engine:
         new_clock = own
         if commits:
             contributed: dict[int, Tensor] | None = None
+            won_rule: Tensor | None = None  # (n,) each cell's winning rule (several rules)
             if len(static.rules) > 1:
+                won_rule = cand.col_rule.index_select(0, winner)
                 if weights is None:  # the winner's rule
-                    won = cand.col_rule.index_select(0, winner)
-                    contributed = {rp.id: won == rp.id for rp in static.rules}
+                    contributed = {rp.id: won_rule == rp.id for rp in static.rules}
                 else:  # every rule whose proposals the aggregate weighs
                     used = weights > 0
                     contributed = {
@@ -917,18 +918,18 @@ class Engine:
                 fresh,
             )
             fields = [cells, new_clock, score.gather(1, winner.unsqueeze(1)).squeeze(1)]
-            if len(static.rules) > 1:  # (one rule: every committing column is that rule's)
-                fields.append(cand.col_rule.index_select(0, winner))
+            if won_rule is not None:
+                fields.append(won_rule)
             if commits < n:
                 if keep is None:
                     keep = changed.nonzero().squeeze(1)
                 fields = [t.index_select(0, keep) for t in fields]
-            idx, clock, won = fields[:3]
+            idx, clock, won, *rule = fields
             st.committed.index_fill_(0, idx, True)
             st.clock.index_put_((idx,), clock)
-            if len(static.rules) > 1:
-                st.rule.index_put_((idx,), fields[3])
-            else:
+            if rule:
+                st.rule.index_put_((idx,), rule[0])
+            else:  # one rule: every committing column is that rule's
                 st.rule.index_fill_(0, idx, static.rules[0].id)
             st.epoch.index_fill_(0, idx, e)
             st.score.index_put_((idx,), won)
