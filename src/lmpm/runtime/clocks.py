@@ -74,10 +74,14 @@ class Clocks:
             hit = self._rows.get((rp.id, j, phase))
             if hit is not None:
                 return hit
-        out = (
-            cr.index.index_select(0, cells),
-            None if cr.valid is None else cr.valid.index_select(0, cells),
-        )
+        if cells.numel() == 1:  # one open cell (causal generation): views of its rows
+            c = int(cells)
+            out = (cr.index.narrow(0, c, 1), None if cr.valid is None else cr.valid.narrow(0, c, 1))
+        else:
+            out = (
+                cr.index.index_select(0, cells),
+                None if cr.valid is None else cr.valid.index_select(0, cells),
+            )
         if phase is not None:
             self._rows[(rp.id, j, phase)] = out
         return out

@@ -48,7 +48,7 @@ from lmpm.runtime.agree import agree
 from lmpm.runtime.clocks import Clocks
 from lmpm.runtime.compiled import CompiledEpoch
 from lmpm.runtime.crdt import ORSet
-from lmpm.runtime.dataplane import DataPlane, Proposal, checksum
+from lmpm.runtime.dataplane import DataPlane, Proposal, checksum, pick
 from lmpm.runtime.protocol import (
     ApplyReply,
     ApplyRequest,
@@ -620,14 +620,15 @@ class Engine:
         e = self.epoch
         t0 = time.perf_counter()
         open_ = self.open_cells(e)
-        self.maskplan.add(("open", e, tuple(sorted((k, v.numel()) for k, v in open_.items()))))
+        opened = sorted([(k, v.numel()) for k, v in open_.items()])
+        self.maskplan.add(("open", e, tuple(opened)))
         phases = {
             name: None if self._guarded[name] else self.schedule.phase(name, e) for name in open_
         }
         work = self._work(e, open_)
         req = ProposeRequest(e, work, self._fresh, self.record, phases, self._active)
         fused: dict[str, Proposal] = {}
-        if self._compiled_epoch():
+        if self.compiled is not None and self._compiled_epoch():
             reply, order, fused = self._propose_compiled(req)
         else:
             if self.compiled is not None:
@@ -733,6 +734,7 @@ class Engine:
                 static,
                 ag.weights,
                 keep,
+                phases[name],
             )
             if got.checksum is not None:  # one per committed row, in row order
                 sums = torch.zeros(cand.cells.numel(), dtype=torch.int64)
@@ -755,7 +757,7 @@ class Engine:
         rec = EpochRecord(
             e,
             values,
-            sum(v.numel() for v in open_.values()),
+            sum([n for _, n in opened]),
             commits,
             attempts,
             violations,
@@ -886,8 +888,10 @@ class Engine:
         static: _ValueStatic,
         weights: Tensor | None,
         keep: Tensor | None,
+        phase: int | None,
     ) -> ValueEpoch:
-        """Advance clocks and provenance of the committing cells; the epoch's record."""
+        """Advance clocks and provenance of the committing cells; the epoch's record. ``phase``:
+        the schedule's phase of the open cells (None: they vary)."""
         st = self.state[name]
         cells = cand.cells
         fresh = self._fresh[name]
@@ -914,10 +918,10 @@ class Engine:
                 changed,
                 commits,
                 contributed,
-                None if self._guarded[name] else self.schedule.phase(name, e),
+                phase,
                 fresh,
             )
-            fields = [cells, new_clock, score.gather(1, winner.unsqueeze(1)).squeeze(1)]
+            fields = [cells, new_clock, pick(score, winner)]
             if won_rule is not None:
                 fields.append(won_rule)
             if commits < n:

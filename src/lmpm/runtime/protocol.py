@@ -74,6 +74,14 @@ class Candidates:
     refreshed: Tensor | None  # (n,) bool: a proposal equalled the committed payload (folded)
     checksum: Tensor | None  # (n, C) int64 payload checksums, when the policy compares payloads
 
+    def to_host(self) -> Candidates:
+        """The same candidates with every tensor on the host (a worker on an accelerator)."""
+        moved: dict[str, Any] = {}
+        for f in dataclasses.fields(self)[1:]:
+            t = getattr(self, f.name)
+            moved[f.name] = None if t is None else t.cpu()
+        return Candidates(self.value, **moved)
+
 
 @dataclass(slots=True)
 class ProposeReply:
