@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_dataplane import _examples
+from test_runtime_dataplane import ENGINE_EXAMPLES, _examples
 
 from lmpm.runtime.session import Run
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["gpt", "text", "video", "sudoku", "latent", "latent256"])
+@pytest.mark.parametrize("name", ENGINE_EXAMPLES)
 def test_every_example_on_cuda_commits_as_on_cpu(name: str, tmp_path: Path) -> None:
     prog, params, inputs, epochs = _examples(tmp_path)[name]
     runs = {}

@@ -44,16 +44,15 @@ def _video_patch(tmp: Path) -> Path:
 
 
 def _examples(tmp: Path) -> dict[str, tuple[Path, dict[str, Any], dict[str, str], int]]:
-    """name -> (program, params, inputs, epochs): every shipped example at a small size."""
+    """name -> (program, params, inputs, epochs): every shipped example the engine runs, at a
+    small size (examples/vm.lmpm runs on the VM, examples/train_bytelm.lmpm on the trainer)."""
+    video_in = {"Txt": str(EX / "video" / "caption.txt"), "Vid": str(_video_patch(tmp))}
     return {
         "gpt": (EX / "gpt.lmpm", {"N": 12}, {}, 4),
         "text": (EX / "text.lmpm", {}, {"Txt": str(EX / "text" / "prompt.txt")}, 3),
-        "video": (
-            EX / "video.lmpm",
-            SMALL_VIDEO,
-            {"Txt": str(EX / "video" / "caption.txt"), "Vid": str(_video_patch(tmp))},
-            3,
-        ),
+        "text_free": (EX / "text_free.lmpm", {}, {"Txt": str(EX / "text" / "prompt.txt")}, 3),
+        "video": (EX / "video.lmpm", SMALL_VIDEO, video_in, 3),
+        "video_free": (EX / "video_free.lmpm", SMALL_VIDEO, {"Txt": video_in["Txt"]}, 2),
         "sudoku": (EX / "sudoku.lmpm", {}, {"Grid": str(EX / "sudoku" / "puzzle.json")}, 4),
         "latent": (EX / "latent.lmpm", {"W": 6, "H": 5}, {"Z": str(_latent_input(tmp))}, 4),
         "latent256": (
@@ -65,7 +64,19 @@ def _examples(tmp: Path) -> dict[str, tuple[Path, dict[str, Any], dict[str, str]
     }
 
 
-@pytest.mark.parametrize("name", ["gpt", "text", "video", "sudoku", "latent", "latent256"])
+ENGINE_EXAMPLES = [
+    "gpt",
+    "text",
+    "text_free",
+    "video",
+    "video_free",
+    "sudoku",
+    "latent",
+    "latent256",
+]
+
+
+@pytest.mark.parametrize("name", ENGINE_EXAMPLES)
 def test_every_example_runs_with_payload_kept_off_the_control_plane(
     name: str, tmp_path: Path
 ) -> None:
