@@ -230,3 +230,22 @@ def test_mutations_through_the_real_cli(chunk: int, tmp_path: Path) -> None:
 def test_fast_parser_agrees_with_lark_on_the_corpus() -> None:
     for text in CORPUS:
         assert tuple(fast.parse_items(text, "f")) == parse_lark(text, "f").items
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "param N = 4   \nvalue A : Token[4] shape Seq(N) clock Lamport\t \n",  # trailing blanks
+        "param N = 4\n   \n\t\nvalue A : Token[4] shape Seq( N )\tclock Lamport\n",  # blank lines
+        "param N = 4  // a comment after blanks\n  // an indented comment line\n",
+        "param\fN = 4\n",  # a form feed inside a line: a blank
+        "\fparam N = 4\n",  # ... at a line's start: the fast parser declines
+        "rule R:\n  on A[t]\n\t\n  emit proposal A[t] := M(k=1)\n",
+    ],
+)
+def test_fast_parser_agrees_with_lark_on_blanks(text: str) -> None:
+    if text.startswith("\f"):
+        with pytest.raises(fast.Fallback):
+            fast.parse_items(text, "f")
+        return
+    assert tuple(fast.parse_items(text, "f")) == parse_lark(text, "f").items

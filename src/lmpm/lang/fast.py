@@ -69,10 +69,12 @@ KEYWORDS = frozenset(
 
 # One scanner for every token. Order matters where prefixes overlap: `...` before `..`, `<-` and
 # `:=` before `<` and `:`, two-character comparisons before one-character ones.
+# Each match is one token with the blanks before it (half as many matches as blanks of their own).
 _TOKEN = re.compile(
     r"""
-    (?P<WS>[ \t\f]+)
-  | (?P<COMMENT>//[^\n]*)
+    [ \t\f]*
+    (?:
+    (?P<COMMENT>//[^\n]*)
   | (?P<NL>\r?\n)
   | (?P<NAME>(?!\d)\w+)
   | (?P<FLOAT>\d+\.\d+(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)
@@ -80,6 +82,7 @@ _TOKEN = re.compile(
   | (?P<STRING>"(?:[^"\\\n]|\\.)*")
   | (?P<OP>\.\.\.|\.\.|<-|:=|<=|>=|==|!=|[-+*/%<>=\[\](){},:?])
   | (?P<BAD>.)
+    )
     """,
     re.VERBOSE,
 )
@@ -149,11 +152,11 @@ def tokenize(text: str) -> list[tuple[int, str, int, int]]:
     at_line_start = True  # no token yet on the current logical line
     pending_nl: tuple[int, int] | None = None  # (line, col) of a newline ending a logical line
     for m in _TOKEN.finditer(text):
-        kind = m.lastgroup
-        start = m.start()
-        if kind == "WS" or kind == "COMMENT":
-            if kind == "WS" and "\f" in m.group() and at_line_start:
-                raise Fallback  # lark's indentation ignores form feeds; not worth mirroring
+        kind = m.lastgroup or "BAD"  # (every match has a group: BAD takes any other character)
+        start = m.start(kind)  # (after the blanks)
+        if at_line_start and "\f" in text[m.start() : start]:
+            raise Fallback  # lark's indentation ignores form feeds; not worth mirroring
+        if kind == "COMMENT":
             continue
         if kind == "NL":
             if depth == 0 and not at_line_start:
@@ -186,7 +189,7 @@ def tokenize(text: str) -> list[tuple[int, str, int, int]]:
             elif indent:
                 raise Fallback  # an indented first line: leave it to lark
             at_line_start = False
-        value = m.group()
+        value = m.group(kind)
         if kind == "OP":
             if value in _OPEN:
                 depth += 1
