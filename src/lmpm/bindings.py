@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from lmpm.errors import BindError, UsageError
+from lmpm.errors import BindError, UsageError, user_frame
 
 # Built-in names -> "module:attribute", imported on first use. Policies and schedules are resolved
 # by the runtime's own registries; they are listed so `check --strict` knows them without torch.
@@ -122,6 +122,12 @@ def register_builtin(name: str, target: str) -> None:
     BUILTINS[name] = target
 
 
+def _import_failed(spec: str, e: Exception) -> BindError:
+    return BindError(
+        f"--bind {spec}: importing it raised {type(e).__name__}: {e}{user_frame(e)}", code="B010"
+    )
+
+
 def load_module(spec: str) -> dict[str, Any]:
     """Import a ``--bind`` module (dotted name or .py path) and return the names it binds."""
     _DECORATED.clear()
@@ -136,12 +142,18 @@ def load_module(spec: str) -> dict[str, Any]:
                 raise UsageError(f"--bind {spec}: cannot load this file as Python", code="U004")
             module = importlib.util.module_from_spec(loader_spec)
             sys.modules[mod_name] = module
+            # as `python FILE` does: the file's folder is importable (its sibling modules)
+            folder = str(path.resolve().parent)
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             loader_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(spec)
     except UsageError:
         raise
     except ModuleNotFoundError as e:
+        if e.name is None or not (spec == e.name or spec.startswith(e.name + ".")):
+            raise _import_failed(spec, e) from e  # the module itself imports a missing one
         # a module name is looked up on sys.path, which holds no working directory for `lmpm`
         local = Path(*spec.split(".")).with_suffix(".py")
         hint = f"to load the file, pass its path: --bind ./{local}" if local.is_file() else None
@@ -149,9 +161,7 @@ def load_module(spec: str) -> dict[str, Any]:
             f"--bind {spec}: module not found ({e.name})", code="U004", hint=hint
         ) from None
     except Exception as e:
-        raise BindError(
-            f"--bind {spec}: importing it raised {type(e).__name__}: {e}", code="B010"
-        ) from e
+        raise _import_failed(spec, e) from e
     names = dict(_DECORATED)
     table = getattr(module, "LMPM_BINDINGS", None)
     if table is not None:

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import linecache
+import sys
+import sysconfig
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Severity = Literal["error", "warning", "note"]
@@ -47,6 +51,22 @@ def register_source(name: str, text: str) -> None:
     # Split on "\n" only, as the parser counts lines (str.splitlines also breaks at U+2028, \f...).
     lines = [line + "\n" for line in text.split("\n")]
     linecache.cache[name] = (len(text), None, lines, name)
+
+
+def user_frame(exc: BaseException) -> str:
+    """`` (at FILE:LINE, in FUNC)``: where user code raised ``exc`` (the innermost frame of its
+    traceback outside LMPM, torch and the standard library), or "" when no frame is the user's
+    (LMPM's own models, or an error inside torch with no user code on the way)."""
+    skip = [str(Path(__file__).resolve().parent), sysconfig.get_paths()["stdlib"]]
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.__file__:
+        skip.append(str(Path(torch.__file__).resolve().parent))
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        file = str(Path(frame.filename).resolve())
+        if frame.filename.startswith("<") or any(file.startswith(d) for d in skip):
+            continue
+        return f" (at {frame.filename}:{frame.lineno}, in {frame.name})"
+    return ""
 
 
 def source_line(span: Span) -> str:

@@ -232,3 +232,28 @@ if __name__ == "__main__":
         f"{len(MISTAKES)} mistakes; located by check: {located(False)}, "
         f"by check --strict / run: {located(True)}\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("visible", "read"),
+    [
+        ("visible G[x,y] <- G[x+dx, y+dy] when (dx,dy) in N4", "nb in N8"),  # a neighbourhood
+        ("visible G[x,y] <- G[x+1, y]", "left = G[x-1, y]"),  # one cell
+        ("visible G[x,y] <- G[x+d, y] when d in -1..1 and d != 0", "w = G[x-2..x+2, y]"),
+    ],
+)
+def test_the_visibility_hint_is_a_clause_that_can_be_pasted(visible: str, read: str) -> None:
+    text = (
+        "value G : Token[8] shape Grid2D(8, 8)\n"
+        f"{visible}\n"
+        "rule R:\n"
+        "  on G[x, y]\n"
+        f"  read {{{read}}}\n"
+        f"  emit proposal G[x, y] := M({read.split()[0]})\n"
+    )
+    front = compile_source(text, "<hint>", raise_errors=False)
+    (miss,) = [d for d in front.diagnostics if d.code == "E201"]
+    assert miss.hint is not None and miss.hint.startswith("add a clause: `")
+    clause = miss.hint.removeprefix("add a clause: `").removesuffix("`")
+    fixed = compile_source(text + clause + "\n", "<hint>", raise_errors=False)
+    assert not [d for d in fixed.diagnostics if d.severity == "error"], fixed.diagnostics

@@ -103,6 +103,7 @@ def _stop_text(stop: dict[str, Any]) -> str:
 
 
 def _render_report(rep: dict[str, Any], console: Any) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     r = rep["run"]
@@ -115,6 +116,8 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
     stop = r.get("stop")
     if isinstance(stop, dict):
         console.print(_stop_text(stop), highlight=False)
+    if r.get("error"):
+        console.print(f"[bold red]the run failed:[/] {escape(str(r['error']))}", highlight=False)
     if r["trace"] == "off":
         console.print("the constraint trace was off (run with --trace summary or --trace cells)")
     else:

@@ -27,6 +27,7 @@ from lmpm.ir.nodes import (
     Op,
     PredKind,
     Program,
+    Read,
     ReadKind,
     Rule,
     RuleKind,
@@ -36,7 +37,7 @@ from lmpm.ir.nodes import (
     Value,
     Workflow,
 )
-from lmpm.ir.printer import expr_str, read_str
+from lmpm.ir.printer import axis_str, binder_str, expr_str, read_str
 from lmpm.ir.probe import Compiled, compiled, probe_cells, probe_indices, shape_of
 from lmpm.lang import ast
 from lmpm.signatures import POLICIES, SIGNATURES, Signature
@@ -320,10 +321,7 @@ class Checker:
                     f"rule `{r.name}` reads `{read_str(rd)}`, which is not visible to "
                     f"`{self._pattern(r)}`: e.g. {at} would read {rd.source}[{', '.join(map(str, bad))}]",
                     rd.span,
-                    "add a clause: `visible "
-                    + f"{self._pattern(r)} <- {read_str(rd)}"
-                    + (f" when {r.vars[0]} > 0" if rd.kind == ReadKind.PREV else "")
-                    + "`",
+                    f"add a clause: `{self._clause(r, rd)}`",
                 )
         if not fires:
             self.sink.warning(
@@ -333,6 +331,16 @@ class Checker:
                 + (" and epoch" if _epochs_of(trigger) != (0,) else ""),
                 self.ast_guards.get(r.name, r.span),
             )
+
+    def _clause(self, r: Rule, rd: Read) -> str:
+        """The `visible` clause (source syntax) that makes read ``rd`` of rule ``r`` visible."""
+        when = [binder_str(b) for b in rd.binders]
+        if rd.kind == ReadKind.PREV:
+            when.append(f"{r.vars[0]} > 0")
+        src = f"{rd.source}[{', '.join(axis_str(a) for a in rd.axes)}]"
+        return f"visible {self._pattern(r)} <- {src}" + (
+            f" when {' and '.join(when)}" if when else ""
+        )
 
     def _pattern(self, r: Rule) -> str:
         return f"{r.target}[{','.join(r.vars)}]" if r.vars else r.target

@@ -459,7 +459,7 @@ def _describe(tok: Token) -> str:
     if tok.type == "_NL":
         return "end of line"
     if tok.type == "_INDENT":
-        return "an indented line"
+        return "indentation (this line is indented deeper than the one above it)"
     if tok.type == "_DEDENT":
         return "the end of the block"
     if tok.type == "$END":

@@ -25,12 +25,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from lmpm.errors import ConstraintEvalError, InputError, ModelError, RunDirError
+from lmpm.errors import ConstraintEvalError, InputError, ModelError, RunDirError, user_frame
 from lmpm.ir.nodes import PredKind
 from lmpm.resolve.plan import (
     ConstraintPlan,
@@ -141,6 +141,14 @@ def _ours(fn: Any) -> bool:
     return module == "lmpm" or module.startswith("lmpm.")
 
 
+class AccessInput(NamedTuple):
+    """One further access argument of a predicate call, per open cell: the K cells it reads."""
+
+    payload: Tensor  # (n, K[, *cell]) their payload
+    mask: Tensor  # (n, K) bool: the cell exists and is committed
+    cells: Tensor  # (n, K) int64 their flat cell index within the accessed value
+
+
 @dataclass(frozen=True, slots=True)
 class PredicateInput:
     """What a user-bound predicate receives (n open cells, C candidates each). Copies: a predicate
@@ -152,7 +160,7 @@ class PredicateInput:
     committed: Tensor  # (n,) bool
     cells: Tensor  # (n,) flat cell index within the value
     coords: Tensor  # (n, rank)
-    accesses: tuple[tuple[Tensor, Tensor, Tensor], ...]  # per extra access: payload, mask, index
+    accesses: tuple[AccessInput, ...]  # per further access argument (P(A, B): B's)
     args: tuple[Any, ...]  # literal arguments
     epoch: int
 
@@ -482,7 +490,7 @@ class DataPlane:
         try:
             results = self.backend.collect(self.backend.dispatch(items)) if items else None
         except ModelError as exc:
-            self._locate_score_error(exc)
+            self._locate_model_error(exc)
             raise
         model_seconds = time.perf_counter() - tm
 
@@ -491,7 +499,11 @@ class DataPlane:
         corrupt = self.corrupt_from is not None and e >= self.corrupt_from
         for (rp, cells, rep), (prop, score) in zip(meta, outputs):
             vp = self.plan.values[rp.target]
-            prop, score = self._shape(rp, vp, prop, score)
+            try:
+                prop, score = self._shape(rp, vp, prop, score)
+            except ModelError as exc:
+                self._locate_model_error(exc)
+                raise
             if corrupt:
                 prop = _corrupt(prop, vp)
             per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
@@ -520,14 +532,19 @@ class DataPlane:
             )
         return prop, score
 
-    def _locate_score_error(self, exc: ModelError) -> None:
-        """A rule's score failed (R030/R031): point the error at the `score` call in the source."""
-        if exc.span is not None or exc.code not in ("R030", "R031"):
+    def _locate_model_error(self, exc: ModelError) -> None:
+        """Point a rule's failed model call at its source: a failed score (R030/R031) at the
+        `score` call, a failed model (R05x) at the `emit proposal` call."""
+        if exc.span is not None:
             return
         for rp in self.plan.rules:
-            if rp.name == exc.where.get("rule") and rp.ir.score is not None:
+            if rp.name != exc.where.get("rule"):
+                continue
+            if exc.code in ("R030", "R031") and rp.ir.score is not None:
                 exc.span = rp.ir.score.span
-                return
+            elif exc.code is not None and exc.code.startswith("R05"):
+                exc.span = rp.ir.proposal.span
+            return
 
     def _kwargs(self, rp: RulePlan, vp: ValuePlan, e: int) -> dict[str, Any]:
         """The model call's keyword arguments in epoch ``e``: the rule's literals, then the ones
@@ -873,7 +890,7 @@ class DataPlane:
             idx = self._rows(index, cells)
             mask = self._rows(avalid, cells) & self.committed[vp.name].take(idx)
             data = payload.index_select(0, idx.reshape(-1)).reshape(*idx.shape, *vp.cell_shape)
-            accesses.append((data, mask, idx))
+            accesses.append(AccessInput(data, mask, idx))
         ctx = PredicateInput(
             table.clone(),
             valid.clone(),
@@ -893,9 +910,9 @@ class DataPlane:
         except BaseException as exc:  # SystemExit too: a predicate must not end the run
             raise ConstraintEvalError(
                 f"predicate `{cp.ir.call.func if cp.ir.call else '?'}` of constraint `{cp.name}` "
-                f"raised {type(exc).__name__}: {exc}",
+                f"raised {type(exc).__name__}: {exc}{user_frame(exc)}",
                 where={"constraint": cp.name, "epoch": e, "worker": self.worker},
-                span=cp.ir.span,
+                span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
                 code="R040",
             ) from exc
         if tuple(out.shape) != tuple(valid.shape) or out.dtype != torch.bool:
@@ -903,7 +920,7 @@ class DataPlane:
                 f"predicate of constraint `{cp.name}` must return a bool tensor of shape "
                 f"{tuple(valid.shape)} (cells, candidates), got {out.dtype} {tuple(out.shape)}",
                 where={"constraint": cp.name, "epoch": e, "worker": self.worker},
-                span=cp.ir.span,
+                span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
                 code="R041",
             )
         return out.to(self.device).clone()

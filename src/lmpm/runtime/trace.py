@@ -605,6 +605,7 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
             "seed": meta.get("seed"),
             "params": meta.get("params"),
             "status": meta.get("status"),
+            "error": meta.get("error"),  # why a failed run failed (None otherwise)
             # why the run stopped and why cells stayed unset (None: an older run, or still running)
             "stop": meta.get("stop"),
             "trace": meta.get("trace"),

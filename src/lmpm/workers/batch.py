@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmpm.errors import ModelError, UsageError
+from lmpm.errors import ModelError, UsageError, user_frame
 from lmpm.workers import rng
 from lmpm.workers.base import GroupResult, Model, Proposal, Work, WorkBatch, WorkItem
 
@@ -380,7 +380,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             out = call.model(call.inputs, **call.kwargs)
     except Exception as e:
         raise ModelError(
-            f"the model bound to rule '{call.rule}' raised {type(e).__name__}: {e}",
+            f"the model bound to rule '{call.rule}' raised {type(e).__name__}: {e}{user_frame(e)}",
             where=_where(call, backend, worker),
             code=R_RAISED,
         ) from e
@@ -388,8 +388,8 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         raise  # Ctrl-C: the run stops as interrupted (status "interrupted", exit 130)
     except BaseException as e:  # SystemExit, GeneratorExit...: a model must not end the run
         raise ModelError(
-            f"the model bound to rule '{call.rule}' raised {type(e).__name__}({e}), which would "
-            "have ended the whole process",
+            f"the model bound to rule '{call.rule}' raised {type(e).__name__}({e}){user_frame(e)}, "
+            "which would have ended the whole process",
             where=_where(call, backend, worker),
             code=R_EXITED,
             hint="a model reports a fault by raising an Exception, never SystemExit",
@@ -548,7 +548,7 @@ def _rule_score(
         raise
     except BaseException as e:  # SystemExit too: a score must not end the run
         raise ModelError(
-            f"the score of rule '{call.rule}' raised {type(e).__name__}: {e}",
+            f"the score of rule '{call.rule}' raised {type(e).__name__}: {e}{user_frame(e)}",
             where=_where(call, backend, worker),
             code="R030",
         ) from e
