@@ -97,6 +97,11 @@ def test_a_failing_user_function_names_the_program_call_and_its_own_line(
     assert main(["trace", str(out)]) == 0
     report = capsys.readouterr().out
     assert "the run failed:" in report and f"error[{code}]" in report, report
+    # fixed, the program runs into the same directory: nothing was committed there
+    _write(tmp_path, None)
+    assert main(["run", str(prog), "--bind", str(models), "--out", str(out)]) == 0
+    assert "replacing" in capsys.readouterr().err
+    assert main(["run", str(prog), "--bind", str(models), "--out", str(out)]) == 2  # a real run
 
 
 def test_a_bind_file_that_raises_on_import_names_its_line(
@@ -115,3 +120,15 @@ def test_a_bind_file_that_raises_on_import_names_its_line(
     err = capsys.readouterr().err
     assert "error[B010]" in err and "No module named 'no_such_module_anywhere'" in err, err
     assert f"(at {missing}:1, in <module>)" in err, err
+
+
+def test_show_and_check_count_a_bind_modules_names_as_bound(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prog, models = _write(tmp_path, None)
+    for command in ("show", "check"):
+        capsys.readouterr()
+        assert main([command, str(prog)]) == 0
+        assert "W210" in capsys.readouterr().err
+        assert main([command, str(prog), "--bind", str(models)]) == 0
+        assert "W210" not in capsys.readouterr().err

@@ -63,6 +63,11 @@ CASES: dict[str, tuple[str, int, int]] = {
     "W205": (H + "rule R:\n  on A[t] when t > 100\n  emit proposal A[t] := M()\n" + COMMIT, 4, 16),
     "W206": (H + "constraint C:\n  forbid change(A[t]) priority 1\n", 3, 1),
     "W207": (H + "rule R:\n  on A[t]\n  emit proposal A[t] := M()\n", 3, 1),
+    "W208": (
+        "value A : Token[8] shape Seq(4)\nconstraint C:\n  require A[t] in Set(0..9) priority 1\n",
+        3,
+        19,
+    ),
     "B002": ("param M\nparam N = M + 1\nvalue A : Token[Byte] shape Seq(N)\n", 2, 1),
 }
 

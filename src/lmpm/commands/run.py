@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     from lmpm.runtime.commitlog import (
         CommitLog,
         RunInfo,
+        failed_before_first_epoch,
         holds_run,
         program_hash,
         refuse_existing,
@@ -209,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else Path("runs") / path.stem
     if holds_run(out_dir) and not args.force:
         RunLock(out_dir, create_dir=False).acquire().release()  # a live run: say so, not "exists"
-        refuse_existing(out_dir)
+        if not failed_before_first_epoch(out_dir):
+            refuse_existing(out_dir)
     front = compile_file(path, overrides=params, raise_errors=False)
     unknown_params(front)  # an unknown --set name is a usage error (exit 2), listing the params
     print_diagnostics([d for d in front.diagnostics if d.severity == "error"], False)
@@ -262,9 +264,15 @@ def run(args: argparse.Namespace) -> int:
     # Every writer holds the directory's lock for the run's life; the checks above are repeated
     # under it, since another process may have started a run there meanwhile.
     with RunLock(out_dir, what="delete (--force)" if args.force else "write"):
-        if holds_run(out_dir) and not args.force:
+        replace = holds_run(out_dir) and not args.force and failed_before_first_epoch(out_dir)
+        if holds_run(out_dir) and not args.force and not replace:
             refuse_existing(out_dir)
-        if args.force:
+        if replace and not args.quiet:
+            print(
+                f"note: replacing {out_dir}: its run failed before its first epoch",
+                file=sys.stderr,
+            )
+        if args.force or replace:
             try:
                 remove_run(out_dir)
             except OSError as e:

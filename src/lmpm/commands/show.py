@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE",
-        help="bindings module (with --plan --workers and --compiled)",
+        help="bindings module: its names count as bound (and --plan --workers, --compiled "
+        "resolve with it)",
     )
     p.add_argument("--vm", action="store_true", help="show workflows as VM instruction tensors")
     p.add_argument(
@@ -99,7 +100,12 @@ def run(args: argparse.Namespace) -> int:
     _check_compiled(args)
     path = program_path(args.file)
     overrides = parse_sets(args.set)
-    front = compile_file(path, overrides=overrides, raise_errors=False)
+    bound: set[str] = set()
+    if args.bind:  # its names are bound: no W210 for them (as with `lmpm check --bind`)
+        from lmpm.bindings import user_names
+
+        bound = user_names(args.bind)
+    front = compile_file(path, overrides=overrides, raise_errors=False, bound_names=bound)
     unknown_params(front)
     print_diagnostics(front.diagnostics, False)
     if front.errors:

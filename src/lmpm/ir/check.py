@@ -355,6 +355,8 @@ class Checker:
                 c.span,
                 f"add a rule with `on {c.access.value}[...]`, or remove the constraint",
             )
+        if c.pred == PredKind.IN_SET and c.access is not None:
+            self._set_in_vocab(c)
         if c.pred != PredKind.READ_FUTURE or c.access is None:
             return c
         target = self.values[c.access.value]
@@ -489,6 +491,29 @@ class Checker:
                     x.span,
                     "add `limit K` (after K jumps the zone advances instead)",
                 )
+
+    def _set_in_vocab(self, c: Constraint) -> None:
+        """W208: a `Set(...)` literal holding tokens the value's vocabulary does not have (they
+        can never be proposed, so they neither satisfy a `require` nor trip a `forbid`)."""
+        assert c.access is not None and c.set is not None
+        v = self.values.get(c.access.value)
+        if v is None or v.vocab is None or c.set.func != "Set":
+            return
+        try:
+            vocab = evaluate(v.vocab, self.env)
+            outside = sorted(t for t in set_members(c.set, self.env) if not 0 <= t < vocab)
+        except EvalError:
+            return
+        if outside:
+            shown = ", ".join(map(str, outside[:6])) + (", …" if len(outside) > 6 else "")
+            self.sink.warning(
+                "W208",
+                f"`Set(...)` of constraint `{c.name}` holds {len(outside)} token"
+                f"{'s' if len(outside) > 1 else ''} outside the vocabulary of `{v.name}` "
+                f"(0..{vocab - 1}): {shown}; no cell can hold them",
+                c.set.span,
+                f"keep the set within 0..{vocab - 1}",
+            )
 
     def _vocab_of(self, value: str) -> int:
         v = self.values[value]

@@ -283,6 +283,19 @@ def completed_epochs(conn: sqlite3.Connection) -> int:
     return 0 if row[0] is None else int(row[0]) + 1
 
 
+def failed_before_first_epoch(run_dir: str | Path) -> bool:
+    """The run in ``run_dir`` failed before it completed an epoch: it committed nothing but its
+    inputs (which are still in their files), so a new run may take its place."""
+    try:
+        conn = connect(run_dir)
+        try:
+            return completed_epochs(conn) == 0 and read_meta(conn).get("status") == "failed"
+        finally:
+            conn.close()
+    except RunDirError:
+        return False
+
+
 def refuse_existing(run_dir: str | Path) -> None:
     """Raise the usage error for `lmpm run` into a directory that already holds a run."""
     from lmpm.errors import UsageError
