@@ -225,6 +225,31 @@ def test_user_bindings_reach_the_workers(tmp_path: Path) -> None:
     assert (out / "X.json").read_text().count("4") == 16
 
 
+def test_a_failing_model_on_a_worker_names_its_call_and_its_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a Ray worker as in-process: the program's call (file:line:col) and the module line that
+    raised; the bind file imports its sibling module in the worker too."""
+    (tmp_path / "helper.py").write_text("def key():\n    return 'nope'\n")
+    bind = tmp_path / "mine.py"
+    bind.write_text(
+        "import lmpm\nfrom helper import key\n\n"
+        '@lmpm.bind("Fours")\n'
+        "def fours(inputs, **kw):\n"
+        "    return inputs[key()]\n"
+    )
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(
+        "param N = 16\nvalue X : Token[8] shape Seq(N)\n"
+        "rule R:\n  on X[t]\n  emit proposal X[t] := Fours()\n"
+    )
+    capsys.readouterr()
+    args = ["run", str(prog), "--bind", str(bind), "--epochs", "2", "--quiet", "--workers", "2"]
+    assert main([*args, "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert f"{prog}:5:25: error[R050]" in err and f"(at {bind}:6, in fours)" in err, err
+
+
 def _random_states(
     src: str, seed: int, epochs: int, workers: int, fault: tuple[int, str, int] | None = None
 ) -> list[dict[str, Any]]:
