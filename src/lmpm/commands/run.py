@@ -264,14 +264,16 @@ def run(args: argparse.Namespace) -> int:
     # Every writer holds the directory's lock for the run's life; the checks above are repeated
     # under it, since another process may have started a run there meanwhile.
     with RunLock(out_dir, what="delete (--force)" if args.force else "write"):
-        replace = holds_run(out_dir) and not args.force and failed_before_first_epoch(out_dir)
-        if holds_run(out_dir) and not args.force and not replace:
-            refuse_existing(out_dir)
-        if replace and not args.quiet:
-            print(
-                f"note: replacing {out_dir}: its run failed before its first epoch",
-                file=sys.stderr,
-            )
+        replace = False  # a run that failed before its first epoch committed nothing
+        if holds_run(out_dir) and not args.force:
+            if not failed_before_first_epoch(out_dir):
+                refuse_existing(out_dir)
+            replace = True
+            if not args.quiet:
+                print(
+                    f"note: replacing {out_dir}: its run failed before its first epoch",
+                    file=sys.stderr,
+                )
         if args.force or replace:
             try:
                 remove_run(out_dir)

@@ -499,8 +499,8 @@ class Checker:
         v = self.values.get(c.access.value)
         if v is None or v.vocab is None or c.set.func != "Set":
             return
+        vocab = self._vocab_of(v.name)
         try:
-            vocab = evaluate(v.vocab, self.env)
             outside = sorted(t for t in set_members(c.set, self.env) if not 0 <= t < vocab)
         except EvalError:
             return

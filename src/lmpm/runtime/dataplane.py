@@ -499,11 +499,7 @@ class DataPlane:
         corrupt = self.corrupt_from is not None and e >= self.corrupt_from
         for (rp, cells, rep), (prop, score) in zip(meta, outputs):
             vp = self.plan.values[rp.target]
-            try:
-                prop, score = self._shape(rp, vp, prop, score)
-            except ModelError as exc:
-                self._locate_model_error(exc)
-                raise
+            prop, score = self._shape(rp, vp, prop, score)
             if corrupt:
                 prop = _corrupt(prop, vp)
             per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
@@ -528,6 +524,7 @@ class DataPlane:
                 f"(cells, k{''.join(', ' + str(d) for d in vp.cell_shape)}) or "
                 f"(cells{''.join(', ' + str(d) for d in vp.cell_shape)})",
                 where={"rule": rp.name, "backend": self.backend.name, "worker": self.worker},
+                span=rp.ir.proposal.span,
                 code="R054",  # the wrong rank (lmpm.workers.batch.R_RANK)
             )
         return prop, score
