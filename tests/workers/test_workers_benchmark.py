@@ -1,26 +1,54 @@
-"""benchmarks/backends.py at a tiny scale: both sides run and its own output check passes.
+"""benchmarks/backends.py: the Monty model's two nearest-node searches and the benchmark's own check.
 
 The script exits non-zero (SystemExit with the graph named) when LMPM's outputs differ from the
-baseline's, so this keeps the Monty-style update and the small-model workload honest between
-benchmark runs. Timings at this scale mean nothing and are not looked at.
+baseline's, so running it at a tiny scale keeps the Monty-style update, the small-model workload and
+the GPU path's dry run (``--only cuda --device cpu``) honest between benchmark runs. The model's
+torch search (the GPU path) is compared here with scipy's KD-tree and with Monty's per-object
+numpy loop, on the CPU and, where there is one, on a GPU. Timings are never looked at.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lmpm.workers import get_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ("--scale", "0.03", "--repeat", "1", "--threads", "1")
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.gpu),  # conftest skips it without a CUDA device
+]
 
 
-def test_backends_benchmark_outputs_agree_at_small_scale() -> None:
+def _load_backends() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_backends", ROOT / "benchmarks/backends.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_backends()
+
+
+def _run(*args: str) -> dict[str, dict[str, object]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "backends.py"), *SMALL],
+        [sys.executable, str(ROOT / "benchmarks" / "backends.py"), *SMALL, *args],
         capture_output=True,
         text=True,
         env=env,
@@ -28,8 +56,72 @@ def test_backends_benchmark_outputs_agree_at_small_scale() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
-    workloads = {line["workload"]: line for line in lines}
+    return {str(line["workload"]): line for line in lines}
+
+
+def test_backends_benchmark_outputs_agree_at_small_scale() -> None:
+    workloads = _run()
     assert {"monty", "small_model", "cuda"} <= set(workloads)
     for name in ("monty", "small_model"):
-        assert workloads[name]["baseline_s"] > 0 and workloads[name]["lmpm_s"] > 0
-    assert workloads["monty"]["params"]["k"] == 3
+        line = workloads[name]
+        assert isinstance(line["baseline_s"], float) and isinstance(line["lmpm_s"], float)
+        assert line["baseline_s"] > 0 and line["lmpm_s"] > 0
+    params = workloads["monty"]["params"]
+    assert isinstance(params, dict) and params["k"] == 3
+
+
+def test_cuda_workload_dry_run_on_the_cpu_prints_the_gpu_line() -> None:
+    """``--only cuda --device cpu`` runs the GPU code path on the CPU backend: same JSON fields as
+    on a GPU, outputs checked against Monty's loop before printing (else the script exits 1)."""
+    line = _run("--only", "cuda", "--device", "cpu")["cuda"]
+    assert line["backend"] == "cpu" and line["dry_run"] is True
+    assert str(line["device"]).startswith("cpu")
+    for field in ("baseline_s", "lmpm_s", "ratio", "lmpm_to_host_s", "dispatch_s"):
+        assert isinstance(line[field], float), field
+    assert line["goal"] == 20.0
+    # The cpu backend computes inside dispatch: the work is done when dispatch returns.
+    assert line["ready_right_after_dispatch"] is True and line["dispatch_returns_first"] is False
+    assert line["syncs_in_dispatch"] is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_monty_model_equals_monty_loop_and_kdtree(device: str) -> None:
+    """The torch search (several chunks) and the KD-tree give the same K nodes in the same order,
+    and the whole update on ``device`` equals Monty's per-object numpy loop."""
+    data = bench.make_monty(2, 3, 40, nodes=(20, 60), seed=3)
+    trees = [bench.cKDTree(g.nodes) for g in data.graphs]
+    with ThreadPoolExecutor(2) as pool:
+        base = bench.monty_baseline(data, trees, pool)
+    torch_model = bench.MontyUpdate(data.graphs, device=device, knn="torch", chunk=40 * 60 * 2)
+    tree_model = bench.MontyUpdate(data.graphs, knn="tree")
+    backend = get_backend(device)
+    bench.put_monty(data, backend)
+    ours = bench.monty_resident(data, torch_model, backend)
+    assert ours[0][0].device.type == "cpu"  # collect hands results to the host
+    bench.check_monty(base, ours)  # SystemExit naming the graph when they differ
+    cells = bench.monty_cells(data)
+    search = torch.stack([loc for _, _, loc in ours])
+    graph = cells["graph"]
+    by_tree = tree_model.nearest(graph, search)
+    by_torch = torch_model.nearest(graph.to(device), search.to(device)).cpu()
+    assert torch.equal(by_torch, by_tree)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_search_breaks_ties_by_node_index(device: str) -> None:
+    """Four nodes at exactly distance 1 from the hypothesis: the three lowest indices win, nearest
+    (then lowest index) first; a graph smaller than the padding never yields a pad row."""
+    unit = np.array([[0, 0, 2], [1, 0, 0], [-1, 0, 0], [0, 0, 3], [0, 1, 0], [0, -1, 0]], float)
+    n = unit.shape[0]
+    small = unit[:4]  # 4 nodes: distances 2, 1, 1, 3
+
+    def graph(nodes: np.ndarray) -> Any:
+        k = nodes.shape[0]
+        return bench.Graph(nodes, np.zeros((k, 9)), np.ones(k, bool), np.zeros((k, 5)))
+
+    model = bench.MontyUpdate([graph(unit), graph(small)], device=device, knn="torch")
+    search = torch.zeros(2, 1, 3, dtype=torch.float64, device=device)
+    got = model.nearest(torch.tensor([0, 1], device=device), search).cpu()
+    assert got[0, 0].tolist() == [1, 2, 4]  # distances 1, 1, 1 (node 5 ties too, and loses)
+    assert got[1, 0].tolist() == [1, 2, 0]  # distances 1, 1, 2; pads (rows 4, 5) never picked
+    assert model.nmax == n
