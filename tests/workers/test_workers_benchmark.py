@@ -105,6 +105,9 @@ def test_torch_monty_model_equals_monty_loop_and_kdtree(device: str) -> None:
     by_tree = tree_model.nearest(graph, search)
     by_torch = torch_model.nearest(graph.to(device), search.to(device)).cpu()
     assert torch.equal(by_torch, by_tree)
+    if device == "cuda":  # the GPU path never waits for the device inside dispatch
+        timing = bench.time_dispatch(backend, bench.monty_item(data, torch_model))
+        assert timing["syncs_in_dispatch"] == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
