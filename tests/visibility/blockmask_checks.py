@@ -1,4 +1,4 @@
-"""Comparing BlockMasks by what FlexAttention reads, not by raw (padded) tensors."""
+"""Comparing LMPM's BlockMasks with ``create_block_mask``'s, tensor by tensor."""
 
 from __future__ import annotations
 
@@ -8,20 +8,31 @@ from torch.nn.attention.flex_attention import BlockMask
 from lmpm.visibility.blockmask import SIDES, block_sets, with_dense_indices
 
 
-def assert_same_blocks(ours: BlockMask, ref: BlockMask, context: object = None) -> None:
-    """Same ``*_num_blocks`` and, per row, the same first ``num_blocks`` indices in the same
-    order, on every side (kv, full kv, and the q sides the backward pass reads); and
-    :func:`with_dense_indices` gives ``ref``'s tensors exactly."""
-    assert block_sets(ours).keys() == block_sets(ref).keys() == set(SIDES), context
+def assert_dense_layout(bm: BlockMask, context: object = None) -> None:
+    """Every index tensor of ``bm`` is laid out as ``create_block_mask`` lays it out: contiguous
+    (1, 1, rows, cols), so no two rows share storage (the compiled CUDA kernel misread rows that
+    overlapped), and holds only valid block numbers."""
     for side in SIDES:
-        num, idx = getattr(ours, f"{side}_num_blocks"), getattr(ours, f"{side}_indices")
-        ref_num, ref_idx = getattr(ref, f"{side}_num_blocks"), getattr(ref, f"{side}_indices")
-        assert torch.equal(num, ref_num), (side, context)
-        assert idx.shape == ref_idx.shape and idx.dtype == ref_idx.dtype, (side, context)
-        width = int(num.max())
-        read = torch.arange(width) < num[0, 0].unsqueeze(1)  # (rows, width): what is read
-        got, want = idx[0, 0, :, :width][read], ref_idx[0, 0, :, :width][read]
-        assert torch.equal(got, want), (side, context)
+        num, idx = getattr(bm, f"{side}_num_blocks"), getattr(bm, f"{side}_indices")
+        assert idx.is_contiguous() and num.is_contiguous(), (side, context)
+        rows, cols = idx.shape[-2:]
+        assert idx.stride()[-2:] == (cols, 1), (side, idx.stride(), context)
+        assert idx.untyped_storage().nbytes() == 4 * rows * cols, (side, context)
+        assert num.shape[-1] == rows and idx.dtype == num.dtype == torch.int32, (side, context)
+        assert bool(((idx >= 0) & (idx < cols)).all()), (side, context)
+
+
+def assert_same_blocks(ours: BlockMask, ref: BlockMask, context: object = None) -> None:
+    """``ours`` has ``ref``'s tensors exactly, on every side (kv, full kv, and the q sides the
+    backward pass reads), in the dense contiguous layout; so have :func:`block_sets` and
+    :func:`with_dense_indices`."""
+    assert block_sets(ours).keys() == block_sets(ref).keys() == set(SIDES), context
+    assert_dense_layout(ours, context)
+    for side in SIDES:
+        for name in (f"{side}_num_blocks", f"{side}_indices"):
+            assert torch.equal(getattr(ours, name), getattr(ref, name)), (name, context)
+    for side, flags in block_sets(ours).items():
+        assert torch.equal(flags, block_sets(ref)[side]), (side, context)
     assert torch.equal(ours.to_dense(), ref.to_dense()), context
     dense = with_dense_indices(ours)
     for side in SIDES:

@@ -118,7 +118,7 @@ class Masks:
         self._clauses: list[Clause] | None = None
         self._layouts: dict[str, Layout] = {}
         self._counts: dict[tuple[str, int, int], BlockCounts] = {}
-        self._mask_mod: MaskMod | None = None
+        self._mask_mods: dict[torch.device, MaskMod] = {}  # per device of its layout table
         if layout == "auto":
             sp = self.sparsity_at(auto_block)
             layout = max(LAYOUTS, key=lambda k: (sp[k], -LAYOUTS.index(k)))
@@ -171,22 +171,34 @@ class Masks:
     # ---- attention masks --------------------------------------------------------------------
     @property
     def mask_mod(self) -> MaskMod:
-        """``mask_mod(b, h, q_idx, kv_idx)`` for FlexAttention, positions in ``self.layout``."""
-        if self._mask_mod is None:
-            self._mask_mod = build_mask_mod(self.program, self.env, self.space, self.layout_of())
-        return self._mask_mod
+        """``mask_mod(b, h, q_idx, kv_idx)`` for FlexAttention, positions in ``self.layout``
+        (its layout table, if any, on the CPU; :meth:`mask_mod_on` for another device)."""
+        return self.mask_mod_on("cpu")
+
+    def mask_mod_on(self, device: str | torch.device) -> MaskMod:
+        """:attr:`mask_mod` with its layout table (tiled/morton) on ``device``: a compiled
+        kernel reads the table where the indices are."""
+        dev = torch.device(device)
+        if dev not in self._mask_mods:
+            lay = self.layout_of().to(dev)
+            self._mask_mods[dev] = build_mask_mod(self.program, self.env, self.space, lay)
+        return self._mask_mods[dev]
 
     def block_mask(
         self, block_size: int | tuple[int, int] = 128, device: str | torch.device = "cpu"
     ) -> BlockMask:
-        """The analytic BlockMask, built without an N×N tensor: the blocks of
-        ``create_block_mask(self.mask_mod, 1, 1, cells, cells, BLOCK_SIZE=block_size)`` (same
-        partial and full blocks, same order), with compact index rows (docs/visibility.md);
-        ``lmpm.visibility.blockmask.with_dense_indices`` gives create_block_mask's exact tensors."""
+        """The analytic BlockMask, built on ``device`` without an N×N tensor: the tensors of
+        ``create_block_mask(self.mask_mod, 1, 1, cells, cells, BLOCK_SIZE=block_size)``, exactly
+        (same partial and full blocks, same order, contiguous indices; docs/visibility.md)."""
         if self.cells == 0:
             raise UsageError("the program has no cells to attend over", code="U012")
         return build_block_mask(
-            self.space, self.layout_of(), _Streamed(self), self.mask_mod, block_size, device
+            self.space,
+            self.layout_of(),
+            _Streamed(self),
+            self.mask_mod_on(device),
+            block_size,
+            device,
         )
 
     def block_flags(

@@ -18,16 +18,16 @@ positions) instead:
    ranges, added as +1/−1 to two (q blocks, kv blocks + 1) arrays and prefix-summed. A block is
    non-empty iff touched, and full iff all ``B_q`` cells of a complete q block cover it. Cost:
    O(runs + q blocks × kv blocks) time (prefix sums), memory one group's rows of the arrays.
-4. **Pairs, stored compactly.** Each group's flags become its non-empty (q block, kv block) pairs,
-   and the BlockMask's index tensors are filled from the pairs (the q side, for the backward
-   pass, from the pairs sorted by kv block). FlexAttention reads only the first ``num_blocks``
-   entries of a row, so rows are stored with stride = the most blocks in any row
-   (:func:`_compact`): memory O(rows × that), not O(q blocks × kv blocks).
+4. **Index tensors** (:func:`_ordered`): from the (q blocks, kv blocks) flags, per row the
+   non-empty blocks ascending then the empty ones — ``create_block_mask``'s exact tensors,
+   contiguous (the compiled CUDA kernel misreads overlapping rows); the q side, for the backward
+   pass, from the transposed flags.
 
 Edge blocks (a partial last block) are never full, as in ``create_block_mask`` (it pads with
-False). The ``*_num_blocks`` tensors and the prefix of every index row are identical to
-``create_block_mask``'s (non-empty blocks, ascending); :func:`with_dense_indices` gives its exact
-tensors and :func:`block_sets` compares block sets whatever the layout.
+False). Everything runs on the target device with a number of host syncs set by the program
+(clauses, boxes), not by the number of cells: the groups are large (``ROW_CHUNK`` query cells,
+``DIFF_CAP`` difference-array entries), so a 1M-cell video is one or two groups.
+:func:`block_sets` compares block sets whatever the layout.
 """
 
 from __future__ import annotations
@@ -44,9 +44,11 @@ from lmpm.visibility._stencil import Box, Clause, Space, serial, strides, vec
 from lmpm.visibility.layout import Layout
 from lmpm.visibility.maskmod import MaskMod
 
-ROW_CHUNK = 1 << 11  # query cells processed at once: a group holds ~ROW_CHUNK × runs per cell
-DIFF_CAP = 1 << 15  # entries of one group's difference arrays
-ORDER_CHUNK = 1 << 15  # flag entries ordered at once
+# Each group costs a few host syncs per box (sizes of its run tensors): groups are large so that
+# their number, and the syncs, stay small up to ~1M cells; memory per group is bounded instead.
+ROW_CHUNK = 1 << 20  # query cells processed at once: a group holds ~ROW_CHUNK × runs per cell
+DIFF_CAP = 1 << 27  # entries of one group's two int32 difference arrays (2 × 512 MiB at most)
+ORDER_CHUNK = 1 << 24  # flag entries ordered at once (an int64 scatter index of 128 MiB at most)
 
 
 class BoxesOf(Protocol):
@@ -248,39 +250,27 @@ def block_flags(
     return partial, full
 
 
-@serial
-def block_pairs(
-    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
-) -> tuple[Tensor, Tensor]:
-    """(partial, full): the non-empty block pairs, each (pairs, 2) int32 (q block, kv block),
-    sorted by q block then kv block — the block structure at its own size, never
-    (q blocks × kv blocks)."""
-    parts: list[list[Tensor]] = [[], []]
-    for qb0, *flags in _groups(sp, layout, boxes_of, q_block, kv_block):
-        for out, f in zip(parts, flags):
-            pairs = f.nonzero().to(torch.int32)  # row-major: sorted as promised
-            pairs[:, 0] += qb0
-            out.append(pairs)
-    empty = torch.zeros((0, 2), dtype=torch.int32)
-    partial, full = (torch.cat([empty, *p]) for p in parts)
-    return partial, full
-
-
 def _ordered(flags: Tensor) -> tuple[Tensor, Tensor]:
-    """(num_blocks, indices) from dense (rows, cols) bool flags: non-empty columns first in
-    ascending order, then the rest — what ``create_block_mask``'s stable descending argsort
-    gives, computed by a prefix sum and a scatter, a few rows at a time, into reused int32
-    buffers (no sort, no (rows, cols) temporaries)."""
+    """(num_blocks (1, 1, rows) int32, indices (1, 1, rows, cols) int32, contiguous) from dense
+    (rows, cols) bool flags, on their device: each row the non-empty columns ascending, then the
+    empty ones ascending — exactly ``create_block_mask``'s stable descending argsort, computed by
+    a prefix sum and a scatter (no sort), ``ORDER_CHUNK`` entries at a time into reused buffers.
+
+    Contiguous on purpose: the compiled CUDA kernel misread rows that overlap (an earlier layout
+    gave row ``r`` stride = the most blocks in any row, so a row's undefined tail aliased the next
+    rows: max error 0.84 against SDPA on an H200, docs/visibility.md). The cost is the dense
+    layout's: ``rows × cols × 4`` bytes per side, four sides."""
     flags = flags.contiguous()
     rows, cols = flags.shape
+    dev = flags.device
     num = flags.sum(1, dtype=torch.int32)
-    idx = torch.empty((rows, cols), dtype=torch.int32)
-    col = torch.arange(cols, dtype=torch.int32)
+    idx = torch.empty((rows, cols), dtype=torch.int32, device=dev)
+    col = torch.arange(cols, dtype=torch.int32, device=dev)
     step = max(1, min(rows, ORDER_CHUNK // max(cols, 1)))
-    cs_buf = torch.empty((step, cols), dtype=torch.int32)
-    zero_buf = torch.empty((step, cols), dtype=torch.int32)
-    pos_buf = torch.empty((step, cols), dtype=torch.long)
-    for r0 in range(0, rows, step):
+    cs_buf = torch.empty((step, cols), dtype=torch.int32, device=dev)
+    zero_buf = torch.empty((step, cols), dtype=torch.int32, device=dev)
+    pos_buf = torch.empty((step, cols), dtype=torch.long, device=dev)
+    for r0 in range(0, rows, step):  # rows × cols / ORDER_CHUNK steps, no host sync
         f = flags[r0 : r0 + step]
         k = f.shape[0]
         cs, zero, pos = cs_buf[:k], zero_buf[:k], pos_buf[:k]
@@ -294,35 +284,6 @@ def _ordered(flags: Tensor) -> tuple[Tensor, Tensor]:
     return num[None, None], idx[None, None]
 
 
-def _compact(pairs: Tensor, rows: int, cols: int, dev: torch.device) -> tuple[Tensor, Tensor]:
-    """(num_blocks (1, 1, rows) int32, indices (1, 1, rows, cols) int32) on ``dev`` from the
-    non-empty ``pairs`` (k, 2) (row, col), sorted by row then col.
-
-    FlexAttention reads ``indices[b, h, r, :num_blocks[b, h, r]]`` only (``BlockMask``: "the
-    values of this row after ``col_indices[i][num_blocks_in_row[i]]`` are undefined"), through
-    the tensor's strides, but its compiled CPU kernel asserts that the last dimension spans every
-    kv block. So the indices keep their (rows, cols) shape with row stride ``width`` — the most
-    blocks in any row — instead of ``cols``: a row's undefined tail aliases the next rows, and the
-    storage is ``(rows - 1) · width + cols`` entries instead of ``rows · cols``. Every row's
-    defined prefix is what ``create_block_mask`` gives: the non-empty columns, ascending."""
-    row = pairs[:, 0].long()
-    num = torch.bincount(row, minlength=rows).to(torch.int32)
-    width = max(1, int(num.max())) if rows else 1
-    first = torch.cumsum(num, 0, dtype=torch.long) - num  # each row's first pair
-    slot = torch.arange(row.numel()) - first[row]
-    size = (rows - 1) * width + cols
-    flat = torch.zeros(size, dtype=torch.int32)
-    flat[row * width + slot] = pairs[:, 1]
-    idx = flat.to(dev).as_strided((1, 1, rows, cols), (size, size, width, 1))
-    return num[None, None].to(dev), idx
-
-
-def _transposed(pairs: Tensor) -> Tensor:
-    """The same pairs as (col, row), sorted by col then row (a stable sort keeps rows ascending)."""
-    order = torch.sort(pairs[:, 1], stable=True).indices
-    return pairs[order].flip(1)
-
-
 @serial
 def build_block_mask(
     sp: Space,
@@ -332,24 +293,26 @@ def build_block_mask(
     block_size: int | tuple[int, int] = 128,
     device: str | torch.device = "cpu",
 ) -> BlockMask:
-    """A real :class:`BlockMask` over the whole sequence (batch 1, head 1, broadcast by FlexAttention).
+    """A real :class:`BlockMask` over the whole sequence (batch 1, head 1, broadcast by
+    FlexAttention), built on ``device``.
 
-    Its blocks are those of ``create_block_mask(mask_mod, 1, 1, cells, cells, BLOCK_SIZE=…)``: the
-    ``*_num_blocks`` tensors are identical, and so is the prefix of every row of the ``*_indices``
-    that FlexAttention reads; the indices are stored compactly (:func:`_compact`;
-    :func:`with_dense_indices` gives ``create_block_mask``'s own layout). The q-side tensors
-    (``q_num_blocks``, ``q_indices``, …, read by the backward pass) come from the transposed
-    pairs — what ``BlockMask.from_kv_blocks`` would derive, without its dense round trip."""
+    Its tensors are those of ``create_block_mask(mask_mod, 1, 1, cells, cells, BLOCK_SIZE=…)``,
+    exactly: ``*_num_blocks`` and contiguous ``(1, 1, rows, cols)`` int32 ``*_indices`` (each row
+    the non-empty blocks ascending, then the empty ones). The q-side tensors (``q_num_blocks``,
+    ``q_indices``, …, read by the backward pass) come from the transposed flags — what
+    ``BlockMask.from_kv_blocks`` derives. Every step runs on ``device`` (a ``torch.device``
+    context makes the builders' factory calls allocate there), with a number of host syncs that
+    depends on the program, not on the number of cells."""
     qbs, kvbs = (block_size, block_size) if isinstance(block_size, int) else block_size
-    nq, nkv = -(-sp.cells // qbs), -(-sp.cells // kvbs)
-    partial, full = block_pairs(sp, layout, boxes_of, qbs, kvbs)
     dev = torch.device(device)
-    sides = {
-        "kv": _compact(partial, nq, nkv, dev),
-        "full_kv": _compact(full, nq, nkv, dev),
-        "q": _compact(_transposed(partial), nkv, nq, dev),
-        "full_q": _compact(_transposed(full), nkv, nq, dev),
-    }
+    with dev:
+        partial, full = block_flags(sp, layout.to(dev), boxes_of, qbs, kvbs)
+        sides = {
+            "kv": _ordered(partial),
+            "full_kv": _ordered(full),
+            "q": _ordered(partial.t()),
+            "full_q": _ordered(full.t()),
+        }
     return _assemble(sides, (sp.cells, sp.cells), (qbs, kvbs), mask_mod)
 
 

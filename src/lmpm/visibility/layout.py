@@ -95,6 +95,21 @@ class Layout:
     to_canon: Tensor | None = field(repr=False)
     to_layout: Tensor | None = field(repr=False)
 
+    def to(self, device: torch.device | str) -> Layout:
+        """The same layout with its tables on ``device`` (itself when they are there already)."""
+        dev = torch.device(device)
+        tables = [t for t in (self.to_canon, *self.inner.values()) if t is not None]
+        if all(t.device == dev for t in tables):
+            return self
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(dev)
+
+        inner = {v: move(t) for v, t in self.inner.items()}
+        return Layout(
+            self.kind, self.space, self.tile, inner, move(self.to_canon), move(self.to_layout)
+        )
+
     @property
     def identity(self) -> bool:
         return self.to_canon is None
