@@ -14,7 +14,19 @@ once from a small alphabet so that triggers fire, loops loop and streams end at 
 Prints one JSON line per batch size: ``streams``, ``steps``, ``vm_s``, ``compiled_s`` and
 ``baseline_s`` (seconds per step, whole run / steps, the minimum of ``--repeat`` interleaved runs),
 ``ratio`` (baseline / the faster VM: compiled unless ``--no-compile``), ``ratio_eager`` and
-``compile_s`` (building the graphs, once per size). Then:
+``compile_s`` (building the graphs, once per size). Tool calls are user code and cost the same on
+both sides: the seconds inside the user's tool are measured on both (``vm_tool_s``,
+``compiled_tool_s``, ``baseline_tool_s`` per step) and ``ratio_without_tools`` /
+``ratio_eager_without_tools`` take them out. ``device`` names where the VM's streams live:
+
+- ``--device cpu`` (default): as above;
+- ``--device cuda``: the streams and the step on the GPU (timed to the device's end of work); the
+  compiled step where ``VM(compile=True, device="cuda")`` exists, else ``compiled_s`` is null with
+  a ``compiled_note`` saying why (today U104); ``vm_cpu_s``: the same eager step on the host, in the
+  same run. The per-stream baseline runs on the host either way (up to ``--baseline-max`` streams);
+  the byte-model run (below) is a CPU claim and is skipped.
+
+Then (CPU):
 
 - ``model_share`` (B = 256, ``--model-streams``): the whole example on the embedded byte model
   (``WorkflowRun``, compiled after a compiling run unless ``--no-compile``; the eager share beside
@@ -24,23 +36,28 @@ Prints one JSON line per batch size: ``streams``, ``steps``, ``vm_s``, ``compile
 - ``scaling``: VM step time at B = 4096 over B = 64 (it should grow far slower than 64x).
 
     python benchmarks/vm.py [--sizes 1,64,256,1024,4096] [--repeat 3] [--model-streams 256]
-                            [--no-compile]
+                            [--no-compile] [--device cpu|cuda] [--baseline-max 16384]
+    python benchmarks/vm.py --device cuda --sizes 1024,4096,16384 --repeat 2   # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "examples" / "vm.lmpm"
 
+from lmpm.errors import UsageError  # noqa: E402
 from lmpm.ir import compile_file  # noqa: E402
 from lmpm.vm import VM, WorkflowRun, compile_workflow  # noqa: E402
 from lmpm.vm.reference import Reference  # noqa: E402
@@ -58,11 +75,43 @@ def tokens_table(streams: int, length: int, seed: int = 0) -> torch.Tensor:
     return alphabet[torch.randint(len(ALPHABET), (streams, length), generator=g)]
 
 
-def time_vm(streams: int, table: torch.Tensor, compile: bool = False) -> tuple[float, int]:
+class ToolClock:
+    """A user tool wrapped to add up the seconds spent inside it: the same tool, timed the same
+    way, on both sides (tool calls are user code and cost the same with or without the VM)."""
+
+    def __init__(self, fn: Callable[[list[list[Any]]], list[str]]) -> None:
+        self.fn = fn
+        self.seconds = 0.0
+
+    def __call__(self, calls: list[list[Any]]) -> list[str]:
+        t0 = time.perf_counter()
+        try:
+            return self.fn(calls)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class Timed(NamedTuple):
+    """One whole run of the workflow."""
+
+    seconds: float  # wall time of the run, device work included
+    steps: int
+    tool_seconds: float  # of ``seconds``, inside the user's tool
+
+
+def sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_vm(streams: int, table: torch.Tensor, compile: bool = False, device: str = "cpu") -> Timed:
     ins = compile_workflow(compile_file(PROGRAM).ir, overrides={"B": streams})
-    vm = VM(ins, tools={"Count": count}, compile=compile)
+    tool = ToolClock(count)
+    vm = VM(ins, tools={"Count": tool}, compile=compile, device=device)
     core = vm.core
+    table = table.to(core.device)
     steps = 0
+    sync(device)
     t0 = time.perf_counter()
     while not vm.done:
         if vm.callbacks_ready:
@@ -71,12 +120,14 @@ def time_vm(streams: int, table: torch.Tensor, compile: bool = False) -> tuple[f
         sampled = table[core.ar, core.pos.clamp(max=core.N - 1)]
         vm.step(sampled, f)
         steps += 1
-    return time.perf_counter() - t0, steps
+    sync(device)
+    return Timed(time.perf_counter() - t0, steps, tool.seconds)
 
 
-def time_baseline(streams: int, table: torch.Tensor) -> tuple[float, int]:
+def time_baseline(streams: int, table: torch.Tensor) -> Timed:
     ins = compile_workflow(compile_file(PROGRAM).ir, overrides={"B": streams})
-    ref = Reference(ins, tools={"Count": count})
+    tool = ToolClock(count)
+    ref = Reference(ins, tools={"Count": tool})
     rows = table.tolist()
     n = ins.length
 
@@ -88,7 +139,30 @@ def time_baseline(streams: int, table: torch.Tensor) -> tuple[float, int]:
     while not ref.done:
         ref.step(sample)
         steps += 1
-    return time.perf_counter() - t0, steps
+    return Timed(time.perf_counter() - t0, steps, tool.seconds)
+
+
+def compiled_refusal(device: str) -> str | None:
+    """Why ``VM(compile=True)`` refuses ``device`` (today U104 on CUDA), or None."""
+    ins = compile_workflow(compile_file(PROGRAM).ir, overrides={"B": 1})
+    try:
+        VM(ins, tools={"Count": count}, compile=True, device=device)
+    except UsageError as e:
+        return f"{e.code}: {e.message}"
+    return None
+
+
+def best(runs: list[Timed]) -> Timed:
+    return min(runs, key=lambda r: r.seconds)
+
+
+def per_step(run: Timed) -> float:
+    return run.seconds / run.steps
+
+
+def tool_free(run: Timed) -> float:
+    """Seconds per step outside the user's tool."""
+    return (run.seconds - run.tool_seconds) / run.steps
 
 
 def _workflow_run(streams: int, compile: bool) -> tuple[WorkflowRun, VM, float]:
@@ -146,6 +220,68 @@ def model_share(streams: int, compile: bool) -> dict[str, Any]:
     }
 
 
+def time_size(b: int, length: int, args: argparse.Namespace, compile: bool) -> dict[str, Any]:
+    """The ``vm_step`` line of one batch size: eager, compiled, baseline, interleaved runs."""
+    table = tokens_table(b, length)
+    built = 0.0
+    if compile:  # build the graphs of this size first (a run's first steps compile)
+        t0 = time.perf_counter()
+        time_vm(b, table, compile=True, device=args.device)
+        built = time.perf_counter() - t0
+    else:
+        time_vm(b, table, device=args.device)  # warm-up: allocator, kernels
+    baseline = b <= args.baseline_max
+    vm_t: list[Timed] = []
+    comp_t: list[Timed] = []
+    base_t: list[Timed] = []
+    host_t: list[Timed] = []  # the eager VM on the host too, when the streams live elsewhere
+    for _ in range(args.repeat):  # interleaved, the minimum kept
+        vm_t.append(time_vm(b, table, device=args.device))
+        if args.device != "cpu":
+            host_t.append(time_vm(b, table))
+        if compile:
+            comp_t.append(time_vm(b, table, compile=True, device=args.device))
+            assert comp_t[-1].steps == vm_t[-1].steps, (comp_t[-1].steps, vm_t[-1].steps)
+        if baseline:
+            base_t.append(time_baseline(b, table))
+            assert base_t[-1].steps == vm_t[-1].steps, (base_t[-1].steps, vm_t[-1].steps)
+    eager = best(vm_t)
+    fast = best(comp_t) if compile else eager
+    base = best(base_t) if baseline else None
+
+    def ratio(num: float | None, den: float) -> float | None:
+        return None if num is None else round(num / den, 2)
+
+    return {
+        "benchmark": "vm",
+        "case": "vm_step",
+        "bench": "vm_step",
+        "device": device_name(args.device),
+        "streams": b,
+        "steps": eager.steps,
+        "vm_s": round(per_step(eager), 6),
+        "compiled_s": round(per_step(fast), 6) if compile else None,
+        "baseline_s": round(per_step(base), 6) if base else None,
+        "ratio": ratio(per_step(base) if base else None, per_step(fast)),
+        "ratio_eager": ratio(per_step(base) if base else None, per_step(eager)),
+        # the same, the seconds spent inside the user's tool taken out of both sides
+        "vm_tool_s": round(eager.tool_seconds / eager.steps, 6),
+        "compiled_tool_s": round(fast.tool_seconds / fast.steps, 6) if compile else None,
+        "baseline_tool_s": round(base.tool_seconds / base.steps, 6) if base else None,
+        "ratio_without_tools": ratio(tool_free(base) if base else None, tool_free(fast)),
+        "ratio_eager_without_tools": ratio(tool_free(base) if base else None, tool_free(eager)),
+        "compile_s": round(built, 2),
+        "goal_ratio_at_1024": 100,
+        **({"vm_cpu_s": round(per_step(best(host_t)), 6)} if host_t else {}),
+    }
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1,64,256,1024,4096")
@@ -153,66 +289,54 @@ def main() -> int:
     ap.add_argument("--model-streams", type=int, default=256, help="0: skip the model run")
     ap.add_argument("--quick", action="store_true", help="sizes 64,1024,4096, one repeat")
     ap.add_argument("--no-compile", action="store_true", help="time the eager VM only")
+    ap.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the VM's streams live (the per-stream baseline runs on the host)",
+    )
+    ap.add_argument(
+        "--baseline-max",
+        type=int,
+        default=16384,
+        help="largest batch size timed with the per-stream Python loop (above: null)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.repeat = "64,1024,4096", 1
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({"benchmark": "vm", "case": "vm_step", "skipped": "no CUDA device"}))
+        return 0
     torch.set_grad_enabled(False)
     sizes = [int(s) for s in args.sizes.split(",")]
     length = compile_workflow(compile_file(PROGRAM).ir).length
-    per_step: dict[int, float] = {}
+    steps_s: dict[int, float] = {}
     # The VM's ops are small; on a shared CPU, intra-op threads spin and wait on each other (at
     # B=4096 one thread is ~50x faster than two under load). The baseline is one thread too.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    compile = not args.no_compile
+    refused = compiled_refusal(args.device) if not args.no_compile else None
+    compile = not args.no_compile and refused is None
     for b in sizes:
-        table = tokens_table(b, length)
-        built = 0.0
-        if compile:  # build the graphs of this size first (a run's first steps compile)
-            t0 = time.perf_counter()
-            time_vm(b, table, compile=True)
-            built = time.perf_counter() - t0
-        vm_t, comp_t, base_t = [], [], []
-        for _ in range(args.repeat):  # interleaved, the minimum kept
-            t, vsteps = time_vm(b, table)
-            vm_t.append(t / vsteps)
-            if compile:
-                t, csteps = time_vm(b, table, compile=True)
-                comp_t.append(t / csteps)
-                assert csteps == vsteps, (csteps, vsteps)
-            t, bsteps = time_baseline(b, table)
-            base_t.append(t / bsteps)
-        assert vsteps == bsteps, (vsteps, bsteps)
-        best = min(comp_t) if compile else min(vm_t)
-        per_step[b] = best
-        line = {
-            "benchmark": "vm",
-            "case": "vm_step",
-            "bench": "vm_step",
-            "streams": b,
-            "steps": vsteps,
-            "vm_s": round(min(vm_t), 6),
-            "compiled_s": round(min(comp_t), 6) if compile else None,
-            "baseline_s": round(min(base_t), 6),
-            "ratio": round(min(base_t) / best, 2),
-            "ratio_eager": round(min(base_t) / min(vm_t), 2),
-            "compile_s": round(built, 2),
-            "goal_ratio_at_1024": 100,
-        }
+        line = time_size(b, length, args, compile)
+        if refused:
+            line["compiled_note"] = f"compiled step not timed on {args.device}: {refused}"
+        steps_s[b] = line["compiled_s"] if compile else line["vm_s"]
         print(json.dumps(line), flush=True)
     torch.set_num_threads(threads)
-    if args.model_streams:
+    if args.model_streams and args.device == "cpu":  # the byte model's run is a CPU claim
         print(json.dumps(model_share(args.model_streams, compile)), flush=True)
-    if 64 in per_step and 4096 in per_step:
+    if 64 in steps_s and 4096 in steps_s:
         print(
             json.dumps(
                 {
                     "benchmark": "vm",
                     "case": "scaling",
                     "bench": "scaling",
+                    "device": device_name(args.device),
                     "streams": [64, 4096],
-                    "vm_s": [round(per_step[64], 6), round(per_step[4096], 6)],
-                    "growth": round(per_step[4096] / per_step[64], 2),
+                    "vm_s": [round(steps_s[64], 6), round(steps_s[4096], 6)],
+                    "growth": round(steps_s[4096] / steps_s[64], 2),
                     "streams_growth": 64,
                 }
             ),
