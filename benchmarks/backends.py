@@ -14,10 +14,17 @@ equal before any number is printed:
   call for every (module, object) cell: one KD-tree query for all hypotheses (a joint tree over
   all graphs), the evidence as batched torch ops. Goal >= 5x.
 - ``small_model``: O objects x a small MLP; per-object ``model(x_i)`` loop vs one dispatch. Goal >= 20x.
-- ``cuda``: both workloads on the CUDA backend plus the time ``dispatch`` takes vs the GPU work it
-  queues (dispatch must return first). Skipped without a CUDA device.
+- ``cuda``: the Monty update on ``--device`` (the GPU path: every tensor of the model on the device,
+  the nearest nodes found by a torch search instead of the KD-tree, no numpy, no host round trip)
+  against Monty's per-object loop on the CPU of the same machine; outputs checked equal first. Also
+  the time ``dispatch`` holds the caller against the whole update, whether the work still ran when
+  it returned, and (CUDA) how many host-device synchronisations it made. Goal >= 20x on a GPU.
+  ``--device cpu`` runs the same code on the cpu backend: a dry run of the GPU path, same JSON line
+  (``dry_run: true``); ``--device cuda`` without a GPU prints a skipped line.
 
-Run: ``PYTHONPATH=src python benchmarks/backends.py [--scale 0.5] [--threads 2] [--repeat 3] [--compile]``.
+Run: ``PYTHONPATH=src python benchmarks/backends.py [--scale 0.5] [--threads 2] [--repeat 3]
+[--compile] [--only monty|small_model|cuda] [--device cpu|cuda]``; on a GPU:
+``--only cuda --device cuda``.
 """
 
 from __future__ import annotations
