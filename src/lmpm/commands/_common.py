@@ -26,6 +26,23 @@ def parse_sets(items: list[str] | None) -> dict[str, int]:
     return out
 
 
+def parse_inputs(items: list[str]) -> dict[str, str]:
+    """`--input NAME=PATH` pairs, each value named once."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise UsageError(f"--input expects NAME=PATH, got {item!r}", code="U021")
+        if name.strip() in out:
+            raise UsageError(
+                f"--input {name.strip()} is given twice ({out[name.strip()]} and {path.strip()}); "
+                "give each value one input file",
+                code="U029",
+            )
+        out[name.strip()] = path.strip()
+    return out
+
+
 def add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set",

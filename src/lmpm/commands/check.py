@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmpm.commands._common import add_set, fail_json, parse_sets, print_diagnostics, program_path
@@ -33,6 +34,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "no E207 error with --strict)",
     )
     p.add_argument("--emit-ir", choices=["json", "text"], help="print the checked IR on stdout")
+    p.add_argument(
+        "--device",
+        choices=["cuda"],
+        help="also run the program a few epochs on this device (simulated on a machine without "
+        "one) and report what would fail or wait for it there: errors name the program's call "
+        'and your module\'s line (docs/runtime.md, "Devices")',
+    )
+    p.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="with --device: initial committed cells of a value, as `lmpm run` takes them",
+    )
+    p.add_argument("--epochs", type=int, default=3, help="with --device: epochs to run (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     print_diagnostics(front.diagnostics, args.json)
     if front.errors:
         return 1
+    if args.device:
+        return _device_check(args, path, overrides)
     if args.emit_ir == "json":
         from lmpm.ir.serialize import to_json
 
@@ -78,6 +96,40 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(
             f"{path}: ok" + (f" ({n} warning{'s' if n != 1 else ''})" if n else "") + "\n"
         )
+    return 0
+
+
+def _device_check(args: argparse.Namespace, path: Path, overrides: dict[str, int]) -> int:
+    """`--device cuda`: run the program there (or on the simulated device) and report."""
+    from lmpm.commands._common import parse_inputs
+    from lmpm.runtime.devcheck import check_device
+
+    if args.epochs < 1:
+        raise UsageError("--epochs must be at least 1", code="U024")
+    report = check_device(
+        path,
+        device=args.device,
+        params=overrides,
+        bind=args.bind,
+        inputs=parse_inputs(args.input),
+        epochs=args.epochs,
+    )
+    print_diagnostics(report.diagnostics, args.json)
+    if args.json:
+        return 1 if report.errors else 0
+    if report.not_exercised:
+        sys.stderr.write(
+            f"note: in {report.epochs} epochs no cell fired rule "
+            + ", ".join(f"`{r}`" for r in report.not_exercised)
+            + ": its model was not run (give inputs with --input, or more --epochs)\n"
+        )
+    if report.errors:
+        n = len(report.errors)
+        sys.stderr.write(f"{path}: not ready for {args.device} ({n} error{'s' * (n != 1)})\n")
+        return 1
+    n = len(report.warnings)
+    extra = f" ({n} warning{'s' * (n != 1)})" if n else ""
+    sys.stderr.write(f"{path}: ready for {args.device} ({report.device}){extra}\n")
     return 0
 
 

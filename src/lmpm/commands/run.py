@@ -12,7 +12,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
+from lmpm.commands._common import (
+    add_set,
+    parse_inputs,
+    parse_sets,
+    print_diagnostics,
+    program_path,
+)
 from lmpm.commands.check import unknown_params
 from lmpm.errors import LmpmError, RunDirError, UsageError
 
@@ -139,22 +145,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _inputs(items: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise UsageError(f"--input expects NAME=PATH, got {item!r}", code="U021")
-        if name.strip() in out:
-            raise UsageError(
-                f"--input {name.strip()} is given twice ({out[name.strip()]} and {path.strip()}); "
-                "give each value one input file",
-                code="U029",
-            )
-        out[name.strip()] = path.strip()
-    return out
-
-
 def _bind_specs(items: list[str]) -> tuple[str, ...]:
     """--bind specs as stored: files as absolute paths, dotted modules as given."""
     return tuple(
@@ -225,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         spec = train_spec(front.ir, params)
         assert spec is not None
         return run_training(args, spec, path.read_text(encoding="utf-8"), params, out_dir)
-    inputs = _inputs(args.input)
+    inputs = parse_inputs(args.input)
     seed = args.seed if args.seed is not None else 0
     backend = args.backend or "cpu"
     session = Run(

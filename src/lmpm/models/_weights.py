@@ -7,6 +7,7 @@ Weights live in ``src/lmpm/models/weights/NAME.safetensors`` (committed; produce
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import threading
@@ -23,7 +24,7 @@ WEIGHTS = Path(__file__).with_name("weights")
 
 M = TypeVar("M", bound=nn.Module)
 
-_CACHE: dict[tuple[str, str], nn.Module] = {}
+_CACHE: dict[tuple[str, str, str], nn.Module] = {}  # (weights dir, name, device)
 _LOCK = threading.Lock()
 
 
@@ -51,11 +52,30 @@ def metadata(path: str | Path) -> dict[str, Any]:
     return {k: json.loads(v) for k, v in raw.items()}
 
 
-def load(name: str, build: Callable[..., M]) -> M:
+def _device_key(device: torch.device) -> str:
+    """The cache's name of ``device``: a simulated CUDA device (lmpm.workers.simcuda) is not
+    the real one, so a process that runs both keeps both copies apart."""
+    from lmpm.workers.simcuda import active
+
+    return f"sim:{device}" if device.type == "cuda" and active() is not None else str(device)
+
+
+def load(name: str, build: Callable[..., M], device: torch.device | str | None = None) -> M:
     """The model ``name`` (``weights/NAME.safetensors``), built by ``build(**config)``, eval mode,
-    cached per process (one load per weights directory)."""
+    on ``device`` (default: the CPU), cached per process and device: the weights are read once
+    per weights directory and moved to each device once, never per call."""
     d = weights_dir()
-    key = (str(d), name)
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type != "cpu":
+        key = (str(d), name, _device_key(dev))
+        with _LOCK:
+            hit = _CACHE.get(key)
+        if hit is None:
+            hit = copy.deepcopy(load(name, build)).to(dev)
+            with _LOCK:
+                hit = _CACHE.setdefault(key, hit)
+        return hit  # type: ignore[return-value]
+    key = (str(d), name, "cpu")
     with _LOCK:
         hit = _CACHE.get(key)
         if hit is not None:
@@ -90,3 +110,19 @@ def deterministic(seed: int, threads: int = 2) -> torch.Generator:
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
     return torch.Generator().manual_seed(seed)
+
+
+_TABLES: dict[tuple[str, str], Any] = {}
+
+
+def table(name: str, make: Callable[[], Any], device: torch.device | str) -> Any:
+    """A built-in model's constant table(s), ``make()`` on the CPU, moved to ``device`` once and
+    cached per device (a tensor, or a tuple of tensors)."""
+    dev = torch.device(device)
+    key = (name, _device_key(dev))
+    hit = _TABLES.get(key)
+    if hit is None:
+        made = make()
+        hit = tuple(t.to(dev) for t in made) if isinstance(made, tuple) else made.to(dev)
+        hit = _TABLES.setdefault(key, hit)
+    return hit

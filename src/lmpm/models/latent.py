@@ -49,9 +49,11 @@ def norm_at_most(ctx: PredicateInput) -> Tensor:
 
 def copy(inputs: dict[str, Tensor], **_: Any) -> dict[str, Tensor]:
     own = inputs["own"][:, 0]  # (n, D)
-    return {"proposal": own.clone(), "score": torch.zeros(own.shape[0], dtype=torch.float64)}
+    score = torch.zeros(own.shape[0], dtype=torch.float64, device=own.device)
+    return {"proposal": own.clone(), "score": score}
 
 
 def box_mean(inputs: dict[str, Tensor], **_: Any) -> dict[str, Tensor]:
     mean = _mean(inputs["around"], inputs["around_mask"])
-    return {"proposal": mean, "score": torch.zeros(mean.shape[0], dtype=torch.float64)}
+    score = torch.zeros(mean.shape[0], dtype=torch.float64, device=mean.device)
+    return {"proposal": mean, "score": score}

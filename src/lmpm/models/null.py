@@ -20,12 +20,13 @@ def uniform_logits(
         raise ValueError("Uniform needs a token value (a vocabulary)")
     n = inputs["cells"].shape[0]
     shape = (n, vocab) if int(k) == 1 else (n, int(k), vocab)
-    return {"logits": torch.zeros(shape)}
+    return {"logits": torch.zeros(shape, device=inputs["cells"].device)}
 
 
 def zero_score(inputs: dict[str, Tensor], **_: Any) -> Tensor:
     """Score every candidate 0 (ties then break by candidate order)."""
-    return torch.zeros(inputs["proposal"].shape[:2], dtype=torch.float64)
+    prop = inputs["proposal"]
+    return torch.zeros(prop.shape[:2], dtype=torch.float64, device=prop.device)
 
 
 def random_tokens(
@@ -48,4 +49,7 @@ def random_tokens(
     cells = inputs["cells"]
     bits = rng.bits(seed, "null", cells, epoch, "RandomTokens", draws=int(k))  # (n, k) int64
     prop = torch.remainder(bits, vocab)
-    return {"proposal": prop, "score": torch.zeros(prop.shape, dtype=torch.float64)}
+    return {
+        "proposal": prop,
+        "score": torch.zeros(prop.shape, dtype=torch.float64, device=prop.device),
+    }

@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lmpm.models import _weights
 from lmpm.workers import rng
 
 if TYPE_CHECKING:
@@ -61,9 +62,19 @@ MARKS = 512  # 9-bit pencil-mark mask; the calm and alarm counters sit above it
 ALARM = (
     4  # updates an alarm lasts: it floods the grid (peers of peers) and fades one step per update
 )
-_DIGITS = torch.arange(1, 10, dtype=torch.int64)  # (9,)
-_BITS = torch.arange(9, dtype=torch.int64)  # bit d-1 marks digit d
-_POW2 = 1 << _BITS  # (9,)
+
+
+def _tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(digits 1..9, bit of each digit, 2**bit), each (9,) int64, on ``device`` (cached)."""
+
+    def make() -> tuple[Tensor, Tensor, Tensor]:
+        bits = torch.arange(9, dtype=torch.int64)  # bit d-1 marks digit d
+        return bits + 1, bits, 1 << bits
+
+    tables: tuple[Tensor, Tensor, Tensor] = _weights.table("sudoku", make, device)
+    return tables
+
+
 UNITS = ("row", "col", "box")
 
 
@@ -91,15 +102,16 @@ class _Unit:
 
 def _units(inputs: dict[str, Tensor], patience: int) -> list[_Unit]:
     cells = inputs["cells"]
+    digits, bits, _ = _tables(cells.device)
     out = []
     for name in UNITS:
         vals, mask, index = inputs[name], inputs[f"{name}_mask"], inputs[f"{name}_index"]
         cvals, cmask = inputs[f"c{name}"], inputs[f"c{name}_mask"]
         if not torch.equal(index, inputs[f"c{name}_index"]):
             raise ValueError(f"reads `{name}` and `c{name}` must cover the same cells")
-        held = (vals[:, :, None] == _DIGITS) & mask[:, :, None]
+        held = (vals[:, :, None] == digits) & mask[:, :, None]
         rest = cvals // MARKS
-        marks = (cvals[:, :, None] >> _BITS) & 1 == 1
+        marks = (cvals[:, :, None] >> bits) & 1 == 1
         out.append(
             _Unit(
                 me=index == cells[:, None],
@@ -116,7 +128,7 @@ def _units(inputs: dict[str, Tensor], patience: int) -> list[_Unit]:
 
 def _free(units: list[_Unit]) -> Tensor:
     """(n, 9): digits that no committed peer of the cell holds (exact for this snapshot)."""
-    held = torch.zeros(units[0].me.shape[0], 9, dtype=torch.bool)
+    held = torch.zeros(units[0].me.shape[0], 9, dtype=torch.bool, device=units[0].me.device)
     for u in units:
         held |= (u.held & ~u.me[:, :, None]).any(dim=1)
     return ~held
@@ -138,13 +150,13 @@ def candidates(
             f"{cand_vocab(patience)} tokens, got {vocab}"
         )
     units = _units(inputs, patience)
-    n = inputs["cells"].shape[0]
+    n, dev = inputs["cells"].shape[0], inputs["cells"].device
     free, empty = _free(units), _empty(units)
-    marks = (free.to(torch.int64) * _POW2).sum(dim=1)  # (n,)
+    marks = (free.to(torch.int64) * _tables(dev)[2]).sum(dim=1)  # (n,)
     # a dead end in sight: this cell is empty with no digit left, or one of its units has a digit
     # that is neither placed nor possible in any empty cell (peers' marks are one epoch old)
     dead = empty & ~free.any(dim=1)
-    heard = torch.zeros(n, dtype=torch.int64)
+    heard = torch.zeros(n, dtype=torch.int64, device=dev)
     for u in units:
         placed = u.held.any(dim=1)
         possible = (u.marks & (~u.filled & ~u.me)[:, :, None]).any(dim=1) | (free & empty[:, None])
@@ -156,14 +168,19 @@ def candidates(
     prev_marks = (inputs["crow"] * me).sum(dim=1) % MARKS
     prev_calm = (units[0].calm * me).sum(dim=1)
     settled = prev_known & (prev_marks == marks) & (alarm == 0)  # a restart is no calm either
-    waiting = torch.zeros(n, dtype=torch.bool)  # an empty cell in sight: the search is not over
+    waiting = torch.zeros(
+        n, dtype=torch.bool, device=dev
+    )  # an empty cell in sight: the search is not over
     for u in units:
         waiting |= (~u.filled).any(dim=1)
     tick = torch.where(prev_calm == patience, patience + 1, patience)
     calm = torch.where(waiting & (prev_calm >= patience), tick, (prev_calm + 1).clamp(max=patience))
     calm = torch.where(settled, calm, torch.zeros_like(calm))
     token = _encode(marks, calm, alarm, patience)
-    return {"proposal": token[:, None], "score": torch.zeros(n, 1, dtype=torch.float64)}
+    return {
+        "proposal": token[:, None],
+        "score": torch.zeros(n, 1, dtype=torch.float64, device=dev),
+    }
 
 
 def digits(
@@ -176,16 +193,16 @@ def digits(
 ) -> dict[str, Tensor]:
     """Forced digit, guess, keep or erase for every open Grid cell: (n, 2) proposals and scores."""
     cells = inputs["cells"]
-    n = cells.shape[0]
+    n, dev = cells.shape[0], cells.device
     units = _units(inputs, patience)
     free, empty = _free(units), _empty(units)
     me = units[0].me
     current = (torch.where(inputs["row_mask"], inputs["row"], 0) * me).sum(dim=1)
     current = torch.where(empty, torch.zeros_like(current), current)
 
-    calm = torch.ones(n, dtype=torch.bool)  # every pencil mark in sight has settled
-    alarmed = torch.zeros(n, dtype=torch.bool)  # a dead end was seen within two hops
-    hidden = torch.zeros(n, 9, dtype=torch.bool)  # the only place in a unit for a digit
+    calm = torch.ones(n, dtype=torch.bool, device=dev)  # every pencil mark in sight has settled
+    alarmed = torch.zeros(n, dtype=torch.bool, device=dev)  # a dead end was seen within two hops
+    hidden = torch.zeros(n, 9, dtype=torch.bool, device=dev)  # the only place in a unit for a digit
     leader = empty.clone()  # the most constrained empty cell among its empty peers
     for u in units:
         calm &= (u.calm >= patience).all(dim=1)
@@ -209,14 +226,14 @@ def digits(
     guess = empty & ~forced & (nfree > 0) & leader & calm
     guess_digit = torch.where(free, noise, torch.full_like(noise, -1.0)).argmax(dim=1) + 1
 
-    choice = torch.zeros(n, dtype=torch.int64)
+    choice = torch.zeros(n, dtype=torch.int64, device=dev)
     choice = torch.where(forced, forced_digit, choice)
     choice = torch.where(guess, guess_digit, choice)
     choice = torch.where(empty, choice, current)
     choice = torch.where(alarmed, torch.zeros_like(choice), choice)  # back out: erase, fill nothing
     other = torch.where(alarmed, current, torch.zeros_like(current))
     proposal = torch.stack([choice, other], dim=1)
-    score = torch.tensor([[1.0, 0.0]], dtype=torch.float64).expand(n, 2).clone()
+    score = torch.tensor([[1.0, 0.0]], dtype=torch.float64, device=dev).expand(n, 2).clone()
     return {"proposal": proposal, "score": score}
 
 

@@ -49,21 +49,26 @@ visible Txt[t] <- Txt[0..t-1] when t > 0
 """
 
 
-def program_mask(n: int) -> Tensor:
-    """(n, n) bool: the program's dense visibility mask plus the diagonal (see the module doc).
+def program_mask(n: int, device: torch.device | str | None = None) -> Tensor:
+    """(n, n) bool: the program's dense visibility mask plus the diagonal (see the module doc),
+    on ``device`` (default: the CPU).
 
     Compiled once per power-of-two size and sliced: a cell's visible set depends only on its own
     index here, so the mask of a prefix is the prefix of the mask (generation grows n every epoch).
+    Moved to each device once (cached), never per call.
     """
-    return _program_mask(max(64, 1 << max(n - 1, 0).bit_length()))[:n, :n]
+    size = max(64, 1 << max(n - 1, 0).bit_length())
+    dev = torch.device("cpu" if device is None else device)
+    return _program_mask(size, _weights._device_key(dev), dev)[:n, :n]
 
 
-@lru_cache(maxsize=8)
-def _program_mask(n: int) -> Tensor:
+@lru_cache(maxsize=16)
+def _program_mask(n: int, key: str, device: torch.device) -> Tensor:
+    """(``key`` names the device in the cache: the simulated CUDA device is not the real one.)"""
     from lmpm.visibility import compile_masks
 
     m = compile_masks(VISIBILITY, N=n)
-    return m.dense() | torch.eye(n, dtype=torch.bool)
+    return (m.dense() | torch.eye(n, dtype=torch.bool)).to(device)
 
 
 def program_mask_mod(n: int) -> Any:
@@ -122,17 +127,18 @@ class ByteLM(nn.Module):
         b, n = tokens.shape
         if n > self.max_len:
             raise ValueError(f"ByteLM sees at most {self.max_len} bytes, got {n}")
-        prev = torch.cat([torch.full((b, 1), BOS, dtype=torch.long), tokens[:, :-1].long()], 1)
+        bos = torch.full((b, 1), BOS, dtype=torch.long, device=tokens.device)
+        prev = torch.cat([bos, tokens[:, :-1].long()], 1)
         prev = torch.where(prev < 0, torch.full_like(prev, UNK), prev)
         x = self.tok(prev) + self.pos.weight[:n]
         if mask is None:
-            mask = program_mask(n)
+            mask = program_mask(n, tokens.device)
         block_mask = None
         if attention == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 
             block_mask = create_block_mask(
-                program_mask_mod(n), 1, 1, n, n, device="cpu", BLOCK_SIZE=max(n, 1)
+                program_mask_mod(n), 1, 1, n, n, device=tokens.device, BLOCK_SIZE=max(n, 1)
             )
         for blk in self.blocks:
             x = blk(x, mask, block_mask)
@@ -140,28 +146,30 @@ class ByteLM(nn.Module):
         return out
 
 
-def load() -> ByteLM:
-    return _weights.load("bytelm", ByteLM)
+def load(device: torch.device | str | None = None) -> ByteLM:
+    """The shipped ByteLM on ``device`` (default: the CPU), loaded and moved once per device."""
+    return _weights.load("bytelm", ByteLM, device)
 
 
 def _contexts(inputs: dict[str, Tensor], max_len: int) -> tuple[Tensor, Tensor]:
     """(n, L) sequences of what each open cell sees (-1 elsewhere), and each cell's slot."""
     cells = inputs["cells"].long()
     ctx, mask = inputs["context"], inputs["context_mask"]
-    n = cells.shape[0]
+    n, dev = cells.shape[0], cells.device
     # A score call gets no `_index`: the read `Txt[0..t-1]` lists positions 0, 1, ... in order.
     index = inputs.get("context_index")
     if index is None:
-        index = torch.arange(ctx.shape[1]).expand(n, -1)
+        index = torch.arange(ctx.shape[1], device=dev).expand(n, -1)
     start = (cells - (max_len - 1)).clamp(min=0)  # a sliding window past max_len
     slot = cells - start
     length = int(slot.max()) + 1 if n else 1
-    seq = torch.full((n, length), -1, dtype=torch.long)
     rel = index.long() - start[:, None]
     ok = mask & (rel >= 0) & (rel < slot[:, None])
-    rows = torch.arange(n)[:, None].expand_as(rel)
-    seq[rows[ok], rel[ok]] = ctx[ok].long()
-    return seq, slot
+    # Scattered with a fixed shape (no boolean-mask indexing, whose size the host would wait
+    # for on a GPU): what a row does not read goes to an extra column, dropped after.
+    seq = torch.full((n, length + 1), -1, dtype=torch.long, device=dev)
+    seq.scatter_(1, torch.where(ok, rel, length), torch.where(ok, ctx.long(), -1))
+    return seq[:, :length].contiguous(), slot
 
 
 class _LastCall:
@@ -187,7 +195,8 @@ _LAST = _LastCall()
 def _last_logp(forward: Callable[..., Tensor], seq: Tensor, slot: Tensor, mask: Tensor) -> Tensor:
     """(n, 256) log-probs of each row's slot: the part of a call :class:`CompiledLogp` compiles."""
     logits = forward(seq, mask=mask)
-    return torch.log_softmax(logits[torch.arange(seq.shape[0]), slot].float(), -1)
+    rows = torch.arange(seq.shape[0], device=seq.device)
+    return torch.log_softmax(logits[rows, slot].float(), -1)
 
 
 def next_byte_logp(
@@ -199,13 +208,13 @@ def next_byte_logp(
     hit = _LAST.get(key)
     if hit is not None:
         return hit
-    model = load()
+    model = load(inputs["cells"].device)
     seq, slot = _contexts(inputs, model.max_len)
     if step is not None:
         logp = step(model, seq, slot)
     else:
         with torch.no_grad():
-            logp = _last_logp(model, seq, slot, program_mask(seq.shape[1]))
+            logp = _last_logp(model, seq, slot, program_mask(seq.shape[1], seq.device))
     _LAST.put(key, logp)
     return logp
 
@@ -231,7 +240,7 @@ class CompiledLogp:
             seq = F.pad(seq, (0, cols - length, 0, rows - n), value=-1)
             slot = F.pad(slot, (0, rows - n))
         with torch.no_grad():
-            return self.graphs(seq, slot, program_mask(cols))[:n]
+            return self.graphs(seq, slot, program_mask(cols, seq.device))[:n]
 
 
 _COMPILED = CompiledLogp()

@@ -142,17 +142,19 @@ class CoarseGen(nn.Module):
         return out
 
 
-def load_local() -> LocalGen:
-    return _weights.load("localgen", LocalGen)
+def load_local(device: torch.device | str | None = None) -> LocalGen:
+    """The shipped LocalGen on ``device`` (default: the CPU), moved once per device."""
+    return _weights.load("localgen", LocalGen, device)
 
 
-def load_coarse() -> CoarseGen:
-    return _weights.load("coarsegen", CoarseGen)
+def load_coarse(device: torch.device | str | None = None) -> CoarseGen:
+    """The shipped CoarseGen on ``device`` (default: the CPU), moved once per device."""
+    return _weights.load("coarsegen", CoarseGen, device)
 
 
 def local_features(inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """(tokens, visible), each (n, 10): the N8 neighbours, the previous frame, the coarse cell."""
-    n = inputs["cells"].shape[0]
+    n, dev = inputs["cells"].shape[0], inputs["cells"].device
     parts, masks = [], []
     for name, width in (("neighbors", 8), ("prev_frame", 1), ("coarse", 1)):
         if name in inputs:
@@ -161,8 +163,8 @@ def local_features(inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
                 v = F.pad(v, (0, max(width - v.shape[1], 0)))[:, :width]
                 m = F.pad(m, (0, max(width - m.shape[1], 0)))[:, :width]
         else:
-            v = torch.zeros(n, width, dtype=torch.long)
-            m = torch.zeros(n, width, dtype=torch.bool)
+            v = torch.zeros(n, width, dtype=torch.long, device=dev)
+            m = torch.zeros(n, width, dtype=torch.bool, device=dev)
         parts.append(v.long())
         masks.append(m.bool())
     return torch.cat(parts, 1), torch.cat(masks, 1)
@@ -205,7 +207,7 @@ def local_logp(inputs: dict[str, Tensor], compiled: bool = False) -> Tensor:
     hit = _LAST.get(key)
     if hit is not None:
         return hit
-    model = load_local()
+    model = load_local(inputs["cells"].device)
     tokens, visible = local_features(inputs)
     with torch.no_grad():
         cap = model.cap(inputs["txt"], inputs["txt_mask"])
@@ -261,7 +263,7 @@ def _coarse_gen(
 ) -> dict[str, Tensor]:
     if vocab is not None and vocab != K:
         raise ValueError(f"CoarseGen proposes {K} palette tokens; the value has {vocab}")
-    model = load_coarse()
+    model = load_coarse(inputs["coords"].device)
     with torch.no_grad():
         cap = model.cap(inputs["txt"], inputs["txt_mask"])
         args = (cap, inputs["coords"])

@@ -135,6 +135,19 @@ def _corrupt(prop: Tensor, vp: ValuePlan) -> Tensor:
     return (prop + 1) % vp.vocab if vp.vocab else prop + 1
 
 
+def _placed(fn: Any, device: torch.device) -> Any:
+    """A bound model, score or predicate ready for a worker on ``device``: an ``nn.Module`` is
+    moved there (in place, once per worker), an object with ``.to`` is replaced by
+    ``fn.to(device)``; a plain function is called as it is, with its inputs on ``device``."""
+    if isinstance(fn, torch.nn.Module):
+        return fn.to(device)
+    to = getattr(fn, "to", None)
+    if callable(to) and not isinstance(fn, type):
+        moved = to(device)
+        return moved if callable(moved) else fn
+    return fn
+
+
 def _ours(fn: Any) -> bool:
     """A callable (or module instance) defined in LMPM itself."""
     module = getattr(fn, "__module__", None) or type(fn).__module__
@@ -256,6 +269,19 @@ class DataPlane:
         self.corrupt_from: int | None = None
         # rule id -> (model, score) the worker calls instead of the plan's (compile_models)
         self.models: dict[int, tuple[Any, Any]] = {}
+        # the user's bound models, scores and predicates on this worker's device (an nn.Module
+        # moved once, here; docs/runtime.md, "Devices"): rule id -> (model, score), constraint
+        # id -> predicate
+        self._placed: dict[int, tuple[Any, Any]] = {
+            rp.id: (_placed(rp.model, dev), _placed(rp.score, dev) if rp.score else None)
+            for rp in plan.rules
+            if not _ours(rp.model) or (rp.score is not None and not _ours(rp.score))
+        }
+        self._predicates: dict[int, Any] = {
+            cp.id: _placed(cp.predicate, dev)
+            for cp in plan.constraints
+            if cp.predicate is not None and not _ours(cp.predicate)
+        }
         # --compile: LMPM's own models' reads gathered by compiled graphs (compile_reads)
         self.read_gathers: Any = None
 
@@ -459,7 +485,8 @@ class DataPlane:
         models = self.models
         for rw in req.rules:
             rp = self.plan.rules[rw.rule]
-            model, score = models.get(rp.id) or (rp.model, rp.score)  # (compile_models)
+            # compiled (compile_models), else moved to this device (_placed), else as bound
+            model, score = models.get(rp.id) or self._placed.get(rp.id) or (rp.model, rp.score)
             vp = self.plan.values[rp.target]
             cells = self._here(rw.cells)
             inputs = inputs_of[rp.id] = self._inputs(rp, cells)
@@ -900,8 +927,9 @@ class DataPlane:
             e,
         )
         assert cp.predicate is not None
+        predicate = self._predicates.get(cp.id, cp.predicate)
         try:
-            out = torch.as_tensor(cp.predicate(ctx))
+            out = torch.as_tensor(predicate(ctx))
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # SystemExit too: a predicate must not end the run
@@ -920,7 +948,18 @@ class DataPlane:
                 span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
                 code="R041",
             )
-        return out.to(self.device).clone()
+        if out.device != valid.device:  # (host metadata: no device sync)
+            raise ConstraintEvalError(
+                f"predicate of constraint `{cp.name}` returned its verdicts on {out.device}; "
+                f"it gets its candidates on {valid.device} and must answer there "
+                '(docs/runtime.md, "Devices")',
+                where={"constraint": cp.name, "epoch": e, "worker": self.worker},
+                span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
+                code="R041",
+                hint="compute the verdicts from the candidates (`ctx.candidates.norm(dim=2) <= b`),"
+                " or make new tensors with `device=ctx.candidates.device`",
+            )
+        return out.clone()
 
     # ---- apply -----------------------------------------------------------------------------------
     def apply(self, req: ApplyRequest) -> ApplyReply:

@@ -124,7 +124,7 @@ def check_init(spec: TrainSpec, init: dict[str, Any], file: str) -> None:
 def run_training(
     args: argparse.Namespace, spec: TrainSpec, source: str, params: dict[str, int], out_dir: Path
 ) -> int:
-    from lmpm.commands.run import _inputs
+    from lmpm.commands._common import parse_inputs
     from lmpm.runtime.lock import RunLock
 
     refuse_cell_options(args)
@@ -139,7 +139,7 @@ def run_training(
     workers = 1 if args.workers is None else args.workers
     if workers < 1:
         raise UsageError(f"--workers {workers}: must be at least 1", code="U080")
-    inputs = _inputs(args.input)
+    inputs = parse_inputs(args.input)
     data, init = load_data(spec, inputs)
     with RunLock(out_dir, what="delete (--force)" if args.force else "write"):
         if tlog.holds_training(out_dir) or (out_dir / "lmpm.db").exists():

@@ -110,9 +110,14 @@ class TrainWorker:
         total_steps: int,
         init: dict[str, Tensor] | None = None,
         threads: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
+        # the device the module, its optimizer state and the data shards live on (the driver's
+        # all-reduce and checkpoints read the host copies they need); `lmpm check --device cuda`
+        # runs the inner loop there
+        self.device = torch.device(device)
         self.spec = spec
         self.rank, self.world = rank, world
         rule = spec.rule
@@ -120,6 +125,7 @@ class TrainWorker:
         self.module = modules.module(spec.params.module)()
         if init is not None:
             self.module.load_state_dict(init)
+        self.module.to(self.device)
         self.params = list(self.module.parameters())
         self.cells = modules.cells(self.module, spec.params.granularity)
         self.names = [n for n, _ in self.cells]
@@ -144,8 +150,8 @@ class TrainWorker:
         self.shards = []
         for d in rule.data:
             lo, hi = shard_rows(d.rows, rank, world)
-            self.shards.append(data[d.name][lo:hi])
-        self.held = [data[d.name] for d in rule.eval_data]
+            self.shards.append(data[d.name][lo:hi].to(self.device))
+        self.held = [data[d.name].to(self.device) for d in rule.eval_data]
         self.total_steps = max(int(total_steps), 1)
         # the score of the committed θ costs a pass over the held-out rows: done every k epochs,
         # k such that it reads about as many rows as the epoch trained on (and at the last epoch)
@@ -183,7 +189,7 @@ class TrainWorker:
             batch = []
             for shard in self.shards:
                 idx = torch.randint(0, shard.shape[0], (rule.batch,), generator=g)
-                batch.append(shard[idx])
+                batch.append(shard[idx.to(self.device)])
             loss, n = self.loss(self.module, *batch)
             if not torch.isfinite(loss):
                 raise ModelError(
@@ -210,7 +216,7 @@ class TrainWorker:
         for _, members in self.cells:
             ts = [cand[i] for i in members]
             norms.append(_norm(ts))
-            sums.append(zlib.crc32(b"".join(t.numpy().tobytes() for t in ts)))
+            sums.append(zlib.crc32(b"".join(t.cpu().numpy().tobytes() for t in ts)))
             changed.append(any(not torch.equal(cand[i], self.committed[i]) for i in members))
         ev = self._evaluate() if self.spec.policy.kind == "best" else None
         return Proposal(
@@ -292,7 +298,7 @@ class TrainWorker:
         return Committed(self.rank, epoch, self.checksum(), sorted(set(projected)), ev)
 
     def checksum(self) -> int:
-        return zlib.crc32(b"".join(c.numpy().tobytes() for c in self.committed))
+        return zlib.crc32(b"".join(c.cpu().numpy().tobytes() for c in self.committed))
 
     # ---- state (checkpoints, a respawned worker) ----------------------------------------------------
     def state(self) -> dict[str, Tensor]:

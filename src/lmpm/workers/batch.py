@@ -65,6 +65,15 @@ R_RANK = "R054"  # the wrong number of dims (scalar, (n, k, m) proposals, 1-D lo
 R_DTYPE = "R055"  # the wrong dtype (float tokens, int logits, proposals not the value's dtype)
 R_NONFINITE = "R056"  # NaN/inf in proposals, scores or logits (or a row of all -inf logits)
 R_VOCAB = "R057"  # a token outside [0, vocab)
+R_DEVICE = "R059"  # an output (or a score) on another device than the inputs the worker handed in
+MSG_DEVICE = (
+    "returned '{name}' on {got}; the worker handed the model its inputs on {want}, and outputs "
+    'must be on the same device (docs/runtime.md, "Devices")'
+)
+HINT_DEVICE = (
+    "make new tensors on the inputs' device (`torch.zeros(n, device=x.device)`), and keep "
+    "tables and weights there (LMPM moves a bound nn.Module to the worker's device)"
+)
 _BAD_TEXT = {
     BAD_PROPOSAL: "NaN/inf in 'proposal'",
     BAD_SCORE: "NaN/inf in 'score'",
@@ -425,6 +434,15 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             )
     aux: dict[str, Tensor] = fields
     device = call.cells.device
+    for name, t in [("proposal", proposal), ("score", score), ("logits", logits), *aux.items()]:
+        if isinstance(t, Tensor) and t.device != device:  # host metadata: no device sync
+            raise ModelError(
+                f"the model bound to rule '{call.rule}' "
+                + MSG_DEVICE.format(name=name, got=t.device, want=device),
+                where=_where(call, backend, worker),
+                code=R_DEVICE,
+                hint=HINT_DEVICE,
+            )
     bad = torch.zeros(n, dtype=torch.int8, device=device)
 
     if proposal is None and logits is None:
@@ -552,6 +570,14 @@ def _rule_score(
             where=_where(call, backend, worker),
             code="R030",
         ) from e
+    if out.device != prop.device:
+        raise ModelError(
+            f"the score of rule '{call.rule}' "
+            + MSG_DEVICE.format(name="score", got=out.device, want=prop.device),
+            where=_where(call, backend, worker),
+            code=R_DEVICE,
+            hint=HINT_DEVICE,
+        )
     if out.shape != prop.shape[:2] or not out.is_floating_point():
         # (NaN/inf is a data fault: the per-row bitmask reports it, with no device sync here.)
         raise ModelError(

@@ -61,8 +61,8 @@ from lmpm.workers.cpu import CpuBackend
 __all__ = [
     "DeviceEvent",
     "SimTensor",
-    "Simulation",
     "SimulatedDeviceError",
+    "Simulation",
     "active",
     "make_backend",
     "simulated_cuda",
@@ -94,6 +94,9 @@ HINT_MIXED = (
 # depends on the data (they read a count on the host): both work on a GPU, and both stall it.
 _SYNC_OPS = {
     aten._local_scalar_dense.default: "sync",
+    aten.item.default: "sync",  # (what arrives under torch.inference_mode)
+    aten.is_nonzero.default: "sync",  # bool(t), an `if` on a tensor
+    aten.equal.default: "sync",  # torch.equal answers a Python bool
     aten.nonzero.default: "data-dependent",
     aten.masked_select.default: "data-dependent",
     aten._unique2.default: "data-dependent",
@@ -107,7 +110,12 @@ _INDEX_OPS = {
     aten.index_put_.default,
     aten._index_put_impl_.default,
 }
-_COPY_OPS = {aten.copy_.default, aten._to_copy.default, aten.lift_fresh.default}
+_COPY_OPS = {
+    aten.copy_.default,
+    aten._to_copy.default,
+    aten.lift_fresh.default,
+    aten._has_compatible_shallow_copy_type.default,  # a type question (nn.Module._apply asks it)
+}
 
 _SKIP_DIRS = (
     str(Path(torch.__file__).resolve().parent),
@@ -194,20 +202,36 @@ class SimTensor(Tensor):
 
     # The wrapper's C++ device is the CPU (so PyTorch's device guards stay quiet on a CPU-only
     # build); Python code sees cuda:0.
-    @property  # type: ignore[override]
-    def device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
         return SIM_DEVICE
 
-    @property  # type: ignore[override]
-    def is_cuda(self) -> bool:
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
-    @property  # type: ignore[override]
-    def is_cpu(self) -> bool:
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
         return False
 
     def get_device(self) -> int:
         return 0
+
+    # The wrapper's C++ device is the CPU, so PyTorch alone would hand it back unchanged from
+    # .cpu() and .to("cpu"): these copy to the host, as on a GPU (also outside the block).
+    def cpu(self, memory_format: Any = None) -> Tensor:  # type: ignore[override]
+        return aten._to_copy.default(self, device=_CPU)  # type: ignore[no-any-return]
+
+    def to(self, *args: Any, **kwargs: Any) -> Tensor:  # type: ignore[override]
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if args and isinstance(args[0], SimTensor):  # .to(other): other's device and dtype
+            device, dtype = SIM_DEVICE, args[0].dtype
+        out: Tensor = self
+        if device is not None and not _names_cuda(device):
+            out = aten._to_copy.default(self, device=torch.device(device))
+        if dtype is not None and dtype != out.dtype:
+            out = aten._to_copy.default(out, dtype=dtype)
+        return out
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
         sim = active()
@@ -221,13 +245,13 @@ class SimTensor(Tensor):
             sim.record("tolist", "Tensor.tolist")
         return self._elem.tolist()
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"{self._elem!r}"[:-1] + ", device='cuda:0')"
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         return _dispatch(func, args, kwargs or {})
@@ -326,7 +350,11 @@ class _SimMode(TorchDispatchMode):
     on), so that they make :class:`SimTensor`\\ s."""
 
     def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
@@ -347,11 +375,11 @@ def _entry_points() -> dict[tuple[Any, str], Any]:
     the mode nor the subclass could see them): each becomes "make it on the CPU, then copy it to
     the simulated device"."""
     tensor, as_tensor = torch.tensor, torch.as_tensor
-    to, cuda = Tensor.to, Tensor.cuda
+    to = Tensor.to
 
     def sim_tensor(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> Tensor:
         if not _names_cuda(device):
-            return tensor(data, *args, device=device, **kwargs)
+            return tensor(data, *args, device=device, **kwargs)  # type: ignore[misc]
         grad = kwargs.pop("requires_grad", False)
         kwargs.pop("pin_memory", None)
         return _to_sim(tensor(data, *args, **kwargs)).requires_grad_(grad)
@@ -364,13 +392,14 @@ def _entry_points() -> dict[tuple[Any, str], Any]:
         return _to_sim(as_tensor(data, dtype=dtype))
 
     def sim_to(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        device, dtype, non_blocking, fmt = torch._C._nn._parse_to(*args, **kwargs)
+        """A plain tensor's .to(): one naming the CUDA device makes a SimTensor."""
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        if args and isinstance(args[0], SimTensor):  # .to(other): other's device and dtype
+            device, dtype = SIM_DEVICE, args[0].dtype
         if not _names_cuda(device):
             return to(self, *args, **kwargs)
         out = _to_sim(self)
-        if dtype is not None and dtype != out.dtype:
-            out = to(out, dtype)
-        return out
+        return out if dtype is None or dtype == out.dtype else out.to(dtype)
 
     def sim_cuda(self: Tensor, device: Any = None, non_blocking: bool = False, **kw: Any) -> Tensor:
         return _to_sim(self)
