@@ -196,11 +196,7 @@ def _error_of(exc: LmpmError) -> Diagnostic:
         hint = simcuda.HINT_MIXED
     else:
         code, hint = G_FAILED, exc.hint or ""
-    where = ""
-    if isinstance(exc, RuntimeFault) and exc.where:
-        rule = exc.where.get("rule") or exc.where.get("constraint")
-        where = f" [{exc.code}, {rule}]" if rule else f" [{exc.code}]"
-    return Diagnostic(code, "error", f"{exc.message}{where}", exc.span, hint)
+    return Diagnostic(code, "error", exc.message, exc.span, hint)
 
 
 @contextmanager
