@@ -30,6 +30,7 @@ How it measures (honestly, on CPU):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -61,6 +62,40 @@ param Wnd = 1024
 value Txt : Token[Byte] shape Seq(N)
 visible Txt[t] <- Txt[t-Wnd+1..t]
 """
+CAUSAL_SRC = """param N = 8192
+value Txt : Token[Byte] shape Seq(N)
+visible Txt[t] <- Txt[0..t]
+"""
+# examples/gpt.lmpm's form: strictly earlier tokens, the first token sees nothing.
+STRICT_SRC = """param N = 8192
+value Txt : Token[Byte] shape Seq(N)
+visible Txt[t] <- Txt[0..t-1] when t > 0
+"""
+PREFIX_SRC = """param N = 8192
+param P = 1024
+value Txt : Token[Byte] shape Seq(N)
+visible Txt[t] <- Txt[0..t]
+visible Txt[t] <- Txt[0..P-1]
+"""
+N4_SRC = """param H = 64
+param W = 64
+value G : Token[Byte] shape Grid2D(H, W)
+visible G[x,y] <- G[x+dx, y+dy] when (dx,dy) in N4
+"""
+BOX5_SRC = """param H = 64
+param W = 64
+value G : Token[Byte] shape Grid2D(H, W)
+visible G[x,y] <- G[x-2..x+2, y-2..y+2]
+"""
+SOURCES = {
+    "video": VIDEO_SRC,
+    "window": WINDOW_SRC,
+    "causal": CAUSAL_SRC,
+    "causal_strict": STRICT_SRC,
+    "prefix_lm": PREFIX_SRC,
+    "n4": N4_SRC,
+    "box5": BOX5_SRC,
+}
 # Per baseline subprocess at full size: the baseline's failure to finish is the measurement (its
 # ratio is then a lower bound). At the reduced sizes every baseline finishes.
 FULL_LIMIT_S = 90
@@ -86,9 +121,8 @@ def _reset_peak() -> int:
 
 
 def _hand_written(case: str, params: dict[str, int]) -> Any:
-    """The mask_mod a FlexAttention user writes by hand (raster layout)."""
-    import torch
-
+    """The mask_mod a careful FlexAttention user writes by hand (raster layout): shared
+    coordinate decoding, range tests on offsets, no test that cannot fail."""
     if case == "window":
         wnd = params.get("Wnd", 1024)
 
@@ -96,6 +130,23 @@ def _hand_written(case: str, params: dict[str, int]) -> Any:
             return (kv <= q) & (q - kv < wnd)
 
         return window
+    if case == "causal":
+        return lambda b, h, q, kv: kv <= q
+    if case == "causal_strict":
+        return lambda b, h, q, kv: kv < q
+    if case == "prefix_lm":
+        prefix = params.get("P", 1024)
+        return lambda b, h, q, kv: (kv <= q) | (kv < prefix)
+    if case in ("n4", "box5"):
+        w = params.get("W", 64)
+
+        def grid(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            dx, dy = kv // w - q // w, kv % w - q % w
+            if case == "n4":
+                return dx.abs() + dy.abs() == 1
+            return (dx.abs() <= 2) & (dy.abs() <= 2)
+
+        return grid
     n, t_, w, h_ = params["N"], params["T"], params["W"], params["H"]
     nv = t_ * w * h_
     w8, h8 = w // 8, h_ // 8
@@ -105,20 +156,62 @@ def _hand_written(case: str, params: dict[str, int]) -> Any:
         t, x, y = lq // (w * h_), (lq // h_) % w, lq % h_
         lk = kv - n
         kt, kx, ky = lk // (w * h_), (lk // h_) % w, lk % h_
-        k_vid = (kv >= n) & (kv < n + nv)
+        # No `kv in Vid` test: kt == t (or t - 1 with t > 0) puts kv's frame inside Vid.
         n8 = (kt == t) & ((kx - x).abs() <= 1) & ((ky - y).abs() <= 1) & ((kx != x) | (ky != y))
         prev = (t > 0) & (kt == t - 1) & (kx == x) & (ky == y)
-        lc = kv - n - nv
-        coarse = (
-            (kv >= n + nv)
-            & (lc // (w8 * h8) == t)
-            & ((lc // h8) % w8 == x // 8)
-            & (lc % h8 == y // 8)
-        )
-        return (q >= n) & (q < n + nv) & ((k_vid & (n8 | prev)) | (kv < n) | coarse)
+        lc = kv - n - nv  # Coarse is last: lc // (w8 * h8) == t puts kv inside it
+        coarse = (lc // (w8 * h8) == t) & ((lc // h8) % w8 == x // 8) & (lc % h8 == y // 8)
+        return (q >= n) & (q < n + nv) & (n8 | prev | (kv < n) | coarse)
 
-    del torch
     return video
+
+
+# ---- mask_mod op counts (CPU, deterministic) ------------------------------------------------
+OPS_GOAL = 1.2  # LMPM's mask_mod: at most 1.2x the aten ops of the hand-written one
+OPS_CASES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("video", {"T": 16, "W": 32, "H": 32, "N": 77}),
+    ("n4", {"H": 64, "W": 64}),
+    ("box5", {"H": 64, "W": 64}),
+    ("window", {"N": 8192, "Wnd": 512}),
+    ("causal", {"N": 8192}),
+    ("causal_strict", {"N": 8192}),
+    ("prefix_lm", {"N": 8192, "P": 1024}),
+)
+
+
+def count_ops(mask_mod: Any) -> int:
+    """aten ops of ``mask_mod`` as FlexAttention's kernel sees it: traced by ``make_fx`` with
+    0-d int32 index tensors (what flex_attention traces its mask_mod with), dead code removed
+    (as Inductor does), then ``call_function`` nodes counted — every partial block of the kernel
+    evaluates each of them per (q, kv) pair."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    idx = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    gm = make_fx(mask_mod)(*idx)
+    gm.graph.eliminate_dead_code()
+    return sum(1 for node in gm.graph.nodes if node.op == "call_function")
+
+
+def op_counts() -> list[dict[str, Any]]:
+    """One record per ``OPS_CASES`` case: LMPM's mask_mod ops, the hand-written one's, ratio."""
+    from lmpm.visibility import compile_masks
+
+    out = []
+    for case, params in OPS_CASES:
+        m = compile_masks(SOURCES[case], layout="raster", **params)
+        mine, hand = count_ops(m.mask_mod), count_ops(_hand_written(case, params))
+        out.append(
+            {
+                "case": f"ops_{case}",
+                "params": params,
+                "lmpm_ops": mine,
+                "hand_ops": hand,
+                "ratio": round(mine / hand, 3),
+                "goal": OPS_GOAL,
+            }
+        )
+    return out
 
 
 def worker(case: str, method: str, params: dict[str, int], out: str) -> None:
@@ -130,7 +223,7 @@ def worker(case: str, method: str, params: dict[str, int], out: str) -> None:
     from lmpm.visibility import Masks
     from lmpm.visibility.blockmask import SIDES, block_sets
 
-    text = VIDEO_SRC if case == "video" else WINDOW_SRC
+    text = SOURCES[case]
     prog = compile_source(text, overrides=params).ir
     env = bind_params(prog, params)
     cells = Masks(prog, env, "raster").cells if not method.startswith("lmpm") else None
@@ -283,22 +376,31 @@ def _mib(x: int | None) -> float | None:
 
 # ---- attention forward --------------------------------------------------------------------
 CANDIDATE_BLOCKS = (128, 64, 32)
+# The compiled CUDA (Triton) flex kernel tiles each sparse block with BLOCK_M × BLOCK_N tiles of
+# its own choosing (64 or 128, by GPU and head size) and refuses a block size they do not divide:
+# "Q and KV block size must be divisible by BLOCK_M and BLOCK_N" (block 32 on an H200). Multiples
+# of 128 are divisible by every tile it picks; the CPU kernel takes any size.
+CUDA_BLOCK_MULTIPLE = 128
 
 
-def pick_block(m: Any) -> int:
+def pick_block(m: Any, device: str = "cpu") -> int:
     """The block size with the least block work — (partial + full blocks) × B², the (q, kv) pairs
-    FlexAttention computes — among ``CANDIDATE_BLOCKS`` (ties: the larger block). Chosen from the
-    block structure alone, before anything is timed. On a GPU, 128 (the default, a tensor-core
-    tile) is the one to use; on CPU smaller blocks waste less work in partial blocks."""
+    FlexAttention computes — among the ``CANDIDATE_BLOCKS`` the device's kernel compiles (ties:
+    the larger block). Chosen from the block structure alone, before anything is timed. On CUDA
+    only multiples of ``CUDA_BLOCK_MULTIPLE`` (so 128); on CPU smaller blocks waste less work in
+    partial blocks."""
+    allowed = [b for b in CANDIDATE_BLOCKS if device == "cpu" or b % CUDA_BLOCK_MULTIPLE == 0] or [
+        CUDA_BLOCK_MULTIPLE
+    ]
 
     def work(b: int) -> int:
         c = m.block_counts(b)
         return (c.partial + c.full) * b * b
 
-    return min(CANDIDATE_BLOCKS, key=lambda b: (work(b), -b))
+    return min(allowed, key=lambda b: (work(b), -b))
 
 
-def attention_cases() -> None:
+def attention_cases(device: str = "cpu") -> None:
     import torch
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -330,19 +432,19 @@ def attention_cases() -> None:
     for case, params in cases:
         m = compile_masks(VIDEO_SRC if case == "video" else WINDOW_SRC, layout="raster", **params)
         n = m.cells
-        q, k, v = (torch.randn(1, 4, n, 64) for _ in range(3))
-        dense = m.dense(canonical=False)
+        q, k, v = (torch.randn(1, 4, n, 64, device=device) for _ in range(3))
+        dense = m.dense(canonical=False).to(device)
         t_sdpa, o_sdpa = timed(F.scaled_dot_product_attention, q, k, v, attn_mask=dense)
         # Rows that see nothing are 0 in FlexAttention and NaN in plain SDPA; compare the rest.
         seen = dense.any(1)
         del dense
-        best = pick_block(m)
+        best = pick_block(m, device)
         for block in sorted({BLOCK, best}, reverse=True):
             # A fresh compile per case: past dynamo's recompile limit (8 per code object)
             # flex_attention silently falls back to its dense eager path (seconds, not ms).
             torch._dynamo.reset()
-            ours = m.block_mask(block)
-            hand = create_block_mask(_hand_written(case, params), 1, 1, n, n, "cpu", block)
+            ours = m.block_mask(block, device=device)
+            hand = create_block_mask(_hand_written(case, params), 1, 1, n, n, device, block)
             t_ours, o_ours = timed(flex, q, k, v, block_mask=ours)
             t_hand, o_hand = timed(flex, q, k, v, block_mask=hand)
             assert torch.allclose(o_ours, o_hand, atol=1e-4)
@@ -359,7 +461,7 @@ def attention_cases() -> None:
                 "block_sparsity_per_layout_128": {
                     kind: round(x, 4) for kind, x in m.sparsity.items()
                 },
-                "device": "cpu",
+                "device": _device_name(device),
                 "threads": torch.get_num_threads(),
             }
             emit(
@@ -381,11 +483,279 @@ def attention_cases() -> None:
                 goal="ratio >= 3 at block sparsity >= 0.8",
                 **common,
             )
-    emit(
-        case="attention/gpu",
-        status="not measured: no GPU on this machine (CPU-only torch build); "
-        "run `python benchmarks/masks.py --attention-only` on a CUDA machine",
+    if device == "cpu":
+        emit(
+            case="attention/gpu",
+            status="not measured here: run `python benchmarks/masks.py --gpu --device cuda` "
+            "on a CUDA machine",
+        )
+
+
+# ---- the GPU mode: build, attention and exactness on one device -----------------------------
+# (case, params at full size, params with --small). Order = priority: compiles past the time
+# budget are skipped, so the first cases are the ones the report found wrong or slow.
+GPU_CASES: tuple[tuple[str, dict[str, int], dict[str, int]], ...] = (
+    ("window", {"N": 8192, "Wnd": 512}, {"N": 1024, "Wnd": 128}),
+    ("video", {"T": 16, "W": 32, "H": 32, "N": 77}, {"T": 2, "W": 16, "H": 16, "N": 77}),
+    ("video", {"T": 8, "W": 64, "H": 64, "N": 77}, {"T": 2, "W": 32, "H": 16, "N": 77}),
+    ("video", {"T": 16, "W": 64, "H": 64, "N": 77}, {"T": 4, "W": 16, "H": 16, "N": 77}),
+    ("causal", {"N": 8192}, {"N": 1024}),
+    ("prefix_lm", {"N": 8192, "P": 1024}, {"N": 1024, "P": 128}),
+)
+BIG_VIDEO = ({"T": 16, "W": 256, "H": 256, "N": 77}, {"T": 4, "W": 64, "H": 64, "N": 77})
+GPU_BUDGET_S = 170.0  # compiles start only before this (the whole mode: ~3 min on an H200)
+CPU_BUDGET_S = 75.0  # the --small dry run on 2 CPU cores: < 2 min in all
+EXACT_MAX_CELLS = 17_000  # the float32 check against SDPA with a dense (cells²) mask
+GPU_REPS = 10
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return str(torch.cuda.get_device_name())
+    return "cpu"
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best_ms(fn: Any, device: str, reps: int = GPU_REPS) -> float:
+    """Best of ``reps`` calls after one warm-up, in ms, the device synchronized around each."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return round(min(times) * 1e3, 3)
+
+
+# aten ops that wait for the device: a value read back (item/int/bool), or an output whose size
+# depends on the data (nonzero, boolean indexing). Each costs ~10-50 µs on a GPU.
+SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item")
+
+
+def count_syncs(fn: Any) -> tuple[int, Any]:
+    """(host syncs, result) of ``fn()``: the ``SYNC_OPS`` it dispatches, plus indexing with a
+    boolean mask (a nonzero inside ``index``). Counted on any device, CPU included."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):  # type: ignore[no-untyped-def]
+            name = func.__name__.split(".")[0]
+            index = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+            masked = name in ("index", "index_put_", "index_put") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index
+            )
+            if name in SYNC_OPS or masked:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as c:
+        out = fn()
+    return c.n, out
+
+
+def _gpu_build(case: str, params: dict[str, int], device: str, compile_ok: bool) -> dict[str, Any]:
+    """Build times on ``device``: LMPM (best of 10, each a full build), eager and compiled
+    ``create_block_mask`` with the hand-written mask_mod (compiled: warm, its first call
+    reported apart); LMPM's host syncs; same blocks on both sides."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lmpm.visibility import compile_masks
+    from lmpm.visibility.blockmask import block_sets
+
+    m = compile_masks(SOURCES[case], layout="raster", **params)
+    n = m.cells
+    hand = _hand_written(case, params)
+    out: dict[str, Any] = {"cells": n, "block": BLOCK}
+    out["lmpm_build_ms"] = _best_ms(lambda: m.block_mask(BLOCK, device=device), device)
+    out["lmpm_host_syncs"], ours = count_syncs(lambda: m.block_mask(BLOCK, device=device))
+    t0 = time.perf_counter()
+    ref = create_block_mask(hand, 1, 1, n, n, device, BLOCK)
+    _sync(device)
+    out["cbm_eager_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+    if compile_ok:
+        cbm = torch.compile(create_block_mask)
+        t0 = time.perf_counter()
+        cbm(hand, 1, 1, n, n, device, BLOCK)
+        _sync(device)
+        out["cbm_compiled_first_s"] = round(time.perf_counter() - t0, 3)
+        out["cbm_compiled_ms"] = _best_ms(lambda: cbm(hand, 1, 1, n, n, device, BLOCK), device)
+        out["ratio"] = round(out["lmpm_build_ms"] / out["cbm_compiled_ms"], 3)
+    else:
+        out["cbm_compiled"] = "skipped: time budget"
+    sets_ours, sets_ref = block_sets(ours), block_sets(ref)
+    out["identical_blocks"] = sets_ours.keys() == sets_ref.keys() and all(
+        torch.equal(sets_ours[k], sets_ref[k]) for k in sets_ours
     )
+    out["indices_contiguous"] = all(
+        getattr(ours, f"{s}_indices").is_contiguous() for s in ("kv", "full_kv", "q", "full_q")
+    )
+    out["goal"] = "lmpm_build_ms <= cbm_compiled_ms (ratio <= 1)"
+    return out
+
+
+def _gpu_attention(case: str, params: dict[str, int], device: str, flex: Any) -> dict[str, Any]:
+    """Attention with LMPM's BlockMask against the hand-written mask_mod's (same block size):
+    forward and forward+backward (CUDA; FlexAttention has no CPU backward), best of 10, bf16
+    (1, 8, N, 64) on CUDA (float32 on CPU); output difference between the two; float32 max abs
+    error of output and gradients against SDPA with the dense mask where N fits."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lmpm.visibility import compile_masks
+
+    m = compile_masks(SOURCES[case], layout="raster", **params)
+    n = m.cells
+    grad = device == "cuda"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ours = m.block_mask(BLOCK, device=device)
+    hand = create_block_mask(_hand_written(case, params), 1, 1, n, n, device, BLOCK)
+    torch.manual_seed(0)
+    qkv = [
+        torch.randn(1, 8, n, 64, device=device, dtype=dtype, requires_grad=grad) for _ in range(3)
+    ]
+    go = torch.randn(1, 8, n, 64, device=device, dtype=dtype)
+    out: dict[str, Any] = {"cells": n, "block": BLOCK, "dtype": str(dtype).split(".")[-1]}
+    c = m.block_counts(BLOCK)
+    out["block_sparsity"] = round(c.sparsity, 4)
+    res = {}
+    for name, bm in (("lmpm", ours), ("hand", hand)):
+        res[name] = flex(*qkv, block_mask=bm)  # compiles (forward and backward together)
+        out[f"{name}_fwd_ms"] = _best_ms(lambda bm=bm: flex(*qkv, block_mask=bm), device)
+        if grad:
+            out[f"{name}_fwd_bwd_ms"] = _best_ms(
+                lambda bm=bm: flex(*qkv, block_mask=bm).backward(go), device
+            )
+    out["ratio_fwd"] = round(out["lmpm_fwd_ms"] / out["hand_fwd_ms"], 3)
+    if grad:
+        out["ratio_fwd_bwd"] = round(out["lmpm_fwd_bwd_ms"] / out["hand_fwd_bwd_ms"], 3)
+    out["lmpm_vs_hand_max_abs_diff"] = float((res["lmpm"] - res["hand"]).abs().amax())
+    out["goal"] = "ratio_fwd and ratio_fwd_bwd <= 1.05; max_abs_err_vs_sdpa_fp32 ~1e-6"
+    return out
+
+
+def _gpu_exact(case: str, params: dict[str, int], device: str, flex: Any) -> dict[str, Any]:
+    """float32 (1, 2, N, 64): compiled flex_attention with LMPM's BlockMask against SDPA with the
+    dense mask (rows that see nothing: 0 on both sides), output and (CUDA) gradients."""
+    import torch
+
+    from lmpm.visibility import compile_masks, sdpa
+
+    m = compile_masks(SOURCES[case], layout="raster", **params)
+    n = m.cells
+    grad = device == "cuda"
+    torch.manual_seed(1)
+    qkv = [torch.randn(1, 2, n, 64, device=device, requires_grad=grad) for _ in range(3)]
+    dense = m.dense(canonical=False).to(device)
+    o = flex(*qkv, block_mask=m.block_mask(BLOCK, device=device))
+    ref = sdpa(*qkv, dense)
+    out: dict[str, Any] = {"max_abs_err_vs_sdpa_fp32": float((o - ref).abs().amax())}
+    if grad:
+        g = torch.autograd.grad(o.sum(), qkv)
+        r = torch.autograd.grad(ref.sum(), qkv)
+        out["grad_max_abs_err_vs_sdpa_fp32"] = max(
+            float((a - b).abs().amax()) for a, b in zip(g, r)
+        )
+    return out
+
+
+def gpu_cases(device: str, small: bool, budget_s: float | None) -> None:
+    """One JSON line per case and part (build, attention), each guarded: a failure prints its
+    error and the next part runs. Compiles (flex, compiled create_block_mask) start only within
+    the time budget; one ``torch.compile(flex_attention)`` serves every case."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device == "cuda" and not torch.cuda.is_available():
+        emit(case="gpu", device="none", error="--device cuda: no CUDA device")
+        sys.exit(1)
+    budget = (
+        budget_s if budget_s is not None else (GPU_BUDGET_S if device == "cuda" else CPU_BUDGET_S)
+    )
+    # One compiled flex for every mask_mod: each distinct mask_mod is a recompile; past dynamo's
+    # default limit (8) it would silently fall back to the dense eager path.
+    torch._dynamo.config.recompile_limit = 64
+    flex = torch.compile(flex_attention)
+    start = time.perf_counter()
+    name = _device_name(device)
+
+    def left() -> bool:
+        return time.perf_counter() - start < budget
+
+    def part(label: str, params: dict[str, int], fn: Any, goal: str | None = None) -> None:
+        fields: dict[str, Any] = {"case": label, "device": name, "params": params}
+        try:
+            fields.update(fn())
+        except Exception as e:  # one case's failure is a result; the next case still runs
+            fields["error"] = f"{type(e).__name__}: {e}"[:400]
+        if goal is not None:
+            fields.setdefault("goal", goal)
+        fields["elapsed_s"] = round(time.perf_counter() - start, 1)
+        emit(**fields)
+
+    big = BIG_VIDEO[1] if small else BIG_VIDEO[0]
+
+    def big_build() -> dict[str, Any]:
+        from lmpm.visibility import compile_masks
+
+        m = compile_masks(VIDEO_SRC, layout="raster", **big)
+        t0 = time.perf_counter()
+        syncs, _ = count_syncs(lambda: m.block_mask(BLOCK, device=device))
+        _sync(device)
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        m.block_mask(BLOCK, device=device)
+        _sync(device)
+        return {
+            "cells": m.cells,
+            "lmpm_build_s": round(time.perf_counter() - t0, 3),
+            "lmpm_build_first_s": round(first, 3),
+            "lmpm_host_syncs": syncs,
+        }
+
+    part("gpu/build/video_1m", big, big_build, "lmpm_build_s < 1")
+    for case, full, tiny in GPU_CASES:
+        params = tiny if small else full
+        label = (
+            f"{case}_{'x'.join(str(params[k]) for k in ('T', 'W', 'H'))}"
+            if case == "video"
+            else case
+        )
+        build = functools.partial(_gpu_build, case, params, device, left())
+        part(f"gpu/build/{label}", params, build)
+        if not left():
+            part(f"gpu/attention/{label}", params, lambda: {"skipped": "time budget"})
+            continue
+        attend = functools.partial(_gpu_attention, case, params, device, flex)
+        part(f"gpu/attention/{label}", params, attend)
+        n = _cells(case, params)
+        if n > EXACT_MAX_CELLS or not left():
+            why = "dense reference too large" if n > EXACT_MAX_CELLS else "time budget"
+            part(f"gpu/exact/{label}", params, functools.partial(dict, skipped=why))
+            continue
+        exact = functools.partial(_gpu_exact, case, params, device, flex)
+        part(f"gpu/exact/{label}", params, exact, "max_abs_err_vs_sdpa_fp32 <= 1e-4")
+
+
+def _cells(case: str, params: dict[str, int]) -> int:
+    if case == "video":
+        t, w, h = params["T"], params["W"], params["H"]
+        return params["N"] + t * w * h + t * (w // 8) * (h // 8)
+    return params["N"]
 
 
 def main() -> None:
@@ -393,15 +763,32 @@ def main() -> None:
     ap.add_argument("--worker", nargs=4, metavar=("CASE", "METHOD", "PARAMS", "OUT"))
     ap.add_argument("--attention-only", action="store_true")
     ap.add_argument("--build-only", action="store_true")
+    ap.add_argument(
+        "--ops",
+        action="store_true",
+        help="only the mask_mod op counts (CPU, seconds; exit 1 if a case misses its goal)",
+    )
+    ap.add_argument("--gpu", action="store_true", help="the GPU cases on --device (see gpu_cases)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--small", action="store_true", help="--gpu at tiny sizes (a dry run)")
+    ap.add_argument("--budget-s", type=float, help="--gpu: start no compile after this many s")
     args = ap.parse_args()
     if args.worker:
         case, method, params, out = args.worker
         worker(case, method, json.loads(params), out)
         return
+    if args.ops:
+        rows = op_counts()
+        for row in rows:
+            emit(**row)
+        sys.exit(0 if all(r["ratio"] <= r["goal"] for r in rows) else 1)
+    if args.gpu:
+        gpu_cases(args.device, args.small, args.budget_s)
+        return
     if not args.attention_only:
         build_cases()
     if not args.build_only:
-        attention_cases()
+        attention_cases(args.device)
 
 
 if __name__ == "__main__":
