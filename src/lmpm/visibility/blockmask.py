@@ -26,7 +26,7 @@ positions) instead:
 Edge blocks (a partial last block) are never full, as in ``create_block_mask`` (it pads with
 False). Everything runs on the target device with a number of host syncs set by the program
 (clauses, boxes), not by the number of cells: the groups are large (``ROW_CHUNK`` query cells,
-``DIFF_CAP`` difference-array entries), so a 1M-cell video is one or two groups.
+``DIFF_CAP`` difference-array entries), so a 1M-cell video is one group.
 :func:`block_sets` compares block sets whatever the layout.
 """
 
@@ -46,7 +46,7 @@ from lmpm.visibility.maskmod import MaskMod
 
 # Each group costs a few host syncs per box (sizes of its run tensors): groups are large so that
 # their number, and the syncs, stay small up to ~1M cells; memory per group is bounded instead.
-ROW_CHUNK = 1 << 20  # query cells processed at once: a group holds ~ROW_CHUNK × runs per cell
+ROW_CHUNK = 1 << 21  # query cells processed at once: a group holds ~ROW_CHUNK × runs per cell
 DIFF_CAP = 1 << 27  # entries of one group's two int32 difference arrays (2 × 512 MiB at most)
 ORDER_CHUNK = 1 << 24  # flag entries ordered at once (an int64 scatter index of 128 MiB at most)
 
