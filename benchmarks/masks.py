@@ -17,10 +17,12 @@ How it measures (honestly, on CPU):
   that failure is the measurement. It is then also measured at a smaller size where it finishes.
 - blocks: the workers save the blocks each BlockMask lists — per side (kv, full kv, and the q
   sides the backward pass reads), ``lmpm.visibility.blockmask.block_sets`` — and the parent
-  asserts they are equal (LMPM stores its index rows compactly, so the raw tensors differ past
-  each row's ``num_blocks``, which FlexAttention never reads);
+  asserts they are equal (LMPM's index tensors are ``create_block_mask``'s, dense and contiguous);
 - ``lmpm_warm_*`` (reduced sizes, next to the compiled baseline): LMPM measured the way the
   compiled baseline is, a first call in the same process and the second one timed;
+- ``--ops``: the mask_mod op counts against hand-written mask_mods (:func:`count_ops`);
+- ``--gpu --device cuda`` (or ``--device cpu --small``, a dry run): build, attention and
+  exactness per case on one device (:func:`gpu_cases`);
 - attention: the best of 5 calls after a warm-up (of 3 for calls over a second), at the default
   128-blocks and at the block size with the least block work (``pick_block``, chosen from the
   block structure before anything is timed); video at 8k, 17k and 33k cells shows how the ratio
