@@ -590,7 +590,7 @@ def _gpu_build(case: str, params: dict[str, int], device: str, compile_ok: bool)
     _sync(device)
     out["cbm_eager_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
     if compile_ok:
-        cbm = torch.compile(create_block_mask)
+        cbm = torch.compile(create_block_mask, dynamic=False)
         t0 = time.perf_counter()
         cbm(hand, 1, 1, n, n, device, BLOCK)
         _sync(device)
@@ -689,9 +689,10 @@ def gpu_cases(device: str, small: bool, budget_s: float | None) -> None:
         budget_s if budget_s is not None else (GPU_BUDGET_S if device == "cuda" else CPU_BUDGET_S)
     )
     # One compiled flex for every mask_mod: each distinct mask_mod is a recompile; past dynamo's
-    # default limit (8) it would silently fall back to the dense eager path.
+    # default limit (8) it would silently fall back to the dense eager path. Static shapes: after
+    # recompiles, automatic dynamic shapes made the CPU kernel fail to compile (C++ error).
     torch._dynamo.config.recompile_limit = 64
-    flex = torch.compile(flex_attention)
+    flex = torch.compile(flex_attention, dynamic=False)
     start = time.perf_counter()
     name = _device_name(device)
 
