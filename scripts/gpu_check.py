@@ -150,7 +150,11 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
 
     return [
         Step(
-            "env", "python, torch, CUDA device, commit, CPUs", (*me, "--child", "env"), 0.03, "env"
+            "env",
+            "python, torch, CUDA device, commit, CPUs",
+            (*me, "--child", "env", "--device", device),
+            0.03,
+            "env",
         ),
         Step(
             "examples",
@@ -465,7 +469,7 @@ def _read_tests(out: Outcome, junit: JUnit | None) -> None:
     if junit is None:
         out.numbers = "no JUnit XML (pytest did not get to write it)"
         return
-    out.numbers = junit.summary()
+    out.numbers = junit.summary() + (" before it was stopped" if out.result == TIMED_OUT else "")
     bad = [c for c in junit.cases if c.outcome in ("failed", "error")]
     if bad:
         out.details += ["Failed tests:", ""] + [f"- `{c.id}`: {c.message}" for c in bad] + [""]
@@ -721,24 +725,37 @@ def missing_modules(names: Sequence[str], env: dict[str, str]) -> list[str]:
 def tests_interpreter(env: dict[str, str]) -> tuple[str, str]:
     """The interpreter of the test step. Some tests run the ``lmpm`` script next to
     ``sys.executable``, which a bare GPU image (lmpm not installed) lacks: there the tests run
-    under a link to this interpreter in a folder that has an ``lmpm`` script beside it."""
+    under a link to this interpreter in a folder that has an ``lmpm`` script beside it (and, for
+    a virtual environment, its pyvenv.cfg and lib/ beside that, so the link finds the same
+    packages). Where the link does not import what the tests need, the interpreter itself."""
     here = Path(sys.executable)
     if (here.parent / "lmpm").exists():
         return sys.executable, sys.executable
-    bindir = Path(tempfile.mkdtemp(prefix="lmpm-gpu-check-bin-"))
-    link = bindir / here.name
+    prefix = Path(tempfile.mkdtemp(prefix="lmpm-gpu-check-python-"))
+    link = prefix / "bin" / here.name
     try:
+        link.parent.mkdir()
         link.symlink_to(here)
-        script = bindir / "lmpm"
+        venv = Path(sys.prefix)
+        if sys.prefix != sys.base_prefix and (venv / "pyvenv.cfg").is_file():
+            shutil.copy(venv / "pyvenv.cfg", prefix / "pyvenv.cfg")
+            for lib in ("lib", "lib64"):
+                if (venv / lib).is_dir():
+                    (prefix / lib).symlink_to(venv / lib)
+        script = link.parent / "lmpm"
         script.write_text(f'#!/bin/sh\nexec "{here}" -m lmpm "$@"\n')
         script.chmod(0o755)
-        probe = [str(link), "-c", "import sys, torch, lmpm; print(sys.executable)"]
+        probe = [str(link), "-c", "import sys, torch, pytest, lmpm; print(sys.executable)"]
         r = subprocess.run(probe, env=env, capture_output=True, text=True, timeout=120, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return sys.executable, f"{sys.executable} (no lmpm script beside it: {e})"
     if r.returncode != 0 or r.stdout.strip() != str(link):
-        return sys.executable, f"{sys.executable} (no lmpm script beside it; the link failed)"
-    env["PATH"] = os.pathsep.join([str(bindir), env.get("PATH", "")])
+        why = _first_line(r.stderr.splitlines()[-1] if r.stderr.strip() else r.stdout)
+        return (
+            sys.executable,
+            f"{sys.executable} (no lmpm script beside it; the link failed: {why})",
+        )
+    env["PATH"] = os.pathsep.join([str(link.parent), env.get("PATH", "")])
     return str(link), f"{link} -> {here}, with an lmpm script beside it"
 
 
@@ -816,8 +833,10 @@ def child_env_step(device: str) -> int:
     import torch
 
     cuda = torch.cuda.is_available()
+    ok = cuda or device != "cuda"  # a GPU run without a GPU fails here first
     emit(
         step="env",
+        ok=ok,
         python=platform.python_version(),
         torch=torch.__version__,
         cuda_available=cuda,
@@ -831,7 +850,7 @@ def child_env_step(device: str) -> int:
             for m in ("lark", "jsonschema", "xdist", "hypothesis", "pytest_timeout", "ray")
         },
     )
-    return 0
+    return 0 if ok else 1
 
 
 def git_commit() -> str | None:
