@@ -191,7 +191,12 @@ def _warnings_of(events: Sequence[simcuda.DeviceEvent], calls: _Calls) -> list[D
 
 def _error_of(exc: LmpmError) -> Diagnostic:
     cause = exc.__cause__
-    if isinstance(cause, simcuda.SimulatedDeviceError) or "same device" in exc.message:
+    message = exc.message
+    if (
+        isinstance(cause, simcuda.SimulatedDeviceError)
+        or "same device" in message  # PyTorch's own words on a GPU, and R059's
+        or "device type tensor to numpy" in message
+    ):
         code = G_NUMPY if "numpy" in exc.message else G_MIXED
         hint = simcuda.HINT_MIXED
     else:
@@ -200,20 +205,32 @@ def _error_of(exc: LmpmError) -> Diagnostic:
 
 
 @contextmanager
-def _sync_warnings_on_gpu() -> Iterator[list[simcuda.DeviceEvent]]:
-    """On a real GPU: PyTorch's own sync detector, its warnings turned into device events."""
-    events: list[simcuda.DeviceEvent] = []
+def _sync_warnings_on_gpu() -> Iterator[simcuda.Simulation]:
+    """On a real GPU: PyTorch's own sync detector (``set_sync_debug_mode("warn")``), each of its
+    warnings recorded where it happened, as the simulated device records its events."""
+    seen = simcuda.Simulation()
+
+    def show(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
+        if "synchroniz" not in str(message):
+            return
+        func, f = "?", sys._getframe(1)
+        while f is not None:  # the frame that did it: the warning's file and line
+            if f.f_code.co_filename == filename and f.f_lineno == lineno:
+                func = f.f_code.co_name
+                break
+            f = f.f_back  # type: ignore[assignment]
+        call = seen.locate() if seen.locate else None
+        seen.warnings.append(simcuda.DeviceEvent("sync", "sync", filename, lineno, func, call))
+
     before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield events
-    finally:
-        torch.cuda.set_sync_debug_mode(before)
-    for w in caught:
-        if "synchroniz" in str(w.message):
-            events.append(simcuda.DeviceEvent("sync", "sync", w.filename, w.lineno, "?", None))
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show  # type: ignore[assignment]
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
 
 
 def _names(plan: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -254,14 +271,13 @@ def _check_workflow(
             )
             rule = run.ins.rule
             calls = _Calls({run.rule_name: rule}, {})
-            if isinstance(sim, simcuda.Simulation):
-                sim.locate = calls
+            sim.locate = calls
             try:
                 while not run.vm.done and steps < epochs * WORKFLOW_STEPS:
                     run.step()
                     steps += 1
             finally:
-                events = sim.errors + sim.warnings if isinstance(sim, simcuda.Simulation) else sim
+                events = sim.errors + sim.warnings
     except (ModelError, RuntimeFault) as exc:
         diags.append(_error_of(exc))
     if rule is not None:
@@ -308,7 +324,7 @@ def _check_training(
                     worker._evaluate()
                     ran += 1
             finally:
-                events = sim.errors + sim.warnings if isinstance(sim, simcuda.Simulation) else sim
+                events = sim.errors + sim.warnings
     except (ModelError, RuntimeFault) as exc:
         diags.append(_error_of(exc))
     except simcuda.SimulatedDeviceError as exc:
@@ -392,11 +408,12 @@ def check_device(
             run = Run(front, params=params, bind=bind, inputs=inputs, seed=seed, backend="cuda")
             backend = run.dataplane.backend = _Recording(run.dataplane.backend)
             calls = _Calls(*_names(run.plan))
-            with _sync_warnings_on_gpu() as gpu_events:
+            with _sync_warnings_on_gpu() as seen:
+                seen.locate = calls
                 for _ in range(epochs):
                     run.run(1)
                     ran += 1
-            events = gpu_events
+            events = seen.warnings
     except (ModelError, RuntimeFault) as exc:
         diags.append(_error_of(exc) if calls is not None else exc.diagnostics[0])
     finally:
