@@ -675,7 +675,14 @@ def _gpu_exact(case: str, params: dict[str, int], device: str, flex: Any) -> dic
     return out
 
 
-def gpu_cases(device: str, small: bool, budget_s: float | None) -> None:
+def gpu_cases(
+    device: str,
+    small: bool,
+    budget_s: float | None,
+    only: tuple[str, ...] = (),
+    big_video: bool = True,
+    compiled_build: bool = True,
+) -> None:
     """One JSON line per case and part (build, attention), each guarded: a failure prints its
     error and the next part runs. Compiles (flex, compiled create_block_mask) start only within
     the time budget; one ``torch.compile(flex_attention)`` serves every case."""
@@ -730,7 +737,8 @@ def gpu_cases(device: str, small: bool, budget_s: float | None) -> None:
             "lmpm_host_syncs": syncs,
         }
 
-    part("gpu/build/video_1m", big, big_build, "lmpm_build_s < 1")
+    if big_video:
+        part("gpu/build/video_1m", big, big_build, "lmpm_build_s < 1")
     for case, full, tiny in GPU_CASES:
         params = tiny if small else full
         label = (
@@ -738,7 +746,9 @@ def gpu_cases(device: str, small: bool, budget_s: float | None) -> None:
             if case == "video"
             else case
         )
-        build = functools.partial(_gpu_build, case, params, device, left())
+        if only and label not in only:
+            continue
+        build = functools.partial(_gpu_build, case, params, device, compiled_build and left())
         part(f"gpu/build/{label}", params, build)
         if not left():
             part(f"gpu/attention/{label}", params, lambda: {"skipped": "time budget"})
@@ -775,6 +785,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--small", action="store_true", help="--gpu at tiny sizes (a dry run)")
     ap.add_argument("--budget-s", type=float, help="--gpu: start no compile after this many s")
+    ap.add_argument("--cases", help="--gpu: only these case labels (e.g. video_8x64x64,causal)")
+    ap.add_argument("--no-big", action="store_true", help="--gpu: skip the 1M-cell video build")
+    ap.add_argument(
+        "--no-compiled-build",
+        action="store_true",
+        help="--gpu: time the build against eager create_block_mask only (no compile)",
+    )
     args = ap.parse_args()
     if args.worker:
         case, method, params, out = args.worker
@@ -786,7 +803,15 @@ def main() -> None:
             emit(**row)
         sys.exit(0 if all(r["ratio"] <= r["goal"] for r in rows) else 1)
     if args.gpu:
-        gpu_cases(args.device, args.small, args.budget_s)
+        only = tuple(c for c in (args.cases or "").split(",") if c)
+        gpu_cases(
+            args.device,
+            args.small,
+            args.budget_s,
+            only,
+            not args.no_big,
+            not args.no_compiled_build,
+        )
         return
     if not args.attention_only:
         build_cases()

@@ -90,6 +90,7 @@ class Options:
     download_wheels: Path | None  # download WHEELS there and stop (on a connected machine)
     dry_run: bool  # the same steps on the CPU at small sizes
     budget: float  # seconds for all steps together
+    only: tuple[str, ...] = ()  # the steps to run (empty: all); env always runs
 
 
 def parse_args(argv: Sequence[str]) -> Options:
@@ -103,13 +104,19 @@ def parse_args(argv: Sequence[str]) -> Options:
         type=float,
         help=f"seconds (default {REAL_BUDGET_S:.0f}; dry run {DRY_BUDGET_S:.0f})",
     )
+    ap.add_argument(
+        "--only",
+        metavar="STEP,...",
+        help="run only these steps (env always runs first), e.g. examples,check,tests",
+    )
     a = ap.parse_args(list(argv))
     budget = a.budget if a.budget is not None else DRY_BUDGET_S if a.dry_run else REAL_BUDGET_S
     if budget <= 0:
         ap.error(f"--budget must be positive, got {budget}")
     if a.wheels is not None and not a.wheels.is_dir():
         ap.error(f"--wheels {a.wheels}: no such folder (make it with --download-wheels)")
-    return Options(a.out, a.wheels, a.download_wheels, a.dry_run, budget)
+    only = tuple(x.strip() for x in a.only.split(",") if x.strip()) if a.only else ()
+    return Options(a.out, a.wheels, a.download_wheels, a.dry_run, budget, only)
 
 
 # ---------------------------------------------------------------- steps as data
@@ -205,7 +212,7 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
             0.10,
             "benchmarks/compile.py",
             "--quick",
-            *(("--no-compile-time",) if dry else ()),
+            "--no-compile-time",  # (the cold/warm compile processes are CPU numbers: bench.sh)
         ),
         Step(
             "tests",
@@ -254,7 +261,7 @@ def _has(module: str) -> bool:
 def tests_argv(opts: Options, python: str, plugins: Plugins) -> tuple[str, ...]:
     argv = [python, "-m", "pytest", "-p", "gpu_check", "-q", "-rfE"]
     if plugins.xdist:
-        argv += ["-p", "xdist.plugin", "-n", str(min(8, os.cpu_count() or 1))]
+        argv += ["-p", "xdist.plugin", "-n", str(min(16, os.cpu_count() or 1))]
     if plugins.hypothesis:
         argv += ["-p", plugins.hypothesis]
     if plugins.timeout:
@@ -614,6 +621,13 @@ def main(argv: Sequence[str]) -> int:
         return 2
     python, note = tests_interpreter(env)
     steps = python_steps(opts, sys.executable, python, Plugins.find())
+    if opts.only:
+        known = {st.name for st in steps}
+        unknown = [name for name in opts.only if name not in known]
+        if unknown:
+            sys.stderr.write(f"gpu_check: --only {','.join(unknown)}: steps are {sorted(known)}\n")
+            return 2
+        steps = [st for st in steps if st.name == "env" or st.name in opts.only]
     header = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "mode": "dry run (CPU, small sizes)" if opts.dry_run else "GPU",
@@ -812,6 +826,11 @@ def child_main(argv: Sequence[str]) -> int:
     ap.add_argument("--child", choices=("env", "examples", "check"), required=True)
     ap.add_argument(
         "--device", default="cuda", help="cuda, or auto: cuda, else simulated, else cpu"
+    )
+    ap.add_argument(
+        "--only",
+        metavar="STEP,...",
+        help="run only these steps (env always runs first), e.g. examples,check,tests",
     )
     a = ap.parse_args(list(argv))
     return {"env": child_env_step, "examples": child_examples, "check": child_check}[a.child](

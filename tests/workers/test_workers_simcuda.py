@@ -104,12 +104,16 @@ def test_host_syncs_are_recorded_with_the_line_that_did_them() -> None:
 def test_the_simulated_backend_runs_work_and_needs_the_block() -> None:
     with pytest.raises(BackendUnavailable, match="simulated_cuda"):
         get_backend("simcuda")
+    item = WorkItem("r", lambda inputs: inputs["x"] * 2, {"x": torch.ones(3)}, torch.arange(3))
     with simulated_cuda():
-        be = get_backend("simcuda")
-        item = WorkItem("r", lambda inputs: inputs["x"] * 2, {"x": torch.ones(3)}, torch.arange(3))
-        res = be.collect(be.dispatch(item))
+        # the CUDA backend itself (streams, events, pinned copies) on the simulated device
+        resident = get_backend("simcuda", results_to_host=False)
+        res = resident.collect(resident.dispatch(item))
         assert res[0].proposal.device.type == "cuda"
         assert res[0].proposal.cpu().tolist() == [2.0, 2.0, 2.0]
+        to_host = get_backend("simcuda")  # as CudaBackend: results copied to the host
+        res = to_host.collect(to_host.dispatch(item))
+        assert res[0].proposal.device.type == "cpu" and res[0].proposal.tolist() == [2.0] * 3
 
 
 def test_blocks_do_not_nest_and_restore_torch() -> None:

@@ -135,6 +135,14 @@ def _corrupt(prop: Tensor, vp: ValuePlan) -> Tensor:
     return (prop + 1) % vp.vocab if vp.vocab else prop + 1
 
 
+# A worker's model results stay where its payload lives: the CUDA backend's default copies them to
+# the host (for callers outside a run), which would mix devices in the worker's checks and commits.
+_RESIDENT: dict[str, dict[str, Any]] = {
+    "cuda": {"results_to_host": False},
+    "simcuda": {"results_to_host": False},  # the same backend on the simulated device
+}
+
+
 def _placed(fn: Any, device: torch.device) -> Any:
     """A bound model, score or predicate ready for a worker on ``device``: an ``nn.Module`` is
     moved there (in place, once per worker), an object with ``.to`` is replaced by
@@ -200,7 +208,11 @@ class DataPlane:
         checksum_policies: frozenset[str] = frozenset(),
     ) -> None:
         self.plan = plan
-        self.backend = get_backend(backend) if isinstance(backend, str) else backend
+        self.backend = (
+            get_backend(backend, **_RESIDENT.get(backend, {}))
+            if isinstance(backend, str)
+            else backend
+        )
         self.device: torch.device = self.backend.device
         self._host = self.device.type == "cpu"  # replies need no copy to the host
         self._score_keys_cache: dict[int, tuple[str, ...]] = {}

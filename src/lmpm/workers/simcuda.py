@@ -56,7 +56,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmpm.errors import BackendUnavailable
-from lmpm.workers.cpu import CpuBackend
+from lmpm.workers.cuda import CudaBackend
 
 __all__ = [
     "DeviceEvent",
@@ -359,6 +359,50 @@ class _SimMode(TorchDispatchMode):
         return _dispatch(func, args, kwargs or {})
 
 
+class _SimEvent:
+    """A CUDA event of the simulated device: the work before it is done when it is recorded."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+class _SimStream:
+    """A CUDA stream of the simulated device: work runs at once on the CPU, in program order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = SIM_DEVICE
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _SimEvent:
+        return event if event is not None else _SimEvent()
+
+
+_CURRENT_STREAM = _SimStream()
+
+
 def _to_sim(t: Tensor) -> Tensor:
     """``t`` on the simulated device (a copy, as ``.cuda()`` makes one; itself when already)."""
     if isinstance(t, SimTensor):
@@ -418,6 +462,15 @@ def _entry_points() -> dict[tuple[Any, str], Any]:
         (torch.cuda, "_lazy_init"): lambda: None,
         (torch.cuda, "is_initialized"): lambda: True,
         (torch.cuda, "get_device_name"): lambda device=None: "simulated CUDA device (CPU)",
+        # streams, events and pinned host memory, as the CUDA backend uses them
+        (torch.cuda, "Stream"): _SimStream,
+        (torch.cuda, "Event"): _SimEvent,
+        (torch.cuda, "current_stream"): lambda device=None: _CURRENT_STREAM,
+        (torch.cuda, "stream"): lambda stream=None: contextlib.nullcontext(),
+        (torch.cuda, "device"): lambda device=None: contextlib.nullcontext(),
+        (Tensor, "record_stream"): lambda self, stream: None,
+        (Tensor, "pin_memory"): lambda self, device=None: self,  # (host memory, nothing to pin)
+        (Tensor, "is_pinned"): lambda self, device=None: False,
     }
 
 
@@ -459,21 +512,21 @@ def simulated_cuda(
         _state.sim = None
 
 
-class SimCudaBackend(CpuBackend):
-    """The CPU backend on the simulated CUDA device (``--backend simcuda``): computes at
-    dispatch, holds its tensors on ``cuda:0`` of the simulation. It needs a
+class SimCudaBackend(CudaBackend):
+    """The CUDA backend itself on the simulated device (``--backend simcuda``): the same dispatch,
+    streams, events, pinned copies and ``results_to_host`` as on a GPU, where the streams and
+    events are the simulation's (work runs at once: nothing to wait for). It needs a
     :func:`simulated_cuda` block around the run (one thread: the mode is per thread)."""
 
     name = "simcuda"
 
-    def __init__(self, *, worker: str = "simcuda:0") -> None:
+    def __init__(self, *, worker: str = "simcuda:0", results_to_host: bool = True) -> None:
         if active() is None:
             raise BackendUnavailable(
                 "the simulated CUDA backend runs inside lmpm.workers.simcuda.simulated_cuda()",
                 hint="`lmpm check PROGRAM --device cuda` runs a program on it",
             )
-        super().__init__(worker=worker, threads=1)
-        self.device = SIM_DEVICE
+        super().__init__(device=SIM_DEVICE, worker=worker, results_to_host=results_to_host)
 
 
 def make_backend(**opts: Any) -> SimCudaBackend:
