@@ -66,8 +66,12 @@ REPORT_MD = "report.md"
 REPORT_JSONL = "report.jsonl"
 TESTS_LOG = "tests.log"
 JUNIT_XML = "junit.xml"
+JUNIT_GPU_XML = "junit-gpu.xml"
 STEPS_LOG = "steps.log"
-OUT_FILES = (REPORT_MD, REPORT_JSONL, TESTS_LOG, JUNIT_XML, STEPS_LOG)
+OUT_FILES = (REPORT_MD, REPORT_JSONL, TESTS_LOG, JUNIT_XML, JUNIT_GPU_XML, STEPS_LOG)
+# The GPU-marked and CUDA-named tests: on a GPU they run early (their outcome is the point of the
+# check, reported even when the whole suite does not fit), and the suite runs the rest last.
+GPU_TESTS = "cuda or gpu"
 
 MSG_MISSING = (
     "gpu_check: cannot import {names} with {python}. On a machine with network, run\n"
@@ -131,6 +135,7 @@ class Step:
     kind: str  # "env" | "tests" | "examples" | "check" | "bench": how its output is read
     log: str = STEPS_LOG
     echo: bool = True  # print its JSON lines as progress
+    junit: str = JUNIT_XML  # a tests step's JUnit XML (in --out)
 
 
 @dataclass(slots=True)
@@ -177,6 +182,22 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
             0.09,
             "check",
         ),
+        *(
+            ()
+            if dry
+            else (
+                Step(
+                    "gpu-tests",
+                    f"the GPU-marked and CUDA-named tests (`-k '{GPU_TESTS}'`)",
+                    tests_argv(opts, tests_python, plugins, GPU_TESTS, JUNIT_GPU_XML),
+                    0.12,
+                    "tests",
+                    TESTS_LOG,
+                    echo=False,
+                    junit=JUNIT_GPU_XML,
+                ),
+            )
+        ),
         bench("masks-ops", "mask_mod aten op counts", 0.03, "benchmarks/masks.py", "--ops"),
         bench(
             "masks-gpu",
@@ -217,8 +238,8 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
         Step(
             "tests",
             _tests_what(dry),
-            tests_argv(opts, tests_python, plugins),
-            0.39,
+            tests_argv(opts, tests_python, plugins, GPU_TESTS if dry else f"not ({GPU_TESTS})"),
+            0.39 if dry else 0.27,
             "tests",
             TESTS_LOG,
             echo=False,
@@ -228,8 +249,8 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
 
 def _tests_what(dry: bool) -> str:
     if dry:
-        return "the GPU-marked and CUDA-named tests (`-k 'cuda or gpu'`), slow ones skipped"
-    return "the whole test suite with the GPU-marked tests, slow ones skipped"
+        return f"the GPU-marked and CUDA-named tests (`-k '{GPU_TESTS}'`), slow ones skipped"
+    return "the rest of the test suite (`gpu-tests` ran the GPU ones), slow ones skipped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,17 +279,21 @@ def _has(module: str) -> bool:
         return False
 
 
-def tests_argv(opts: Options, python: str, plugins: Plugins) -> tuple[str, ...]:
-    argv = [python, "-m", "pytest", "-p", "gpu_check", "-q", "-rfE"]
+def tests_argv(
+    opts: Options, python: str, plugins: Plugins, select: str | None, junit: str = JUNIT_XML
+) -> tuple[str, ...]:
+    """pytest on the tests ``select`` picks (a -k expression; None: all), each result named in
+    the log as it happens (-v: a step stopped at its limit still says which tests failed)."""
+    argv = [python, "-m", "pytest", "-p", "gpu_check", "-v", "-rfE"]
     if plugins.xdist:
         argv += ["-p", "xdist.plugin", "-n", str(min(16, os.cpu_count() or 1))]
     if plugins.hypothesis:
         argv += ["-p", plugins.hypothesis]
     if plugins.timeout:
         argv += ["-p", "pytest_timeout", f"--timeout={TEST_TIMEOUT_S}"]
-    argv += ["--junitxml", str(opts.out / JUNIT_XML)]
-    if opts.dry_run:
-        argv += ["-k", "cuda or gpu"]
+    argv += ["--junitxml", str(opts.out / junit)]
+    if select:
+        argv += ["-k", select]
     return tuple(argv)
 
 
@@ -694,7 +719,7 @@ def run_step(step: Step, limit: float, env: dict[str, str], log: IO[str], opts: 
         step, classify(fin, records), fin.rc, fin.seconds, limit, records, fin.lines[-TAIL_LINES:]
     )
     try:
-        read_outcome(out, opts.out / JUNIT_XML)
+        read_outcome(out, opts.out / step.junit)
     except Exception as e:  # a report that cannot read a step still reports the others
         out.result, out.numbers = FAILED, f"could not read its output: {e!r}"
     _progress(f"{step.name}: {out.result} in {fin.seconds:.1f} s: {out.numbers}")

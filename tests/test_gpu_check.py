@@ -41,13 +41,31 @@ def test_the_dry_run_selects_the_cuda_and_gpu_tests_and_loads_plugins_by_name(
     tmp_path: Path,
 ) -> None:
     opts = gc.parse_args(["--dry-run", "--out", str(tmp_path)])
-    argv = gc.tests_argv(opts, "py", gc.Plugins(xdist=True, hypothesis="hyp", timeout=False))
+    plugins = gc.Plugins(xdist=True, hypothesis="hyp", timeout=False)
+    steps = {s.name: s for s in gc.python_steps(opts, "py", "py", plugins)}
+    assert "gpu-tests" not in steps  # (a dry run's test step is that selection)
+    argv = steps["tests"].argv
     joined = " ".join(argv)
     assert "-p xdist.plugin -n" in joined and "-p hyp" in joined and "-p gpu_check" in joined
     assert argv[-2:] == ("-k", "cuda or gpu")
     assert "pytest_timeout" not in joined
-    real = gc.tests_argv(gc.parse_args([]), "py", gc.Plugins(False, None, True))
-    assert "-k" not in real and "-n" not in real and f"--timeout={gc.TEST_TIMEOUT_S}" in real
+
+
+def test_a_gpu_run_takes_the_gpu_tests_early_and_the_rest_of_the_suite_last() -> None:
+    opts = gc.parse_args([])
+    steps = gc.python_steps(opts, "py", "py", gc.Plugins(False, None, True))
+    names = [s.name for s in steps]
+    assert names.index("gpu-tests") < names.index("bench:masks-ops") and names[-1] == "tests"
+    gpu, rest = steps[names.index("gpu-tests")], steps[-1]
+    assert gpu.argv[-2:] == ("-k", "cuda or gpu") and gpu.junit != rest.junit
+    assert rest.argv[-2:] == ("-k", "not (cuda or gpu)")
+    assert "-n" not in rest.argv and f"--timeout={gc.TEST_TIMEOUT_S}" in rest.argv
+
+
+def test_only_names_steps_and_a_zero_budget_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--budget", "0"])
+    assert gc.parse_args(["--only", "examples, check"]).only == ("examples", "check")
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
