@@ -593,6 +593,12 @@ def time_dispatch(backend: Backend, item: WorkItem) -> dict[str, Any]:
         # The cpu backend computes inside dispatch by design: False there, expected True on CUDA.
         "dispatch_returns_first": not ready,
         "syncs_in_dispatch": sum("synchroniz" in str(w.message) for w in caught) if cuda else None,
+        # where each one happened (the Python line that called the synchronizing op)
+        "sync_sites": sorted(
+            {f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)}
+        )
+        if cuda
+        else None,
     }
 
 

@@ -199,7 +199,11 @@ def test_flex_attention_forward_and_backward_on_gpu_match_sdpa(name: str) -> Non
     ref_grads = torch.autograd.grad(ref.sum(), qkv)
     assert (out - ref).abs().max() < 1e-4, name
     for g, r, which in zip(grads, ref_grads, "qkv"):
-        assert (g - r).abs().max() < 1e-4, (name, which)
+        # k's and v's gradients sum over every query that reads them (hundreds of terms): float32
+        # rounding grows with their size, so the bound is relative (benchmarks/masks.py --gpu on an
+        # H200: 1.3e-3 absolute on the 16x32x32 video's gradients, 5e-6 on the 8k window's)
+        scale = max(1.0, float(r.abs().max()))
+        assert (g - r).abs().max() < 1e-4 * scale, (name, which)
 
 
 @pytest.mark.parametrize("block", [16, 64, 128, (64, 32)])

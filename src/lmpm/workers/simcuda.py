@@ -223,7 +223,8 @@ class SimTensor(Tensor):
         return aten._to_copy.default(self, device=_CPU)  # type: ignore[no-any-return]
 
     def to(self, *args: Any, **kwargs: Any) -> Tensor:  # type: ignore[override]
-        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        parse = {k: v for k, v in kwargs.items() if k != "copy"}
+        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **parse)
         if args and isinstance(args[0], SimTensor):  # .to(other): other's device and dtype
             device, dtype = SIM_DEVICE, args[0].dtype
         out: Tensor = self
@@ -298,6 +299,12 @@ def _targets_cuda(kwargs: dict[str, Any]) -> bool | None:
     return torch.device(dev).type == "cuda"
 
 
+def _blocking_h2d(func: Any, args: tuple[Any, ...]) -> bool:
+    """A copy of a CPU tensor to the device, as ``.to("cuda")`` or ``torch.tensor(..., device=)``
+    make it (a scalar's too: the host still waits for the stream)."""
+    return func is aten._to_copy.default and _is_cpu(args[0])
+
+
 def _unwrap(x: Any) -> Any:
     return x._elem if isinstance(x, SimTensor) else x
 
@@ -323,6 +330,10 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             kind = "host-copy"
         if kind is not None:
             sim.record(kind, str(func.__name__))
+    if sim is not None and to_cuda and not kwargs.get("non_blocking") and _blocking_h2d(func, args):
+        # PyTorch copies host memory to a GPU with cudaMemcpyAsync, then waits for the stream
+        # unless the copy is non_blocking: the host waits for every queued kernel
+        sim.record("sync", "copy to the device (not non_blocking)")
     uargs, ukwargs = pytree.tree_map(_unwrap, (args, kwargs))
     out = func(*uargs, **ukwargs)
     if func is aten._to_copy.default:
@@ -403,11 +414,12 @@ class _SimStream:
 _CURRENT_STREAM = _SimStream()
 
 
-def _to_sim(t: Tensor) -> Tensor:
+def _to_sim(t: Tensor, non_blocking: bool = False) -> Tensor:
     """``t`` on the simulated device (a copy, as ``.cuda()`` makes one; itself when already)."""
     if isinstance(t, SimTensor):
         return t
-    return aten._to_copy.default(t, device=SIM_DEVICE)  # through the mode: a SimTensor
+    # through the mode: a SimTensor
+    return aten._to_copy.default(t, device=SIM_DEVICE, non_blocking=non_blocking)
 
 
 def _names_cuda(device: Any) -> bool:
@@ -437,16 +449,17 @@ def _entry_points() -> dict[tuple[Any, str], Any]:
 
     def sim_to(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """A plain tensor's .to(): one naming the CUDA device makes a SimTensor."""
-        device, dtype, _non_blocking, _fmt = torch._C._nn._parse_to(*args, **kwargs)
+        parse = {k: v for k, v in kwargs.items() if k != "copy"}  # (to a device: a copy anyway)
+        device, dtype, non_blocking, _fmt = torch._C._nn._parse_to(*args, **parse)
         if args and isinstance(args[0], SimTensor):  # .to(other): other's device and dtype
             device, dtype = SIM_DEVICE, args[0].dtype
         if not _names_cuda(device):
             return to(self, *args, **kwargs)
-        out = _to_sim(self)
+        out = _to_sim(self, bool(non_blocking))
         return out if dtype is None or dtype == out.dtype else out.to(dtype)
 
     def sim_cuda(self: Tensor, device: Any = None, non_blocking: bool = False, **kw: Any) -> Tensor:
-        return _to_sim(self)
+        return _to_sim(self, non_blocking)
 
     return {
         (torch, "tensor"): sim_tensor,
