@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lmpm.cli import main
 
@@ -74,6 +75,8 @@ def net(inputs, *, vocab, **kw):
     elif HOW == "sync":
         if nb.sum() > 0:  # the line a host-sync warning names
             nb = nb + 1
+    elif HOW == "h2d":
+        nb = nb + torch.tensor([1], device=nb.device)  # host memory copied in, every call
     return {"proposal": nb[:, :2] % vocab, "score": torch.zeros(nb.shape[0], 2, device=nb.device)}
 
 
@@ -101,14 +104,18 @@ def test_a_model_that_fails_on_a_gpu_is_an_error_with_the_users_line(
     assert "not ready for cuda" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize(("how", "code", "line"), [("sync", "G101", 15), ("h2d", "G105", 18)])
 def test_a_model_that_waits_for_the_gpu_is_a_warning_with_the_users_line(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    how: str, code: str, line: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    prog, models = _write(tmp_path, "sync")
+    prog, models = _write(tmp_path, how)
     capsys.readouterr()
     assert main(["check", str(prog), "--bind", str(models), "--device", "cuda"]) == 0
     err = capsys.readouterr().err
-    assert "warning[G101]" in err and f"(at {models}:15, in net)" in err, err
+    # (on a real GPU PyTorch's sync detector reports every wait alike: G101)
+    codes = {code, "G101"} if torch.cuda.is_available() else {code}
+    assert any(f"warning[{c}]" in err for c in codes), err
+    assert f"(at {models}:{line}, in net)" in err, err
     assert "prog.lmpm: ready for cuda" in err
 
 

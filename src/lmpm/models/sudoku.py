@@ -233,7 +233,8 @@ def digits(
     choice = torch.where(alarmed, torch.zeros_like(choice), choice)  # back out: erase, fill nothing
     other = torch.where(alarmed, current, torch.zeros_like(current))
     proposal = torch.stack([choice, other], dim=1)
-    score = torch.tensor([[1.0, 0.0]], dtype=torch.float64, device=dev).expand(n, 2).clone()
+    score = torch.zeros(n, 2, dtype=torch.float64, device=dev)  # (made on the device: no copy)
+    score[:, 0] = 1.0
     return {"proposal": proposal, "score": score}
 
 

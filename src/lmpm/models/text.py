@@ -59,16 +59,16 @@ def program_mask(n: int, device: torch.device | str | None = None) -> Tensor:
     """
     size = max(64, 1 << max(n - 1, 0).bit_length())
     dev = torch.device("cpu" if device is None else device)
-    return _program_mask(size, _weights._device_key(dev), dev)[:n, :n]
+    mask: Tensor = _weights.table(f"bytelm-mask-{size}", lambda: _program_mask(size), dev)
+    return mask[:n, :n]
 
 
-@lru_cache(maxsize=16)
-def _program_mask(n: int, key: str, device: torch.device) -> Tensor:
-    """(``key`` names the device in the cache: the simulated CUDA device is not the real one.)"""
+@lru_cache(maxsize=8)
+def _program_mask(n: int) -> Tensor:
     from lmpm.visibility import compile_masks
 
     m = compile_masks(VISIBILITY, N=n)
-    return (m.dense() | torch.eye(n, dtype=torch.bool)).to(device)
+    return m.dense() | torch.eye(n, dtype=torch.bool)
 
 
 def program_mask_mod(n: int) -> Any:

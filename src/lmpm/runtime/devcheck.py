@@ -46,11 +46,13 @@ G_SYNC = "G101"  # a tensor's value read on the host (.item(), int(), float(), b
 G_SHAPE = "G102"  # an op whose output size depends on the data (nonzero, mask indexing, unique)
 G_COPY = "G103"  # a copy to the host (.cpu(), .to("cpu"))
 G_TOLIST = "G104"  # .tolist()
+G_H2D = "G105"  # a blocking copy of host memory to the device (each call)
 _WARNING_CODES = {
     "sync": G_SYNC,
     "data-dependent": G_SHAPE,
     "host-copy": G_COPY,
     "tolist": G_TOLIST,
+    "h2d": G_H2D,
 }
 _WHAT = {
     G_SYNC: "reads a tensor's value on the host (`.item()`, `int()`, `float()`, `bool()` or an "
@@ -59,13 +61,19 @@ _WHAT = {
     "indexing, `unique`, `masked_select`): the host waits for the GPU to learn the size",
     G_COPY: "copies a tensor to the host (`.cpu()`, `.to('cpu')`): the host waits for the GPU",
     G_TOLIST: "calls `.tolist()` on a device tensor: the host waits for the GPU and copies it",
+    G_H2D: "copies host memory to the device and waits for it (`torch.tensor(..., "
+    "device=...)`, `.to(device)` of a CPU tensor): make the tensor on the device, or move it "
+    "once and keep it",
 }
 HINT_SYNC = (
     "keep the value on the device (`torch.where`, masks with a fixed shape, `clamp` instead of "
     "Python `min`), or compute it once outside the model call"
 )
-_RUNTIME_DIRS = tuple(
-    str(Path(__file__).resolve().parents[1] / d) for d in ("runtime", "workers", "resolve", "vm")
+_LMPM = Path(__file__).resolve().parents[1]
+_RUNTIME_DIRS = (
+    *(str(_LMPM / d) for d in ("runtime", "workers", "resolve", "vm")),
+    # the built-in models' weights and tables, moved to a device once and cached (not per call)
+    str(_LMPM / "models" / "_weights.py"),
 )
 
 

@@ -132,7 +132,7 @@ class SimulatedDeviceError(RuntimeError):
 class DeviceEvent:
     """One thing the simulated device saw: where user or model code did it, and in which call."""
 
-    kind: str  # "sync", "data-dependent", "host-copy", "tolist" (warnings) or "error"
+    kind: str  # "sync", "data-dependent", "host-copy", "h2d", "tolist" (warnings) or "error"
     op: str  # the aten op or Tensor method
     file: str  # the innermost frame outside torch and LMPM's runtime: the model's own line
     line: int
@@ -333,7 +333,7 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if sim is not None and to_cuda and not kwargs.get("non_blocking") and _blocking_h2d(func, args):
         # PyTorch copies host memory to a GPU with cudaMemcpyAsync, then waits for the stream
         # unless the copy is non_blocking: the host waits for every queued kernel
-        sim.record("sync", "copy to the device (not non_blocking)")
+        sim.record("h2d", "copy to the device (not non_blocking)")
     uargs, ukwargs = pytree.tree_map(_unwrap, (args, kwargs))
     out = func(*uargs, **ukwargs)
     if func is aten._to_copy.default:
