@@ -266,7 +266,7 @@ def _check_workflow(
     rule = None
     events: Sequence[simcuda.DeviceEvent] = ()
     steps = 0
-    ctx = simcuda.simulated_cuda() if report.simulated else _sync_warnings_on_gpu()
+    ctx = _watch(report.simulated)
     try:
         with ctx as sim:
             run = WorkflowRun(
@@ -318,7 +318,7 @@ def _check_training(
     assert spec is not None  # (is_training)
     data, init = load_data(spec, dict(inputs))
     name = spec.rule.rule
-    ctx = simcuda.simulated_cuda() if report.simulated else _sync_warnings_on_gpu()
+    ctx = _watch(report.simulated)
     events: Sequence[simcuda.DeviceEvent] = ()
     ran = 0
     try:
@@ -329,7 +329,7 @@ def _check_training(
             try:
                 for e in range(epochs):
                     worker.propose(e, steps=TRAINING_STEPS)
-                    worker._evaluate()
+                    worker.evaluate()
                     ran += 1
             finally:
                 events = sim.errors + sim.warnings
@@ -370,7 +370,6 @@ def check_device(
     """Run ``program`` for ``epochs`` epochs on ``device`` (simulated where there is no GPU, or
     when ``simulate``) and report what fails or stalls there. Source errors raise as usual."""
     from lmpm.ir import compile_file
-    from lmpm.runtime.session import Run
 
     if device != "cuda":
         from lmpm.errors import UsageError
@@ -380,59 +379,70 @@ def check_device(
         simulate = not torch.cuda.is_available()
     front = compile_file(program, overrides=dict(params or {}))
     diags: list[Diagnostic] = []  # (the program's own warnings are `lmpm check`'s)
-    run: Run | None = None
-    ran = 0
     report = DeviceReport(
         "simulated on the CPU" if simulate else torch.cuda.get_device_name(),
         simulate,
         0,
     )
-    exercised: set[str] = set()
-    backend: _Recording | None = None
-    calls: _Calls | None = None
-    events: Sequence[simcuda.DeviceEvent] = ()
     if front.ir.workflows:
         return _check_workflow(front, report, params, bind, epochs, seed, diags)
     from lmpm.train.frontend import is_training
 
     if is_training(front.ir):
         return _check_training(front, report, params, inputs or {}, epochs, diags)
+    return _check_cells(front, report, params, bind, inputs, epochs, seed, diags)
+
+
+def _watch(simulated: bool) -> Any:
+    """What records the device's events: the simulated device, or PyTorch's sync detector on a
+    real GPU (both yield a :class:`simcuda.Simulation`)."""
+    return simcuda.simulated_cuda() if simulated else _sync_warnings_on_gpu()
+
+
+def _check_cells(
+    front: Any,
+    report: DeviceReport,
+    params: Mapping[str, int] | None,
+    bind: Sequence[str],
+    inputs: Mapping[str, str] | None,
+    epochs: int,
+    seed: int,
+    diags: list[Diagnostic],
+) -> DeviceReport:
+    """A program of cell values: ``epochs`` epochs of the engine with its worker on the device."""
+    from lmpm.runtime.session import Run
+
+    run: Run | None = None
+    backend: _Recording | None = None
+    calls: _Calls | None = None
+    events: Sequence[simcuda.DeviceEvent] = ()
     try:
-        if simulate:
-            with simcuda.simulated_cuda() as sim:
-                run = Run(
-                    front, params=params, bind=bind, inputs=inputs, seed=seed, backend="simcuda"
-                )
-                backend = run.dataplane.backend = _Recording(run.dataplane.backend)
-                calls = _Calls(*_names(run.plan))
-                sim.locate = calls
-                try:
-                    for _ in range(epochs):
-                        run.run(1)
-                        ran += 1
-                finally:
-                    events = sim.errors + sim.warnings
-        else:
-            run = Run(front, params=params, bind=bind, inputs=inputs, seed=seed, backend="cuda")
+        with _watch(report.simulated) as sim:
+            run = Run(
+                front,
+                params=params,
+                bind=bind,
+                inputs=inputs,
+                seed=seed,
+                backend="simcuda" if report.simulated else "cuda",
+            )
             backend = run.dataplane.backend = _Recording(run.dataplane.backend)
-            calls = _Calls(*_names(run.plan))
-            with _sync_warnings_on_gpu() as seen:
-                seen.locate = calls
+            calls = sim.locate = _Calls(*_names(run.plan))
+            try:
                 for _ in range(epochs):
                     run.run(1)
-                    ran += 1
-            events = seen.warnings
+                    report.epochs += 1
+            finally:
+                events = sim.errors + sim.warnings
     except (ModelError, RuntimeFault) as exc:
         diags.append(_error_of(exc) if calls is not None else exc.diagnostics[0])
     finally:
         if run is not None:
             run.close()
-        if backend is not None:
-            exercised = set(backend.rules)
+    if backend is not None:
+        report.exercised = set(backend.rules)
     if calls is not None:
         diags.extend(_warnings_of([e for e in events if e.kind != "error"], calls))
-        report.not_exercised = [r for r in calls.rules if r not in exercised]
-    report.epochs = ran
-    report.exercised = exercised
+        report.not_exercised = [r for r in calls.rules if r not in report.exercised]
     report.diagnostics = diags
     return report

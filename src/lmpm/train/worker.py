@@ -218,7 +218,7 @@ class TrainWorker:
             norms.append(_norm(ts))
             sums.append(zlib.crc32(b"".join(t.cpu().numpy().tobytes() for t in ts)))
             changed.append(any(not torch.equal(cand[i], self.committed[i]) for i in members))
-        ev = self._evaluate() if self.spec.policy.kind == "best" else None
+        ev = self.evaluate() if self.spec.policy.kind == "best" else None
         return Proposal(
             self.rank,
             epoch,
@@ -231,7 +231,7 @@ class TrainWorker:
             ev,
         )
 
-    def _evaluate(self) -> float | None:
+    def evaluate(self) -> float | None:
         """The rule's score loss of the module's current parameters on the whole held-out data."""
         if self.eval is None:
             return None
@@ -294,7 +294,7 @@ class TrainWorker:
             with torch.no_grad():
                 for p, c in zip(self.params, self.committed, strict=True):
                     p.copy_(c)
-            ev = self._evaluate()
+            ev = self.evaluate()
         return Committed(self.rank, epoch, self.checksum(), sorted(set(projected)), ev)
 
     def checksum(self) -> int:
