@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lmpm.errors import BindError
+from lmpm.workers.simcuda import active
 
 WEIGHTS = Path(__file__).with_name("weights")
 
@@ -55,8 +56,6 @@ def metadata(path: str | Path) -> dict[str, Any]:
 def _device_key(device: torch.device) -> str:
     """The cache's name of ``device``: a simulated CUDA device (lmpm.workers.simcuda) is not
     the real one, so a process that runs both keeps both copies apart."""
-    from lmpm.workers.simcuda import active
-
     return f"sim:{device}" if device.type == "cuda" and active() is not None else str(device)
 
 
