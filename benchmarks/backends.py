@@ -454,19 +454,26 @@ def bench_monty(args: argparse.Namespace, backend: Backend) -> dict[str, Any]:
         "ratio_items": round(base_s / items_s, 2),
         **extra,
         "params": {
-            "modules": modules,
-            "objects": objects,
-            "hypotheses": hyps,
-            "nodes": [200, 400],
-            "k": MAX_NNEIGHBORS,
-            "threads": torch.get_num_threads(),
-            "baseline_pool_threads": pool_threads,
+            **_monty_params(modules, objects, hyps, pool_threads),
             "kdtree_build_s": round(tree_build, 5),
             "lmpm_model_build_s": round(model_build, 5),
-            "outputs": "nearest nodes and locations equal, evidence allclose(rtol=atol=1e-9)",
             "lmpm_s": "one work item over resident tensors",
             "lmpm_items_s": "one work item per (module, object), fused by batch_items",
         },
+    }
+
+
+def _monty_params(modules: int, objects: int, hyps: int, pool_threads: int) -> dict[str, Any]:
+    """The size and the comparison shared by the Monty workloads' JSON lines."""
+    return {
+        "modules": modules,
+        "objects": objects,
+        "hypotheses": hyps,
+        "nodes": [200, 400],
+        "k": MAX_NNEIGHBORS,
+        "threads": torch.get_num_threads(),
+        "baseline_pool_threads": pool_threads,
+        "outputs": "nearest nodes and locations equal, evidence allclose(rtol=atol=1e-9)",
     }
 
 
@@ -636,17 +643,10 @@ def bench_cuda(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_to_host": round(base_s / host_s, 2),
         **time_dispatch(resident, monty_item(data, model)),
         "params": {
-            "modules": modules,
-            "objects": objects,
-            "hypotheses": hyps,
-            "nodes": [200, 400],
-            "k": MAX_NNEIGHBORS,
+            **_monty_params(modules, objects, hyps, pool_threads),
             "knn": f"torch: matmul key, top {CANDIDATES} re-ranked exactly, "
             f"chunks of {model.chunk} keys",
             "baseline": "Monty's per-object loop on this machine's CPU (numpy + cKDTree)",
-            "baseline_pool_threads": pool_threads,
-            "threads": torch.get_num_threads(),
-            "outputs": "nearest nodes and locations equal, evidence allclose(rtol=atol=1e-9)",
             "lmpm_s": "one work item over resident tensors, results left on the device",
             "lmpm_to_host_s": "the same, results copied to host memory",
         },

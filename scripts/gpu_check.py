@@ -852,11 +852,6 @@ def child_main(argv: Sequence[str]) -> int:
     ap.add_argument(
         "--device", default="cuda", help="cuda, or auto: cuda, else simulated, else cpu"
     )
-    ap.add_argument(
-        "--only",
-        metavar="STEP,...",
-        help="run only these steps (env always runs first), e.g. examples,check,tests",
-    )
     a = ap.parse_args(list(argv))
     return {"env": child_env_step, "examples": child_examples, "check": child_check}[a.child](
         a.device
