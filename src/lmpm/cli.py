@@ -77,6 +77,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
         return int(args._run(args))
     except UsageError as e:
+        if e.span is not None:  # a command that does not fit the program: point at the line
+            err.print(e.render(), markup=False)
+            return 2
         err.print(f"[bold red]usage error[/]: {e.message}", markup=True)
         if e.hint:
             err.print(f"  hint: {e.hint}", markup=False)

@@ -38,6 +38,27 @@ if TYPE_CHECKING:
     from lmpm.runtime.commitlog import CommitLog, Restored
 
 
+MSG_WORKFLOW = (
+    "`{name}` is a workflow: the epoch engine (`lmpm run`, `Run`) does not run workflows and would "
+    "ignore its zones, prompts and triggers; the token-stream VM runs them"
+)
+
+
+def refuse_workflows(front: Frontend) -> None:
+    """A program with a ``workflow`` is the token-stream VM's (docs/vm.md): refused here, at the
+    workflow's line, with the command that runs it, rather than run epoch by epoch without it."""
+    if not front.ir.workflows:
+        return
+    wf = front.ir.workflows[0]
+    raise UsageError(
+        MSG_WORKFLOW.format(name=wf.name),
+        span=wf.span,
+        code="U105",
+        hint=f"run it with `lmpm vm run {wf.span.file}` (add the --bind modules of its tools); "
+        "in Python, lmpm.vm.WorkflowRun.from_file(...)",
+    )
+
+
 class Run:
     """A program bound to parameters, bindings, inputs and a seed, ready to run epochs."""
 
@@ -62,6 +83,7 @@ class Run:
         topology: Any = None,
         compile: bool = False,
     ) -> None:
+        refuse_workflows(front)
         self.front = front
         self.params = dict(params or {})
         self.bind = tuple(bind)

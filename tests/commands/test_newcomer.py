@@ -1,0 +1,64 @@
+"""What a newcomer tripped on (issue 35): silent wrong runs, misleading summaries, stop reasons.
+
+Each test runs what a user runs — the `lmpm` command in a subprocess, or the Python API — and
+checks what they are told.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmpm.errors import UsageError
+from lmpm.runtime.session import Run
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def lmpm(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lmpm", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+WORKFLOW = """
+param B = 2
+param N = 8
+value Txt : Token[Byte] shape Grid2D(B, N)
+visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
+rule Write:
+  on Txt[b, t]
+  read {context = Txt[b, 0..t-1]}
+  emit proposal Txt[b, t] := RandomTokens(context)
+workflow Hello on Txt:
+  zone greet:
+    feed "hi "
+    generate max 4
+"""
+
+
+def test_run_refuses_a_workflow_at_its_line_and_names_the_command(tmp_path: Path) -> None:
+    prog = tmp_path / "wf.lmpm"
+    prog.write_text(WORKFLOW)
+    res = lmpm("run", str(prog), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    assert f"{prog}:10:1: error[U105]" in res.stderr  # file:line:col of `workflow Hello`
+    assert "workflow Hello on Txt:" in res.stderr and "^^^" in res.stderr  # the line, a caret
+    assert f"lmpm vm run {prog}" in res.stderr
+    assert not (tmp_path / "out").exists()  # nothing run, nothing written
+
+
+def test_the_python_api_refuses_a_workflow_too() -> None:
+    with pytest.raises(UsageError) as info:
+        Run.from_source(WORKFLOW, "wf.lmpm")
+    assert info.value.code == "U105" and info.value.span is not None
+    assert info.value.span.line == 10
