@@ -62,3 +62,34 @@ def test_the_python_api_refuses_a_workflow_too() -> None:
         Run.from_source(WORKFLOW, "wf.lmpm")
     assert info.value.code == "U105" and info.value.span is not None
     assert info.value.span.line == 10
+
+
+RULESET = """
+param N = 4
+value A : Token[8] shape Seq(N)
+value {set} : {kind} shape Set()
+rule R:
+  on A[t]
+  emit proposal A[t] := Uniform()
+commit A[*] using satisfy(max_constraints_then_score)
+rule Rules:
+  on {set}
+  emit proposal {set} := Uniform()
+"""
+
+
+def test_a_rule_on_the_ruleset_is_a_check_error(tmp_path: Path) -> None:
+    prog = tmp_path / "rs.lmpm"
+    prog.write_text(RULESET.format(set="RuleSet", kind="Rule"))
+    res = lmpm("check", str(prog), cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert f"{prog}:9:1: error[E214]" in res.stderr and "--disable" in res.stderr
+
+
+def test_a_model_as_a_schedule_is_a_check_error_not_a_python_message(tmp_path: Path) -> None:
+    prog = tmp_path / "mp.lmpm"
+    prog.write_text(RULESET.format(set="MaskPlan", kind="Event"))
+    res = lmpm("check", str(prog), cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    assert f"{prog}:11:29: error[E212]: `Uniform` is a model, not a schedule" in res.stderr
+    assert "missing 1 required positional argument" not in res.stderr

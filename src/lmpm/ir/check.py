@@ -546,7 +546,8 @@ class Checker:
             if r.kind == RuleKind.MINIMIZE:
                 continue  # checked when built (lmpm.train.spec.MinimizeSpec's options)
             if r.kind == RuleKind.SCHEDULE:
-                self._schedule(r.proposal)
+                if not self._ruleset_rule(r):
+                    self._schedule(r.proposal)
             else:
                 self._model(r, r.proposal)
                 if r.score is not None:
@@ -690,8 +691,33 @@ class Checker:
                 "write e.g. quorum(2 of 3, satisfy)",
             )
 
+    def _ruleset_rule(self, r: Rule) -> bool:
+        """No rule proposes to a `Rule` Set (the seed's RuleSet): the active constraints change
+        between epochs through enable/disable, which a rule cannot call (E214). True: reported."""
+        v = self.values.get(r.target)
+        if v is None or v.dtype != DType.RULE:
+            return False
+        self.sink.error(
+            "E214",
+            f"`{r.target}` is a Set of Rules, the RuleSet (the active constraints): no rule "
+            "proposes to it",
+            r.span,
+            "switch constraints between epochs with `lmpm run --resume DIR --disable NAME` "
+            "(or --enable), or run.disable(NAME) in Python; remove this rule",
+        )
+        return True
+
     def _schedule(self, call: Call) -> None:
         sig = SIGNATURES.get(call.func)
+        if sig is not None and sig.role != "schedule" and not self._user_bound(call.func):
+            self.sink.error(
+                "E212",
+                f"`{call.func}` is a {sig.role}, not a schedule: a rule on a Set value proposes "
+                "the open set",
+                _name_span(call),
+                'write e.g. SampleTiles(strategy="red-black", epoch=e)',
+            )
+            return
         if sig is None or sig.role != "schedule" or self._user_bound(call.func):
             return
         for i, a in enumerate(call.args):
