@@ -93,3 +93,51 @@ def test_a_model_as_a_schedule_is_a_check_error_not_a_python_message(tmp_path: P
     assert res.returncode == 1, res.stderr
     assert f"{prog}:11:29: error[E212]: `Uniform` is a model, not a schedule" in res.stderr
     assert "missing 1 required positional argument" not in res.stderr
+
+
+MASKGIT = """
+param N = 16
+value A : Token[8] shape Seq(N)
+value MaskPlan : Event shape Set()
+visible A[t] <- A[*]
+rule R:
+  on A[t]
+  read {ctx = A[*]}
+  emit proposal A[t] := RandomTokens(ctx)
+commit A[*] using satisfy(max_constraints_then_score)
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="confidence"STEPS)
+"""
+
+
+def test_a_default_confidence_run_sets_every_cell(tmp_path: Path) -> None:
+    prog = tmp_path / "maskgit.lmpm"
+    prog.write_text(MASKGIT.replace("STEPS", ""))
+    res = lmpm("run", str(prog), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "(stable, every cell set), 16 commits" in res.stderr
+
+
+def test_cells_the_quota_holds_back_say_so() -> None:
+    run = Run.from_source(MASKGIT.replace("STEPS", ", steps=16"), epochs=4)
+    res = run.run(4)
+    assert res.stop is not None and res.stop.kind == "epochs"
+    assert res.stop.unset == {
+        "A": {"held back by the schedule's quota (steps=16: every cell within 16 epochs)": 12}
+    }
+    assert res.commits == 4  # one a step while the cosine rounds below one cell
+
+
+def test_a_value_no_rule_proposes_is_not_every_cell_set(tmp_path: Path) -> None:
+    prog = tmp_path / "norule.lmpm"
+    prog.write_text(
+        "param N = 4\nvalue A : Token[8] shape Seq(N)\nvalue B : Token[8] shape Seq(N)\n"
+        "rule R:\n  on A[t]\n  emit proposal A[t] := Uniform()\n"
+        "commit A[*] using satisfy(max_constraints_then_score)\n"
+    )
+    res = lmpm("run", str(prog), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "every cell set" not in res.stderr
+    assert "(stable with 4 unset cells)" in res.stderr
+    assert "B: 4 no rule proposes it and no input gave it" in res.stderr

@@ -97,10 +97,14 @@ def red_black(coords: Tensor) -> Tensor:
 
 
 def confidence_quota(epoch: int, steps: int, total: int, committed: int) -> int:
-    """MaskGIT cosine schedule: how many more cells may commit in ``epoch`` (0-based)."""
+    """MaskGIT cosine schedule: how many more cells may commit in ``epoch`` (0-based).
+
+    At least one while a cell is left (as MaskGIT's ``max(1, ...)``): the cosine's first steps
+    round below one new cell on small values, and an epoch that may commit nothing would look like
+    the end of the run (no commit) while the schedule is still holding cells back."""
     frac = 1.0 - math.cos(math.pi / 2 * min(epoch + 1, steps) / steps)
     target = total if epoch + 1 >= steps else math.ceil(total * frac)
-    return max(target - committed, 0)
+    return max(target - committed, 1 if committed < total else 0)
 
 
 # ---- schedules as objects -------------------------------------------------------------------------

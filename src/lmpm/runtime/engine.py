@@ -65,8 +65,9 @@ NO_RULE = -1
 # Why an unset cell is unset (the last time the schedule opened it), beside constraint ids >= 0:
 NEVER_OPENED = -3  # the schedule never opened it
 NOT_FIRED = -2  # opened, but no rule's `on`/`when` fires there
-NO_WINNER = -1  # a rule proposed, but no candidate beat leaving it unset (invalid, score, quota)
+NO_WINNER = -1  # a rule proposed, but no candidate beat leaving it unset (invalid, score)
 UNKNOWN = -4  # a resumed run: not recorded since the resume
+HELD = -5  # a candidate won, but the schedule's quota held it back for a later epoch
 
 # Policies that compare candidates' payloads (by checksum): the worker computes checksums for them.
 CHECKSUM_POLICIES = frozenset(("quorum",))
@@ -200,7 +201,7 @@ class StopReason:
     after every epoch-guarded trigger has settled) or ``"epochs"`` (the epoch limit came first).
     ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell:
     ``"never opened by the schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it
-    unset"``, ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked
+    unset"``, ``"held back by the schedule's quota ..."`` (confidence), ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked
     the cell's proposals) or ``"not attempted since the resume"``."""
 
     kind: str
@@ -562,6 +563,9 @@ class Engine:
             for code, count in sorted(zip(codes.tolist(), counts.tolist()), key=lambda x: -x[1]):
                 reasons[self._why_text(int(code))] = int(count)
             unset[name] = reasons
+        for name, st in self.state.items():  # no rule proposes it, no input gave it: all unset
+            if name not in self.why and st.committed.numel() and not bool(st.committed.any()):
+                unset[name] = {"no rule proposes it and no input gave it": st.committed.numel()}
         return StopReason(kind, self.epoch, unset)
 
     def _why_text(self, code: int) -> str:
@@ -573,6 +577,9 @@ class Engine:
             return "no rule fires there"
         if code == NO_WINNER:
             return "no candidate beat leaving it unset"
+        if code == HELD:
+            steps = self.plan.schedule.steps
+            return f"held back by the schedule's quota (steps={steps}: every cell within {steps} epochs)"
         names = {cp.id: cp.name for cp in self.plan.constraints}
         return f"every candidate violates `{names.get(code, code)}`"
 
@@ -676,6 +683,9 @@ class Engine:
             commits = int(ag.changed.count_nonzero())
             if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
                 self._blocked(name, cand, static, (~ag.changed & ~was).nonzero().squeeze(1))
+                if quota is not None:  # winners the quota held back: not "no candidate"
+                    held = (ag.winner != 0) & ~ag.changed & ~was
+                    self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
             if commits == n:
                 rows = None
                 decisions[name] = ValueDecision(None, ag.winner, ag.weights)
