@@ -6,6 +6,7 @@ checks what they are told.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,58 @@ def test_a_value_no_rule_proposes_is_not_every_cell_set(tmp_path: Path) -> None:
     assert "every cell set" not in res.stderr
     assert "(stable with 4 unset cells)" in res.stderr
     assert "B: 4 no rule proposes it and no input gave it" in res.stderr
+
+
+def test_vm_run_binds_its_tool_without_w210_and_trace_counts_forced_tokens(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "vm"
+    res = lmpm(
+        "vm", "run", "examples/vm.lmpm", "--set", "B=4", "--bind", "examples/vm/tools.py",
+        "--out", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "W210" not in res.stderr  # `Count` is bound by the --bind module it names
+    trace = lmpm("trace", str(out))
+    assert trace.returncode == 0, trace.stderr
+    head = " ".join(trace.stdout.split("\n")[:2])
+    assert "1 worker " in head and "forced or tool tokens, no model asked" in head
+    run = json.loads(lmpm("trace", str(out), "--json").stdout)["run"]
+    assert run["workers"] == 1
+    assert run["commits"] - run["unattempted"] <= run["attempts"]  # the rest came from attempts
+
+
+def test_trace_says_how_many_workers_ran(tmp_path: Path) -> None:
+    out = tmp_path / "g"
+    res = lmpm(
+        "run", "examples/latent.lmpm", "--input", "Z=examples/latent/z0.npy", "--epochs", "2",
+        "--workers", "2", "--driver", "process", "--out", str(out),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    trace = lmpm("trace", str(out))
+    assert "2 workers" in trace.stdout.split("\n")[0]
+
+
+def test_compile_cost_splits_compiling_from_running() -> None:
+    from lmpm.commands.run import MSG_COMPILE_COST, compile_cost
+
+    # a short run: the first epoch compiled for 6 s, the 39 others took 10 ms each
+    cost = compile_cost([6.01] + [0.01] * 39)
+    assert round(cost.compile_seconds, 6) == 6.0 and round(cost.run_seconds, 6) == 0.4
+    assert cost.not_worth_it
+    text = MSG_COMPILE_COST.format(**cost._asdict())
+    assert "compiling took 6.0 s, more than the 40 epochs it served (0.4 s" in text
+    assert "quicker without --compile" in text
+    # a long run: the same compile is a small part of 4,000 epochs of 10 ms
+    assert not compile_cost([6.01] + [0.01] * 3999).not_worth_it
+
+
+@pytest.mark.slow
+def test_a_short_compiled_run_says_compiling_did_not_pay(tmp_path: Path) -> None:
+    res = lmpm(
+        "run", "examples/text.lmpm", "--input", "Txt=examples/text/prompt.txt", "--compile",
+        "--out", str(tmp_path / "t"),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "attempts/s after compiling" in res.stderr
+    assert "this run is quicker without --compile" in res.stderr

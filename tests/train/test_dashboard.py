@@ -341,3 +341,16 @@ def test_policy_as_a_kind_with_top_level_parameters() -> None:
     meta = {"policy": {"kind": "diloco", "nesterov": True, "momentum": 0.9, "outer_lr": 0.7}}
     assert policy_text(meta) == "diloco(outer_lr=0.7, momentum=0.9, nesterov)"
     assert policy_text({}) == "?"
+
+
+def test_top_and_trace_show_the_same_loss_in_one_unit(finished_run: Path) -> None:
+    """`lmpm top` and `lmpm trace` read the same nats from the log and print the same bits."""
+    last = read(finished_run).epochs[-1]
+    want = f"{last['loss'] / math.log(2):.4f}"
+    eval_want = f"{last['eval_loss'] / math.log(2):.4f}"
+    top = rendered(finished_run)
+    assert f"last {want} · eval {eval_want} bits" in top and "bits/token" in top
+    rc, out, _ = cli("trace", str(finished_run))
+    assert rc == 0
+    assert "loss in bits/token" in out and want in out and eval_want in out
+    assert f"{last['loss']:.4f}" not in top  # nats nowhere

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import sqlite3
+import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmpm.commands._common import (
     add_set,
@@ -455,6 +456,7 @@ def _execute(
             transient=False,
         ) as bar:
             task = bar.add_task("run", total=epochs, completed=session.engine.epoch, info="")
+            epoch_seconds: list[float] = []  # each epoch's wall time (compiling shows as outliers)
             compiled = session.engine.compiled
             if compiled is not None and not args.quiet:
                 # compiling a step takes seconds (more on a cold cache): say why the epoch waits
@@ -466,6 +468,7 @@ def _execute(
                 from lmpm.runtime.engine import EpochRecord
 
                 assert isinstance(rec, EpochRecord)
+                epoch_seconds.append(rec.seconds)
                 rate = rec.attempts / rec.seconds if rec.seconds > 0 else 0.0
                 halo = f"  halo {rec.halo_bytes:,} B" if rec.halo_bytes else ""
                 faults = f"  [yellow]{len(rec.faults)} worker fault(s)[/]" if rec.faults else ""
@@ -510,16 +513,53 @@ def _execute(
     if faults:
         note += f"{len(faults)} worker fault(s) survived (lmpm trace {out_dir}); "
     compiled = session.engine.compiled
+    rate = f"{res.attempts / max(res.seconds, 1e-9):,.0f} attempts/s"
+    cost = None
     if compiled is not None:
         note += compiled.summary() + "; "
+        cost = compile_cost(epoch_seconds)
+        rate = f"{res.attempts / max(cost.run_seconds, 1e-9):,.0f} attempts/s after compiling"
     sys.stderr.write(
-        f"{note}{res.epochs} epochs ({state}), {res.commits} commits, "
-        f"{res.attempts / max(res.seconds, 1e-9):,.0f} attempts/s; wrote "
+        f"{note}{res.epochs} epochs ({state}), {res.commits} commits, {rate}; wrote "
         f"{len(files)} files to {out_dir} (log: lmpm trace {out_dir})\n"
     )
+    if cost is not None and cost.not_worth_it and not args.quiet:
+        sys.stderr.write(MSG_COMPILE_COST.format(**cost._asdict()) + "\n")
     if res.stop is not None and res.stop.total_unset:
         console.print(_unset_note(res.stop.total_unset, res.stop.unset), highlight=False)
     return 0
+
+
+MSG_COMPILE_COST = (
+    "note: compiling took {compile_seconds:.1f} s, more than the {epochs} epochs it served "
+    "({run_seconds:.1f} s after compiling): this run is quicker without --compile. Compiling "
+    "pays for runs of many epochs or large values; a second run reuses the compiled code from "
+    "the cache (docs/runtime.md, the compiled epoch step)"
+)
+
+
+class CompileCost(NamedTuple):
+    """What compiling cost a ``--compile`` run, from its epochs' wall times."""
+
+    compile_seconds: float  # the epochs' time beyond the steady epoch time: compiling, loading
+    run_seconds: float  # the epochs' time without it (``epochs`` × the median epoch)
+    epochs: int
+
+    @property
+    def not_worth_it(self) -> bool:
+        """Compiling took longer than the whole run after it: to pay, the eager epochs would have
+        to be more than twice as slow, past what the compiled step saves (benchmarks/compile.py)."""
+        return self.compile_seconds > max(self.run_seconds, 1.0)
+
+
+def compile_cost(epoch_seconds: list[float]) -> CompileCost:
+    """Split a compiled run's epoch times into compiling (the excess over the median epoch, which
+    falls on the epochs that compiled a step or a model's shape) and running."""
+    if not epoch_seconds:
+        return CompileCost(0.0, 0.0, 0)
+    steady = statistics.median(epoch_seconds)
+    extra = sum(max(s - steady, 0.0) for s in epoch_seconds)
+    return CompileCost(extra, sum(epoch_seconds) - extra, len(epoch_seconds))
 
 
 def compiling_note(value: str, n: int) -> str:

@@ -108,9 +108,16 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
 
     r = rep["run"]
     params = " ".join(f"{k}={v}" for k, v in (r["params"] or {}).items())
+    workers = f"{r['workers']} worker{'s' if r['workers'] != 1 else ''}"
+    replaced = len(rep["faults"])
+    if replaced:
+        workers += f" ({replaced} worker fault{'s' if replaced != 1 else ''} survived)"
+    commits = f"{r['commits']:,} commits"
+    if r["unattempted"]:  # the VM's forced and tool tokens: no model was asked for them
+        commits += f" ({r['unattempted']:,} forced or tool tokens, no model asked)"
     console.print(
         f"[bold]{r['program']}[/] {params}  seed {r['seed']}  {r['epochs']} epochs ({r['status']})  "
-        f"{r['commits']:,} commits of {r['attempts']:,} attempts  trace {r['trace']}"
+        f"{workers}  {commits}, {r['attempts']:,} model attempts  trace {r['trace']}"
         + (f" {r['trace_region']}" if r["trace_region"] else "")
     )
     stop = r.get("stop")

@@ -78,7 +78,10 @@ def _run(args: argparse.Namespace) -> int:
 
     path = program_path(args.file)
     overrides = parse_sets(args.set)
-    front = compile_file(path, overrides=overrides, raise_errors=False)
+    bindings = Bindings(args.bind)  # its names are bound: no W210 for a tool it binds
+    front = compile_file(
+        path, overrides=overrides, raise_errors=False, bound_names=bindings.user_names()
+    )
     print_diagnostics(front.diagnostics, False)
     if front.errors:
         return 1
@@ -89,7 +92,7 @@ def _run(args: argparse.Namespace) -> int:
         workflow=args.workflow,
         overrides=overrides,
         inputs=_inputs(args.input),
-        bindings=Bindings(args.bind),
+        bindings=bindings,
         seed=args.seed,
         run_dir=args.out,
         source=path.read_text(encoding="utf-8"),

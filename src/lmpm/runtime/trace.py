@@ -613,6 +613,9 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
             "epochs": completed_epochs(conn),
             "commits": sum(int(ep["commits"]) for ep in epochs),
             "attempts": sum(int(ep["attempts"]) for ep in epochs),
+            # commits no model attempt made: the VM's teacher-forced and tool tokens
+            "unattempted": _unattempted(conn),
+            "workers": int(meta.get("workers") or 1),  # --workers (the VM: one process)
             "decided": sum(int(ep["decided"] or 0) for ep in epochs) if traced else None,
         },
         "constraints": constraints,
@@ -629,6 +632,16 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
         "faults": worker_faults(conn),
         "dissent": quorum_dissent(conn),
     }
+
+
+def _unattempted(conn: sqlite3.Connection) -> int:
+    """Committed cells no model proposed: the token-stream VM's forced and tool tokens (their
+    rules have no model in ``rule_defs``)."""
+    row = conn.execute(
+        "SELECT sum(c.count) FROM commits c JOIN rule_defs r ON c.rule = r.id "
+        "WHERE r.model IS NULL AND r.name IN ('forced', 'tool')"
+    ).fetchone()
+    return int(row[0] or 0)
 
 
 def quorum_dissent(conn: sqlite3.Connection) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import shutil
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 from lmpm.errors import RunDirError, UsageError
 from lmpm.train import log as tlog
 from lmpm.train.spec import TrainSpec
+from lmpm.train.units import UNIT, fmt
 
 # `lmpm run` options that mean something only for cell programs
 CELL_ONLY = {
@@ -280,7 +280,7 @@ def _train(
 
 
 def _bits(nats: float) -> str:
-    return f"{nats:.4f} ({nats / math.log(2):.3f} bits)"
+    return f"{fmt(nats)} {UNIT}"
 
 
 def _human(n: float) -> str:

@@ -30,6 +30,7 @@ from rich.text import Text
 
 from lmpm.train.log import TrainHistory
 from lmpm.train.log import status as run_status
+from lmpm.train.units import UNIT, bits, fmt
 
 GRAPH_HEIGHT = 10  # rows of the loss plot (each row is 4 braille dots high)
 FAULT_ROWS = 4  # the last worker_faults rows shown
@@ -200,7 +201,7 @@ def _workers(h: TrainHistory) -> RenderableType:
             str(row.get("pid", "?")),
             Text(state, style=_state_style(state)),
             str(row.get("restarts", "?")),
-            f"{last['last_loss']:.4f}" if last else "-",
+            fmt(last["last_loss"]) if last else "-",
             f"{tokens[w]:,}" if w in tokens else "-",
         )
     if not names:
@@ -224,7 +225,7 @@ def _state_style(state: str) -> str:
 def _loss(h: TrainHistory, width: int) -> RenderableType:
     if not h.steps:
         return Text("waiting for the first epoch", style="dim")
-    finite = [(float(s), float(y)) for s, _, y in h.steps if is_finite(y)]
+    finite = [(float(s), bits(float(y))) for s, _, y in h.steps if is_finite(y)]
     if not finite:
         return Text(f"no finite loss in {len(h.steps)} steps", style="red")
     xs = [x for x, _ in finite]
@@ -233,13 +234,13 @@ def _loss(h: TrainHistory, width: int) -> RenderableType:
     for s, e, _ in h.steps:
         last_step[e] = s
     marks = [
-        (float(last_step.get(r["epoch"], xs[-1])), float(r["eval_loss"]))
+        (float(last_step.get(r["epoch"], xs[-1])), bits(float(r["eval_loss"])))
         for r in h.epochs
         if is_finite(r["eval_loss"])
     ]
     lines = loss_plot(xs, ys, marks, width=width, height=GRAPH_HEIGHT)
     legend = Text.assemble(
-        ("⣀ train loss per inner step", TRAIN_STYLE),
+        (f"⣀ train loss per inner step ({UNIT})", TRAIN_STYLE),
         ("   "),
         (f"{EVAL_MARK} eval loss per epoch", EVAL_STYLE) if marks else "",
     )
@@ -343,10 +344,10 @@ def _throughput(h: TrainHistory) -> RenderableType:
     )
     grid.add_row("bytes sent", f"last {human_bytes(last['bytes'])} · total {human_bytes(sent)}")
     grid.add_row("tokens", f"{tokens:,}")
-    loss = f"last epoch {last['loss']:.4f}"
+    loss = f"last {fmt(last['loss'])}"
     if last["eval_loss"] is not None:
-        loss += f" · eval {last['eval_loss']:.4f}"
-    grid.add_row("loss", loss)
+        loss += f" · eval {fmt(last['eval_loss'])}"
+    grid.add_row("loss", loss + " bits")
     return grid
 
 

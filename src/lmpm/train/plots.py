@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lmpm.train.dashboard import is_finite, policy_text
 from lmpm.train.log import TrainHistory
+from lmpm.train.units import UNIT, bits
 
 MAX_EPOCH_LINES = 40  # more outer steps than this: no boundary lines (they would fill the plot)
 
@@ -34,11 +35,13 @@ def plot_loss(history: TrainHistory, path: str | Path) -> Path:
     ]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if steps:
-        ax.plot([s for s, _, _ in steps], [y for _, _, y in steps], lw=1.2, label="train loss")
+        ax.plot(
+            [s for s, _, _ in steps], [bits(y) for _, _, y in steps], lw=1.2, label="train loss"
+        )
     if evals:
         ax.plot(
             [s for s, _ in evals],
-            [y for _, y in evals],
+            [bits(y) for _, y in evals],
             ls="none",
             marker="o",
             ms=5,
@@ -54,7 +57,7 @@ def plot_loss(history: TrainHistory, path: str | Path) -> Path:
     status = meta.get("status", "?")
     ax.set_title(f"{meta.get('program', '?')} · {policy_text(meta)} · {status}", fontsize=10)
     ax.set_xlabel("inner step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(f"loss ({UNIT})")
     if steps or evals:
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

@@ -5,10 +5,10 @@ the parameters, which workers failed and were respawned, and the resumes. Reads 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from lmpm.train.log import TrainHistory, status
+from lmpm.train.units import UNIT, fmt
 
 
 def report(h: TrainHistory) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def report(h: TrainHistory) -> dict[str, Any]:
 
 
 def _bits(x: float | None) -> str:
-    return "-" if x is None else f"{x / math.log(2):.4f}"
+    return fmt(x)
 
 
 def render(rep: dict[str, Any], console: Any) -> None:
@@ -62,7 +62,7 @@ def render(rep: dict[str, Any], console: Any) -> None:
     )
     if rep.get("error"):
         console.print(f"[red]error[/]: {rep['error']}", highlight=False)
-    t = Table(title="epochs (loss in bits per token)", title_justify="left")
+    t = Table(title=f"epochs (loss in {UNIT})", title_justify="left")
     for col in ("epoch", "loss", "held-out", "tokens", "s", "bytes", "changed", "frozen",
                 "projected", "rejected", "clock", "checksum"):  # fmt: skip
         t.add_column(col, justify="right")
