@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from lmpm.errors import UsageError
@@ -197,3 +198,39 @@ def test_a_short_compiled_run_says_compiling_did_not_pay(tmp_path: Path) -> None
     assert res.returncode == 0, res.stderr
     assert "attempts/s after compiling" in res.stderr
     assert "this run is quicker without --compile" in res.stderr
+
+
+def _norms(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    z = np.load(run_dir / "Z.npy")
+    z0 = np.load(ROOT / "examples" / "latent" / "z0.npy")
+    return np.linalg.norm(z, axis=-1), np.abs(z - z0).sum(axis=-1) > 0
+
+
+def test_a_hard_norm_bound_is_never_broken_by_a_commit(tmp_path: Path) -> None:
+    src = (ROOT / "examples" / "latent.lmpm").read_text()
+    soft_line = "  require NormAtMost(Z[x, y], R) priority 10\n"
+    assert soft_line in src
+    hard = tmp_path / "hard.lmpm"
+    hard.write_text(src.replace(soft_line, soft_line.rstrip("\n") + " hard\n"))
+    soft = tmp_path / "soft.lmpm"
+    soft.write_text(src)
+    for prog in (soft, hard):
+        res = lmpm(
+            "run", str(prog), "--input", "Z=examples/latent/z0.npy", "--epochs", "2",
+            "--set", "R=1", "--out", str(tmp_path / prog.stem), "--quiet",
+        )  # fmt: skip
+        assert res.returncode == 0, res.stderr
+    norm, changed = _norms(tmp_path / "soft")
+    assert (changed & (norm > 1.0)).any()  # soft: a violating candidate wins on score
+    norm, changed = _norms(tmp_path / "hard")
+    assert changed.any() and not (changed & (norm > 1.0 + 1e-6)).any()  # hard: never
+
+
+def test_hard_on_a_proved_constraint_is_a_located_error(tmp_path: Path) -> None:
+    prog = tmp_path / "h.lmpm"
+    prog.write_text(
+        "param N = 4\nvalue A : Token[8] shape Seq(N)\nvisible A[t] <- A[0..t-1] when t > 0\n"
+        "constraint C: forbid read_future(A[t]) priority 10 hard\n"
+    )
+    res = lmpm("check", str(prog), cwd=tmp_path)
+    assert res.returncode == 1 and f"{prog}:4:1: error[E118]" in res.stderr

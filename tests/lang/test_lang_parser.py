@@ -151,3 +151,15 @@ def test_keyword_arguments_pass_through() -> None:
         ("temp", ArgKind.INT, 3),
         ("mode", ArgKind.NAME, "greedy"),
     ]
+
+
+def test_a_hard_constraint(parse_with: Any) -> None:
+    text = H + "constraint Lower:\n  require A[t] in Set(97..122) priority 10 hard\n"
+    con = parse_with(text, "f").items[2]
+    assert isinstance(con, ast.Constraint) and con.hard
+    assert (con.span.end_line, con.span.end_col) == (4, 48)  # the span ends after `hard`
+    soft = parse_with(text.replace(" hard", ""), "f").items[2]
+    assert not soft.hard
+    # `hard` is still a name wherever a name fits (the fast parser leaves such text to lark)
+    named = parse(H + "param hard = 3\n", "f").items[2]
+    assert named.name == "hard"

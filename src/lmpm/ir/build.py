@@ -6,7 +6,7 @@ semantic checks over the finished IR live in :mod:`lmpm.ir.check`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lmpm.errors import DiagnosticSink, Span
 from lmpm.ir.eval import EvalError, evaluate, names_in
@@ -164,7 +164,9 @@ class Builder:
             elif isinstance(item, ast.Rule):
                 self._guarded(item, lambda i: rules.append(self._rule(i)))
             elif isinstance(item, ast.Constraint):
-                self._guarded(item, lambda i: constraints.append(self._constraint(i)))
+                self._guarded(
+                    item, lambda i: constraints.append(self._hard(i, self._constraint(i)))
+                )
             elif isinstance(item, ast.Commit):
                 self._guarded(item, lambda i: commits.append(self._commit(i)))
             elif isinstance(item, ast.Workflow):
@@ -900,6 +902,20 @@ class Builder:
             "E108", f"`k of n` counts with integers, got {_describe(e)}", e.span, "e.g. `2 of 3`"
         )
 
+    def _hard(self, item: ast.Constraint, c: Constraint) -> Constraint:
+        """`... priority N hard`: only a constraint on candidates' cells can be hard."""
+        if not item.hard:
+            return c
+        if c.pred not in (PredKind.IN_SET, PredKind.USER, PredKind.CHANGE) or c.access is None:
+            raise self._fail(
+                "E118",
+                f"`hard` applies to a constraint checked on candidates; `{c.name}` is not one",
+                item.span,
+                "drop `hard` (a `read_future` is proved at compile time; a training constraint "
+                "on parameters is enforced as it is)",
+            )
+        return replace(c, hard=True)
+
     def _constraint(self, item: ast.Constraint) -> Constraint:
         prio = item.priority
         pexpr = self._expr(prio, _Scope())
@@ -987,7 +1003,8 @@ class Builder:
             f"{_describe(pred)} is not a predicate",
             pred.span,
             "predicates: change(A), read_future(A), A in Set(...), A in Call(...), "
-            "or a bound predicate Call(A, ...)",
+            "or a bound predicate Call(A, ...); `forbid not P(...)` is `require P(...)`, and "
+            "`require P(...) priority N hard` is a bound no commit may break",
         )
 
     def _pattern_vars(self, e: ast.Expr, scope: _Scope) -> tuple[str, ...]:

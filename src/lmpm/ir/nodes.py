@@ -290,6 +290,7 @@ class Constraint:
     priority: int
     status: Status
     span: Span
+    hard: bool = False  # `hard`: a candidate that violates it is never eligible (keep-current is)
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,7 +193,8 @@ def print_ir(p: Program) -> str:
             pred = f"{c.pred.value}({access_str(c.access)})"
         pv = f" over {','.join(c.pattern_vars)}" if c.pattern_vars else ""
         out.append(
-            f"constraint {c.name}: {c.kind} {pred} priority {c.priority}{pv} [{c.status.value}]"
+            f"constraint {c.name}: {c.kind} {pred} priority {c.priority}"
+            f"{' hard' if c.hard else ''}{pv} [{c.status.value}]"
         )
     for cm in p.commits:
         out.append(f"commit {access_str(cm.access)} using {call_str(cm.policy)}")

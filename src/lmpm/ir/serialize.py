@@ -156,6 +156,8 @@ def _decode_node(d: dict[str, Any], file: str) -> Any:
         if cls is Program and f.name == "file":
             kwargs["file"] = file
             continue
+        if f.name not in d and f.default is not dataclasses.MISSING:
+            continue  # a field added with a default (Constraint.hard): older documents lack it
         if f.name not in d:
             raise IRFormatError(f"IR node {cls.__name__} lacks field {f.name!r}", code="I002")
         kwargs[f.name] = _decode(d[f.name], hints[f.name], file)
@@ -233,7 +235,8 @@ def json_schema() -> dict[str, Any]:
         required = ["node"]
         for f in dataclasses.fields(cls):
             props[f.name] = _schema_of(hints[f.name])
-            required.append(f.name)
+            if f.default is dataclasses.MISSING:
+                required.append(f.name)
         defs[name] = {
             "type": "object",
             "properties": props,

@@ -263,6 +263,7 @@ class Constraint:
     priority: Expr
     span: Span
     name_span: Span
+    hard: bool = False  # `... priority N hard`: a candidate that violates it never commits
 
 
 @dataclass(frozen=True, slots=True)

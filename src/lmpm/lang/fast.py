@@ -64,6 +64,7 @@ KEYWORDS = frozenset(
         "capture",
         "call",
         "tag",
+        "hard",  # `... priority N hard`
     ]
 )
 
@@ -439,6 +440,11 @@ class Parser:
         pred = self.expr()
         self._kw("priority")
         priority = self.expr()
+        end = priority.span
+        hard = self.toks[self.i][0] == NAME and self.toks[self.i][1] == "hard"
+        if hard:
+            end = self._span(self.toks[self.i])
+            self.i += 1
         self._expect(NL)
         if block:
             self._expect(DEDENT)
@@ -447,8 +453,9 @@ class Parser:
             ktok[1],
             pred,
             priority,
-            self._join(self._span(kw), priority.span),
+            self._join(self._span(kw), end),
             self._span(name),
+            hard,
         )
 
     def _commit(self) -> ast.Commit:

@@ -122,10 +122,15 @@ def _stmt_lines(item: ast.Item) -> list[_Line]:
             for st in body:
                 out.append((INDENT + _rule_stmt(st), st, st.span.line))
             return out
-        case ast.Constraint(name=n, kind=k, pred=pr, priority=prio):
+        case ast.Constraint(name=n, kind=k, pred=pr, priority=prio, hard=hard):
+            tail = " hard" if hard else ""
             return [
                 (f"constraint {n}:", None, item.span.line),
-                (f"{INDENT}{k} {fmt_expr(pr)} priority {fmt_expr(prio)}", item, prio.span.line),
+                (
+                    f"{INDENT}{k} {fmt_expr(pr)} priority {fmt_expr(prio)}{tail}",
+                    item,
+                    prio.span.line,
+                ),
             ]
         case ast.Commit(target=t, policy=p):
             return [(f"commit {fmt_expr(t)} using {fmt_expr(p)}", item, item.span.line)]

@@ -338,18 +338,22 @@ class _Builder(Transformer[Token, Any]):
         end = body[-1].span if body else self._tok(name)
         return ast.Rule(str(name), body, self._join(self._tok(kw), end), self._tok(name))
 
-    def con_body(self, kind: Token, pred: Any, _kw: Token, priority: Any) -> tuple[Any, ...]:
-        return (kind, pred, priority)
+    def con_body(
+        self, kind: Token, pred: Any, _kw: Token, priority: Any, hard: Token | None = None
+    ) -> tuple[Any, ...]:
+        return (kind, pred, priority, hard)
 
     def constraint(self, kw: Token, name: Token, _colon: Token, *rest: Any) -> ast.Constraint:
-        kind, pred, priority = next(r for r in rest if isinstance(r, tuple))
+        kind, pred, priority, hard = next(r for r in rest if isinstance(r, tuple))
+        end = self._tok(hard) if hard is not None else priority.span
         return ast.Constraint(
             str(name),
             str(kind),
             pred,
             priority,
-            self._join(self._tok(kw), priority.span),
+            self._join(self._tok(kw), end),
             self._tok(name),
+            hard is not None,
         )
 
     def commit(self, kw: Token, target: Any, _using: Token, policy: Any, _nl: Token) -> ast.Commit:

@@ -41,20 +41,27 @@ def agree(
     priority: Tensor,
     quota: int | None,
     fresh: bool = False,
+    hard: Tensor | None = None,
 ) -> Agreed:
     """Run ``vp``'s policy on ``cand``. ``kept_score``: (n,) committed score of each open cell
     (-inf when unset); ``priority``: (K,) constraint priorities; ``quota``: at most this many cells
     commit, the highest-scoring winners first (ties: lower cell); ``fresh``: every open cell is
-    unset."""
+    unset; ``hard``: (K,) bool, the `hard` constraints: a proposal violating one is not eligible
+    (keep-current always is, so such a cell keeps its value, or stays unset)."""
     score = cand.score
     if cand.refreshed is not None:
         score[:, 0] = torch.where(cand.refreshed, score[:, 0], kept_score)
     elif not fresh:  # (unset cells: the worker's column 0 is -inf already)
         score[:, 0] = kept_score
     checksum = cand.checksum if cand.checksum is not None else _NO_CHECKSUMS
+    valid = cand.valid
+    if hard is not None:  # (n, C): proposals (column 1 on) that violate a hard constraint
+        out = (cand.violated & hard.to(cand.violated.device)).any(dim=2)
+        out[:, 0] = False
+        valid = valid & ~out
     a = Agree(
         checksum,
-        cand.valid,
+        valid,
         score,
         cand.violated,
         priority,

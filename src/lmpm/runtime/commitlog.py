@@ -198,7 +198,12 @@ def program_hash(program: Program) -> str:
 
     def strip(x: Any) -> Any:
         if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items() if k not in ("span", "file")}
+            # (a soft constraint's `hard: false` is left out: hashes from before it existed hold)
+            return {
+                k: strip(v)
+                for k, v in x.items()
+                if k not in ("span", "file") and not (k == "hard" and v is False)
+            }
         if isinstance(x, list):
             return [strip(v) for v in x]
         return x

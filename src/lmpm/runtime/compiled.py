@@ -114,6 +114,8 @@ def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
     for cp in live_constraints(plan).get(value, []):
         if cp.pred not in (PredKind.IN_SET, PredKind.CHANGE):
             return f"constraint `{cp.name}` is a bound Python predicate"
+        if cp.ir.hard:
+            return f"constraint `{cp.name}` is hard"
     if quota:
         return "the schedule commits a quota of the cells"
     return None

@@ -251,6 +251,14 @@ class _ValueStatic:
     constraints: tuple[ConstraintPlan, ...]  # evaluated at run time (K of them)
     priority: Tensor  # (K,) int64
     constraint_ids: Tensor  # (K,) int64 ids into plan.constraints
+    hard: Tensor | None = None  # (K,) bool: `hard` constraints (None: none is)
+
+
+def _hard_mask(constraints: list[ConstraintPlan]) -> Tensor | None:
+    """(K,) bool: which of a value's live constraints are `hard` (None when none is)."""
+    if not any(cp.ir.hard for cp in constraints):
+        return None
+    return torch.tensor([cp.ir.hard for cp in constraints], dtype=torch.bool)
 
 
 class Engine:
@@ -307,6 +315,7 @@ class Engine:
                 tuple(live.get(name, [])),
                 torch.tensor([cp.priority for cp in live.get(name, [])], dtype=torch.int64),
                 torch.tensor([cp.id for cp in live.get(name, [])], dtype=torch.int64),
+                _hard_mask(live.get(name, [])),
             )
             for name, rules in by_target.items()
         }
@@ -679,7 +688,7 @@ class Engine:
                 quota = self.schedule.quota(
                     e, vp.ncells - given, int(st.committed.count_nonzero()) - given
                 )
-            ag = agree(vp, cand, kept, static.priority, quota, fresh)
+            ag = agree(vp, cand, kept, static.priority, quota, fresh, static.hard)
             commits = int(ag.changed.count_nonzero())
             if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
                 self._blocked(name, cand, static, (~ag.changed & ~was).nonzero().squeeze(1))
