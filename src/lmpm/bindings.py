@@ -229,5 +229,5 @@ class Bindings:
             f"{role} `{name}` is not bound",
             code="B020",
             hint=f'bind it with --bind MODULE (decorate with @lmpm.bind("{name}")); '
-            f"bound names: {known}",
+            f"bound names: {known} (the built-ins: docs/builtins.md)",
         )
