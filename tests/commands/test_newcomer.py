@@ -234,3 +234,30 @@ def test_hard_on_a_proved_constraint_is_a_located_error(tmp_path: Path) -> None:
     )
     res = lmpm("check", str(prog), cwd=tmp_path)
     assert res.returncode == 1 and f"{prog}:4:1: error[E118]" in res.stderr
+
+
+def _readme_quick_start() -> list[str]:
+    """The README's first `lmpm run` of the quick start, as words."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = text.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    line = next(ln for ln in block.replace("\\\n", " ").splitlines() if ln.startswith("lmpm run"))
+    return line.split("#", 1)[0].split()
+
+
+def test_the_readme_quick_start_shows_constraints_deciding_cells(tmp_path: Path) -> None:
+    words = _readme_quick_start()
+    assert words[:3] == ["lmpm", "run", "examples/video.lmpm"]
+    out = words.index("--out")
+    words[out + 1] = str(tmp_path / "video")
+    res = lmpm(*words[1:])
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(lmpm("trace", str(tmp_path / "video"), "--json").stdout)
+    won = {c["name"]: c["won"] for c in rep["constraints"]}
+    assert won["HardLock"] > 0 and won["TextPaint"] > 0  # both visibly decide cells
+    # ... and the numbers the README tells a newcomer to look for are this run's
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"`{rep['run']['decided']} decisions were decided" in readme
+    assert (
+        f"`HardLock` {won['HardLock']} (" in readme
+        and f"`TextPaint` {won['TextPaint']} (" in readme
+    )
