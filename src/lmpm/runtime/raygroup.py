@@ -66,6 +66,7 @@ from lmpm.runtime.protocol import (
     from_wire,
     to_wire,
 )
+from lmpm.runtime.raylog import quiet_worker_deaths
 
 DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
 MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
@@ -400,6 +401,7 @@ class RayGroup(WorkerGroup):
                     _node_ip_address="127.0.0.1",
                 )
             self._owns_ray = True
+        quiet_worker_deaths()  # LMPM replaces a dead worker and says so itself
         self._ref = ray.put(self.recipe if self.recipe is not None else self.plan)
         # across nodes, spread the workers (one per node while nodes last); Ray's scheduler
         # places a replacement wherever resources are left

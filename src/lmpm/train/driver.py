@@ -35,6 +35,7 @@ from torch import Tensor
 from lmpm.errors import LmpmError, UsageError
 from lmpm.runtime.lock import atomic_write
 from lmpm.runtime.raygroup import WorkerLost, _Failed
+from lmpm.runtime.raylog import quiet_worker_deaths
 from lmpm.train.spec import TrainSpec
 from lmpm.train.worker import Committed, Proposal, TrainWorker, inner_path
 
@@ -323,6 +324,7 @@ class RayDriver:
                     _node_ip_address="127.0.0.1",
                 )
             self._owns_ray = True
+        quiet_worker_deaths()  # the supervisor replaces a dead worker and says so itself
         self.threads = 1 if threads is None else int(threads)
         opts: dict[str, Any] = {
             "max_restarts": 0,
