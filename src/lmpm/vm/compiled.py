@@ -155,13 +155,13 @@ class _Replay:
     fields): the graph reads them, writes the history tables in place and copies the new state
     and the next ``Forced`` back into them, so that a driver passing the core's own tensors and
     the step's own next ``Forced`` copies in only the sampled tokens. ``flat`` holds what escapes
-    the step, one buffer per dtype (int64, bool), copied out after each replay."""
+    the step, one buffer per dtype (int64, bool), copied out after each replay; the flags go to
+    the host late (:class:`~lmpm.workers.graphs.LateFlags`)."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Tensor, ...], rebound: list[str]):
         where = [STATE.index(name) for name in rebound]
         forced_at = len(STATE) + len(CONSTANTS) + 1  # the Forced fields follow the sampled tokens
         self.inputs = [a.clone() for a in args]
-        self.flags = graphs.LateFlags(3, args[0].device)
         self.layout: list[tuple[torch.dtype, tuple[int, ...]]] = []
         self.dtypes: list[torch.dtype] = []
 
@@ -175,20 +175,21 @@ class _Replay:
             nxt = outs[i + 2 : i + 2 + _FORCED]
             for k, t in enumerate(nxt):
                 self.inputs[forced_at + k].copy_(t)
-            self.flags.post(outs[i + 2 + _FORCED])
             escaping = [*outs[:_STEP_OUT], visits, moved, *nxt]
             self.layout = [(t.dtype, tuple(t.shape)) for t in escaping]
             by_dtype: dict[torch.dtype, list[Tensor]] = {}
             for t in escaping:
                 by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
             self.dtypes = list(by_dtype)
-            return [torch.cat(parts) for parts in by_dtype.values()]
+            return [*(torch.cat(parts) for parts in by_dtype.values()), outs[i + 2 + _FORCED]]
 
         def warmup() -> None:  # on copies: the step writes its history tables in place
             for _ in range(2):
                 fn(*[a.clone() for a in args])
 
-        self.flat, self.replay = graphs.capture(body, warmup=warmup)
+        outs, self.replay = graphs.capture(body, warmup=warmup)
+        self.flat = list(outs[:-1])
+        self.flags = graphs.LateFlags(outs[-1])  # (3,): done, a tool waits, settle rounds
         self.sizes = {
             dt: [math.prod(shape) for d, shape in self.layout if d == dt] for dt in self.dtypes
         }

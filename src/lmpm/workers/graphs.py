@@ -11,7 +11,7 @@ decode step is. Two things make a step capturable, and the callers keep to them:
   the step);
 - **no host synchronisation inside**: no value read back, no data-dependent size. What the host
   must know after a step (is every stream done, does a tool wait) goes to a pinned host buffer by
-  an asynchronous copy inside the graph and is read by :class:`LateFlags` once the GPU got there.
+  an asynchronous copy after the replay and is read by :class:`LateFlags` once the GPU got there.
 
 On the simulated device (:mod:`lmpm.workers.simcuda`) there is no graph to capture: :func:`capture`
 runs the body once and each replay runs it again, writing into the first run's outputs, so the
@@ -63,29 +63,28 @@ def capture(
 class LateFlags:
     """Small int64 flags a replayed step leaves on the device, read on the host without waiting.
 
-    :meth:`post` (inside the captured body) copies the step's flags into a pinned host buffer;
-    :meth:`mark` (after each replay) records an event. :meth:`read` returns the flags of the
+    ``device_flags`` is the graph's static output buffer of the flags. :meth:`mark` (after each
+    replay) copies it to a pinned host buffer asynchronously and records an event (the copy is
+    outside the graph: a copy to host memory inside a capture depends on the host allocator's
+    bookkeeping, which PyTorch does not promise to capture). :meth:`read` returns the flags of the
     newest step the GPU has finished, never blocking, unless the host has run ``lag`` steps ahead
     of the last flags it saw: then it waits for the newest step. So the host learns of a change
-    (a stream done, a tool waiting) at most ``lag`` steps late and never syncs per step.
-    Flags that only ever turn on and that the caller may act on late (finishing, tool calls) are
-    what this is for: acting a few steps late must change when, not what, is committed."""
+    (a stream done, a tool waiting) at most ``lag`` steps late and never syncs per step. Flags
+    that only ever turn on and that the caller may act on late (finishing, tool calls) are what
+    this is for: acting a few steps late must change when, not what, is committed."""
 
-    def __init__(self, size: int, device: torch.device, *, lag: int = 8) -> None:
-        self.device = device
+    def __init__(self, device_flags: Tensor, *, lag: int = 8) -> None:
+        self.device_flags = device_flags
         self.lag = lag
-        self.host = torch.zeros(size, dtype=torch.int64).pin_memory()
-        self.seen: list[int] = [0] * size  # the newest flags read
+        self.host = torch.zeros(device_flags.shape, dtype=device_flags.dtype).pin_memory()
+        self.seen: list[int] = [0] * device_flags.numel()  # the newest flags read
         self.behind = 0  # steps marked since they were read
         self.waits = 0  # reads that had to wait for the GPU
         self._event: torch.cuda.Event | None = None
 
-    def post(self, flags: Tensor) -> None:
-        """Inside the captured body: the step's flags to the host, asynchronously."""
-        self.host.copy_(flags, non_blocking=True)
-
     def mark(self) -> None:
-        """After a replay: the flags of this step are in the host buffer once this event is."""
+        """After a replay: this step's flags on their way to the host, and an event after them."""
+        self.host.copy_(self.device_flags, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
         self._event = ev
