@@ -163,3 +163,11 @@ def test_a_hard_constraint(parse_with: Any) -> None:
     # `hard` is still a name wherever a name fits (the fast parser leaves such text to lark)
     named = parse(H + "param hard = 3\n", "f").items[2]
     assert named.name == "hard"
+
+
+def test_fmt_keeps_hard() -> None:
+    from lmpm.lang.format import format_source
+
+    text = H + "constraint Lower: require A[t] in Set(97..122) priority 10 hard\n"
+    out = format_source(text, "f")
+    assert "priority 10 hard" in out and format_source(out, "f") == out
