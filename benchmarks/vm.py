@@ -164,7 +164,7 @@ def time_baseline(streams: int, table: torch.Tensor, tools: bool = True) -> Time
 
 
 def compiled_refusal(device: str) -> str | None:
-    """Why ``VM(compile=True)`` refuses ``device`` (today U104 on CUDA), or None."""
+    """Why ``VM(compile=True)`` refuses ``device`` (U104 off the cpu and cuda), or None."""
     ins = compile_workflow(compile_file(PROGRAM).ir, overrides={"B": 1})
     try:
         VM(ins, tools={"Count": count}, compile=True, device=device)
@@ -342,7 +342,7 @@ def main() -> int:
     # B=4096 one thread is ~50x faster than two under load). The baseline is one thread too.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # The CPU has the compiled step; elsewhere ask the VM (today U104 on CUDA).
+    # The CPU and CUDA have the compiled step; elsewhere ask the VM (U104).
     refused = (
         compiled_refusal(args.device) if args.device != "cpu" and not args.no_compile else None
     )

@@ -23,24 +23,13 @@ from lmpm.vm.core import Core
 from lmpm.workers.simcuda import simulated_cuda
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_vm_compiled import same_vm
 from test_vm_property import WHO, _compile, echo, workflows
 from test_vm_run import count
 from vm_helpers import instructions, run_vm
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "vm.lmpm"
-
-
-def same_vm(a: VM, b: VM) -> None:
-    """``b`` (streams on the device) committed what ``a`` (on the CPU) committed."""
-    assert a.generative_sequence() == b.generative_sequence()
-    assert a.extract() == b.extract()
-    assert a.decisions() == b.decisions()
-    assert a.stream_status() == b.stream_status()
-    assert a.tool_calls == b.tool_calls
-    for key, table in a.status.items():
-        assert torch.equal(table, b.status[key].cpu()), key
-    assert torch.equal(a.raw_stream, b.raw_stream.cpu())
 
 
 def example(streams: int) -> object:

@@ -355,6 +355,7 @@ class CompiledStep:
         rep.owner = weakref.ref(self.core)
         rep.fed = None
         rep.fresh = True
+        rep.flags.reset()  # the last owner's flags (its streams were done) are not this core's
         return rep
 
 

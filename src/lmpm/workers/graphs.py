@@ -82,6 +82,12 @@ class LateFlags:
         self.waits = 0  # reads that had to wait for the GPU
         self._event: torch.cuda.Event | None = None
 
+    def reset(self) -> None:
+        """Forget what was read (a new owner of the graph: its streams start anew)."""
+        self.seen = [0] * len(self.seen)
+        self.behind = 0
+        self._event = None
+
     def mark(self) -> None:
         """After a replay: this step's flags on their way to the host, and an event after them."""
         self.host.copy_(self.device_flags, non_blocking=True)
