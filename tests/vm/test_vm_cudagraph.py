@@ -119,3 +119,34 @@ def test_graphed_step_on_the_gpu_commits_the_cpu_tokens() -> None:
     assert graphed.decisions() == eager.decisions()
     assert graphed.stream_status() == eager.stream_status()
     assert torch.equal(graphed.raw_stream.cpu(), eager.raw_stream)
+
+
+def test_a_whole_workflow_run_on_cuda_as_on_the_cpu() -> None:
+    """The example with its byte model and tool, every stream on the (simulated) GPU with the
+    graphed step: the same streams as the eager CPU run."""
+    from test_vm_run import make
+
+    cpu = make(3)
+    cpu.run()
+    with simulated_cuda() as sim:
+        gpu = make(3, device="cuda", compile=True)
+        gpu.run()
+        assert gpu.vm.compiled is not None and gpu.vm.compiled.steps > 0
+        assert gpu.vm.generative_sequence() == cpu.vm.generative_sequence()
+        assert gpu.vm.extract() == cpu.vm.extract()
+    assert not sim.errors
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cli_device_cuda_without_a_gpu_is_a_clear_error() -> None:
+    import subprocess
+
+    res = subprocess.run(
+        [sys.executable, "-m", "lmpm.cli", "vm", "run", str(EXAMPLE), "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == 1
+    assert "error[E000]: --device cuda: this machine has no CUDA device" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -185,6 +186,8 @@ def _is_sub(a: Any) -> bool:
 
 
 def _literal(v: Any) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"float({str(v)!r})"  # inf, -inf, nan: repr is not Python source
     if isinstance(v, bool | int | float) or v is None:
         return repr(v)
     if isinstance(v, torch.dtype | torch.layout | torch.memory_format):
