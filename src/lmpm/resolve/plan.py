@@ -111,6 +111,17 @@ class ConstraintPlan:
     status: Status
 
 
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """One gather: the target's cells read these cells of ``source`` (``index``/``valid`` rows)."""
+
+    target: str
+    source: str
+    index: Tensor  # (target cells, K) flat source index
+    valid: Tensor  # (target cells, K) bool
+    uniform: bool  # every target cell reads row 0's cells
+
+
 @dataclass
 class Plan:
     program: Program
@@ -122,6 +133,32 @@ class Plan:
     colors: dict[str, Tensor] = field(
         default_factory=dict
     )  # independent schedule: (ncells,) colours
+    # Indexes over the rules and constraints, built once here; the data plane, the engine, the
+    # compiled epoch and the topology read them.
+    rules_by_target: dict[str, list[RulePlan]] = field(init=False)  # program order per value
+    # the constraints evaluated at run time, per constrained value (a constraint proved at
+    # compile time, or a read_future decided there, is never re-evaluated)
+    live_constraints: dict[str, list[ConstraintPlan]] = field(init=False)
+    gathers: list[Gather] = field(init=False)  # rule reads, then the live constraints' accesses
+
+    def __post_init__(self) -> None:
+        self.rules_by_target = {}
+        for rp in self.rules:
+            self.rules_by_target.setdefault(rp.target, []).append(rp)
+        self.live_constraints = {}
+        for cp in self.constraints:
+            if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
+                continue
+            self.live_constraints.setdefault(cp.target, []).append(cp)
+        self.gathers = [
+            Gather(rp.target, rd.source, rd.index, rd.valid, rd.uniform)
+            for rp in self.rules
+            for rd in rp.reads
+        ]
+        for cps in self.live_constraints.values():
+            for cp in cps:
+                for index, valid in cp.accesses:
+                    self.gathers.append(Gather(cp.target, cp.target, index, valid, False))
 
     @property
     def total_cells(self) -> int:
@@ -637,6 +674,7 @@ def plan_text(program: Program, overrides: Mapping[str, int] | None = None) -> s
 
 __all__ = [
     "ConstraintPlan",
+    "Gather",
     "Plan",
     "ReadPlan",
     "RulePlan",
@@ -646,22 +684,3 @@ __all__ = [
     "resolve",
     "sample_tiles",
 ]
-
-
-def rules_by_target(plan: Plan) -> dict[str, list[RulePlan]]:
-    """The rules proposing each value, in program order."""
-    out: dict[str, list[RulePlan]] = {}
-    for rp in plan.rules:
-        out.setdefault(rp.target, []).append(rp)
-    return out
-
-
-def live_constraints(plan: Plan) -> dict[str, list[ConstraintPlan]]:
-    """The constraints evaluated at run time, per constrained value (a constraint proved at
-    compile time, or a read_future decided there, is never re-evaluated)."""
-    out: dict[str, list[ConstraintPlan]] = {}
-    for cp in plan.constraints:
-        if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
-            continue
-        out.setdefault(cp.target, []).append(cp)
-    return out
