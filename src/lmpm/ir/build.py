@@ -17,7 +17,7 @@ from typing import TypeVar
 from lmpm.errors import DiagnosticSink, Span
 from lmpm.ir.lower import core, train, workflow
 from lmpm.ir.lower.exprs import lower_expr
-from lmpm.ir.lower.scope import TYPES, Declared, Scope, Skip
+from lmpm.ir.lower.scope import TYPES, Declared, Lowered, Scope, Skip
 from lmpm.ir.nodes import (
     IR_VERSION,
     Commit,
@@ -26,9 +26,7 @@ from lmpm.ir.nodes import (
     Param,
     Program,
     Rule,
-    Stencil,
     Value,
-    Workflow,
 )
 from lmpm.lang import ast
 
@@ -78,35 +76,21 @@ def build(prog: ast.Program, sink: DiagnosticSink | None = None) -> Program:
     # Coarse after a clause that reads it).
     for item in prog.items:
         _guarded(item, _declare, scope, deep)
-    stencils: list[Stencil] = []
-    rules: list[Rule] = []
-    constraints: list[Constraint] = []
-    commits: list[Commit] = []
-    workflows: list[Workflow] = []
+    done = Lowered()
     for item in prog.items:
-        if isinstance(item, ast.Visible):
-            _guarded(item, lambda i, sc: stencils.append(core.lower_visible(i, sc)), scope, deep)
-        elif isinstance(item, ast.Rule):
-            _guarded(item, lambda i, sc: rules.append(_rule(i, sc)), scope, deep)
-        elif isinstance(item, ast.Constraint):
-            _guarded(item, lambda i, sc: constraints.append(_constraint(i, sc)), scope, deep)
-        elif isinstance(item, ast.Commit):
-            _guarded(item, lambda i, sc: commits.append(_commit(i, sc)), scope, deep)
-        elif isinstance(item, ast.Workflow):
-            _guarded(
-                item, lambda i, sc: workflows.append(workflow.lower_workflow(i, sc)), scope, deep
-            )
-    train.training_scope(rules, constraints, commits, workflows, scope)
+        if not isinstance(item, ast.Param | ast.Value):
+            _guarded(item, lambda i, sc: _statement(i, sc, done), scope, deep)
+    train.training_scope(done, scope)
     ir = Program(
         IR_VERSION,
         prog.file,
         tuple(scope.params.values()),
         tuple(scope.values.values()),
-        tuple(stencils),
-        tuple(rules),
-        tuple(constraints),
-        tuple(commits),
-        tuple(workflows),
+        tuple(done.stencils),
+        tuple(done.rules),
+        tuple(done.constraints),
+        tuple(done.commits),
+        tuple(done.workflows),
     )
     if own:
         sink.raise_if_errors()
@@ -159,6 +143,21 @@ def _declare(item: ast.Item, scope: Scope) -> None:
 
 
 _KIND: dict[type, str] = {ast.Rule: "rule", ast.Constraint: "constraint", ast.Workflow: "workflow"}
+
+
+def _statement(item: ast.Item, scope: Scope, done: Lowered) -> None:
+    """Lower one statement (not a declaration) into ``done``, by its sub-language."""
+    match item:
+        case ast.Visible():
+            done.stencils.append(core.lower_visible(item, scope))
+        case ast.Rule():
+            done.rules.append(_rule(item, scope))
+        case ast.Constraint():
+            done.constraints.append(_constraint(item, scope))
+        case ast.Commit():
+            done.commits.append(_commit(item, scope))
+        case ast.Workflow():
+            done.workflows.append(workflow.lower_workflow(item, scope))
 
 
 def _value(item: ast.Value, scope: Scope) -> Value:

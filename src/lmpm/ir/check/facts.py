@@ -155,17 +155,6 @@ def suggest(name: str, candidates: list[str]) -> str | None:
     return f"did you mean `{close[0]}`?" if close else None
 
 
-def ast_kids(a: ast.Expr | None) -> tuple[ast.Expr, ...]:
-    match a:
-        case ast.BinOp(lhs=lhs, rhs=rhs) | ast.Cmp(lhs=lhs, rhs=rhs):
-            return (lhs, rhs)
-        case ast.And(lhs=lhs, rhs=rhs) | ast.Or(lhs=lhs, rhs=rhs):
-            return (lhs, rhs)
-        case ast.Neg(operand=x) | ast.Not(operand=x):
-            return (x,)
-    return ()
-
-
 def vars_of(e: Expr) -> set[str]:
     return {n for op, n in names_in(e) if op == Op.VAR}
 

@@ -4,7 +4,7 @@ and a clause's index that can leave its source without a guard is a warning (W20
 from __future__ import annotations
 
 from lmpm.errors import LmpmError
-from lmpm.ir.check.facts import Facts, ast_kids, probe_env
+from lmpm.ir.check.facts import Facts, probe_env
 from lmpm.ir.eval import EvalError, evaluate, names_in
 from lmpm.ir.nodes import AxisKind, Expr, Op, Stencil, Value
 from lmpm.ir.printer import expr_str
@@ -70,7 +70,7 @@ def _divisible(f: Facts, v: Value, d: Expr, src: ast.Expr | None = None) -> bool
     stack: list[tuple[Expr, ast.Expr | None]] = [(d, src)]
     while stack:
         x, node = stack.pop()
-        kids = ast_kids(node)
+        kids = ast.operands(node)
         if len(kids) == len(x.args):
             stack.extend(zip(x.args, kids))
         else:

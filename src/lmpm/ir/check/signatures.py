@@ -136,19 +136,7 @@ def _schedule(f: Facts, call: Call) -> None:
                 f"write {sig.doc}",
             )
             continue
-        prm = sig.param(a.key)
-        if prm is None:
-            near = suggest(a.key, [p.name for p in sig.params])
-            f.sink.error(
-                "E212",
-                f"`{call.func}` has no argument `{a.key}`",
-                f.arg_span(call, i),
-                (near + "; " if near else "")
-                + "arguments: "
-                + ", ".join(p.name for p in sig.params),
-            )
-            continue
-        _check_arg(f, "E212", call, i, a, prm, sig)
+        _keyword(f, "E212", call, i, a, sig)
 
 
 def _model(f: Facts, r: Rule, call: Call) -> None:
@@ -178,22 +166,7 @@ def _model(f: Facts, r: Rule, call: Call) -> None:
             continue
         if a.key is None:
             continue  # a positional literal: passed as argN, ignored by the built-ins
-        prm = sig.param(a.key)
-        if prm is None:
-            near = suggest(a.key, [p.name for p in sig.params])
-            f.sink.error(
-                "E213",
-                f"`{call.func}` has no argument `{a.key}`",
-                f.arg_span(call, i),
-                (near + "; " if near else "")
-                + (
-                    "arguments: " + ", ".join(p.name for p in sig.params)
-                    if sig.params
-                    else f"`{call.func}` takes reads only"
-                ),
-            )
-            continue
-        _check_arg(f, "E213", call, i, a, prm, sig)
+        _keyword(f, "E213", call, i, a, sig)
 
 
 def _proposes(f: Facts, call: Call, sig: Signature, v: Value) -> None:
@@ -217,6 +190,27 @@ def _proposes(f: Facts, call: Call, sig: Signature, v: Value) -> None:
                 name_span(call),
                 f"declare `{v.name}` with Token[{sig.vocab}], or bind another model",
             )
+
+
+def _keyword(f: Facts, code: str, call: Call, i: int, a: Arg, sig: Signature) -> None:
+    """A keyword argument of a built-in: one it declares, of a kind and value it accepts."""
+    assert a.key is not None
+    prm = sig.param(a.key)
+    if prm is None:
+        near = suggest(a.key, [p.name for p in sig.params])
+        f.sink.error(
+            code,
+            f"`{call.func}` has no argument `{a.key}`",
+            f.arg_span(call, i),
+            (near + "; " if near else "")
+            + (
+                "arguments: " + ", ".join(p.name for p in sig.params)
+                if sig.params
+                else f"`{call.func}` takes reads only"
+            ),
+        )
+        return
+    _check_arg(f, code, call, i, a, prm, sig)
 
 
 def _check_arg(

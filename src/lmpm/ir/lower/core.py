@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lmpm.errors import Span
 from lmpm.ir.eval import EvalError, evaluate
 from lmpm.ir.lower.exprs import (
     lower_access,
@@ -27,6 +28,7 @@ from lmpm.ir.lower.scope import (
     TYPES,
     VOCABS,
     Scope,
+    Skip,
     describe,
     suggest,
 )
@@ -280,12 +282,7 @@ def lower_read(item: ast.Arg, target: Value, vars_: tuple[str, ...], scope: Scop
         v = _visible_source(e, scope)
         return Read(name or v.name.lower(), ReadKind.VISIBLE, v.name, (), (), optional, item.span)
     if (p := params_of(e, scope)) is not None:
-        raise scope.fail(
-            "E153",
-            f"`{p.name}` is a Params value; rules do not read parameters as cells",
-            e.span,
-            f"a loss takes the parameters as its first argument: `Loss({p.name}, data)`",
-        )
+        raise _reads_params(p, e.span, scope)
     acc = lower_access(e, scope, what="a read")
     return Read(
         name or acc.value.lower(), ReadKind.INDEX, acc.value, acc.axes, (), optional, item.span
@@ -343,15 +340,19 @@ def _visible_source(e: ast.Name, scope: Scope) -> Value:
         )
     v = scope.values[e.id]
     if v.dtype == DType.PARAMS:
-        raise scope.fail(
-            "E153",
-            f"`{v.name}` is a Params value; rules do not read parameters as cells",
-            e.span,
-            f"a loss takes the parameters as its first argument: `Loss({v.name}, data)`",
-        )
+        raise _reads_params(v, e.span, scope)
     if v.shape == ShapeKind.SET:
         raise scope.fail("E104", f"`{v.name}` is a Set value; rules read cells", e.span)
     return v
+
+
+def _reads_params(p: Value, span: Span, scope: Scope) -> Skip:
+    return scope.fail(
+        "E153",
+        f"`{p.name}` is a Params value; rules do not read parameters as cells",
+        span,
+        f"a loss takes the parameters as its first argument: `Loss({p.name}, data)`",
+    )
 
 
 # ---- constraints -------------------------------------------------------------------------------

@@ -99,14 +99,7 @@ def lower_access(e: ast.Expr, scope: Scope, *, what: str) -> Access:
             f"{what} must be a value access like `Vid[t,x,y]`, got {describe(e)}",
             e.span,
         )
-    v = scope.lookup_value(e.base.id, e.base.span)
-    if v.shape == ShapeKind.SET:
-        raise scope.fail(
-            "E104",
-            f"`{v.name}` is a Set value and has no cells to index",
-            e.span,
-            f"write `{v.name}` without brackets",
-        )
+    v = _indexed_value(e, scope)
     rank = len(v.dims)
     idx = e.indices
     if len(idx) == 1 and isinstance(idx[0], ast.Star) and rank > 1:
@@ -127,6 +120,20 @@ def lower_access(e: ast.Expr, scope: Scope, *, what: str) -> Access:
         )
     axes = tuple(lower_axis(i, scope, width) for i in idx)
     return Access(v.name, axes, e.span)
+
+
+def _indexed_value(e: ast.Subscript, scope: Scope) -> Value:
+    """The value `V[...]` indexes: one with cells (a Set value has none)."""
+    assert isinstance(e.base, ast.Name)
+    v = scope.lookup_value(e.base.id, e.base.span)
+    if v.shape == ShapeKind.SET:
+        raise scope.fail(
+            "E104",
+            f"`{v.name}` is a Set value and has no cells to index",
+            e.span,
+            f"write `{v.name}` without brackets",
+        )
+    return v
 
 
 def lower_axis(i: ast.Expr, scope: Scope, width: int) -> Axis:
@@ -186,14 +193,7 @@ def lower_target(e: ast.Expr, scope: Scope, *, what: str) -> tuple[Value, tuple[
         return v, ()
     if not (isinstance(e, ast.Subscript) and isinstance(e.base, ast.Name)):
         raise scope.fail("E107", f"{what} must look like `Vid[t,x,y]`, got {describe(e)}", e.span)
-    v = scope.lookup_value(e.base.id, e.base.span)
-    if v.shape == ShapeKind.SET:
-        raise scope.fail(
-            "E104",
-            f"`{v.name}` is a Set value and has no cells to index",
-            e.span,
-            f"write `{v.name}` without brackets",
-        )
+    v = _indexed_value(e, scope)
     names: list[str] = []
     for i in e.indices:
         if not isinstance(i, ast.Name):
@@ -482,7 +482,7 @@ def _non_affine(e: Expr, src: ast.Expr) -> tuple[ast.Expr, str] | None:
     stack: list[tuple[Expr, ast.Expr]] = [(e, src)]
     while stack:
         x, a = stack.pop()
-        kids = _ast_kids(a)
+        kids = ast.operands(a)
         if x.op == Op.MUL and _has_var(x.args[0]) and _has_var(x.args[1]):
             return a, "multiplies two index variables"
         if x.op in (Op.DIV, Op.MOD):
@@ -496,14 +496,3 @@ def _non_affine(e: Expr, src: ast.Expr) -> tuple[ast.Expr, str] | None:
         if len(kids) == len(x.args):
             stack.extend(zip(x.args, kids))
     return None
-
-
-def _ast_kids(a: ast.Expr) -> tuple[ast.Expr, ...]:
-    match a:
-        case ast.BinOp(lhs=lhs, rhs=rhs) | ast.Cmp(lhs=lhs, rhs=rhs):
-            return (lhs, rhs)
-        case ast.And(lhs=lhs, rhs=rhs) | ast.Or(lhs=lhs, rhs=rhs):
-            return (lhs, rhs)
-        case ast.Neg(operand=x) | ast.Not(operand=x):
-            return (x,)
-    return ()

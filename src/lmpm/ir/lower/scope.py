@@ -12,7 +12,19 @@ from dataclasses import dataclass, field
 
 from lmpm.errors import DiagnosticSink, Span
 from lmpm.ir.eval import EvalError, evaluate
-from lmpm.ir.nodes import DType, Expr, Param, PredKind, ShapeKind, Value
+from lmpm.ir.nodes import (
+    Commit,
+    Constraint,
+    DType,
+    Expr,
+    Param,
+    PredKind,
+    Rule,
+    ShapeKind,
+    Stencil,
+    Value,
+    Workflow,
+)
 from lmpm.lang import ast
 from lmpm.lang.format import fmt_expr
 
@@ -50,6 +62,17 @@ class Declared:
     values: dict[str, Value] = field(default_factory=dict)
     names: dict[str, tuple[str, Span]] = field(default_factory=dict)  # name -> (kind, span)
     defaults: dict[str, int] | None = None  # the parameters' default values, made on first use
+
+
+@dataclass(slots=True)
+class Lowered:
+    """The statements lowered so far, by kind, in program order."""
+
+    stencils: list[Stencil] = field(default_factory=list)
+    rules: list[Rule] = field(default_factory=list)
+    constraints: list[Constraint] = field(default_factory=list)
+    commits: list[Commit] = field(default_factory=list)
+    workflows: list[Workflow] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,7 @@ from lmpm.errors import Span
 from lmpm.ir.eval import EvalError, evaluate, names_in
 from lmpm.ir.lower.core import RuleParts, lower_reads, new_constraint
 from lmpm.ir.lower.exprs import lower_expr, lower_params_access, lower_target, params_of
-from lmpm.ir.lower.scope import MINIMIZE, Scope, describe, src, suggest
+from lmpm.ir.lower.scope import MINIMIZE, Lowered, Scope, describe, src, suggest
 from lmpm.ir.nodes import (
     PARAMS_SHAPES,
     TRUE,
@@ -18,7 +18,6 @@ from lmpm.ir.nodes import (
     Axis,
     AxisKind,
     Call,
-    Commit,
     Constraint,
     DType,
     Op,
@@ -29,7 +28,6 @@ from lmpm.ir.nodes import (
     RuleKind,
     ShapeKind,
     Value,
-    Workflow,
 )
 from lmpm.ir.printer import read_str
 from lmpm.lang import ast
@@ -275,15 +273,18 @@ def lower_minimize(c: ast.Call, scope: Scope, p: Value, reads: tuple[Read, ...])
             raise scope.fail("E156", f"option `{a.name}` is given twice", a.span)
         seen.add(a.name)
         args.append(lower_option(a.name, scope, a.value, MINIMIZE_OPTIONS[a.name]))
-    missing = [k for k in ("steps", "batch") if k not in seen]
-    if missing:
-        raise scope.fail(
-            "E156",
-            f"`minimize` needs `{missing[0]}=`",
-            c.span,
-            "steps: inner optimizer steps per epoch; batch: rows per step per worker",
-        )
+    hint = "steps: inner optimizer steps per epoch; batch: rows per step per worker"
+    _required(c, ("steps", "batch"), seen, "E156", hint, scope)
     return Call(MINIMIZE, tuple(args), "minimize", c.span)
+
+
+def _required(
+    c: ast.Call, keys: tuple[str, ...], seen: set[str], code: str, hint: str, scope: Scope
+) -> None:
+    """The first keyword of ``keys`` that call ``c`` does not give is an error."""
+    missing = [k for k in keys if k not in seen]
+    if missing:
+        raise scope.fail(code, f"`{c.func}` needs `{missing[0]}=`", c.span, hint)
 
 
 def lower_option(key: str, scope: Scope, v: ast.Expr, rule: _Opt) -> Arg:
@@ -437,14 +438,9 @@ def lower_params_policy(e: ast.Expr, scope: Scope) -> Call:
             raise scope.fail("E160", f"`{a.name}` is given twice", a.span)
         seen.add(a.name)
         out.append(_diloco_option(a, scope, allowed))
-    missing = [k for k in ("outer_lr", "momentum") if k not in seen]
-    if missing:
-        raise scope.fail(
-            "E160",
-            f"`diloco` needs `{missing[0]}=`",
-            e.span,
-            "write diloco(outer_lr=0.7, momentum=0.9)",
-        )
+    _required(
+        e, ("outer_lr", "momentum"), seen, "E160", "write diloco(outer_lr=0.7, momentum=0.9)", scope
+    )
     return Call("diloco", tuple(out), "policy", e.span)
 
 
@@ -465,13 +461,7 @@ def _diloco_option(a: ast.Arg, scope: Scope, allowed: str) -> Arg:
     return Arg(ArgKind.FLOAT, a.name, f)
 
 
-def training_scope(
-    rules: list[Rule],
-    constraints: list[Constraint],
-    commits: list[Commit],
-    workflows: list[Workflow],
-    scope: Scope,
-) -> None:
+def training_scope(done: Lowered, scope: Scope) -> None:
     """A training program trains one Params value with one minimize rule; its other values
     are data the loss reads (rules, workflows, constraints and commits on them: not yet)."""
     params = [v for v in scope.values.values() if v.dtype == DType.PARAMS]
@@ -486,7 +476,7 @@ def training_scope(
             extra.span,
             "train one module per program",
         )
-    mins = [r for r in rules if r.target == p.name]
+    mins = [r for r in done.rules if r.target == p.name]
     for r in mins[1:]:
         scope.sink.error(
             "E162",
@@ -495,7 +485,7 @@ def training_scope(
             r.span,
             "merge them into one rule (a loss may read several data values)",
         )
-    _on_data(p, rules, constraints, commits, workflows, scope)
+    _on_data(p, done, scope)
     if scope.sink.has_errors:
         return  # a statement about the Params value may have failed to build: say no more
     if not mins:
@@ -506,7 +496,7 @@ def training_scope(
             f"add `rule Fit:` with `on {p.name}[*]` and "
             f"`emit proposal {p.name}[*] := minimize(Loss({p.name}, data), steps=50, batch=8)`",
         )
-    if not any(cm.access.value == p.name for cm in commits):
+    if not any(cm.access.value == p.name for cm in done.commits):
         scope.sink.error(
             "E161",
             f"the Params value `{p.name}` has no `commit` line; a training program says how "
@@ -517,24 +507,17 @@ def training_scope(
         )
 
 
-def _on_data(
-    p: Value,
-    rules: list[Rule],
-    constraints: list[Constraint],
-    commits: list[Commit],
-    workflows: list[Workflow],
-    scope: Scope,
-) -> None:
+def _on_data(p: Value, done: Lowered, scope: Scope) -> None:
     """E162 for every statement about a value other than the Params value ``p``."""
     soon = "not supported yet: in a training program the other values are data inputs"
-    for r in rules:
+    for r in done.rules:
         if r.target != p.name:
             scope.sink.error(
                 "E162", f"rule `{r.name}` on `{r.target}` is {soon}", r.span, "remove it"
             )
-    for w in workflows:
+    for w in done.workflows:
         scope.sink.error("E162", f"workflow `{w.name}` is {soon}", w.span, "remove it")
-    for c in constraints:
+    for c in done.constraints:
         if c.access is None or c.access.value != p.name:
             scope.sink.error(
                 "E162",
@@ -544,7 +527,7 @@ def _on_data(
                 c.span,
                 "constrain the parameters: `forbid change(P[...])`, `require NormAtMost(...)`",
             )
-    for cm in commits:
+    for cm in done.commits:
         if cm.access.value != p.name:
             scope.sink.error(
                 "E162",
