@@ -583,8 +583,11 @@ def _gpu_build(case: str, params: dict[str, int], device: str, compile_ok: bool)
     n = m.cells
     hand = _hand_written(case, params)
     out: dict[str, Any] = {"cells": n, "block": BLOCK}
-    out["lmpm_build_ms"] = _best_ms(lambda: m.block_mask(BLOCK, device=device), device)
-    out["lmpm_host_syncs"], ours = count_syncs(lambda: m.block_mask(BLOCK, device=device))
+    build = functools.partial(m.block_mask, BLOCK, device=device, cache=False)
+    out["lmpm_build_ms"] = _best_ms(build, device)  # each a whole build
+    out["lmpm_host_syncs"], ours = count_syncs(build)
+    m.block_mask(BLOCK, device=device)  # built once and kept: what every later step pays
+    out["lmpm_per_step_ms"] = _best_ms(lambda: m.block_mask(BLOCK, device=device), device)
     t0 = time.perf_counter()
     ref = create_block_mask(hand, 1, 1, n, n, device, BLOCK)
     _sync(device)
@@ -597,6 +600,7 @@ def _gpu_build(case: str, params: dict[str, int], device: str, compile_ok: bool)
         out["cbm_compiled_first_s"] = round(time.perf_counter() - t0, 3)
         out["cbm_compiled_ms"] = _best_ms(lambda: cbm(hand, 1, 1, n, n, device, BLOCK), device)
         out["ratio"] = round(out["lmpm_build_ms"] / out["cbm_compiled_ms"], 3)
+        out["ratio_per_step"] = round(out["lmpm_per_step_ms"] / out["cbm_compiled_ms"], 4)
     else:
         out["cbm_compiled"] = "skipped: time budget"
     sets_ours, sets_ref = block_sets(ours), block_sets(ref)
@@ -606,7 +610,10 @@ def _gpu_build(case: str, params: dict[str, int], device: str, compile_ok: bool)
     out["indices_contiguous"] = all(
         getattr(ours, f"{s}_indices").is_contiguous() for s in ("kv", "full_kv", "q", "full_q")
     )
-    out["goal"] = "lmpm_build_ms <= cbm_compiled_ms (ratio <= 1)"
+    out["goal"] = (
+        "lmpm_build_ms <= cbm_compiled_ms (ratio <= 1); per training step: lmpm_per_step_ms "
+        "(the kept mask) against cbm_compiled_ms (rebuilt by the step that calls it)"
+    )
     return out
 
 
@@ -724,11 +731,11 @@ def gpu_cases(
 
         m = compile_masks(VIDEO_SRC, layout="raster", **big)
         t0 = time.perf_counter()
-        syncs, _ = count_syncs(lambda: m.block_mask(BLOCK, device=device))
+        syncs, _ = count_syncs(lambda: m.block_mask(BLOCK, device=device, cache=False))
         _sync(device)
         first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        m.block_mask(BLOCK, device=device)
+        m.block_mask(BLOCK, device=device, cache=False)
         _sync(device)
         return {
             "cells": m.cells,

@@ -14,15 +14,18 @@ once from a small alphabet so that triggers fire, loops loop and streams end at 
 Prints one JSON line per batch size: ``streams``, ``steps``, ``vm_s``, ``compiled_s`` and
 ``baseline_s`` (seconds per step, whole run / steps, the minimum of ``--repeat`` interleaved runs),
 ``ratio`` (baseline / the faster VM: compiled unless ``--no-compile``), ``ratio_eager`` and
-``compile_s`` (building the graphs, once per size). Tool calls are user code and cost the same on
+``compile_s`` (building the graphs, once per size). Every side's whole run is divided by the
+workflow's steps (the eager VM's): on CUDA the graphed step learns late that every stream is done
+and may run a few steps that commit nothing (``compiled_late_steps``), which its time includes.
+A ``vm_step_tool_free`` line (sizes >= 1024) times the same workflow without its tool call: every
+step is the VM's own work. Tool calls are user code and cost the same on
 both sides: the seconds inside the user's tool are measured on both (``vm_tool_s``,
 ``compiled_tool_s``, ``baseline_tool_s`` per step) and ``ratio_without_tools`` /
 ``ratio_eager_without_tools`` take them out. ``device`` names where the VM's streams live:
 
 - ``--device cpu`` (default): as above;
 - ``--device cuda``: the streams and the step on the GPU (timed to the device's end of work); the
-  compiled step where ``VM(compile=True, device="cuda")`` exists, else ``compiled_s`` is null with
-  a ``compiled_note`` saying why (today U104); ``vm_cpu_s``: the same eager step on the host, in the
+  compiled step is one CUDA graph per size (``VM(compile=True, device="cuda")``); ``vm_cpu_s``: the same eager step on the host, in the
   same run. The per-stream baseline runs on the host either way (up to ``--baseline-max`` streams);
   the byte-model run (below) is a CPU claim and is skipped.
 
@@ -56,9 +59,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "examples" / "vm.lmpm"
+TOOL_LINE = "    call Count(sky)\n"  # removed for the tool-free case
 
 from lmpm.errors import UsageError  # noqa: E402
-from lmpm.ir import compile_file  # noqa: E402
+from lmpm.ir import compile_file, compile_source  # noqa: E402
 from lmpm.vm import VM, WorkflowRun, compile_workflow  # noqa: E402
 from lmpm.vm.reference import Reference  # noqa: E402
 
@@ -104,8 +108,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_vm(streams: int, table: torch.Tensor, compile: bool = False, device: str = "cpu") -> Timed:
-    ins = compile_workflow(compile_file(PROGRAM).ir, overrides={"B": streams})
+def _instructions(streams: int, tools: bool = True) -> Any:
+    """The example's workflow over ``streams`` streams; ``tools=False``: without its tool call
+    (the tool-free case: every step is the VM's own work)."""
+    if tools:
+        return compile_workflow(compile_file(PROGRAM).ir, overrides={"B": streams})
+    text = PROGRAM.read_text()
+    assert TOOL_LINE in text, "examples/vm.lmpm changed: update TOOL_LINE"
+    front = compile_source(text.replace(TOOL_LINE, ""), str(PROGRAM))
+    return compile_workflow(front.ir, overrides={"B": streams})
+
+
+def time_vm(
+    streams: int,
+    table: torch.Tensor,
+    compile: bool = False,
+    device: str = "cpu",
+    tools: bool = True,
+) -> Timed:
+    ins = _instructions(streams, tools)
     tool = ToolClock(count)
     vm = VM(ins, tools={"Count": tool}, compile=compile, device=device)
     core = vm.core
@@ -124,8 +145,8 @@ def time_vm(streams: int, table: torch.Tensor, compile: bool = False, device: st
     return Timed(time.perf_counter() - t0, steps, tool.seconds)
 
 
-def time_baseline(streams: int, table: torch.Tensor) -> Timed:
-    ins = compile_workflow(compile_file(PROGRAM).ir, overrides={"B": streams})
+def time_baseline(streams: int, table: torch.Tensor, tools: bool = True) -> Timed:
+    ins = _instructions(streams, tools)
     tool = ToolClock(count)
     ref = Reference(ins, tools={"Count": tool})
     rows = table.tolist()
@@ -143,7 +164,7 @@ def time_baseline(streams: int, table: torch.Tensor) -> Timed:
 
 
 def compiled_refusal(device: str) -> str | None:
-    """Why ``VM(compile=True)`` refuses ``device`` (today U104 on CUDA), or None."""
+    """Why ``VM(compile=True)`` refuses ``device`` (U104 off the cpu and cuda), or None."""
     ins = compile_workflow(compile_file(PROGRAM).ir, overrides={"B": 1})
     try:
         VM(ins, tools={"Count": count}, compile=True, device=device)
@@ -154,15 +175,6 @@ def compiled_refusal(device: str) -> str | None:
 
 def best(runs: list[Timed]) -> Timed:
     return min(runs, key=lambda r: r.seconds)
-
-
-def per_step(run: Timed) -> float:
-    return run.seconds / run.steps
-
-
-def tool_free(run: Timed) -> float:
-    """Seconds per step outside the user's tool."""
-    return (run.seconds - run.tool_seconds) / run.steps
 
 
 def _workflow_run(streams: int, compile: bool) -> tuple[WorkflowRun, VM, float]:
@@ -220,42 +232,55 @@ def model_share(streams: int, compile: bool) -> dict[str, Any]:
     }
 
 
-def time_size(b: int, length: int, args: argparse.Namespace, compile: bool) -> dict[str, Any]:
-    """The ``vm_step`` line of one batch size: eager, compiled, baseline, interleaved runs."""
+def time_size(
+    b: int, length: int, args: argparse.Namespace, compile: bool, tools: bool = True
+) -> dict[str, Any]:
+    """The ``vm_step`` line of one batch size: eager, compiled, baseline, interleaved runs
+    (``tools=False``: the ``vm_step_tool_free`` line, the workflow without its tool call)."""
     table = tokens_table(b, length)
     built = 0.0
     if compile:  # build the graphs of this size first (a run's first steps compile)
         t0 = time.perf_counter()
-        time_vm(b, table, compile=True, device=args.device)
+        time_vm(b, table, compile=True, device=args.device, tools=tools)
         built = time.perf_counter() - t0
     else:
-        time_vm(b, table, device=args.device)  # warm-up: allocator, kernels
+        time_vm(b, table, device=args.device, tools=tools)  # warm-up: allocator, kernels
     baseline = b <= args.baseline_max
     vm_t: list[Timed] = []
     comp_t: list[Timed] = []
     base_t: list[Timed] = []
     host_t: list[Timed] = []  # the eager VM on the host too, when the streams live elsewhere
     for _ in range(args.repeat):  # interleaved, the minimum kept
-        vm_t.append(time_vm(b, table, device=args.device))
+        vm_t.append(time_vm(b, table, device=args.device, tools=tools))
         if args.device != "cpu":
-            host_t.append(time_vm(b, table))
+            host_t.append(time_vm(b, table, tools=tools))
         if compile:
-            comp_t.append(time_vm(b, table, compile=True, device=args.device))
-            assert comp_t[-1].steps == vm_t[-1].steps, (comp_t[-1].steps, vm_t[-1].steps)
+            comp_t.append(time_vm(b, table, compile=True, device=args.device, tools=tools))
+            # a CUDA-graph step tells the host late that every stream is done: it may run a
+            # few steps that commit nothing (timed, and counted in compiled_steps_run)
+            assert comp_t[-1].steps >= vm_t[-1].steps, (comp_t[-1].steps, vm_t[-1].steps)
         if baseline:
-            base_t.append(time_baseline(b, table))
+            base_t.append(time_baseline(b, table, tools))
             assert base_t[-1].steps == vm_t[-1].steps, (base_t[-1].steps, vm_t[-1].steps)
     eager = best(vm_t)
     fast = best(comp_t) if compile else eager
     base = best(base_t) if baseline else None
+    steps = eager.steps  # the workflow's steps: every side's run time is divided by these
+    late = fast.steps - steps
+
+    def per_step(run: Timed) -> float:
+        return run.seconds / steps
+
+    def tool_free(run: Timed) -> float:
+        return (run.seconds - run.tool_seconds) / steps
 
     def ratio(num: float | None, den: float) -> float | None:
         return None if num is None else round(num / den, 2)
 
     return {
         "benchmark": "vm",
-        "case": "vm_step",
-        "bench": "vm_step",
+        "case": "vm_step" if tools else "vm_step_tool_free",
+        "bench": "vm_step" if tools else "vm_step_tool_free",
         "device": device_name(args.device),
         "streams": b,
         "steps": eager.steps,
@@ -265,9 +290,11 @@ def time_size(b: int, length: int, args: argparse.Namespace, compile: bool) -> d
         "ratio": ratio(per_step(base) if base else None, per_step(fast)),
         "ratio_eager": ratio(per_step(base) if base else None, per_step(eager)),
         # the same, the seconds spent inside the user's tool taken out of both sides
-        "vm_tool_s": round(eager.tool_seconds / eager.steps, 6),
-        "compiled_tool_s": round(fast.tool_seconds / fast.steps, 6) if compile else None,
-        "baseline_tool_s": round(base.tool_seconds / base.steps, 6) if base else None,
+        "vm_tool_s": round(eager.tool_seconds / steps, 6),
+        "compiled_tool_s": round(fast.tool_seconds / steps, 6) if compile else None,
+        "baseline_tool_s": round(base.tool_seconds / steps, 6) if base else None,
+        "compiled_steps_run": fast.steps if compile else None,  # late steps included
+        "compiled_late_steps": late if compile else None,
         "ratio_without_tools": ratio(tool_free(base) if base else None, tool_free(fast)),
         "ratio_eager_without_tools": ratio(tool_free(base) if base else None, tool_free(eager)),
         "compile_s": round(built, 2),
@@ -315,7 +342,7 @@ def main() -> int:
     # B=4096 one thread is ~50x faster than two under load). The baseline is one thread too.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    # The CPU has the compiled step; elsewhere ask the VM (today U104 on CUDA).
+    # The CPU and CUDA have the compiled step; elsewhere ask the VM (U104).
     refused = (
         compiled_refusal(args.device) if args.device != "cpu" and not args.no_compile else None
     )
@@ -326,6 +353,10 @@ def main() -> int:
             line["compiled_note"] = f"compiled step not timed on {args.device}: {refused}"
         steps_s[b] = line["compiled_s"] if compile else line["vm_s"]
         print(json.dumps(line), flush=True)
+    for b in sizes:  # every step the VM's own work: no tool call to wait on
+        if b >= 1024 or len(sizes) == 1:
+            line = time_size(b, length, args, compile, tools=False)
+            print(json.dumps(line), flush=True)
     torch.set_num_threads(threads)
     if args.model_streams and args.device == "cpu":  # the byte model's run is a CPU claim
         print(json.dumps(model_share(args.model_streams, compile)), flush=True)

@@ -218,13 +218,16 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
         ),
         bench(
             "vm",
-            "token-stream VM step on the device",
+            "token-stream VM step on the device: eager, one CUDA graph, per-stream loop",
             0.08,
             "benchmarks/vm.py",
             *(
                 ("--device", "cpu", "--quick")
                 if dry
-                else ("--device", "cuda", "--sizes", "1024,4096,16384", "--repeat", "2")
+                else (
+                    *("--device", "cuda", "--sizes", "1024,16384", "--repeat", "2"),
+                    *("--baseline-max", "1024", "--model-streams", "0"),
+                )
             ),
         ),
         bench(

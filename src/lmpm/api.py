@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,14 +111,20 @@ def resume(
     epochs: int | None = None,
     backend: str | None = None,
     compile: bool = False,
+    bind: Sequence[str] | None = None,
+    trust_bind: bool = False,
 ) -> Run:
     """Continue the run in ``run_dir`` (written by `lmpm run --out` or ``runner(run_dir=...)``)
     from its last complete epoch, with the settings it was started with: what
-    `lmpm run --resume RUN_DIR` does (``compile=True``: the compiled epoch step, as
-    `--compile`). Call ``.run()`` on the result, then ``.finish()``."""
+    `lmpm run --resume RUN_DIR` does, by the same path (``compile=True``: the compiled epoch step,
+    as `--compile`). A run started with bound modules needs ``bind=[...]`` naming them again (as
+    it was started), or ``trust_bind=True`` to import what the run directory names. Call
+    ``.run()`` on the result, then ``.finish()``."""
     from lmpm.runtime.session import resume as _resume
 
-    return _resume(run_dir, epochs=epochs, backend=backend, compile=compile)
+    return _resume(
+        run_dir, epochs=epochs, backend=backend, compile=compile, bind=bind, trust_bind=trust_bind
+    )
 
 
 def _short(text: str) -> str:

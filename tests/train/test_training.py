@@ -262,6 +262,33 @@ def test_a_worker_killed_is_respawned_and_the_run_goes_on(
         assert [e.checksum for e in clean.epochs] == [e["checksum"] for e in h.epochs]
 
 
+@pytest.mark.slow  # ~45 s: the timeout, then a new worker process
+def test_a_hung_worker_is_replaced_by_the_shared_supervision_policy(
+    local_ray: Any, data: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that hangs in its inner loop is declared hung at the timeout and replaced, by the
+    policy the engine's worker group uses (lmpm.runtime.raygroup.gather; the trainer's own copy
+    force-cancelled the hung actor call, which Ray refuses with a ValueError)."""
+    from lmpm.runtime import raygroup
+
+    seen: list[bool] = []
+    real = raygroup.gather
+
+    def spy(refs: list[Any], timeout: float, *, grace: bool = True) -> Any:
+        seen.append(grace)
+        return real(refs, timeout, grace=grace)
+
+    monkeypatch.setattr("lmpm.train.driver.gather", spy)
+    d = tmp_path / "run"
+    t = Trainer(make_spec(), data, epochs=3, workers=2, driver="ray", run_dir=d, worker_timeout=8)
+    t.driver.inject(1, "propose", 2, "hang")
+    res = t.run()
+    assert len(res.epochs) == 3 and seen
+    h = tlog.read(d)
+    assert h.meta["status"] == "finished"
+    assert [(f["worker"], f["epoch"], f["cause"]) for f in h.faults] == [("w1", 2, "hung")]
+
+
 def test_log_is_marked_failed_with_the_error(data: Any, tmp_path: Path) -> None:
     spec = make_spec(lr=1e9, clip=None, optimizer="sgd")
     with pytest.raises(Exception, match=r"R070|loss"):

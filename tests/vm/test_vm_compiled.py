@@ -28,14 +28,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def same_vm(a: VM, b: VM) -> None:
+    """``b`` (streams on any device) committed what ``a`` (on the CPU) committed."""
     assert a.generative_sequence() == b.generative_sequence()
     assert a.extract() == b.extract()
     assert a.decisions() == b.decisions()
     assert a.stream_status() == b.stream_status()
     assert a.tool_calls == b.tool_calls
     for key, table in a.status.items():
-        assert torch.equal(table, b.status[key]), key
-    assert torch.equal(a.raw_stream, b.raw_stream)
+        assert torch.equal(table, b.status[key].cpu()), key
+    assert torch.equal(a.raw_stream, b.raw_stream.cpu())
 
 
 def test_example_with_the_model_commits_what_eager_commits() -> None:

@@ -33,8 +33,10 @@ def instructions(zones: str, streams: int = 3, length: int = 48, **kw: Any) -> I
 
 def random_tokens(ins: Instructions, stream: Tensor, pos: Tensor, pc: Tensor, seed: int) -> Tensor:
     """Counter-based samples under each stream's allowed set (identical for any batching)."""
-    ok = ins.allowed[pc.clamp(max=ins.zones - 1)]
-    logits = torch.zeros(ok.shape, dtype=torch.float64).masked_fill(~ok, float("-inf"))
+    ok = ins.allowed.to(pc.device)[pc.clamp(max=ins.zones - 1)]
+    logits = torch.zeros(ok.shape, dtype=torch.float64, device=ok.device).masked_fill(
+        ~ok, float("-inf")
+    )
     return rng.categorical(logits, seed=seed, value="Txt", cells=stream, epoch=pos, rule="test")
 
 

@@ -10,7 +10,7 @@ import argparse
 import sqlite3
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lmpm.commands._common import (
     add_set,
@@ -20,7 +20,7 @@ from lmpm.commands._common import (
     program_path,
 )
 from lmpm.commands.check import unknown_params
-from lmpm.errors import LmpmError, RunDirError, UsageError
+from lmpm.errors import CheckError, LmpmError, UsageError
 
 if TYPE_CHECKING:
     from lmpm.runtime.commitlog import CommitLog
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
 
 DEFAULT_CHECKPOINT_EVERY = 20  # mirrors lmpm.runtime.commitlog (not imported: keeps --help light)
 MAX_EPOCHS = 2**31 - 1  # epochs numbered beyond this would not fit the log's and trace's counters
-MSG_BIND_RESUME = (
-    "{dir} was started with --bind {mods}. Resuming imports no Python module you did not name on "
-    "this command line (a run directory from elsewhere could name any module); nothing was changed."
-)
 
 HELP = "run a program: epochs of compute → propose → check → agree → commit"
 
@@ -145,13 +141,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _bind_specs(items: list[str]) -> tuple[str, ...]:
-    """--bind specs as stored: files as absolute paths, dotted modules as given."""
-    return tuple(
-        str(Path(b).resolve()) if b.endswith(".py") or Path(b).exists() else b for b in items
-    )
-
-
 def _checkpoint_every(value: int | None) -> int:
     if value is not None and value < 1:
         raise UsageError("--checkpoint-every must be at least 1", code="U024")
@@ -189,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         remove_run,
     )
     from lmpm.runtime.lock import RunLock
-    from lmpm.runtime.session import Run, make_tracer
+    from lmpm.runtime.session import Run, bind_specs, make_tracer
 
     path = program_path(args.file)
     params = parse_sets(args.set)
@@ -239,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         program_file=str(path),
         source=path.read_text(encoding="utf-8"),
         params=params,
-        bind=_bind_specs(args.bind),
+        bind=bind_specs(args.bind),
         seed=seed,
         backend=backend,
         epochs=args.epochs,
@@ -277,7 +266,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     from lmpm.runtime.commitlog import connect
-    from lmpm.runtime.lock import RunLock
 
     run_dir = Path(args.resume)
     if args.force:
@@ -292,140 +280,65 @@ def _resume(args: argparse.Namespace) -> int:
         from lmpm.train.cli import resume_training
 
         return resume_training(args, run_dir)
-    with RunLock(run_dir, what="resume", create_dir=False):
-        return _resume_locked(args, run_dir)
-
-
-def _resume_locked(args: argparse.Namespace, run_dir: Path) -> int:
-    from lmpm.ir import compile_file, compile_source
-    from lmpm.runtime.commitlog import (
-        MSG_FOREIGN,
-        check_epochs,
-        connect,
-        file_sha256,
-        program_hash,
-        read_meta,
-    )
-    from lmpm.runtime.session import open_resumed
-
-    conn = connect(run_dir, readonly=True, check=True)
-    try:
-        meta = read_meta(conn)
-        check_epochs(conn, run_dir)
-    finally:
-        conn.close()
-    _check_meta(meta, run_dir)
-    params = dict(meta["params"])
-    if args.file is not None:
-        front = compile_file(program_path(args.file), overrides=params, raise_errors=False)
-    else:
-        front = compile_source(
-            meta["source"], meta["program_file"], overrides=params, raise_errors=False
-        )
-    given = program_hash(front.ir)  # the IR does not depend on --set: compare before checking
-    if given != meta["program_hash"]:
-        raise RunDirError(
-            MSG_FOREIGN.format(dir=run_dir, stored=meta["program_hash"][:12], given=given[:12]),
-            code="D010",
-        )
-    print_diagnostics([d for d in front.diagnostics if d.severity == "error"], False)
-    if front.errors:
-        return 1
-    asked: dict[str, tuple[str, Any]] = {
-        "params": ("--set", parse_sets(args.set) if args.set else None),
-        "seed": ("--seed", args.seed),
-        "bind": ("--bind", list(_bind_specs(args.bind)) if args.bind else None),
-        "trace": ("--trace", args.trace),
-        "checkpoint_every": ("--checkpoint-every", args.checkpoint_every),
-    }
-    for key, (flag, value) in asked.items():
-        stored = meta.get(key)
-        if value is not None and value != stored:
-            raise RunDirError(
-                f"{run_dir} was started with {flag} {stored!r}; this command gives {value!r}. "
-                "A resumed run keeps its settings; nothing was changed.",
-                code="D011",
-                hint=f"drop {flag}, or start a new run with another --out",
-            )
     if args.input:
         raise UsageError(
             "--input is not needed with --resume: the inputs are in RUN_DIR's first checkpoint",
             code="U028",
         )
-    if meta["bind"] and not args.bind and not args.trust_bind:
-        mods = " --bind ".join(meta["bind"])
-        raise UsageError(
-            MSG_BIND_RESUME.format(dir=run_dir, mods=mods),
-            code="U040",
-            hint=f"give --bind {mods} again (or --trust-bind to import what {run_dir} names)",
+    from lmpm.runtime.session import resume
+
+    try:
+        session = resume(
+            run_dir,
+            file=program_path(args.file) if args.file is not None else None,
+            epochs=args.epochs,
+            until=args.until,
+            backend=args.backend,
+            bind=args.bind,
+            trust_bind=args.trust_bind,
+            settings={
+                "params": ("--set", parse_sets(args.set) if args.set else None),
+                "seed": ("--seed", args.seed),
+                "trace": ("--trace", args.trace),
+                "checkpoint_every": ("--checkpoint-every", args.checkpoint_every),
+            },
+            workers=args.workers,
+            driver=args.driver,
+            cluster=args.cluster,
+            worker_timeout=args.worker_timeout,
+            compile=args.compile,
+            keep_records=False,
+            durable=args.durable,
+            trace_region=args.trace_region,
+            ruleset=args.ruleset or (),
+            argv=sys.argv[1:],
+            cli=True,
         )
-    for spec, sha in dict(meta.get("bind_sha256", {})).items():
-        if Path(spec).is_file() and file_sha256(spec) != sha:
-            sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
-    epochs = args.epochs if args.epochs is not None else meta["epochs"]
-    until = args.until or meta["until"]
-    session, log, restored = open_resumed(
-        front,
-        meta,
-        run_dir,
-        epochs=epochs,
-        until=until,
-        backend=args.backend,
-        workers=args.workers,
-        driver=args.driver,
-        cluster=args.cluster,
-        worker_timeout=args.worker_timeout,
-        compile=args.compile,
-        keep_records=False,
-        durable=args.durable,
-        trace_region=args.trace_region,
-        ruleset=args.ruleset or (),
-        argv=sys.argv[1:],
-    )
+    except CheckError as e:
+        print_diagnostics(e.diagnostics, False)
+        return 1
+    restored, log = session.restored, session.log
+    assert restored is not None and log is not None
     note = (
         f"resumed at epoch {restored.epoch} (checkpoint {restored.checkpoint} + "
         f"{restored.replayed} commit rows"
         + (f", {restored.skipped} damaged newer checkpoint(s) skipped" if restored.skipped else "")
         + "); "
     )
-    return _execute(session, log, args, run_dir, epochs, until, quiet=restored.quiet, note=note)
-
-
-# What `--resume` reads from the run's metadata, with the JSON type each must have.
-_META_TYPES: dict[str, tuple[type, ...]] = {
-    "params": (dict,),
-    "source": (str,),
-    "program_file": (str,),
-    "program_hash": (str,),
-    "bind": (list,),
-    "seed": (int,),
-    "backend": (str,),
-    "trace": (str,),
-    "checkpoint_every": (int,),
-}
-
-
-def _check_meta(meta: dict[str, Any], run_dir: Path) -> None:
-    """A hand-damaged ``meta`` table is a RunDirError naming the key, never an internal error."""
-    for key, types in _META_TYPES.items():
-        if key not in meta:
-            raise RunDirError(
-                f"{run_dir}/lmpm.db lacks the run's `{key}` (meta table damaged); nothing was "
-                "changed",
-                code="D006",
-            )
-        if not isinstance(meta[key], types) or isinstance(meta[key], bool):
-            raise RunDirError(
-                f"{run_dir}/lmpm.db has a damaged `{key}` ({str(meta[key])[:40]!r}); nothing was "
-                "changed",
-                code="D006",
-            )
-    bad_params = [k for k, v in meta["params"].items() if not isinstance(v, int)]
-    bad_bind = [b for b in meta["bind"] if not isinstance(b, str)]
-    if bad_params or bad_bind or meta["checkpoint_every"] < 1:
-        raise RunDirError(
-            f"{run_dir}/lmpm.db has damaged run settings; nothing was changed", code="D006"
+    lock = session._lock
+    try:
+        return _execute(
+            session,
+            log,
+            args,
+            run_dir,
+            session.epochs,
+            session.until,
+            quiet=restored.quiet,
+            note=note,
         )
+    finally:
+        lock.release()
 
 
 def _execute(
@@ -442,7 +355,8 @@ def _execute(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    session.engine.observers.append(log)
+    if log not in session.engine.observers:  # (a resumed run's log is attached already)
+        session.engine.observers.append(log)
     console = Console(stderr=True)
     try:
         with Progress(

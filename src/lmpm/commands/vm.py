@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
-from lmpm.errors import UsageError
+from lmpm.errors import BackendUnavailable, UsageError
 
 HELP = "run a workflow on the token-stream VM (run), or show a run's streams (status)"
 
@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="run the VM step as one compiled graph (commits the same; compiles first)",
+    )
+    r.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where the streams, the VM step and the model run (cuda + --compile: one CUDA graph)",
     )
     r.add_argument("--show", type=int, default=4, metavar="K", help="print the first K streams")
     r.add_argument("--json", action="store_true", help="streams and stats as JSON on stdout")
@@ -76,6 +82,16 @@ def _run(args: argparse.Namespace) -> int:
     from lmpm.runtime.commitlog import remove_run
     from lmpm.vm import WorkflowRun
 
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailable(
+                f"--device cuda: this machine has no CUDA device (torch {torch.__version__})",
+                code="E000",
+                hint="run with --device cpu, or on a machine with an NVIDIA GPU and a CUDA build "
+                "of torch (lmpm check FILE --device cuda tells whether the workflow is ready)",
+            )
     path = program_path(args.file)
     overrides = parse_sets(args.set)
     front = compile_file(path, overrides=overrides, raise_errors=False)
@@ -94,6 +110,7 @@ def _run(args: argparse.Namespace) -> int:
         run_dir=args.out,
         source=path.read_text(encoding="utf-8"),
         compile=args.compile,
+        device=args.device,
     )
     if args.compile and not args.json:
         sys.stderr.write(f"compiling the VM step ({run.vm.core.B} streams)...\n")

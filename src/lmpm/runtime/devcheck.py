@@ -212,6 +212,9 @@ def _error_of(exc: LmpmError) -> Diagnostic:
     return Diagnostic(code, "error", exc.message, exc.span, hint)
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # PyTorch's detector, per sync
+
+
 @contextmanager
 def _sync_warnings_on_gpu() -> Iterator[simcuda.Simulation]:
     """On a real GPU: PyTorch's own sync detector (``set_sync_debug_mode("warn")``), each of its
@@ -219,7 +222,8 @@ def _sync_warnings_on_gpu() -> Iterator[simcuda.Simulation]:
     seen = simcuda.Simulation()
 
     def show(message: Any, category: Any, filename: str, lineno: int, *_: Any) -> None:
-        if "synchroniz" not in str(message):
+        # each sync's warning; not the one that turning the detector on gives (a prototype)
+        if SYNC_WARNING not in str(message):
             return
         func, f = "?", sys._getframe(1)
         while f is not None:  # the frame that did it: the warning's file and line

@@ -69,7 +69,7 @@ from lmpm.runtime.protocol import (
 
 DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
 MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
-BLOCKED_GRACE = 1.0  # seconds the other workers get to answer once one has died
+BLOCKED_GRACE = 2.0  # seconds the other workers get to answer once one has died
 RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
 SLICE = 0.25  # seconds between looks at the answers while waiting for the workers
 PING = 1.0  # seconds a worker gets to answer a ping during recovery before it is restarted
@@ -304,6 +304,75 @@ def _resolve(recipe: tuple[Any, ...]) -> Plan:
     return resolve(ir, params, Bindings(bind, dict(mapping)), epochs=epochs)
 
 
+@dataclass
+class Gathered:
+    """What waiting for a round of worker calls found: ``out`` (answers, None where missing),
+    ``failed`` ((worker, died|hung|blocked)), ``errors`` ((worker, a non-LMPM error raised in
+    it)) and ``why`` (Ray's first message about a death)."""
+
+    out: list[Any]
+    failed: list[tuple[int, str]]
+    errors: list[tuple[int, Exception]]
+    why: str
+
+    def lost(self) -> list[tuple[int, str]]:
+        """Every worker to replace: the failed ones, and those whose call raised (a collective
+        broke under them when a peer died)."""
+        return sorted(self.failed + [(i, "blocked") for i, _ in self.errors])
+
+
+def gather(refs: list[Any], timeout: float, *, grace: bool = True) -> Gathered:
+    """The one supervision policy of LMPM's Ray workers (the engine's group and the trainer's):
+    wait for every call (None refs are skipped) until ``timeout`` seconds, looking at the answers
+    every ``SLICE`` seconds so that a death is seen early. A call still running at the deadline
+    is *hung*: it is cancelled (Ray allows only a cooperative cancel of an actor's call; the
+    caller replaces the worker, which ends it). ``grace``: once a worker died, the others get
+    ``BLOCKED_GRACE`` seconds more and are *blocked* past it (waiting on the dead one in a halo
+    exchange or a collective). An LMPM error raised in a worker is raised here as itself."""
+    ray = _ray()
+    from ray.exceptions import (
+        ActorUnavailableError,
+        GetTimeoutError,
+        RayActorError,
+        RayTaskError,
+    )
+
+    out: list[Any] = [None] * len(refs)
+    pending = {r: i for i, r in enumerate(refs) if r is not None}
+    failed: list[tuple[int, str]] = []
+    errors: list[tuple[int, Exception]] = []
+    deadline = time.monotonic() + timeout
+    late = "hung"
+    why = ""
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            for r, i in pending.items():
+                failed.append((i, late))
+                ray.cancel(r, force=False)
+            break
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, SLICE))
+        for r in ready:
+            i = pending.pop(r)
+            try:
+                out[i] = ray.get(r, timeout=0)
+            except (RayActorError, ActorUnavailableError) as e:
+                failed.append((i, "died"))
+                why = why or _last_line(e)
+                if grace:
+                    deadline = min(deadline, time.monotonic() + BLOCKED_GRACE)
+                    late = "blocked"
+            except RayTaskError as e:
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, LmpmError):
+                    raise cause from None
+                errors.append((i, e))
+                why = why or _last_line(e)
+            except GetTimeoutError:
+                failed.append((i, "hung"))
+    return Gathered(out, sorted(failed), errors, why)
+
+
 def _last_line(e: BaseException) -> str:
     """The last meaningful line of a Ray error (the remote exception's own message)."""
     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -482,54 +551,14 @@ class RayGroup(WorkerGroup):
         """Wait for every call; raise _Failed naming the workers that died, hung (no answer in
         ``timeout``, default the group's) or were blocked on a dead peer. A user error raised in
         a worker (a model fault, ...) is raised here as itself."""
-        ray = _ray()
-        from ray.exceptions import (
-            ActorUnavailableError,
-            GetTimeoutError,
-            RayActorError,
-            RayTaskError,
-        )
-
         self.round_trips += 1
-        out: list[Any] = [None] * len(refs)
-        pending = {r: i for i, r in enumerate(refs) if r is not None}
-        failed: list[tuple[int, str]] = []
-        errors: list[tuple[int, Exception]] = []
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        late = "hung"
-        why = ""
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                failed += [(i, late) for i in pending.values()]
-                break
-            # all at once (one call when every worker answers in time); every SLICE seconds
-            # the answers so far are looked at, so a death is seen early
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, SLICE))
-            for r in ready:
-                i = pending.pop(r)
-                try:
-                    out[i] = ray.get(r, timeout=0)
-                except (RayActorError, ActorUnavailableError) as e:
-                    failed.append((i, "died"))
-                    why = why or _last_line(e)
-                    # peers waiting on the dead one in the halo exchange would answer only at the
-                    # process group's timeout: they are restarted with it
-                    deadline = min(deadline, time.monotonic() + BLOCKED_GRACE)
-                    late = "blocked"
-                except RayTaskError as e:
-                    cause = getattr(e, "cause", None)
-                    if isinstance(cause, LmpmError):
-                        raise cause from None
-                    errors.append((i, e))
-                except GetTimeoutError:
-                    failed.append((i, "hung"))
-        if failed:
+        got = gather(refs, self.timeout if timeout is None else timeout, grace=True)
+        if got.failed:
             # a worker whose halo exchange broke because a peer died is reset with it
-            raise _Failed(sorted(failed + [(i, "blocked") for i, _ in errors]), why)
-        if errors:
-            raise errors[0][1]
-        return out
+            raise _Failed(got.lost(), got.why)
+        if got.errors:
+            raise got.errors[0][1]
+        return got.out
 
     def _each(self, method: str, *args: Any) -> list[Any]:
         return self._calls(method, [args] * self.size)

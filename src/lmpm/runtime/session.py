@@ -21,6 +21,7 @@ True
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -378,6 +379,50 @@ def make_tracer(run: Run, level: str, region_text: str | None) -> tuple[Any, str
     return Tracer(run.plan, level, region), None if region is None else str(region)
 
 
+MSG_BIND_RESUME = (
+    "{dir} was started with --bind {mods}. Resuming imports no Python module you did not name on "
+    "this command line (a run directory from elsewhere could name any module); nothing was changed."
+)
+
+# What resuming reads from the run's metadata, with the JSON type each must have.
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "params": (dict,),
+    "source": (str,),
+    "program_file": (str,),
+    "program_hash": (str,),
+    "bind": (list,),
+    "seed": (int,),
+    "backend": (str,),
+    "trace": (str,),
+    "checkpoint_every": (int,),
+}
+
+
+def check_meta(meta: Mapping[str, Any], run_dir: Path) -> None:
+    """A hand-damaged ``meta`` table is a RunDirError naming the key, never an internal error."""
+    from lmpm.errors import RunDirError
+
+    for key, types in _META_TYPES.items():
+        if key not in meta:
+            raise RunDirError(
+                f"{run_dir}/lmpm.db lacks the run's `{key}` (meta table damaged); nothing was "
+                "changed",
+                code="D006",
+            )
+        if not isinstance(meta[key], types) or isinstance(meta[key], bool):
+            raise RunDirError(
+                f"{run_dir}/lmpm.db has a damaged `{key}` ({str(meta[key])[:40]!r}); nothing was "
+                "changed",
+                code="D006",
+            )
+    bad_params = [k for k, v in meta["params"].items() if not isinstance(v, int)]
+    bad_bind = [b for b in meta["bind"] if not isinstance(b, str)]
+    if bad_params or bad_bind or meta["checkpoint_every"] < 1:
+        raise RunDirError(
+            f"{run_dir}/lmpm.db has damaged run settings; nothing was changed", code="D006"
+        )
+
+
 def resume(
     run_dir: str | Path,
     *,
@@ -385,74 +430,147 @@ def resume(
     epochs: int | None = None,
     until: str | None = None,
     backend: str | None = None,
-    argv: Sequence[str] = (),
-    check_meta: Any = None,
     bind: Sequence[str] | None = None,
     trust_bind: bool = False,
+    settings: Mapping[str, tuple[str, Any]] | None = None,
+    workers: int | None = None,
     driver: str | None = None,
     cluster: str | None = None,
     worker_timeout: float | None = None,
     compile: bool = False,
+    keep_records: bool = True,
+    durable: bool = False,
+    trace_region: str | None = None,
+    ruleset: Sequence[tuple[str, str]] = (),
+    argv: Sequence[str] = (),
+    cli: bool = False,
 ) -> Run:
-    """A :class:`Run` continuing RUN_DIR from its last complete epoch, with its stored settings
-    (what `lmpm run --resume` does). ``run.restored`` says where it resumed; ``run.epochs`` is the
-    epoch count to run to; call ``run.run(run.epochs)`` then ``run.finish()``.
+    """A :class:`Run` continuing RUN_DIR from its last complete epoch, with its stored settings:
+    the one resume path of `lmpm run --resume` and :func:`lmpm.resume`. ``run.restored`` says where
+    it resumed; ``run.epochs`` is the epoch count to run to; call ``run.run(run.epochs)`` then
+    ``run.finish()``. The directory's lock is taken first and held until ``finish()``.
 
-    A run started with bound modules imports them again only when ``bind`` names them (or
-    ``trust_bind=True`` says to import what the run directory names): a run directory received
-    from someone else never executes code by itself. The directory's lock is held until
-    ``finish()``."""
-    from lmpm.errors import RunDirError
-    from lmpm.runtime.commitlog import MSG_FOREIGN, connect, program_hash, read_meta
+    Refused, with nothing changed: a damaged meta table (D006), another program (D010), a program
+    with check errors (CheckError), a setting that differs from the stored one (``settings``:
+    key -> (flag as the caller names it, value or None); ``bind`` is one of them, D011). A run
+    started with bound modules imports them again only when ``bind`` names them (the stored ones,
+    D011 otherwise) or ``trust_bind=True`` says to import what the run directory names (U040): a
+    run directory received from someone else never executes code by itself. ``cli``: messages
+    name the command's flags (``--bind``, ``--trust-bind``) rather than the keywords."""
+    from lmpm.runtime.commitlog import connect
     from lmpm.runtime.lock import RunLock
 
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        connect(run_dir)  # raises the RunDirError for a missing run
+    lock = RunLock(run_dir, what="resume", create_dir=False).acquire()
+    try:
+        run = _resume_locked(
+            run_dir,
+            file=file,
+            epochs=epochs,
+            until=until,
+            backend=backend,
+            bind=bind,
+            trust_bind=trust_bind,
+            settings=settings or {},
+            workers=workers,
+            driver=driver,
+            cluster=cluster,
+            worker_timeout=worker_timeout,
+            compile=compile,
+            keep_records=keep_records,
+            durable=durable,
+            trace_region=trace_region,
+            ruleset=ruleset,
+            argv=argv,
+            cli=cli,
+        )
+    except BaseException:
+        lock.release()
+        raise
+    run._lock = lock
+    return run
+
+
+def _resume_locked(
+    run_dir: Path,
+    *,
+    file: str | Path | None,
+    epochs: int | None,
+    until: str | None,
+    bind: Sequence[str] | None,
+    trust_bind: bool,
+    settings: Mapping[str, tuple[str, Any]],
+    cli: bool,
+    **opts: Any,
+) -> Run:
+    from lmpm.errors import CheckError, RunDirError
+    from lmpm.runtime.commitlog import (
+        MSG_FOREIGN,
+        check_epochs,
+        connect,
+        file_sha256,
+        program_hash,
+        read_meta,
+    )
+
     conn = connect(run_dir, readonly=True, check=True)
     try:
         meta = read_meta(conn)
+        check_epochs(conn, run_dir)
     finally:
         conn.close()
+    check_meta(meta, run_dir)
     params = dict(meta["params"])
     if file is not None:
-        front = compile_file(file, overrides=params)
+        front = compile_file(file, overrides=params, raise_errors=False)
     else:
-        front = compile_source(meta["source"], meta["program_file"], overrides=params)
-    given = program_hash(front.ir)
+        front = compile_source(
+            meta["source"], meta["program_file"], overrides=params, raise_errors=False
+        )
+    given = program_hash(front.ir)  # the IR does not depend on --set: compare before checking
     if given != meta["program_hash"]:
         raise RunDirError(
             MSG_FOREIGN.format(dir=run_dir, stored=meta["program_hash"][:12], given=given[:12]),
             code="D010",
         )
-    if check_meta is not None:
-        check_meta(meta)
+    if front.errors:
+        raise CheckError([d for d in front.diagnostics if d.severity == "error"])
+    asked = dict(settings)
+    if bind:
+        asked["bind"] = ("--bind" if cli else "bind=", list(bind_specs(bind)))
+    for key, (flag, value) in asked.items():
+        stored = meta.get(key)
+        if value is not None and value != stored:
+            raise RunDirError(
+                f"{run_dir} was started with {flag} {stored!r}; this command gives {value!r}. "
+                "A resumed run keeps its settings; nothing was changed.",
+                code="D011",
+                hint=f"drop {flag}, or start a new run with another --out",
+            )
     if meta["bind"] and not bind and not trust_bind:
+        mods = " --bind ".join(meta["bind"])
+        if cli:
+            raise UsageError(
+                MSG_BIND_RESUME.format(dir=run_dir, mods=mods),
+                code="U040",
+                hint=f"give --bind {mods} again (or --trust-bind to import what {run_dir} names)",
+            )
         raise UsageError(
             f"{run_dir} was started with bound modules {meta['bind']}; resume imports them only "
             "when asked",
             code="U040",
             hint="pass bind=[...] naming them again, or trust_bind=True",
         )
-    lock = RunLock(run_dir, what="resume", create_dir=False).acquire()
-    try:
-        run, log, restored = open_resumed(
-            front,
-            meta,
-            run_dir,
-            epochs=epochs,
-            until=until,
-            backend=backend,
-            driver=driver,
-            cluster=cluster,
-            worker_timeout=worker_timeout,
-            compile=compile,
-            argv=argv,
-        )
-    except BaseException:
-        lock.release()
-        raise
+    for spec, sha in dict(meta.get("bind_sha256", {})).items():
+        if Path(spec).is_file() and file_sha256(spec) != sha:
+            sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
+    epochs = epochs if epochs is not None else meta["epochs"]
+    until = until or meta["until"]
+    run, log, restored = open_resumed(front, meta, run_dir, epochs=epochs, until=until, **opts)
     run.restored = restored
     run.epochs, run.until = log.info.epochs, log.info.until
-    run._lock = lock
     run._attach(log, run_dir)
     return run
 

@@ -34,14 +34,13 @@ from torch import Tensor
 
 from lmpm.errors import LmpmError, UsageError
 from lmpm.runtime.lock import atomic_write
-from lmpm.runtime.raygroup import WorkerLost, _Failed
+from lmpm.runtime.raygroup import WorkerLost, _Failed, gather
 from lmpm.train.spec import TrainSpec
 from lmpm.train.worker import Committed, Proposal, TrainWorker, inner_path
 
 DEFAULT_TIMEOUT = 600.0  # seconds one worker's inner loop may take before it counts as hung
 MAX_RETRIES = 3
 START_LIMIT = 180.0
-SLICE = 0.25
 TRAIN_PHASES = ("propose", "commit")
 
 
@@ -372,42 +371,11 @@ class RayDriver:
     def _gather(
         self, refs: list[Any], timeout: float | None, *, grace: bool
     ) -> tuple[list[Any], list[tuple[int, str]], str]:
-        """Wait for every call: (answers, [(worker, died|hung)], Ray's first error). ``grace``:
-        once one died, the others get 2 s more (they are blocked in a collective on it)."""
-        import ray
-        from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError
-
-        from lmpm.runtime.raygroup import _last_line
-
-        out: list[Any] = [None] * len(refs)
-        pending = {r: i for i, r in enumerate(refs)}
-        failed: list[tuple[int, str]] = []
-        why = ""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                for r, i in pending.items():
-                    failed.append((i, "hung"))
-                    ray.cancel(r, force=True)
-                break
-            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(left, SLICE))
-            for r in ready:
-                i = pending.pop(r)
-                try:
-                    out[i] = ray.get(r, timeout=0)
-                except (RayActorError, ActorUnavailableError) as e:
-                    failed.append((i, "died"))
-                    why = why or _last_line(e)
-                    if grace:
-                        deadline = min(deadline, time.monotonic() + 2.0)
-                except RayTaskError as e:
-                    cause = getattr(e, "cause", None)
-                    if isinstance(cause, LmpmError):
-                        raise cause from None
-                    failed.append((i, "blocked"))  # a collective broke under it: a peer died
-                    why = why or _last_line(e)
-        return out, sorted(failed), why
+        """Wait for every call: (answers, [(worker, died|hung|blocked)], Ray's first error), by
+        the engine group's supervision policy (:func:`lmpm.runtime.raygroup.gather`). ``grace``:
+        once one died, the others get a little longer (they are blocked in a collective on it)."""
+        got = gather(refs, self.timeout if timeout is None else timeout, grace=grace)
+        return got.out, got.lost(), got.why
 
     def _replace(self, i: int) -> None:
         import ray

@@ -119,6 +119,8 @@ class Masks:
         self._layouts: dict[str, Layout] = {}
         self._counts: dict[tuple[str, int, int], BlockCounts] = {}
         self._mask_mods: dict[torch.device, MaskMod] = {}  # per device of its layout table
+        # per (block sizes, device): a BlockMask is a constant of the program and its sizes
+        self._block_masks: dict[tuple[tuple[int, int], torch.device], BlockMask] = {}
         if layout == "auto":
             sp = self.sparsity_at(auto_block)
             layout = max(LAYOUTS, key=lambda k: (sp[k], -LAYOUTS.index(k)))
@@ -178,28 +180,45 @@ class Masks:
     def mask_mod_on(self, device: str | torch.device) -> MaskMod:
         """:attr:`mask_mod` with its layout table (tiled/morton) on ``device``: a compiled
         kernel reads the table where the indices are."""
-        dev = torch.device(device)
+        dev = _device_key(device)
         if dev not in self._mask_mods:
             lay = self.layout_of().to(dev)
             self._mask_mods[dev] = build_mask_mod(self.program, self.env, self.space, lay)
         return self._mask_mods[dev]
 
     def block_mask(
-        self, block_size: int | tuple[int, int] = 128, device: str | torch.device = "cpu"
+        self,
+        block_size: int | tuple[int, int] = 128,
+        device: str | torch.device = "cpu",
+        *,
+        cache: bool = True,
     ) -> BlockMask:
         """The analytic BlockMask, built on ``device`` without an N×N tensor: the tensors of
         ``create_block_mask(self.mask_mod, 1, 1, cells, cells, BLOCK_SIZE=block_size)``, exactly
-        (same partial and full blocks, same order, contiguous indices; docs/visibility.md)."""
+        (same partial and full blocks, same order, contiguous indices; docs/visibility.md).
+
+        Visibility depends on the program and its sizes only, never on the data, so the mask is
+        built once per block size and device and kept (a training loop that asks every step pays
+        a dictionary lookup); ``cache=False`` builds anew and keeps nothing. Treat the returned
+        BlockMask as read-only: its tensors are shared by every caller."""
         if self.cells == 0:
             raise UsageError("the program has no cells to attend over", code="U012")
-        return build_block_mask(
+        dev = _device_key(device)
+        blocks = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+        key = ((int(blocks[0]), int(blocks[1])), dev)
+        if cache and key in self._block_masks:
+            return self._block_masks[key]
+        bm = build_block_mask(
             self.space,
             self.layout_of(),
             _Streamed(self),
-            self.mask_mod_on(device),
-            block_size,
-            device,
+            self.mask_mod_on(dev),
+            key[0],
+            dev,
         )
+        if cache:
+            self._block_masks[key] = bm
+        return bm
 
     def block_flags(
         self, block_size: int | tuple[int, int] = 128, layout: str | None = None
@@ -283,6 +302,14 @@ class _Streamed:
             for s in m._stencils
             if s.target == target
         ]
+
+
+def _device_key(device: str | torch.device) -> torch.device:
+    """``device`` with its index: ``cuda`` and ``cuda:0`` are one cache entry."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _describe(value: str, dims: tuple[int, ...], empty: Tensor, reason: str) -> Degenerate:

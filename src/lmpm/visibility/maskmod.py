@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from lmpm.ir.nodes import Axis, AxisKind, Binder, Expr, Op, Program
+from lmpm.visibility._emit import emit_mask_mod
 from lmpm.visibility._expr import Val, all_defined, and_, evaluate, or_
 from lmpm.visibility._stencil import DimSpec, Space, binder_combos, cell_coords, dim_specs, strides
 from lmpm.visibility.layout import Layout
@@ -520,9 +521,8 @@ def build_mask_mod(program: Program, env: Mapping[str, int], sp: Space, layout: 
         base, n = sp.base[value], sp.size(value)
         return and_(idx >= base if low else True, idx < base + n if high else True)
 
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        q = q_idx if to_canon is None else to_canon[q_idx]
-        kv = kv_idx if to_canon is None else to_canon[kv_idx]
+    def core(q: Tensor, kv: Tensor) -> Val:
+        """The visibility of canonical position ``kv`` from ``q`` (a bool when constant)."""
         kv_coords: dict[str, list[Tensor]] = {}
         out: Val = False
         for target, by_source in groups.items():
@@ -545,12 +545,10 @@ def build_mask_mod(program: Program, env: Mapping[str, int], sp: Space, layout: 
                     seen = or_(seen, _clause_test(cl, em, qc, kc, params))
                 seen_t = or_(seen_t, and_(member(kv, source, low, high), seen))
             out = or_(out, and_(member(q, target, *sides(target)), seen_t))
-        if isinstance(out, Tensor):
-            return out
-        # A constant answer still has to be a tensor shaped like the indices.
-        return (q_idx >= 0) if out else (q_idx < 0)
+        return out
 
-    return mask_mod
+    # The walk above, run once and printed as plain source (lmpm.visibility._emit says why).
+    return emit_mask_mod(core, to_canon)
 
 
 def _clause_test(

@@ -17,6 +17,17 @@ the state eagerly (a tool result fed back), so polling ``vm.done`` or ``vm.force
 steps costs no tensor operation. Compiled and eager steps commit identically, token for token,
 with the same status, captures and zone paths (tests/vm/test_vm_compiled.py).
 
+On CUDA the same traced step is compiled by inductor into Triton kernels and captured as one CUDA
+graph (:mod:`lmpm.workers.graphs`): the streams' state lives in the graph's static input buffers
+(the core's tensors *are* those buffers), a replay runs the whole step and copies the new state
+into them, and what escapes the step (its ``StepOut``, the zone visits, the next ``Forced``) is
+copied out of the graph's output buffers in two copies (its int64 and its bool outputs). The
+flags reach the host through a pinned buffer, read when the GPU got there
+(:class:`~lmpm.workers.graphs.LateFlags`): the driver learns that every stream is done, or that a
+tool waits, up to a few steps late and never waits per step — a late step commits nothing on the
+streams that are done or waiting, so the streams' tokens are the same; the step indices of a tool
+result can be later than the eager step's.
+
 A graph depends on the shapes of its inputs (the stream count and length, the zones, exits and
 triggers, the tool-result width) and on how many settle rounds the workflow needs, not on the
 instructions' values: workflows of one shape share it. :data:`lmpm.runtime.compiled._GRAPHS` keeps
@@ -25,8 +36,10 @@ it for the process and inductor's on-disk cache for later runs.
 
 from __future__ import annotations
 
+import math
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +48,7 @@ from torch import Tensor
 
 from lmpm.errors import WorkflowError
 from lmpm.vm.core import Core, Forced, StepOut
+from lmpm.workers import graphs, simcuda
 
 # The streams' state: what a step reads and writes (the history tables in place, the rest anew).
 STATE = (
@@ -129,8 +143,77 @@ def _step_fn(core: Core, rebound: list[str]) -> Callable[..., tuple[Tensor, ...]
     return step
 
 
+# Captured graphs by (compiled step, input signature): a core that ends hands its graph to the
+# next core of the same shapes (a capture costs a warm-up and milliseconds; a step, microseconds).
+_REPLAYS: dict[tuple[Any, ...], _Replay] = {}
+
+
+class _Replay:
+    """The compiled step captured as one CUDA graph, over static input buffers.
+
+    ``inputs`` are the step's arguments (``STATE``, ``CONSTANTS``, sampled, the four ``Forced``
+    fields): the graph reads them, writes the history tables in place and copies the new state
+    and the next ``Forced`` back into them, so that a driver passing the core's own tensors and
+    the step's own next ``Forced`` copies in only the sampled tokens. ``flat`` holds what escapes
+    the step, one buffer per dtype (int64, bool), copied out after each replay; the flags go to
+    the host late (:class:`~lmpm.workers.graphs.LateFlags`)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Tensor, ...], rebound: list[str]):
+        where = [STATE.index(name) for name in rebound]
+        forced_at = len(STATE) + len(CONSTANTS) + 1  # the Forced fields follow the sampled tokens
+        self.inputs = [a.clone() for a in args]
+        self.layout: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self.dtypes: list[torch.dtype] = []
+
+        def body() -> list[Tensor]:
+            outs = fn(*self.inputs)
+            i = _STEP_OUT
+            for k in where:
+                self.inputs[k].copy_(outs[i])
+                i += 1
+            visits, moved = outs[i], outs[i + 1]
+            nxt = outs[i + 2 : i + 2 + _FORCED]
+            for k, t in enumerate(nxt):
+                self.inputs[forced_at + k].copy_(t)
+            escaping = [*outs[:_STEP_OUT], visits, moved, *nxt]
+            self.layout = [(t.dtype, tuple(t.shape)) for t in escaping]
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
+            for t in escaping:
+                by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+            self.dtypes = list(by_dtype)
+            return [*(torch.cat(parts) for parts in by_dtype.values()), outs[i + 2 + _FORCED]]
+
+        def warmup() -> None:  # on copies: the step writes its history tables in place
+            for _ in range(2):
+                fn(*[a.clone() for a in args])
+
+        outs, self.replay = graphs.capture(body, warmup=warmup)
+        self.flat = list(outs[:-1])
+        self.flags = graphs.LateFlags(outs[-1])  # (3,): done, a tool waits, settle rounds
+        self.sizes = {
+            dt: [math.prod(shape) for d, shape in self.layout if d == dt] for dt in self.dtypes
+        }
+        self.forced_at = forced_at
+        self.fed: Forced | None = None  # the Forced the graph left in its inputs
+        self.owner: weakref.ref[Core] | None = None  # the core whose state the inputs hold
+        self.fresh = True  # the owner's tensors are not the inputs yet
+
+    def run(self, args: tuple[Tensor, ...]) -> list[Tensor]:
+        """One step: copy in what is not already in the static inputs, replay, copy out."""
+        for a, static in zip(args, self.inputs):
+            if a is not static:
+                static.copy_(a)
+        self.replay()
+        self.flags.mark()
+        parts = {
+            dt: iter(flat.clone().split(self.sizes[dt])) for dt, flat in zip(self.dtypes, self.flat)
+        }
+        return [next(parts[dt]).view(shape) for dt, shape in self.layout]
+
+
 class CompiledStep:
-    """A core's compiled step (one graph per stream count, length and tool-result width)."""
+    """A core's compiled step (one graph per stream count, length and tool-result width); on
+    CUDA, captured and replayed as one CUDA graph."""
 
     def __init__(self, core: Core, workflow: str) -> None:
         self.core = core
@@ -138,6 +221,8 @@ class CompiledStep:
         # by tool-result width (the one shape that changes in a run: results wider than any
         # before widen the queue); every other input keeps its shape for the core's life
         self._graphs: dict[int, tuple[Callable[..., Any], list[str]]] = {}
+        self.graphed = core.device.type == "cuda"
+        self._replays: dict[int, _Replay] = {}
         self.compiles = 0  # graphs built or loaded in this process for this core
         self.compile_seconds = 0.0
         self.steps = 0
@@ -152,13 +237,23 @@ class CompiledStep:
         rebound: list[str] = []
         t0 = time.perf_counter()
         try:
+            if simcuda.active() is not None:
+                # The simulated device has no inductor backend: its "graph" is the traced step's
+                # own function, which the capture then replays (what the device check proves).
+                fn = _step_fn(self.core, rebound)
+                fn(*[a.clone() for a in args])  # names the rebound fields, as tracing does
+                self.compiles += 1
+                self.compile_seconds += time.perf_counter() - t0
+                hit = self._graphs[width] = (fn, rebound)
+                return hit
             # All inputs of one element crash inductor's C++ wrapper (torch 2.13): one stream
-            # runs with the Python wrapper.
+            # runs with the Python wrapper. On CUDA the wrapper is Python (it launches Triton
+            # kernels, and the CUDA graph replays them without it).
             fn, gm, how = compile_graph(
                 key,
                 lambda: _step_fn(self.core, rebound),
                 args,
-                cpp_wrapper=self.core.B > 1,
+                cpp_wrapper=self.core.B > 1 and not self.graphed,
             )
         except Exception as exc:
             raise WorkflowError(
@@ -195,6 +290,8 @@ class CompiledStep:
         width = core.inj.shape[1]
         graph = self._graphs.get(width)
         fn, rebound = graph if graph is not None else self._graph(width, args)
+        if self.graphed:
+            return self._replay(width, fn, rebound, args, f)
         outs = fn(*args)
         self.steps += 1
         i = _STEP_OUT
@@ -210,3 +307,63 @@ class CompiledStep:
             core.visits.append(visits[r])
             core.visits_mask.append(moved[r])
         return StepOut(*outs[:_STEP_OUT])
+
+    def _replay(
+        self,
+        width: int,
+        fn: Callable[..., Any],
+        rebound: list[str],
+        args: tuple[Tensor, ...],
+        f: Forced,
+    ) -> StepOut:
+        core = self.core
+        rep = self._replays.get(width)
+        if rep is None:
+            rep = self._adopt(fn, rebound, args)
+            self._replays[width] = rep
+        if rep.fed is not None and f is rep.fed:
+            # the driver passes the Forced this graph computed: it is in the inputs already
+            args = (*args[: rep.forced_at], *rep.inputs[rep.forced_at :])
+        outs = rep.run(args)
+        self.steps += 1
+        visits, moved = outs[_STEP_OUT], outs[_STEP_OUT + 1]
+        nxt = Forced(*outs[_STEP_OUT + 2 :])
+        core.next_forced = rep.fed = nxt
+        core.flags = _Late(rep.flags)
+        core.visits.append(visits)
+        core.visits_mask.append(moved)
+        if rep.fresh:  # the core's tensors become the graph's inputs: later steps copy nothing
+            rep.fresh = False
+            for name, static in zip(STATE + CONSTANTS, rep.inputs):
+                setattr(core, name, static)
+        return StepOut(*outs[:_STEP_OUT])
+
+    def _adopt(
+        self, fn: Callable[..., Any], rebound: list[str], args: tuple[Tensor, ...]
+    ) -> _Replay:
+        """This core's graph: the process's captured one for these shapes when no live core
+        owns it (its inputs take this core's state at the first replay), else a new capture."""
+        from lmpm.runtime.compiled import _signature
+
+        key = (fn, _signature(args))
+        rep = _REPLAYS.get(key)
+        if rep is None or (rep.owner is not None and rep.owner() is not None):
+            t0 = time.perf_counter()
+            rep = _Replay(fn, args, rebound)
+            self.compile_seconds += time.perf_counter() - t0
+            _REPLAYS[key] = rep
+        rep.owner = weakref.ref(self.core)
+        rep.fed = None
+        rep.fresh = True
+        rep.flags.reset()  # the last owner's flags (its streams were done) are not this core's
+        return rep
+
+
+class _Late:
+    """``core.flags`` of a replayed step: (every stream done, a tool waits), read late."""
+
+    def __init__(self, flags: graphs.LateFlags) -> None:
+        self._flags = flags
+
+    def __getitem__(self, i: int) -> bool:
+        return bool(self._flags.read()[i])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -28,6 +29,13 @@ from lmpm.errors import WorkflowError
 from lmpm.vm.compile import ByteTokenizer, Instructions
 
 FORCED, GENERATED, TOOL = 0, 1, 2  # what committed a token (the status `kind`)
+
+
+class Flags(Protocol):
+    """What a compiled step left for the driver: ``[0]`` every stream is done, ``[1]`` a tool
+    waits (a tuple on the CPU; on CUDA read late from the device, :mod:`lmpm.vm.compiled`)."""
+
+    def __getitem__(self, i: int, /) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +142,7 @@ class Core:
         self.settle_rounds = int((~self.generate & (plen == 0).any(0)).sum())
         # what the compiled step computed for the next step: cleared by any eager change of state
         self.next_forced: Forced | None = None
-        self.flags: tuple[bool, bool] | None = None  # (finished.all(), waiting.any())
+        self.flags: Flags | None = None  # (finished.all(), waiting.any()), from the last step
         self._settle(torch.ones(b, dtype=torch.bool, device=dev))
 
     # ---- setup -----------------------------------------------------------------------------------

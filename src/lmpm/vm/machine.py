@@ -62,10 +62,10 @@ class VM:
     ) -> None:
         self.ins = ins
         self.tok = tokenizer or ByteTokenizer(min(ins.vocab, 256))
-        if compile and torch.device(device).type != "cpu":
-            # as the engine's --compile (U103): a CUDA step would be a CUDA graph, not built
+        if compile and torch.device(device).type not in ("cpu", "cuda"):
             raise UsageError(
-                f"the compiled VM step runs on the cpu; these streams are on {device}",
+                f"the compiled VM step runs on the cpu (inductor's C++) or on cuda (one CUDA "
+                f"graph); these streams are on {device}",
                 code="U104",
                 hint="drop compile=True (the eager step runs on any device)",
             )
@@ -224,8 +224,10 @@ class VM:
         out: list[list[str]] = [[names[0]] for _ in range(self.core.B)]
         if not self.core.visits:
             return out
-        pcs = torch.stack(self.core.visits).T.tolist()  # (B, transitions)
-        moved = torch.stack(self.core.visits_mask).T.tolist()
+        # each entry one transition (B,) or, from a CUDA-graph step, all its rounds (R, B)
+        b = self.core.B
+        pcs = torch.cat([v.reshape(-1, b) for v in self.core.visits]).T.tolist()  # (B, transitions)
+        moved = torch.cat([m.reshape(-1, b) for m in self.core.visits_mask]).T.tolist()
         for b in range(self.core.B):
             out[b].extend(names[min(p, len(names) - 1)] for p, m in zip(pcs[b], moved[b]) if m)
         return out
