@@ -16,7 +16,7 @@ from lmpm.cli import main
 from lmpm.errors import UsageError
 from lmpm.ir import compile_file
 from lmpm.resolve.plan import Plan, resolve
-from lmpm.resolve.topology import Topology, accesses, partition, runs
+from lmpm.resolve.topology import Topology, partition, runs
 
 EX = Path(__file__).resolve().parents[2] / "examples"
 CASES = {
@@ -39,7 +39,7 @@ def _plan(name: str) -> Plan:
 def _expected_routes(plan: Plan, topo: Topology) -> dict[tuple[str, int, int], set[int]]:
     """Brute force over every read of every owned target cell."""
     out: dict[tuple[str, int, int], set[int]] = {}
-    for acc in accesses(plan):
+    for acc in plan.gathers:
         if topo.replicated[acc.source]:
             continue
         for t in range(acc.index.shape[0]):

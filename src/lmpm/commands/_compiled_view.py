@@ -78,13 +78,11 @@ def compiled_text(
 
 
 def _report(run: Run, graph: bool) -> str:
-    from lmpm.resolve.plan import live_constraints, rules_by_target
-
     ce = run.engine.compiled
     assert ce is not None  # Run(compile=True) makes it or raises
     plan = run.plan
-    rules = rules_by_target(plan)
-    live = live_constraints(plan)
+    rules = plan.rules_by_target
+    live = plan.live_constraints
     n, total = len(ce.specs), len(ce.reasons)
     out = [
         f"{run.front.ast.file}: the epoch step under --compile: {n} of {total} proposed "
@@ -325,7 +323,6 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     """Trace ``value``'s compiled step at ``open_cells`` (1 cell when none) and the rule's ``k``
     proposals per cell, through :meth:`CompiledEpoch.step` with its compiler replaced by
     ``make_fx``."""
-    from lmpm.resolve.plan import rules_by_target
     from lmpm.runtime import compiled as cmod
 
     ce = run.engine.compiled
@@ -333,7 +330,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     eng = run.engine
     vp = run.plan.values[value]
     spec = ce.specs[value]
-    rp = rules_by_target(run.plan)[value][0]
+    rp = run.plan.rules_by_target[value][0]
     k, _ = _proposals(rp)
     opened = open_cells is not None and bool(open_cells.numel())
     if open_cells is None or not opened:
@@ -409,12 +406,11 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
 def input_names(spec: StepSpec, run: Run, value: str, lens: tuple[int, ...]) -> list[str]:
     """A name per flat graph input: the step's parameters, then its tables named after the
     constraint or the clock source they belong to."""
-    from lmpm.resolve.plan import live_constraints
     from lmpm.runtime.compiled import value_step
 
     params = list(inspect.signature(value_step(spec)).parameters)
     head = params[: len(params) - len(lens)]
-    cps = live_constraints(run.plan).get(value, [])
+    cps = run.plan.live_constraints.get(value, [])
     per: dict[str, list[str]] = {
         "vtables": [cps[j].name for j, ck in enumerate(spec.checks) if ck.in_set],
         "where_tables": [cps[j].name for j, ck in enumerate(spec.checks) if not ck.covers_all],

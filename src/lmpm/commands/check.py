@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lmpm.commands._common import add_set, fail_json, parse_sets, print_diagnostics, program_path
-from lmpm.errors import LmpmError, UsageError
+from lmpm.errors import BindError, Diagnostic, LmpmError, UsageError
 
 if TYPE_CHECKING:
+    from lmpm.bindings import Bindings
     from lmpm.ir import Frontend
 
 HELP = "check a program: syntax, names, shapes, bounds, visibility of reads, read_future"
@@ -58,10 +59,12 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_sets(args.set)
     known = None
     bound: set[str] = set()
+    bindings = None
     if args.strict or args.bind:  # (loading a module may import torch; a plain check does not)
-        from lmpm.bindings import BUILTINS, user_names
+        from lmpm.bindings import BUILTINS, Bindings
 
-        bound = user_names(args.bind)
+        bindings = Bindings(args.bind)
+        bound = bindings.user_names()
         if args.strict:
             known = set(BUILTINS) | bound
     try:
@@ -78,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
             return fail_json(e)
         raise
     unknown_params(front)
-    print_diagnostics(front.diagnostics, args.json)
-    if front.errors:
+    diagnostics = list(front.diagnostics)
+    if args.bind and bindings is not None and not front.errors:
+        diagnostics += _link(front, bindings, overrides)
+    print_diagnostics(diagnostics, args.json)
+    if front.errors or any(d.severity == "error" for d in diagnostics):
         return 1
     if args.device:
         return _device_check(args, path, overrides)
@@ -97,6 +103,19 @@ def run(args: argparse.Namespace) -> int:
             f"{path}: ok" + (f" ({n} warning{'s' if n != 1 else ''})" if n else "") + "\n"
         )
     return 0
+
+
+def _link(front: Frontend, bindings: Bindings, overrides: dict[str, int]) -> list[Diagnostic]:
+    """The run's link step over the checked program (``lmpm.ir.link``), without importing the
+    built-ins: its first fault as a diagnostic."""
+    from lmpm.ir.eval import bind_params
+    from lmpm.ir.link import link
+
+    try:
+        link(front.ir, bindings, bind_params(front.ir, overrides), load=False, lenient=True)
+    except BindError as e:
+        return list(e.diagnostics)
+    return []
 
 
 def _device_check(args: argparse.Namespace, path: Path, overrides: dict[str, int]) -> int:

@@ -127,26 +127,7 @@ def to_svg(p: Program) -> str:
     in the middle, rules on the right; edges are labelled curves (a value's `visible` edges to
     itself or another value bulge to the left of the middle column)."""
     nodes, edges = graph(p)
-    cols: list[list[Node]] = [[], [], []]
-    for n in nodes:
-        cols[_SVG_COLUMN[n.kind]].append(n)
-    size = {}
-    for n in nodes:
-        lines = n.label.split("\\n")
-        size[n.id] = (max(len(x) for x in lines) * _CHAR_W + 2 * _PAD, len(lines) * _LINE_H + _PAD)
-    widths = [max((size[n.id][0] for n in c), default=0.0) for c in cols]
-    pos: dict[str, tuple[float, float, float, float]] = {}  # id -> x, y, w, h
-    x = 40.0
-    height = 0.0
-    for c, w in zip(cols, widths):
-        y = 20.0
-        for n in c:
-            nw, nh = size[n.id]
-            pos[n.id] = (x + (w - nw) / 2, y, nw, nh)
-            y += nh + _GAP_Y
-        height = max(height, y)
-        x += w + _GAP_X if w else 0.0
-    width = x
+    pos, width, height = _svg_layout(nodes)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif">',
@@ -156,37 +137,8 @@ def to_svg(p: Program) -> str:
     ]
     loops: dict[str, int] = {}  # self-loops drawn per node, to stack their labels
     for e in edges:
-        if e.src not in pos or e.dst not in pos:
-            continue
-        sx, sy, sw, sh = pos[e.src]
-        dx, dy, dw, dh = pos[e.dst]
-        y1, y2 = sy + sh / 2, dy + dh / 2
-        if e.src == e.dst:  # a value that sees itself: a loop on its left side
-            path = f"M {sx:.1f} {y1 - 6:.1f} C {sx - 70:.1f} {y1 - 40:.1f} {sx - 70:.1f} "
-            path += f"{y1 + 40:.1f} {sx:.1f} {y1 + 6:.1f}"
-            loops[e.src] = loops.get(e.src, 0) + 1
-            lx, ly = sx - 60, y1 - 30 - 11 * (loops[e.src] - 1)
-        elif abs((sx + sw / 2) - (dx + dw / 2)) < 1:  # same column: an arc on the left
-            x1, x2 = sx, dx
-            bend = 60 + abs(y2 - y1) / 4
-            path = f"M {x1:.1f} {y1:.1f} C {x1 - bend:.1f} {y1:.1f} {x2 - bend:.1f} {y2:.1f} "
-            path += f"{x2:.1f} {y2:.1f}"
-            lx, ly = min(x1, x2) - bend * 0.75, (y1 + y2) / 2
-        else:
-            x1 = sx + sw if sx < dx else sx
-            x2 = dx if sx < dx else dx + dw
-            mx = (x1 + x2) / 2
-            path = f"M {x1:.1f} {y1:.1f} C {mx:.1f} {y1:.1f} {mx:.1f} {y2:.1f} {x2:.1f} {y2:.1f}"
-            lx, ly = mx, (y1 + y2) / 2
-        dash = ' stroke-dasharray="4 3"' if e.kind in ("read", "constrains") else ""
-        out.append(
-            f'<path d="{path}" fill="none" stroke="{_SVG_STROKE[e.kind]}"{dash} '
-            'marker-end="url(#arrow)"/>'
-        )
-        out.append(
-            f'<text x="{lx:.1f}" y="{ly - 3:.1f}" font-size="9" text-anchor="middle" '
-            f'fill="{_SVG_STROKE[e.kind]}">{_x(e.label)}</text>'
-        )
+        if e.src in pos and e.dst in pos:
+            out += _svg_edge(e, pos[e.src], pos[e.dst], loops)
     for n in nodes:
         nx, ny, nw, nh = pos[n.id]
         rx = 14 if n.kind == "rule" else 3
@@ -202,6 +154,64 @@ def to_svg(p: Program) -> str:
         out.append("</g>")
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+_Box = tuple[float, float, float, float]  # x, y, w, h
+
+
+def _svg_layout(nodes: list[Node]) -> tuple[dict[str, _Box], float, float]:
+    """Each node's box (three columns, top to bottom), and the drawing's width and height."""
+    cols: list[list[Node]] = [[], [], []]
+    for n in nodes:
+        cols[_SVG_COLUMN[n.kind]].append(n)
+    size = {}
+    for n in nodes:
+        lines = n.label.split("\\n")
+        size[n.id] = (max(len(x) for x in lines) * _CHAR_W + 2 * _PAD, len(lines) * _LINE_H + _PAD)
+    widths = [max((size[n.id][0] for n in c), default=0.0) for c in cols]
+    pos: dict[str, _Box] = {}
+    x = 40.0
+    height = 0.0
+    for c, w in zip(cols, widths):
+        y = 20.0
+        for n in c:
+            nw, nh = size[n.id]
+            pos[n.id] = (x + (w - nw) / 2, y, nw, nh)
+            y += nh + _GAP_Y
+        height = max(height, y)
+        x += w + _GAP_X if w else 0.0
+    return pos, x, height
+
+
+def _svg_edge(e: Edge, src: _Box, dst: _Box, loops: dict[str, int]) -> list[str]:
+    """An edge's curve and its label."""
+    sx, sy, sw, sh = src
+    dx, dy, dw, dh = dst
+    y1, y2 = sy + sh / 2, dy + dh / 2
+    if e.src == e.dst:  # a value that sees itself: a loop on its left side
+        path = f"M {sx:.1f} {y1 - 6:.1f} C {sx - 70:.1f} {y1 - 40:.1f} {sx - 70:.1f} "
+        path += f"{y1 + 40:.1f} {sx:.1f} {y1 + 6:.1f}"
+        loops[e.src] = loops.get(e.src, 0) + 1
+        lx, ly = sx - 60, y1 - 30 - 11 * (loops[e.src] - 1)
+    elif abs((sx + sw / 2) - (dx + dw / 2)) < 1:  # same column: an arc on the left
+        x1, x2 = sx, dx
+        bend = 60 + abs(y2 - y1) / 4
+        path = f"M {x1:.1f} {y1:.1f} C {x1 - bend:.1f} {y1:.1f} {x2 - bend:.1f} {y2:.1f} "
+        path += f"{x2:.1f} {y2:.1f}"
+        lx, ly = min(x1, x2) - bend * 0.75, (y1 + y2) / 2
+    else:
+        x1 = sx + sw if sx < dx else sx
+        x2 = dx if sx < dx else dx + dw
+        mx = (x1 + x2) / 2
+        path = f"M {x1:.1f} {y1:.1f} C {mx:.1f} {y1:.1f} {mx:.1f} {y2:.1f} {x2:.1f} {y2:.1f}"
+        lx, ly = mx, (y1 + y2) / 2
+    dash = ' stroke-dasharray="4 3"' if e.kind in ("read", "constrains") else ""
+    return [
+        f'<path d="{path}" fill="none" stroke="{_SVG_STROKE[e.kind]}"{dash} '
+        'marker-end="url(#arrow)"/>',
+        f'<text x="{lx:.1f}" y="{ly - 3:.1f}" font-size="9" text-anchor="middle" '
+        f'fill="{_SVG_STROKE[e.kind]}">{_x(e.label)}</text>',
+    ]
 
 
 def _mm(s: str) -> str:

@@ -177,6 +177,19 @@ Expr = (
     | Of
 )
 
+
+def operands(e: Expr | None) -> tuple[Expr, ...]:
+    """The operands of an arithmetic, comparison or boolean node (none for any other node)."""
+    match e:
+        case BinOp(lhs=lhs, rhs=rhs) | Cmp(lhs=lhs, rhs=rhs):
+            return (lhs, rhs)
+        case And(lhs=lhs, rhs=rhs) | Or(lhs=lhs, rhs=rhs):
+            return (lhs, rhs)
+        case Neg(operand=x) | Not(operand=x):
+            return (x,)
+    return ()
+
+
 # ---- statements --------------------------------------------------------------------------------
 
 

@@ -15,10 +15,10 @@ import torch
 from torch import Tensor
 
 from lmpm.bindings import Bindings
-from lmpm.errors import BindError, Span
+from lmpm.errors import BindError
 from lmpm.ir.eval import bind_params, evaluate
+from lmpm.ir.link import DEFAULT_POLICY, RUNTIME, Linked, link
 from lmpm.ir.nodes import (
-    Arg,
     ArgKind,
     Axis,
     AxisKind,
@@ -36,18 +36,10 @@ from lmpm.ir.nodes import (
     Status,
 )
 from lmpm.ir.printer import call_str, expr_str, read_str
-from lmpm.resolve.policies import Of, Policy, get_policy, replicas
+from lmpm.resolve.policies import Policy, get_policy, replicas
 from lmpm.resolve.schedules import ScheduleSpec, sample_tiles
 from lmpm.runtime.texpr import coords as coords_of
 from lmpm.runtime.texpr import eval_tensor
-
-# The policy of a value with proposals but no `commit` statement (the checker warns, W207).
-DEFAULT_POLICY = Call(
-    "satisfy",
-    (Arg(ArgKind.NAME, None, "max_constraints_then_score"),),
-    "policy",
-    Span("<default>", 1, 1, 1, 2),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +103,17 @@ class ConstraintPlan:
     status: Status
 
 
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """One gather: the target's cells read these cells of ``source`` (``index``/``valid`` rows)."""
+
+    target: str
+    source: str
+    index: Tensor  # (target cells, K) flat source index
+    valid: Tensor  # (target cells, K) bool
+    uniform: bool  # every target cell reads row 0's cells
+
+
 @dataclass
 class Plan:
     program: Program
@@ -122,26 +125,36 @@ class Plan:
     colors: dict[str, Tensor] = field(
         default_factory=dict
     )  # independent schedule: (ncells,) colours
+    # Indexes over the rules and constraints, built once here; the data plane, the engine, the
+    # compiled epoch and the topology read them.
+    rules_by_target: dict[str, list[RulePlan]] = field(init=False)  # program order per value
+    # the constraints evaluated at run time, per constrained value (a constraint proved at
+    # compile time, or a read_future decided there, is never re-evaluated)
+    live_constraints: dict[str, list[ConstraintPlan]] = field(init=False)
+    gathers: list[Gather] = field(init=False)  # rule reads, then the live constraints' accesses
+
+    def __post_init__(self) -> None:
+        self.rules_by_target = {}
+        for rp in self.rules:
+            self.rules_by_target.setdefault(rp.target, []).append(rp)
+        self.live_constraints = {}
+        for cp in self.constraints:
+            if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
+                continue
+            self.live_constraints.setdefault(cp.target, []).append(cp)
+        self.gathers = [
+            Gather(rp.target, rd.source, rd.index, rd.valid, rd.uniform)
+            for rp in self.rules
+            for rd in rp.reads
+        ]
+        for cps in self.live_constraints.values():
+            for cp in cps:
+                for index, valid in cp.accesses:
+                    self.gathers.append(Gather(cp.target, cp.target, index, valid, False))
 
     @property
     def total_cells(self) -> int:
         return sum(v.ncells for v in self.values.values())
-
-
-def _literal(a: Arg, env: Mapping[str, int]) -> Any:
-    match a.kind:
-        case ArgKind.INT | ArgKind.FLOAT | ArgKind.STR | ArgKind.NAME:
-            return a.value
-        case ArgKind.EXPR:
-            assert a.expr is not None
-            return evaluate(a.expr, env)
-        case ArgKind.CALL:
-            assert a.call is not None
-            return (a.call.func, tuple(_literal(x, env) for x in a.call.args))
-        case ArgKind.OF:  # `k of n` (quorum)
-            k, n = (int(_literal(x, env)) for x in a.parts)
-            return Of(k, n)
-    raise BindError(f"argument of kind {a.kind.value} cannot be a literal", code="B050")
 
 
 def _gather(
@@ -216,6 +229,7 @@ def resolve(
     values: dict[str, ValuePlan] = {}
     policies = {cm.access.value: cm.policy for cm in program.commits}
     _check_size(program, env)
+    linked = link(program, bindings, env)
     offset = 0
     for v in program.values:
         if v.shape == ShapeKind.SET:
@@ -231,7 +245,7 @@ def resolve(
             cell_shape = (int(evaluate(v.vocab, env)),)
         pcall = policies.get(v.name, DEFAULT_POLICY)
         policy = get_policy(pcall.func)
-        args = tuple(_literal(a, env) for a in pcall.args)
+        args = linked.args(pcall)
         values[v.name] = ValuePlan(
             v.name,
             dims,
@@ -252,11 +266,8 @@ def resolve(
     replicas = {name: _replicas(vp) for name, vp in values.items()}
     for r in program.rules:
         if r.kind == RuleKind.SCHEDULE:
-            fn = bindings.get(r.proposal.func, "schedule")
-            kwargs = {
-                a.key or f"arg{i}": _literal(a, env | {"e": 0})
-                for i, a in enumerate(r.proposal.args)
-            }
+            fn = linked.bound(r.proposal)
+            kwargs = linked.kwargs(r.proposal)
             try:
                 spec = fn(**kwargs)
             except TypeError as e:
@@ -272,13 +283,12 @@ def resolve(
                 )
             schedule = spec
             continue
-        rules.append(_rule_plan(program, env, values, bindings, r, len(rules), replicas[r.target]))
+        rules.append(_rule_plan(linked, values, r, len(rules), replicas[r.target]))
     if schedule.strategy == "confidence" and schedule.steps is None:
         schedule = ScheduleSpec(schedule.strategy, schedule.k, epochs or 16, schedule.options)
 
     constraints = [
-        _constraint_plan(program, env, values, bindings, c, i)
-        for i, c in enumerate(program.constraints)
+        _constraint_plan(linked, values, c, i) for i, c in enumerate(program.constraints)
     ]
     plan = Plan(program, env, values, rules, constraints, schedule)
     if schedule.strategy == "independent":
@@ -299,38 +309,27 @@ def _replicas(vp: ValuePlan) -> int:
 
 
 def _rule_plan(
-    program: Program,
-    env: dict[str, int],
-    values: dict[str, ValuePlan],
-    bindings: Bindings,
-    r: Rule,
-    rid: int,
-    replicas: int,
+    linked: Linked, values: dict[str, ValuePlan], r: Rule, rid: int, replicas: int
 ) -> RulePlan:
+    program, env = linked.program, dict(linked.env)
     if r.target not in values:
         raise BindError(
             f"rule `{r.name}` targets `{r.target}`, which has no cells", span=r.span, code="B051"
         )
-    model = bindings.get(r.proposal.func, "model")
-    if not callable(model):
-        raise BindError(
-            f"model `{r.proposal.func}` is bound to a {type(model).__name__}, which is "
-            "not callable",
-            span=r.proposal.span,
-            code="B052",
-        )
+    model = linked.bound(r.proposal)  # callable (the link step says B052 otherwise)
     arg_names: dict[str, list[str]] = {}
     kwargs: dict[str, Any] = {}
     epoch_args: dict[str, Expr] = {}
-    for i, a in enumerate(r.proposal.args):
+    for i, (a, value) in enumerate(zip(r.proposal.args, linked.args(r.proposal))):
         if a.kind == ArgKind.READ:
             assert isinstance(a.value, str)
             # The model sees the read under its keyword when given, else under the read's name.
             arg_names.setdefault(a.value, []).append(a.key or a.value)
-        elif a.kind == ArgKind.EXPR and a.expr is not None and _uses_epoch(a.expr):
+        elif value is RUNTIME:  # an expression of the epoch `e`
+            assert a.expr is not None
             epoch_args[a.key or f"arg{i}"] = a.expr
         else:
-            kwargs[a.key or f"arg{i}"] = _literal(a, env)
+            kwargs[a.key or f"arg{i}"] = value
     reads: list[ReadPlan] = []
     for rd in r.reads:
         if rd.kind == ReadKind.VISIBLE:
@@ -349,7 +348,7 @@ def _rule_plan(
     score = None
     score_args: tuple[str, ...] = ()
     if r.score is not None:
-        score = bindings.get(r.score.func, "score")
+        score = linked.bound(r.score)
         forward = any(a.kind == ArgKind.FORWARD for a in r.score.args)
         if forward:
             score_args = tuple(n for rp in reads for n in rp.args)
@@ -371,24 +370,10 @@ def _rule_plan(
     )
 
 
-def _uses_epoch(e: Expr) -> bool:
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if x.op == Op.VAR and x.value == "e":
-            return True
-        stack.extend(x.args)
-    return False
-
-
 def _constraint_plan(
-    program: Program,
-    env: dict[str, int],
-    values: dict[str, ValuePlan],
-    bindings: Bindings,
-    c: Constraint,
-    cid: int,
+    linked: Linked, values: dict[str, ValuePlan], c: Constraint, cid: int
 ) -> ConstraintPlan:
+    program, env = linked.program, dict(linked.env)
     assert c.access is not None or c.pred == PredKind.USER
     target = c.access.value if c.access is not None else ""
     vp = values.get(target)
@@ -398,20 +383,20 @@ def _constraint_plan(
             span=c.span,
             code="B060",
         )
-    cells, needs_inputs = _cells_of(c, env, vp, bindings)
+    cells, needs_inputs = _cells_of(c, linked, vp)
     table = None
     predicate = None
     accesses: list[tuple[Tensor, Tensor]] = []
     literals: list[Any] = []
     if c.pred == PredKind.IN_SET:
         assert c.set is not None
-        table = _set_table(c.set, env, vp, bindings)
+        table = _set_table(c.set, linked, vp)
     elif c.pred == PredKind.USER:
         assert c.call is not None
-        predicate = bindings.get(c.call.func, "predicate")
+        predicate = linked.bound(c.call)
         tvars = _pattern_names(c)
         first = True
-        for a in c.call.args:
+        for a, value in zip(c.call.args, linked.args(c.call)):
             if a.kind == ArgKind.ACCESS and a.access is not None:
                 if first:
                     first = False
@@ -420,7 +405,7 @@ def _constraint_plan(
                     _gather(program, env, target, a.access.value, a.access.axes, (), None, tvars)
                 )
             else:
-                literals.append(_literal(a, env))
+                literals.append(value)
     return ConstraintPlan(
         cid,
         c.name,
@@ -451,13 +436,12 @@ def _pattern_names(c: Constraint) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _cells_of(
-    c: Constraint, env: dict[str, int], vp: ValuePlan, bindings: Bindings
-) -> tuple[Tensor, bool]:
+def _cells_of(c: Constraint, linked: Linked, vp: ValuePlan) -> tuple[Tensor, bool]:
     """The (ncells,) mask of cells the constraint's access covers (pattern variables match all)."""
     mask = torch.ones(vp.ncells, dtype=torch.bool)
     if c.access is None:
         return mask, False
+    env = dict(linked.env)
     needs_inputs = False
     k = 0
     for ax in c.access.axes:
@@ -477,7 +461,7 @@ def _cells_of(
             if ax.call.func == "inputs":
                 needs_inputs = True
             else:
-                mask &= _region_mask(ax.call, env, vp, k, ax.width, bindings)
+                mask &= _region_mask(ax.call, linked, vp, k, ax.width)
         k += ax.width
     return mask, needs_inputs
 
@@ -513,13 +497,10 @@ def _free_params(c: Constraint) -> list[str]:
     return sorted(names)
 
 
-def _region_mask(
-    call: Call, env: dict[str, int], vp: ValuePlan, first_axis: int, width: int, bindings: Bindings
-) -> Tensor:
-    fn = bindings.get(call.func, "region")
+def _region_mask(call: Call, linked: Linked, vp: ValuePlan, first_axis: int, width: int) -> Tensor:
+    fn = linked.bound(call)
     shape = vp.dims[first_axis : first_axis + width]
-    args = [_literal(a, env) for a in call.args if a.key is None]
-    kw = {a.key: _literal(a, env) for a in call.args if a.key is not None}
+    args, kw = _call_args(call, linked)
     try:
         region = torch.as_tensor(fn(*args, shape=shape, **kw), dtype=torch.bool)
     except Exception as e:
@@ -541,25 +522,13 @@ def _region_mask(
     return region.reshape(-1)[flat]
 
 
-def _set_table(call: Call, env: dict[str, int], vp: ValuePlan, bindings: Bindings) -> Tensor:
+def _set_table(call: Call, linked: Linked, vp: ValuePlan) -> Tensor:
     vocab = vp.vocab or 0
     if call.func == "Set":
-        members: list[int] = []
-        args = list(call.args)
-        while args:
-            a = args.pop(0)
-            if a.key == "lo" and args and args[0].key == "hi":
-                hi = args.pop(0)
-                assert a.expr is not None and hi.expr is not None
-                members.extend(range(evaluate(a.expr, env), evaluate(hi.expr, env) + 1))
-            elif a.kind == ArgKind.STR:
-                members.extend(str(a.value).encode("utf-8"))
-            else:
-                members.append(int(_literal(a, env)))
+        members = _set_members(call, linked)
     else:
-        fn = bindings.get(call.func, "set")
-        args = [_literal(a, env) for a in call.args if a.key is None]
-        kw = {a.key: _literal(a, env) for a in call.args if a.key is not None}
+        fn = linked.bound(call)
+        args, kw = _call_args(call, linked)
         try:
             members = [int(m) for m in torch.as_tensor(list(fn(*args, **kw))).reshape(-1).tolist()]
         except Exception as e:
@@ -578,6 +547,28 @@ def _set_table(call: Call, env: dict[str, int], vp: ValuePlan, bindings: Binding
     if members:
         table[torch.tensor(members)] = True
     return table
+
+
+def _set_members(call: Call, linked: Linked) -> list[int]:
+    """The members of a `Set(...)` literal: integers, `lo..hi` ranges, strings' UTF-8 bytes."""
+    members: list[int] = []
+    args = list(zip(call.args, linked.args(call)))
+    while args:
+        a, value = args.pop(0)
+        if a.key == "lo" and args and args[0][0].key == "hi":
+            _, hi = args.pop(0)
+            members.extend(range(value, hi + 1))
+        elif a.kind == ArgKind.STR:
+            members.extend(str(value).encode("utf-8"))
+        else:
+            members.append(int(value))
+    return members
+
+
+def _call_args(call: Call, linked: Linked) -> tuple[list[Any], dict[str, Any]]:
+    """A bound call's literal arguments: positional, then by keyword."""
+    pairs = list(zip(call.args, linked.args(call)))
+    return [v for a, v in pairs if a.key is None], {a.key: v for a, v in pairs if a.key is not None}
 
 
 def needs_input(plan: Plan) -> dict[str, list[str]]:
@@ -637,6 +628,7 @@ def plan_text(program: Program, overrides: Mapping[str, int] | None = None) -> s
 
 __all__ = [
     "ConstraintPlan",
+    "Gather",
     "Plan",
     "ReadPlan",
     "RulePlan",
@@ -646,22 +638,3 @@ __all__ = [
     "resolve",
     "sample_tiles",
 ]
-
-
-def rules_by_target(plan: Plan) -> dict[str, list[RulePlan]]:
-    """The rules proposing each value, in program order."""
-    out: dict[str, list[RulePlan]] = {}
-    for rp in plan.rules:
-        out.setdefault(rp.target, []).append(rp)
-    return out
-
-
-def live_constraints(plan: Plan) -> dict[str, list[ConstraintPlan]]:
-    """The constraints evaluated at run time, per constrained value (a constraint proved at
-    compile time, or a read_future decided there, is never re-evaluated)."""
-    out: dict[str, list[ConstraintPlan]] = {}
-    for cp in plan.constraints:
-        if cp.status == Status.PROVED or cp.pred == PredKind.READ_FUTURE:
-            continue
-        out.setdefault(cp.target, []).append(cp)
-    return out

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import BindError
+from lmpm.ir.link import Of
 
 
 @dataclass(slots=True)
@@ -44,14 +45,6 @@ class Agree:
     replica: Tensor  # (C,) int64 quorum replica of each column; -1 for keep
     slot: Tensor  # (C,) int64 proposal slot within its rule (replicas share slots); -1 for keep
     numeric: bool = False  # the value's payload is numeric (Float, Tensor[D]): it can be averaged
-
-
-@dataclass(frozen=True, slots=True)
-class Of:
-    """The literal `k of n` (``quorum(2 of 3, satisfy)``): k agreeing replicas out of n run."""
-
-    k: int
-    n: int
 
 
 @dataclass(slots=True)

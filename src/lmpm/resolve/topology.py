@@ -29,21 +29,10 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import UsageError
-from lmpm.resolve.plan import Plan, ValuePlan, live_constraints
+from lmpm.resolve.plan import Gather, Plan, ValuePlan
 from lmpm.resolve.policies import aggregates, spread
 
 REPLICATE_BYTES = 4096  # a value whose payload is at most this many bytes is kept on every worker
-
-
-@dataclass(frozen=True, slots=True)
-class Access:
-    """One gather: the target's cells read these cells of ``source`` (``index``/``valid`` rows)."""
-
-    target: str
-    source: str
-    index: Tensor  # (target cells, K) flat source index
-    valid: Tensor  # (target cells, K) bool
-    uniform: bool  # every target cell reads row 0's cells
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,20 +74,6 @@ def _cell_bytes(vp: ValuePlan) -> int:
     return torch.empty((), dtype=vp.dtype).element_size() * math.prod(vp.cell_shape)
 
 
-def accesses(plan: Plan) -> list[Access]:
-    """Every gather the workers do: rule reads, and the constraints' extra accesses."""
-    out = [
-        Access(rp.target, rd.source, rd.index, rd.valid, rd.uniform)
-        for rp in plan.rules
-        for rd in rp.reads
-    ]
-    for cps in live_constraints(plan).values():
-        for cp in cps:
-            for index, valid in cp.accesses:
-                out.append(Access(cp.target, cp.target, index, valid, False))
-    return out
-
-
 def _candidates(vp: ValuePlan, workers: int) -> list[tuple[str, Tensor]]:
     """Owner arrays to choose from, in order of preference (ties keep the earlier one)."""
     n = vp.ncells
@@ -110,7 +85,7 @@ def _candidates(vp: ValuePlan, workers: int) -> list[tuple[str, Tensor]]:
     return out
 
 
-def _pairs(acc: Access) -> tuple[Tensor, Tensor]:
+def _pairs(acc: Gather) -> tuple[Tensor, Tensor]:
     """(target cell, source cell) of every valid read."""
     if acc.uniform:
         row = acc.index[0][acc.valid[0]].unique()
@@ -172,7 +147,7 @@ def partition(plan: Plan, workers: int, *, replicate_bytes: int = REPLICATE_BYTE
         small.update(rd.source for rp in plan.rules if rp.target == name for rd in rp.reads)
     small -= static
     nsource = {name: vp.ncells for name, vp in plan.values.items()}
-    pairs = [(a.target, a.source, *_pairs(a)) for a in accesses(plan)]
+    pairs = [(a.target, a.source, *_pairs(a)) for a in plan.gathers]
     owner: dict[str, Tensor] = {}
     layout: dict[str, str] = {}
     cands: dict[str, list[tuple[str, Tensor]]] = {}
@@ -324,9 +299,7 @@ def topology_text(plan: Plan, topo: Topology, width: int = 120) -> str:
 
 __all__ = [
     "REPLICATE_BYTES",
-    "Access",
     "Topology",
-    "accesses",
     "partition",
     "runs",
     "topology_text",

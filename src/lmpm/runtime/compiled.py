@@ -101,9 +101,7 @@ class StepSpec:
 
 def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
     """Why ``value`` runs eagerly under ``--compile`` (None: it compiles)."""
-    from lmpm.resolve.plan import live_constraints, rules_by_target
-
-    rules = rules_by_target(plan).get(value, [])
+    rules = plan.rules_by_target.get(value, [])
     vp = plan.values[value]
     if len(rules) != 1:
         return f"{len(rules)} rules propose it (the compiled step takes one)"
@@ -111,7 +109,7 @@ def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
         return f"{rules[0].replicas} quorum replicas propose it"
     if vp.policy not in (policies.satisfy, policies.winner_takes_all):
         return f"its policy {vp.policy_text} is not satisfy or winner_takes_all"
-    for cp in live_constraints(plan).get(value, []):
+    for cp in plan.live_constraints.get(value, []):
         if cp.pred not in (PredKind.IN_SET, PredKind.CHANGE):
             return f"constraint `{cp.name}` is a bound Python predicate"
         if cp.ir.hard:
@@ -122,11 +120,9 @@ def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
 
 
 def step_spec(plan: Plan, value: str) -> StepSpec:
-    from lmpm.resolve.plan import live_constraints, rules_by_target
-
-    (rp,) = rules_by_target(plan)[value]
+    (rp,) = plan.rules_by_target[value]
     vp = plan.values[value]
-    cps = live_constraints(plan).get(value, [])
+    cps = plan.live_constraints.get(value, [])
     prio = tuple(cp.priority for cp in cps)
     order = tuple(sorted(range(len(cps)), key=lambda j: -prio[j]))  # stable: program order
     reads = clock_reads(rp)
@@ -536,18 +532,16 @@ class CompiledEpoch:
     """The compiled steps of a run's values (built lazily, one graph per value and bucket)."""
 
     def __init__(self, plan: Plan, device: torch.device, *, quota: bool = False) -> None:
-        from lmpm.resolve.plan import rules_by_target
-
         self.plan = plan
         self.device = device
         self.stats = CompileStats()
         self.reasons: dict[str, str | None] = {
-            name: eligibility(plan, name, quota=quota) for name in rules_by_target(plan)
+            name: eligibility(plan, name, quota=quota) for name in plan.rules_by_target
         }
         self.specs = {
             name: step_spec(plan, name) for name, why in self.reasons.items() if why is None
         }
-        self._rules = {name: rules_by_target(plan)[name][0] for name in self.specs}
+        self._rules = {name: plan.rules_by_target[name][0] for name in self.specs}
         self._tables: dict[str, tuple[list[Tensor], ...]] = {}
         # (value, open-cell bucket, proposals per cell, their dtype) -> compiled step; the value's
         # other inputs keep their shapes and dtypes for the whole run

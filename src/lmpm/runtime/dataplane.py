@@ -37,8 +37,6 @@ from lmpm.resolve.plan import (
     Plan,
     RulePlan,
     ValuePlan,
-    live_constraints,
-    rules_by_target,
 )
 from lmpm.resolve.policies import aggregates
 from lmpm.runtime.protocol import (
@@ -230,8 +228,8 @@ class DataPlane:
             self.from_input[name] = torch.zeros(vp.ncells, dtype=torch.bool, device=dev)
         self._dev_cache: dict[int, tuple[Tensor, Tensor]] = {}
         self._tables: dict[str, _ValueTables] = {}
-        by_target = rules_by_target(plan)
-        live = live_constraints(plan)
+        by_target = plan.rules_by_target
+        live = plan.live_constraints
         for name, rules in by_target.items():
             cps = tuple(live.get(name, []))
             tables: list[Tensor | None] = []

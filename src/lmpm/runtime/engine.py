@@ -38,9 +38,7 @@ from lmpm.resolve.plan import (
     ConstraintPlan,
     Plan,
     RulePlan,
-    live_constraints,
     needs_input,
-    rules_by_target,
 )
 from lmpm.resolve.policies import aggregates, quorum
 from lmpm.resolve.schedules import epoch_horizon, make_schedule
@@ -307,8 +305,8 @@ class Engine:
         self.ruleset_events: list[RuleSetEvent] = []
         self._active: frozenset[int] | None = None
         self.record: dict[str, Tensor] | None = None  # cells whose candidates the worker records
-        by_target = rules_by_target(plan)
-        live = live_constraints(plan)
+        by_target = plan.rules_by_target
+        live = plan.live_constraints
         self._static = {
             name: _ValueStatic(
                 tuple(rules),

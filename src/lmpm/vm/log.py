@@ -21,11 +21,12 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from lmpm.ir.nodes import Program
 from lmpm.runtime.commitlog import (
     DB_NAME,
     INPUT_RULE,
@@ -40,10 +41,9 @@ from lmpm.runtime.commitlog import (
 )
 from lmpm.runtime.dataplane import checksum
 from lmpm.runtime.trace import TraceRows
+from lmpm.vm.compile import Instructions
 from lmpm.vm.core import Forced, StepOut
-
-if TYPE_CHECKING:
-    from lmpm.vm.runner import WorkflowRun
+from lmpm.vm.machine import VM
 
 FORCED_RULE = -3  # rule id of teacher-forced tokens in `commits` and `rule_defs`
 TOOL_RULE = -4  # rule id of tool-result tokens
@@ -80,10 +80,27 @@ class _Record:
     values: list[_ValueEpoch]
 
 
+class _Costs(Protocol):
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+class LoggedRun(Protocol):
+    """What the log reads of a run (:class:`~lmpm.vm.runner.WorkflowRun` is one): the log sits
+    below the runner, which writes it."""
+
+    program: Program
+    ins: Instructions
+    vm: VM
+    seed: int
+
+    @property
+    def stats(self) -> _Costs: ...
+
+
 class VMLog:
     """Writes ``RUN_DIR/lmpm.db`` for a :class:`~lmpm.vm.runner.WorkflowRun`."""
 
-    def __init__(self, run_dir: str | Path, run: WorkflowRun, source: str) -> None:
+    def __init__(self, run_dir: str | Path, run: LoggedRun, source: str) -> None:
         self.run_dir = Path(run_dir)
         self.run = run
         if holds_run(self.run_dir):

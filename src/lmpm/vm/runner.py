@@ -27,6 +27,7 @@ from lmpm.errors import ModelError
 from lmpm.ir.nodes import ArgKind, Program
 from lmpm.vm.compile import Instructions, compile_workflow
 from lmpm.vm.core import StepOut
+from lmpm.vm.log import VMLog
 from lmpm.vm.machine import VM
 from lmpm.workers import rng
 
@@ -101,8 +102,6 @@ class WorkflowRun:
         self.stats = Stats()
         self.log = None
         if run_dir is not None:
-            from lmpm.vm.log import VMLog
-
             self.log = VMLog(run_dir, self, source)
 
     @classmethod
