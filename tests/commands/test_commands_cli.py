@@ -100,7 +100,7 @@ def test_strict_makes_unbound_names_errors(tmp_path: Path) -> None:
     rc, _, err = run("check", mine, "--strict")
     assert rc == 1 and "error[E207]: `MyModel` (model) is not bound to anything" in err
     binds = tmp_path / "binds.py"
-    binds.write_text("import lmpm\n\nLMPM_BINDINGS = {'MyModel': object()}\n")
+    binds.write_text("import lmpm\n\nLMPM_BINDINGS = {'MyModel': lambda *a, **k: None}\n")
     assert run("check", mine, "--strict", "--bind", str(binds))[0] == 0
     rc, _, err = run("check", mine, "--bind", str(binds))  # without --strict: no warning either
     assert rc == 0 and "W210" not in err
@@ -119,7 +119,7 @@ def test_bind_module_faults(tmp_path: Path) -> None:
 def test_bind_names_a_file_of_the_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "my_binds_xyz.py").write_text("LMPM_BINDINGS = {'MyModel': object()}\n")
+    (tmp_path / "my_binds_xyz.py").write_text("LMPM_BINDINGS = {'MyModel': lambda *a, **k: None}\n")
     monkeypatch.chdir(tmp_path)
     # as the `lmpm` script sees it (`python -m pytest` puts the working directory on the path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])

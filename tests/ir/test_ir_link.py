@@ -86,3 +86,14 @@ def test_check_bind_runs_the_link_step(tmp_path: Path) -> None:
     with pytest.raises(BindError) as e:
         resolve(compile_source(bad.read_text()).ir, None, Bindings([str(binds)]))
     assert e.value.code == "B050"
+
+
+def test_check_bind_refuses_a_model_that_is_not_callable(tmp_path: Path) -> None:
+    """What the run refuses (B052), `check --bind` refuses too, at the call."""
+    binds = tmp_path / "binds.py"
+    binds.write_text("LMPM_BINDINGS = {'MyModel': 3}\n")
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(PROGRAM)
+    rc, out, _ = _cli("check", str(prog), "--bind", str(binds), "--json")
+    found = json.loads(out.splitlines()[-1])
+    assert rc == 1 and found["code"] == "B052" and "not callable" in found["message"]

@@ -155,9 +155,10 @@ class _Linker:
             # nothing binds is the checker's W210, or E207 with --strict
             return
         obj = self.bindings.get(name, role)
-        if role == "model" and not callable(obj) and self.load:
+        if role in ("model", "score", "predicate") and not callable(obj):
+            # (under `lmpm check --bind` too: a run must not fail on a binding check accepted)
             raise BindError(
-                f"model `{name}` is bound to a {type(obj).__name__}, which is not callable",
+                f"{role} `{name}` is bound to a {type(obj).__name__}, which is not callable",
                 span=call.span,
                 code="B052",
             )
