@@ -232,11 +232,12 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
         ),
         bench(
             "compile",
-            "compiled epoch step (CPU only: --compile refuses CUDA until its own issue)",
+            "the examples' epochs on the device (eager; --compile refuses CUDA: U103)",
             0.10,
             "benchmarks/compile.py",
             "--quick",
-            "--no-compile-time",  # (the cold/warm compile processes are CPU numbers: bench.sh)
+            # the dry run: the CPU's compiled epoch (its cold/warm compile processes: bench.sh)
+            *(("--no-compile-time",) if dry else ("--device", "cuda")),
         ),
         Step(
             "tests",
