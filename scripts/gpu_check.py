@@ -901,23 +901,15 @@ def git_commit() -> str | None:
     without its history or git is missing."""
     if not (ROOT / ".git").exists() or shutil.which("git") is None:
         return None
-    head = subprocess.run(
-        ["git", "rev-parse", "--short=12", "HEAD"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+
+    head = git("rev-parse", "--short=12", "HEAD")
     if head.returncode != 0:
         return None
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def child_examples(device: str) -> int:

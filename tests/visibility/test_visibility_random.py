@@ -198,15 +198,20 @@ def guard_expr(draw: st.DrawFn, names: list[str]) -> Expr:
     return g
 
 
-@st.composite
-def programs(draw: st.DrawFn) -> dict[str, Any]:
+def _params_and_values(draw: st.DrawFn) -> tuple[dict[str, int], list[tuple[str, tuple[int, ...]]]]:
+    """A param P and 1-3 values of rank 1-3 (small: every cell pair is checked)."""
     params = {"P": draw(st.integers(0, 3))}
-    n_values = draw(st.integers(1, 3))
     values = []
-    for k in range(n_values):
+    for k in range(draw(st.integers(1, 3))):
         rank = draw(st.integers(1, 3))
         cap = {1: 9, 2: 5, 3: 3}[rank]
         values.append((f"V{k}", tuple(draw(st.integers(1, cap)) for _ in range(rank))))
+    return params, values
+
+
+@st.composite
+def programs(draw: st.DrawFn) -> dict[str, Any]:
+    params, values = _params_and_values(draw)
     clauses = []
     for c in range(draw(st.integers(1, 4))):
         (tname, tdims), (sname, sdims) = (
@@ -354,12 +359,7 @@ def stencil_programs(draw: st.DrawFn) -> dict[str, Any]:
     """Programs shaped like real stencils — ``x ± c`` points, ``x-a..x+b`` and ``0..t`` ranges,
     neighbourhood and range binders used as ``x + dx``, simple guards like ``t > 0`` — where the
     mask_mod generator folds offsets, drops membership tests and implied guard bounds."""
-    params = {"P": draw(st.integers(0, 3))}
-    values = []
-    for k in range(draw(st.integers(1, 3))):
-        rank = draw(st.integers(1, 3))
-        cap = {1: 9, 2: 5, 3: 3}[rank]
-        values.append((f"V{k}", tuple(draw(st.integers(1, cap)) for _ in range(rank))))
+    params, values = _params_and_values(draw)
     clauses = []
     for c in range(draw(st.integers(1, 4))):
         (tname, tdims), (sname, sdims) = (
