@@ -49,7 +49,7 @@ EX = ROOT / "examples"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from lmpm.ir import compile_file  # noqa: E402
-from lmpm.runtime.engine import RunResult  # noqa: E402
+from lmpm.runtime.records import RunResult  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
 
 

@@ -40,7 +40,8 @@ import torch
 
 from lmpm.ir import compile_file
 from lmpm.models import world
-from lmpm.runtime.engine import Engine, EpochRecord
+from lmpm.runtime.engine import Engine
+from lmpm.runtime.records import EpochRecord
 from lmpm.runtime.session import Run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ from lmpm.ir import compile_file, compile_source
 from lmpm.models import text
 from lmpm.models.null import random_tokens, zero_score
 from lmpm.runtime.compiled import bucket, eligibility
-from lmpm.runtime.engine import RunResult
+from lmpm.runtime.records import RunResult
 from lmpm.runtime.session import Run, resume
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -13,9 +13,9 @@ import torch
 
 from lmpm.errors import UsageError
 from lmpm.resolve.topology import partition
-from lmpm.runtime.engine import CHECKSUM_POLICIES
 from lmpm.runtime.group import WorkerGroup
 from lmpm.runtime.io import load_input
+from lmpm.runtime.records import CHECKSUM_POLICIES
 from lmpm.runtime.session import Run
 
 EX = Path(__file__).resolve().parents[2] / "examples"

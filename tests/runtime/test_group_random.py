@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from lmpm.ir import compile_source
 from lmpm.resolve.topology import partition
-from lmpm.runtime.engine import CHECKSUM_POLICIES
 from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.records import CHECKSUM_POLICIES
 from lmpm.runtime.session import Run
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -18,9 +18,9 @@ ray = pytest.importorskip("ray")
 from lmpm.cli import main  # noqa: E402
 from lmpm.errors import UsageError  # noqa: E402
 from lmpm.resolve.topology import partition  # noqa: E402
-from lmpm.runtime.engine import CHECKSUM_POLICIES  # noqa: E402
 from lmpm.runtime.io import load_input  # noqa: E402
 from lmpm.runtime.raygroup import RayGroup, parse_fault  # noqa: E402
+from lmpm.runtime.records import CHECKSUM_POLICIES  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

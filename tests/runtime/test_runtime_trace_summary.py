@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from lmpm.ir import compile_source
 from lmpm.resolve.plan import Plan
-from lmpm.runtime.engine import Engine, EpochRecord, ValueEpoch
+from lmpm.runtime.engine import Engine
+from lmpm.runtime.records import EpochRecord, ValueEpoch
 from lmpm.runtime.session import Run
 from lmpm.runtime.trace import Tracer, box_text
 

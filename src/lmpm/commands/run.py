@@ -379,7 +379,7 @@ def _execute(
                 )
 
             def progress(rec: object) -> None:
-                from lmpm.runtime.engine import EpochRecord
+                from lmpm.runtime.records import EpochRecord
 
                 assert isinstance(rec, EpochRecord)
                 epoch_seconds.append(rec.seconds)

@@ -84,7 +84,7 @@ def _console() -> Any:
 
 
 def _stop_text(stop: dict[str, Any]) -> str:
-    """Why the run stopped, from the log's meta ``stop`` (see ``lmpm.runtime.engine.StopReason``)."""
+    """Why the run stopped, from the log's meta ``stop`` (see ``lmpm.runtime.records.StopReason``)."""
     kind = {"stable": "stable", "epochs": "the epoch limit was reached"}.get(
         str(stop.get("kind")), str(stop.get("kind"))
     )

@@ -61,11 +61,13 @@ from lmpm.runtime.logread import checkpoint_shards as checkpoint_shards
 from lmpm.runtime.logread import db_path as db_path
 from lmpm.runtime.logread import read_checkpoint as read_checkpoint
 from lmpm.runtime.logread import ruleset_events as ruleset_events
+from lmpm.runtime.records import INPUT_RULE, CellState
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
     from lmpm.resolve.plan import Plan
-    from lmpm.runtime.engine import Engine, EpochRecord
+    from lmpm.runtime.engine import Engine
+    from lmpm.runtime.records import EpochRecord
     from lmpm.runtime.trace import Tracer
 
 CHECKPOINT_DIR = "checkpoints"
@@ -88,7 +90,7 @@ FAULTS_TABLE = (
     "pid INTEGER NOT NULL, at REAL NOT NULL)"
 )
 
-# Quorum replicas outvoted (lmpm.runtime.engine.Dissent): per epoch, value and replica, the worker
+# Quorum replicas outvoted (lmpm.runtime.records.Dissent): per epoch, value and replica, the worker
 # that ran it and the committed cells where its proposal differed; older logs have none
 DISSENT_TABLE = (
     "CREATE TABLE IF NOT EXISTS quorum_dissent (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
@@ -152,7 +154,6 @@ CREATE VIEW trace_named AS
 """
 
 KEEP_RULE = -1  # rule id of the keep-current candidate (column 0)
-INPUT_RULE = -2  # provenance of cells given as input (mirrors lmpm.runtime.engine.INPUT_RULE)
 
 MSG_FOREIGN = (
     "{dir} holds a run of a different program (hash {stored} ≠ {given}); nothing was changed. "
@@ -579,7 +580,6 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
     import torch
 
     from lmpm.runtime.crdt import ORSet
-    from lmpm.runtime.engine import CellState
 
     d = Path(run_dir)
     nxt = check_epochs(conn, d)

@@ -55,8 +55,7 @@ from lmpm.ir.nodes import PredKind
 from lmpm.resolve import policies
 from lmpm.resolve.plan import Plan
 from lmpm.runtime.clocks import clock_reads
-
-NO_WINNER = -1  # lmpm.runtime.engine.NO_WINNER (no import cycle)
+from lmpm.runtime.records import NO_WINNER
 
 # The compiled steps' inductor cache (kept across runs: a warm cache skips code generation).
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -55,92 +55,23 @@ from lmpm.runtime.protocol import (
     RuleWork,
     ValueDecision,
 )
+from lmpm.runtime.records import (
+    CHECKSUM_POLICIES,
+    HELD,
+    INPUT_RULE,
+    NEVER_OPENED,
+    NO_WINNER,
+    NOT_FIRED,
+    UNKNOWN,
+    CellState,
+    Dissent,
+    EpochRecord,
+    RuleSetEvent,
+    RunResult,
+    StopReason,
+    ValueEpoch,
+)
 from lmpm.runtime.texpr import mask_of
-
-INPUT_RULE = -2  # provenance of cells committed from an input file
-NO_RULE = -1
-
-# Why an unset cell is unset (the last time the schedule opened it), beside constraint ids >= 0:
-NEVER_OPENED = -3  # the schedule never opened it
-NOT_FIRED = -2  # opened, but no rule's `on`/`when` fires there
-NO_WINNER = -1  # a rule proposed, but no candidate beat leaving it unset (invalid, score)
-UNKNOWN = -4  # a resumed run: not recorded since the resume
-HELD = -5  # a candidate won, but the schedule's quota held it back for a later epoch
-
-# Policies that compare candidates' payloads (by checksum): the worker computes checksums for them.
-CHECKSUM_POLICIES = frozenset(("quorum",))
-
-
-@dataclass(frozen=True, slots=True)
-class RuleSetEvent:
-    """One committed change of the RuleSet: constraint ``name`` added to (``op`` "add") or removed
-    from ("remove") the active set from the start of ``epoch`` on; ``clock``: Lamport clock of the
-    event; ``by``: who asked (api, cli)."""
-
-    epoch: int
-    op: str
-    name: str
-    clock: int
-    by: str
-
-
-@dataclass
-class CellState:
-    """Metadata of one value's cells (the payload itself lives on the data plane)."""
-
-    committed: Tensor  # (N,) bool
-    clock: Tensor  # (N,) int64 Lamport clock
-    rule: Tensor  # (N,) int64 provenance: rule id, INPUT_RULE, or NO_RULE
-    epoch: Tensor  # (N,) int64 provenance: epoch of the last commit (-1: never / input)
-    score: Tensor  # (N,) float64 score of the committed candidate (-inf when unset)
-
-    @staticmethod
-    def empty(n: int) -> CellState:
-        return CellState(
-            torch.zeros(n, dtype=torch.bool),
-            torch.zeros(n, dtype=torch.int64),
-            torch.full((n,), NO_RULE, dtype=torch.int64),
-            torch.full((n,), -1, dtype=torch.int64),
-            torch.full((n,), -torch.inf, dtype=torch.float64),
-        )
-
-
-@dataclass
-class ValueEpoch:
-    """What happened to one value in one epoch (metadata, handed to observers: log, trace)."""
-
-    value: str
-    cells: Tensor  # (n,) open cells that had candidates
-    valid: Tensor  # (n, C)
-    score: Tensor  # (n, C)
-    col_rule: Tensor  # (C,) rule id per column (-1 keep)
-    violated: Tensor  # (n, C, K)
-    constraint_ids: Tensor  # (K,) ids into plan.constraints
-    winner: Tensor  # (n,) chosen column
-    changed: Tensor  # (n,) bool: the winner changes the cell (a commit)
-    new_clock: Tensor  # (n,)
-    was_committed: Tensor  # (n,) bool, before this epoch
-    applies: Tensor  # (n, K) bool: the constraint speaks about the cell (its verdicts count)
-    checksum: Tensor | None = None  # (n,) int64 committed payload checksum where changed
-
-
-@dataclass(frozen=True, slots=True)
-class Dissent:
-    """A quorum replica outvoted in one epoch: in ``cells`` committed cells of ``value`` its
-    proposal (the winning rule's, same proposal slot) differed from the payload committed."""
-
-    value: str
-    replica: int
-    worker: str  # the worker that ran the replica ("owners": each cell's owner)
-    cells: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "value": self.value,
-            "replica": self.replica,
-            "worker": self.worker,
-            "cells": self.cells,
-        }
 
 
 def dissent(cand: Any, winner: Tensor, changed: Tensor) -> list[tuple[int, int]]:
@@ -166,79 +97,10 @@ def dissent(cand: Any, winner: Tensor, changed: Tensor) -> list[tuple[int, int]]
     return out
 
 
-@dataclass
-class EpochRecord:
-    epoch: int
-    values: list[ValueEpoch]
-    open_cells: int
-    commits: int
-    attempts: int
-    violations: int
-    seconds: float
-    model_seconds: float
-    message_bytes: int = 0  # tensor bytes exchanged with the workers (metadata only)
-    halo_bytes: int = 0  # payload bytes moved worker to worker (partitioned workers; 0 for one)
-    # worker faults survived while running this epoch (lmpm.runtime.raygroup.Fault): the epoch
-    # was redone after each
-    faults: tuple[Any, ...] = ()
-    # quorum replicas outvoted in this epoch's commits, per value and replica
-    dissent: tuple[Dissent, ...] = ()
-
-
 class Observer(Protocol):
     def on_start(self, engine: Engine) -> None: ...
     def on_epoch(self, engine: Engine, record: EpochRecord) -> None: ...
     def on_end(self, engine: Engine) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class StopReason:
-    """Why a run ended, and why the cells left unset are unset.
-
-    ``kind``: ``"stable"`` (:meth:`Engine.is_stable`: a full schedule cycle without a commit,
-    after every epoch-guarded trigger has settled) or ``"epochs"`` (the epoch limit came first).
-    ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell:
-    ``"never opened by the schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it
-    unset"``, ``"held back by the schedule's quota ..."`` (confidence), ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked
-    the cell's proposals) or ``"not attempted since the resume"``."""
-
-    kind: str
-    epoch: int  # epochs complete when the run ended
-    unset: dict[str, dict[str, int]]
-
-    @property
-    def total_unset(self) -> int:
-        return sum(sum(v.values()) for v in self.unset.values())
-
-    def message(self, detail: bool = True) -> str:
-        """One line for people: "stable, every cell set" / "stable with 3 unset cells (A: 3 no
-        rule fires there)"; ``detail=False`` leaves out the reasons."""
-        head = {"stable": "stable", "epochs": "epoch limit reached"}.get(self.kind, self.kind)
-        n = self.total_unset
-        if not n:
-            return f"{head}, every cell set"
-        if not detail:
-            return f"{head} with {n} unset cell{'s' if n != 1 else ''}"
-        parts = [
-            f"{name}: " + ", ".join(f"{c} {why}" for why, c in reasons.items())
-            for name, reasons in self.unset.items()
-        ]
-        return f"{head} with {n} unset cell{'s' if n != 1 else ''} ({'; '.join(parts)})"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "epoch": self.epoch, "unset": self.unset}
-
-
-@dataclass
-class RunResult:
-    epochs: int
-    stable: bool
-    commits: int
-    attempts: int
-    seconds: float
-    model_seconds: float
-    records: list[EpochRecord] = field(default_factory=list)
-    stop: StopReason | None = None
 
 
 @dataclass(frozen=True, slots=True)

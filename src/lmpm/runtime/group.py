@@ -72,7 +72,7 @@ CORRUPT = "corrupt"  # the fault that perturbs a worker's proposals (quorum dril
 PHASES = ("propose", "apply", "halo")
 INJECT_ENV = "LMPM_INJECT_FAULT"  # fault injection for tests and drills: see parse_fault
 # kill: SIGKILL the worker's process; hang: it stops answering; corrupt: its proposals are wrong
-# from the epoch on (it keeps answering: a quorum outvotes it, lmpm.runtime.engine.Dissent)
+# from the epoch on (it keeps answering: a quorum outvotes it, lmpm.runtime.records.Dissent)
 HOWS = ("kill", "hang", CORRUPT)
 
 

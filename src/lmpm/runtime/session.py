@@ -32,8 +32,9 @@ from lmpm.bindings import Bindings
 from lmpm.errors import BindError, DiagnosticSink, InputError, UsageError
 from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
-from lmpm.runtime.engine import Engine, Observer, RunResult
+from lmpm.runtime.engine import Engine, Observer
 from lmpm.runtime.io import load_input, output_array, write_outputs
+from lmpm.runtime.records import CHECKSUM_POLICIES, RunResult
 
 if TYPE_CHECKING:
     from lmpm.runtime.commitlog import CommitLog, Restored
@@ -355,7 +356,6 @@ def make_group(
 ) -> Any:
     """The data plane of a multi-worker run: a WorkerGroup (``process``) or a RayGroup.
     ``topology``: the partition (default :func:`lmpm.resolve.topology.partition`)."""
-    from lmpm.runtime.engine import CHECKSUM_POLICIES
 
     if driver == "process":
         from lmpm.runtime.group import WorkerGroup

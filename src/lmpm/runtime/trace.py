@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from lmpm.resolve.plan import Plan
-    from lmpm.runtime.engine import Engine, EpochRecord, ValueEpoch
+    from lmpm.runtime.engine import Engine
+    from lmpm.runtime.records import EpochRecord, ValueEpoch
 
 LEVELS = ("off", "summary", "cells")
 DEFAULT_LEVEL = "summary"
@@ -261,7 +262,7 @@ def attribute(
 
 
 class Tracer:
-    """Turns each epoch's :class:`~lmpm.runtime.engine.EpochRecord` into trace rows.
+    """Turns each epoch's :class:`~lmpm.runtime.records.EpochRecord` into trace rows.
 
     The summary reads only the epoch's metadata (validity, scores, column rules, violations,
     coverage, winners, cells), never a payload: it stays on the control plane's side of the
