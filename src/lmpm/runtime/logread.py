@@ -1,7 +1,7 @@
 """Reading a run's commit log (RUN_DIR/lmpm.db) with SQLite alone: no torch, no engine.
 
 `lmpm trace` and `lmpm render` start in a fraction of a second because they read the log through
-this module; :mod:`lmpm.runtime.commitlog` (the writing side, which needs the engine) re-uses the
+this module; :mod:`lmpm.runtime.control.commitlog` (the writing side, which needs the engine) re-uses the
 same schema. Every fault is a :class:`~lmpm.errors.RunDirError` saying what is wrong.
 """
 
@@ -19,10 +19,10 @@ import numpy as np
 from lmpm.errors import RunDirError
 from lmpm.runtime.lock import is_io_error, sqlite_error
 
-# The log schema this version reads and lmpm.runtime.commitlog writes. 2: the payload moved to the
+# The log schema this version reads and lmpm.runtime.control.commitlog writes. 2: the payload moved to the
 # workers' stores and commits carry checksums.
 SCHEMA_VERSION = 2
-STORE_DIR = "payload"  # the workers' payload stores (lmpm.runtime.store writes them)
+STORE_DIR = "payload"  # the workers' payload stores (lmpm.runtime.data.store writes them)
 DB_NAME = "lmpm.db"
 
 # A blob is one tag byte (a numpy type character) followed by the little-endian array.
@@ -173,7 +173,7 @@ def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
         raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
 
 
-# ---- the workers' payload (lmpm.runtime.store writes it; the log holds metadata only) -------------
+# ---- the workers' payload (lmpm.runtime.data.store writes it; the log holds metadata only) -------------
 def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
     """The worker shards a control checkpoint names: worker -> {file, bytes, sha256}."""
     from safetensors import safe_open

@@ -113,7 +113,7 @@ class EpochRecord:
     model_seconds: float
     message_bytes: int = 0  # tensor bytes exchanged with the workers (metadata only)
     halo_bytes: int = 0  # payload bytes moved worker to worker (partitioned workers; 0 for one)
-    # worker faults survived while running this epoch (lmpm.runtime.raygroup.Fault): the epoch
+    # worker faults survived while running this epoch (lmpm.runtime.data.raygroup.Fault): the epoch
     # was redone after each
     faults: tuple[Any, ...] = ()
     # quorum replicas outvoted in this epoch's commits, per value and replica

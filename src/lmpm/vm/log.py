@@ -1,9 +1,9 @@
-"""A workflow run's commit log: the runtime's SQLite schema (``lmpm.runtime.commitlog``) plus the
+"""A workflow run's commit log: the runtime's SQLite schema (``lmpm.runtime.control.commitlog``) plus the
 VM's own tables, so ``lmpm trace`` reads a workflow run like any other and ``lmpm vm status`` shows
 each stream's path.
 
 One step is one epoch, written in one transaction: its ``commits`` rows (built by the runtime's
-:func:`~lmpm.runtime.commitlog.commit_rows`: forced tokens under the rule ``forced``, tool results
+:func:`~lmpm.runtime.control.commitlog.commit_rows`: forced tokens under the rule ``forced``, tool results
 under ``tool``, sampled ones under the program's rule, with their log-probability as the score),
 its ``trace_summary`` rows (every ``in Set`` constraint over the value, checked on every committed
 token: sampled tokens never violate one, the sampler is masked; a forced token may) and its
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lmpm.ir.nodes import Program
-from lmpm.runtime.commitlog import (
+from lmpm.runtime.control.commitlog import (
     DB_NAME,
     INPUT_RULE,
     KEEP_RULE,
@@ -39,8 +39,8 @@ from lmpm.runtime.commitlog import (
     program_hash,
     refuse_existing,
 )
-from lmpm.runtime.dataplane import checksum
-from lmpm.runtime.trace import TraceRows
+from lmpm.runtime.control.trace import TraceRows
+from lmpm.runtime.data.dataplane import checksum
 from lmpm.vm.compile import Instructions
 from lmpm.vm.core import Forced, StepOut
 from lmpm.vm.machine import VM

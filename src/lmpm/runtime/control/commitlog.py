@@ -2,11 +2,11 @@
 
 Commit is the sole causal interface between a run and the world, so what a run committed is never
 lost. Each epoch is one SQLite transaction (WAL mode) holding the epoch's row, its commits and its
-constraint trace (:mod:`lmpm.runtime.trace`); an epoch is in the log entirely or not at all.
+constraint trace (:mod:`lmpm.runtime.control.trace`); an epoch is in the log entirely or not at all.
 
 The log is the control plane's and holds metadata only: which cells committed, by which rule, with
 which clocks, scores and payload checksums. The payload is made durable by the worker holding it
-(:mod:`lmpm.runtime.store`, ``RUN_DIR/payload/<worker>.db``) *before* the epoch is logged here (a
+(:mod:`lmpm.runtime.data.store`, ``RUN_DIR/payload/<worker>.db``) *before* the epoch is logged here (a
 two-step commit). Every ``checkpoint_every`` epochs the control plane's state (committed flags,
 clocks, provenance, scores) is written as a safetensors file beside the database, and each worker
 writes its payload shard; the control checkpoint names the shards (and their sha256) in its
@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmpm.errors import RunDirError
+from lmpm.errors import RunDirError, UsageError
+from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.lock import atomic_write, fsync_dir, os_error, sqlite_error
 from lmpm.runtime.logread import DB_NAME as DB_NAME
 from lmpm.runtime.logread import SCHEMA_VERSION as SCHEMA_VERSION
@@ -66,9 +67,9 @@ from lmpm.runtime.records import INPUT_RULE, CellState
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
     from lmpm.resolve.plan import Plan
-    from lmpm.runtime.engine import Engine
+    from lmpm.runtime.control.engine import Engine
+    from lmpm.runtime.control.trace import Tracer
     from lmpm.runtime.records import EpochRecord
-    from lmpm.runtime.trace import Tracer
 
 CHECKPOINT_DIR = "checkpoints"
 DEFAULT_CHECKPOINT_EVERY = (
@@ -83,7 +84,7 @@ RULESET_TABLE = (
     "at REAL NOT NULL)"
 )
 
-# Worker faults a multi-worker run survived (lmpm.runtime.raygroup.Fault); older logs have none
+# Worker faults a multi-worker run survived (lmpm.runtime.data.raygroup.Fault); older logs have none
 FAULTS_TABLE = (
     "CREATE TABLE IF NOT EXISTS worker_faults (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
     "worker TEXT NOT NULL, phase TEXT NOT NULL, cause TEXT NOT NULL, seconds REAL NOT NULL, "
@@ -304,8 +305,6 @@ def failed_before_first_epoch(run_dir: str | Path) -> bool:
 
 def refuse_existing(run_dir: str | Path) -> None:
     """Raise the usage error for `lmpm run` into a directory that already holds a run."""
-    from lmpm.errors import UsageError
-
     epochs, status = "?", "unreadable"
     try:
         conn = connect(run_dir)
@@ -578,8 +577,6 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
     import sys
 
     import torch
-
-    from lmpm.runtime.crdt import ORSet
 
     d = Path(run_dir)
     nxt = check_epochs(conn, d)

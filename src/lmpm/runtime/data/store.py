@@ -1,6 +1,6 @@
 """A worker's durable payload: ``RUN_DIR/payload/<worker>.db`` and its checkpoint shards.
 
-The control plane's commit log (``lmpm.db``, :mod:`lmpm.runtime.commitlog`) holds metadata only:
+The control plane's commit log (``lmpm.db``, :mod:`lmpm.runtime.control.commitlog`) holds metadata only:
 which cells committed in which epoch, by which rule, with which clocks, scores and payload
 checksums. The payload itself is written by the worker that holds it, here:
 
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lmpm.errors import RunDirError
-from lmpm.runtime.commitlog import (
+from lmpm.runtime.control.commitlog import (
     _TAGS,
     CHECKPOINT_DIR,
     cell_runs,
@@ -164,7 +164,7 @@ class PayloadStore:
 
     def checkpoint(self, label: int, payloads: dict[str, np.ndarray]) -> tuple[str, int, str]:
         """Write the payload at the start of epoch ``label``: (file, bytes, sha256)."""
-        from lmpm.runtime.commitlog import safetensors_bytes
+        from lmpm.runtime.control.commitlog import safetensors_bytes
 
         arrays = {f"{name}.payload": np.ascontiguousarray(a) for name, a in payloads.items()}
         data = safetensors_bytes(arrays, {"epoch": str(label), "worker": self.worker})
