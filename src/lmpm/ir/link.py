@@ -257,8 +257,7 @@ class _Linker:
     def bind(self, call: Call, role: str, calling: Calling, convention: str = "") -> None:
         """Bind ``call``'s name (once) and hold a user's object to how the runtime calls it."""
         name = call.func
-        obj = self.objects.get(name)
-        if obj is None:
+        if name not in self.objects:
             if not self.load and name not in self.user:
                 # a built-in is imported by the run (the checker holds it to its signature); a
                 # name nothing binds is the checker's W210, or E207 with --strict
@@ -273,7 +272,7 @@ class _Linker:
                 )
             self.objects[name] = obj
         if name in self.user:
-            _check_signature(call, role, obj, calling, convention or role)
+            _check_signature(call, role, self.objects[name], calling, convention or role)
 
     def literals(
         self,

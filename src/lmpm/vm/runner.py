@@ -54,7 +54,10 @@ class Stats:
 
 
 class WorkflowRun:
-    """A workflow of a checked program over its streams, with its model, tools and commit log."""
+    """A workflow of a checked program over its streams, with its model, tools and commit log.
+
+    The model and the tools are bound once, by the link step (:func:`lmpm.ir.link.link_workflow`),
+    from ``bindings`` (the run's ``--bind`` modules) or else from the mapping ``tools``."""
 
     def __init__(
         self,
@@ -75,8 +78,9 @@ class WorkflowRun:
     ) -> None:
         self.program = program
         self.ins: Instructions = compile_workflow(program, workflow, overrides)
-        self.bindings = bindings if bindings is not None else Bindings(mapping=dict(tools or {}))
-        linked = link_workflow(program, self.ins.workflow, self.bindings)
+        if bindings is None:
+            bindings = Bindings(mapping=dict(tools or {}))
+        linked = link_workflow(program, self.ins.workflow, bindings)
         self.vm = VM(
             self.ins,
             streams=streams,
