@@ -228,6 +228,8 @@ _VM_LITERALS = (ArgKind.INT, ArgKind.STR)
 
 
 class _Linker:
+    """One link: the objects bound so far (by name) and each call's literal arguments."""
+
     def __init__(self, bindings: Bindings, load: bool, lenient: bool) -> None:
         self.bindings = bindings
         self.user = bindings.user_names()
@@ -250,6 +252,7 @@ class _Linker:
             self.bind(r.score, "score", Calling(("inputs",), ("epoch",)))
 
     def tools(self, w: Workflow) -> None:
+        """The tool each zone of ``w`` calls, as the VM calls it."""
         for z in w.zones:
             if z.tool is not None:
                 self.bind(z.tool, "tool", Calling(("args",), ()))
