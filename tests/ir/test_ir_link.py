@@ -217,7 +217,7 @@ def test_check_names_the_training_module_and_loss_nothing_binds() -> None:
     from lmpm.signatures import TRAIN_LOSSES, TRAIN_MODULES
     from lmpm.train.modules import LOSSES, MODULES
 
-    assert TRAIN_MODULES == tuple(MODULES) and TRAIN_LOSSES == tuple(LOSSES)
+    assert tuple(MODULES) == TRAIN_MODULES and tuple(LOSSES) == TRAIN_LOSSES
     text = Path("examples/train_bytelm.lmpm").read_text()
     bad = text.replace("Params[ByteLM]", "Params[Nope]").replace("NextByteLoss", "NopeLoss")
     front = compile_source(bad, raise_errors=False)

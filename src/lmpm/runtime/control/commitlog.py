@@ -63,6 +63,7 @@ from lmpm.runtime.logread import db_path as db_path
 from lmpm.runtime.logread import read_checkpoint as read_checkpoint
 from lmpm.runtime.logread import ruleset_events as ruleset_events
 from lmpm.runtime.records import INPUT_RULE, CellState
+from lmpm.version import __version__
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -874,7 +875,7 @@ class CommitLog:
             "bind_sha256": {b: file_sha256(b) for b in self.info.bind if Path(b).is_file()},
             "env": engine.plan.env,
             "versions": {
-                "lmpm": _lmpm_version(),
+                "lmpm": __version__,
                 "torch": torch.__version__,
                 "python": platform.python_version(),
                 "sqlite": sqlite3.sqlite_version,
@@ -1136,9 +1137,3 @@ def _rollback(conn: sqlite3.Connection) -> None:
             conn.execute("ROLLBACK")
         except sqlite3.Error:
             pass
-
-
-def _lmpm_version() -> str:
-    import lmpm
-
-    return str(lmpm.__version__)
