@@ -212,17 +212,21 @@ def test_the_trainer_binds_its_module_and_losses_through_the_link_step() -> None
 
 
 def test_check_names_the_training_module_and_loss_nothing_binds() -> None:
-    """`lmpm check` refuses what `link_training` would refuse at run time (B080, B081), at the
-    statement; the check's torch-free names are the trainer's."""
+    """The check says what `link_training` would refuse at run time (B080, B081), at the
+    statement: a warning while the run's names are unknown, an error once they are (a run);
+    the check's torch-free names are the trainer's."""
     from lmpm.signatures import TRAIN_LOSSES, TRAIN_MODULES
     from lmpm.train.modules import LOSSES, MODULES
 
     assert tuple(MODULES) == TRAIN_MODULES and tuple(LOSSES) == TRAIN_LOSSES
     text = Path("examples/train_bytelm.lmpm").read_text()
     bad = text.replace("Params[ByteLM]", "Params[Nope]").replace("NextByteLoss", "NopeLoss")
-    front = compile_source(bad, raise_errors=False)
-    got = [(d.code, d.span.line) for d in front.errors]
     lines = bad.splitlines()
     want = [("B080", next(i for i, s in enumerate(lines, 1) if "Params[Nope]" in s))]
     want += [("B081", i) for i, s in enumerate(lines, 1) if "NopeLoss(" in s]
-    assert got == want
+    plain = compile_source(bad, raise_errors=False)
+    assert not plain.errors
+    warned = [(d.code, d.span.line, d.message) for d in plain.diagnostics if d.code == "W210"]
+    assert [(c, ln) for (_, ln, m), (c, _) in zip(warned, want, strict=True) if c in m] == want
+    run = compile_source(bad, raise_errors=False, known_names=set())
+    assert [(d.code, d.span.line) for d in run.errors] == want

@@ -8,6 +8,7 @@ from lmpm.bindings import BUILTINS
 from lmpm.errors import Span
 from lmpm.ir.check.facts import TRAIN_ROLES, Facts, name_span, suggest
 from lmpm.ir.nodes import DType, RuleKind
+from lmpm.signatures import TRAIN_LOSSES, TRAIN_MODULES
 
 
 def check_commits(f: Facts) -> None:
@@ -36,11 +37,44 @@ def check_commits(f: Facts) -> None:
 
 
 def check_call_names(f: Facts) -> None:
-    """W210 for a name that is not a built-in (the run's names unknown), else E207 (strict)."""
+    """W210 for a name that is not a built-in (the run's names unknown), else E207 (strict);
+    a training module or loss nothing binds: W210, else B080/B081 (what the run would raise)."""
     if f.known is None:
         _not_builtin(f)
     else:
         _unbound(f, f.known)
+    _training_names(f)
+
+
+def _training_names(f: Facts) -> None:
+    """The training runtime binds its modules and losses itself (lmpm.train.modules; their names
+    torch-free in lmpm.signatures): a name it does not bind fails the run, B080 or B081."""
+    for p in f.p.values:
+        if p.dtype != DType.PARAMS or p.module is None or p.module in TRAIN_MODULES:
+            continue
+        _training_name(
+            f,
+            "B080",
+            f"no module is bound as `{p.module}` for a Params value",
+            p.span,
+            f"the modules are {', '.join(TRAIN_MODULES)}",
+        )
+    for call in f.p.calls():
+        if call.role == "loss" and call.func not in TRAIN_LOSSES:
+            _training_name(
+                f,
+                "B081",
+                f"no loss is bound as `{call.func}`",
+                call.span,
+                f"the losses are {', '.join(TRAIN_LOSSES)}",
+            )
+
+
+def _training_name(f: Facts, code: str, msg: str, span: Span, hint: str) -> None:
+    if f.known is not None:  # the run's names are known: the run would fail on it
+        f.sink.error(code, msg, span, hint)
+    else:
+        f.sink.warning("W210", f"{msg} (a run fails, {code})", span, hint)
 
 
 def _not_builtin(f: Facts) -> None:
