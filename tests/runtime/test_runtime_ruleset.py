@@ -70,7 +70,7 @@ def test_unknown_constraint_names_list_the_declared_ones() -> None:
 
 
 def test_log_trace_and_resume_keep_the_ruleset(tmp_path: Path) -> None:
-    from lmpm.runtime.logread import connect
+    from lmpm.runtime.rundir import connect
     from lmpm.runtime.trace import report
 
     d = tmp_path / "r"

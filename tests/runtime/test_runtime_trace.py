@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from lmpm.cli import main
 from lmpm.errors import UsageError
 from lmpm.ir import compile_source
-from lmpm.runtime.commitlog import CommitLog, RunInfo, connect, program_hash
+from lmpm.runtime.commitlog import CommitLog, RunInfo, program_hash
+from lmpm.runtime.rundir import connect
 from lmpm.runtime.session import Run
 from lmpm.runtime.trace import Tracer, cell_story, epoch_ranges, parse_region, report
 

@@ -173,12 +173,11 @@ def run(args: argparse.Namespace) -> int:
         CommitLog,
         RunInfo,
         failed_before_first_epoch,
-        holds_run,
         program_hash,
         refuse_existing,
-        remove_run,
     )
     from lmpm.runtime.lock import RunLock
+    from lmpm.runtime.rundir import holds_run, remove_run
     from lmpm.runtime.session import Run, bind_specs, make_tracer
 
     path = program_path(args.file)
@@ -266,7 +265,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from lmpm.runtime.commitlog import connect
+    from lmpm.runtime.rundir import connect
 
     run_dir = Path(args.resume)
     if args.force:

@@ -225,11 +225,10 @@ class Run:
             DEFAULT_CHECKPOINT_EVERY,
             CommitLog,
             RunInfo,
-            holds_run,
             program_hash,
             refuse_existing,
-            remove_run,
         )
+        from lmpm.runtime.rundir import holds_run, remove_run
 
         if trace not in ("off", "summary", "cells"):
             raise UsageError(f"trace={trace!r}: use off, summary or cells", code="U025")
@@ -479,8 +478,8 @@ def resume(
     D011 otherwise) or ``trust_bind=True`` says to import what the run directory names (U040): a
     run directory received from someone else never executes code by itself. ``cli``: messages
     name the command's flags (``--bind``, ``--trust-bind``) rather than the keywords."""
-    from lmpm.runtime.commitlog import connect
     from lmpm.runtime.lock import RunLock
+    from lmpm.runtime.rundir import connect
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -528,14 +527,8 @@ def _resume_locked(
     **opts: Any,
 ) -> Run:
     from lmpm.errors import CheckError, RunDirError
-    from lmpm.runtime.commitlog import (
-        MSG_FOREIGN,
-        check_epochs,
-        connect,
-        file_sha256,
-        program_hash,
-        read_meta,
-    )
+    from lmpm.runtime.commitlog import MSG_FOREIGN, check_epochs, file_sha256, program_hash
+    from lmpm.runtime.rundir import connect, read_meta
 
     conn = connect(run_dir, readonly=True, check=True)
     try:
