@@ -46,6 +46,7 @@ from lmpm.runtime.protocol import (
     Candidates,
     ProposeReply,
     ProposeRequest,
+    Traffic,
 )
 from lmpm.workers import Results, WorkItem, get_backend
 
@@ -271,6 +272,10 @@ class DataPlane:
         self.store: Any = None  # a PayloadStore (lmpm.runtime.store) once the run has a directory
         # per value: the cells the last apply wrote (the halo transports send the routed ones)
         self.written: dict[str, Tensor] = {}
+        # this epoch's requests and replies as they would cross a process boundary, counted when
+        # ``count_bytes`` is set (in this process nothing crosses: one-process runs pay nothing)
+        self.count_bytes = False
+        self.traffic = Traffic()
         # Worker-side instrumentation: tap(epoch, value, cells, table (n, C, *cell), valid (n, C))
         # sees every candidate table where the payload lives (benchmarks, debugging).
         self.taps: list[Any] = []
@@ -480,7 +485,10 @@ class DataPlane:
                 st = self._staged.get(name)
                 if st is not None:
                     self.store.record_candidates(e, name, st.cells, st.table, cells)
-        return ProposeReply(self.worker, values, model_seconds)
+        reply = ProposeReply(self.worker, values, model_seconds)
+        if self.count_bytes:
+            self.traffic = Traffic.of(req, reply)
+        return reply
 
     def run_models(self, req: ProposeRequest) -> tuple[dict[str, list[Proposal]], float]:
         """Gather every fired rule's reads, run all models and scores: per value, each rule
@@ -1020,7 +1028,10 @@ class DataPlane:
         if durable:
             self.store.sync(req.epoch)
         self._staged = {}
-        return ApplyReply(self.worker, out, durable)
+        reply = ApplyReply(self.worker, out, durable)
+        if self.count_bytes:
+            self.traffic.count(req, reply)
+        return reply
 
     def record_columns(self, epoch: int, value: str, which: Tensor, cols: list[int]) -> None:
         """Record the staged candidates of ``value``'s cells in ``which`` (``--trace cells``), local

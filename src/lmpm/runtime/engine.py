@@ -494,7 +494,7 @@ class Engine:
 
     def _epoch(self) -> EpochRecord:
         e = self.epoch
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         open_ = self.open_cells(e)
         opened = sorted([(k, v.numel()) for k, v in open_.items()])
         self.maskplan.add(("open", e, tuple(opened)))
@@ -643,7 +643,9 @@ class Engine:
             time.perf_counter() - t0,
             reply.model_seconds,
             halo_bytes=getattr(self.dataplane, "halo_bytes", 0),
-            message_bytes=getattr(self.dataplane, "message_bytes", 0),
+            message_bytes=self.dataplane.traffic.message_bytes,
+            control_bytes=self.dataplane.traffic.control_bytes,
+            driver_cpu_s=time.process_time() - cpu0,
             faults=tuple(self.dataplane.take_faults())
             if hasattr(self.dataplane, "take_faults")
             else (),

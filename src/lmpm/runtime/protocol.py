@@ -11,7 +11,8 @@ and answers with an :class:`ApplyReply` (which rows really changed, their checks
 
 No message carries payload: every tensor in them is a cell index, a flag, a score, a verdict, a
 column id or a checksum, so their size does not depend on the payload's width (``Token[16]`` and
-``Tensor[256]`` values cost the same bytes per epoch). :func:`nbytes` measures them.
+``Tensor[256]`` values cost the same bytes per epoch). :func:`nbytes` measures their tensor data,
+:func:`wire_bytes` the whole message as it crosses a process boundary.
 
 The messages are plain slotted dataclasses, built every epoch (a frozen one costs ~1.5 µs more to
 build): treat them as immutable once sent.
@@ -20,6 +21,7 @@ build): treat them as immutable once sent.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -120,9 +122,11 @@ class ApplyReply:
 
 
 def nbytes(message: Any) -> int:
-    """Bytes of tensor data in a message (recursively): what would cross the wire."""
+    """Bytes of tensor data in a message (recursively), in its own or its wire form."""
     if isinstance(message, Tensor):
         return message.numel() * message.element_size()
+    if isinstance(message, np.ndarray):
+        return int(message.nbytes)
     if dataclasses.is_dataclass(message) and not isinstance(message, type):
         return sum(nbytes(getattr(message, f.name)) for f in dataclasses.fields(message))
     if isinstance(message, Mapping):
@@ -130,6 +134,42 @@ def nbytes(message: Any) -> int:
     if isinstance(message, tuple | list):
         return sum(nbytes(v) for v in message)
     return 0
+
+
+def wire_bytes(message: Any) -> int:
+    """Bytes of ``message`` serialised to cross a process boundary: the pickle (protocol 5) of
+    its wire form (:func:`to_wire`), every array's data out of band as Ray sends it, plus those
+    buffers. An array costs its data and a header of about a hundred bytes (dtype, shape).
+
+    >>> wire_bytes(ValueDecision(None, torch.zeros(1000, dtype=torch.int64), None)) > 8000
+    True
+    """
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(to_wire(message), protocol=5, buffer_callback=buffers.append)
+    return len(head) + sum(b.raw().nbytes for b in buffers)
+
+
+@dataclass(slots=True)
+class Traffic:
+    """The bytes of the messages that crossed between the control plane and the workers in one
+    epoch (a data plane's ``traffic``, reset each epoch; one in-process worker counts only when
+    asked: nothing crosses a process boundary there)."""
+
+    control_bytes: int = 0  # serialised: :func:`wire_bytes`
+    message_bytes: int = 0  # their tensor data: :func:`nbytes`
+
+    @classmethod
+    def of(cls, *messages: Any) -> Traffic:
+        out = cls()
+        out.count(*messages)
+        return out
+
+    def count(self, *messages: Any) -> None:
+        """Add ``messages`` (None: no message) in their own or their wire form."""
+        for m in messages:
+            if m is not None:
+                self.control_bytes += wire_bytes(m)
+                self.message_bytes += nbytes(m)
 
 
 def tensors(message: Any) -> list[Tensor]:
