@@ -122,11 +122,9 @@ class ApplyReply:
 
 
 def nbytes(message: Any) -> int:
-    """Bytes of tensor data in a message (recursively), in its own or its wire form."""
+    """Bytes of tensor data in a message (recursively): what would cross the wire."""
     if isinstance(message, Tensor):
         return message.numel() * message.element_size()
-    if isinstance(message, np.ndarray):
-        return int(message.nbytes)
     if dataclasses.is_dataclass(message) and not isinstance(message, type):
         return sum(nbytes(getattr(message, f.name)) for f in dataclasses.fields(message))
     if isinstance(message, Mapping):
@@ -144,9 +142,16 @@ def wire_bytes(message: Any) -> int:
     >>> wire_bytes(ValueDecision(None, torch.zeros(1000, dtype=torch.int64), None)) > 8000
     True
     """
+    head, data = _wire_sizes(to_wire(message))
+    return head + data
+
+
+def _wire_sizes(wired: Any) -> tuple[int, int]:
+    """(bytes pickled in band, array bytes out of band) of a message in its wire form: one pickle
+    gives both (the arrays' data is not copied)."""
     buffers: list[pickle.PickleBuffer] = []
-    head = pickle.dumps(to_wire(message), protocol=5, buffer_callback=buffers.append)
-    return len(head) + sum(b.raw().nbytes for b in buffers)
+    head = pickle.dumps(wired, protocol=5, buffer_callback=buffers.append)
+    return len(head), sum(b.raw().nbytes for b in buffers)
 
 
 @dataclass(slots=True)
@@ -156,7 +161,7 @@ class Traffic:
     asked: nothing crosses a process boundary there)."""
 
     control_bytes: int = 0  # serialised: :func:`wire_bytes`
-    message_bytes: int = 0  # their tensor data: :func:`nbytes`
+    message_bytes: int = 0  # their tensor data (the arrays sent out of band)
 
     @classmethod
     def of(cls, *messages: Any) -> Traffic:
@@ -164,12 +169,14 @@ class Traffic:
         out.count(*messages)
         return out
 
-    def count(self, *messages: Any) -> None:
-        """Add ``messages`` (None: no message) in their own or their wire form."""
+    def count(self, *messages: Any, wired: bool = False) -> None:
+        """Add ``messages`` (None: no message); ``wired``: they are in their wire form already
+        (:func:`to_wire`, as a worker process receives them)."""
         for m in messages:
             if m is not None:
-                self.control_bytes += wire_bytes(m)
-                self.message_bytes += nbytes(m)
+                head, data = _wire_sizes(m if wired else to_wire(m))
+                self.control_bytes += head + data
+                self.message_bytes += data
 
 
 def tensors(message: Any) -> list[Tensor]:

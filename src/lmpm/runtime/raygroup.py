@@ -626,7 +626,7 @@ class RayGroup(WorkerGroup):
         wired = [None if s is None else to_wire(s) for s in subs]
         refs = [None if s is None else w.propose.remote(s) for w, s in zip(self.workers, wired)]
         got = self._get(refs, "propose", epoch)
-        self.traffic.count(*wired, *got)  # what crossed (again after a fault: it did)
+        self.traffic.count(*wired, *got, wired=True)  # what crossed (again after a fault)
         return [from_wire(r) for r in got]
 
     def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
@@ -639,7 +639,7 @@ class RayGroup(WorkerGroup):
             wired = [to_wire(s) for s in subs]
             refs = [w.apply.remote(s, epoch) for w, s in zip(self.workers, wired)]
             got = self._get(refs, "apply", epoch)
-            self.traffic.count(*wired, *got)
+            self.traffic.count(*wired, *got, wired=True)
             return [from_wire(g[0]) for g in got], sum(g[1] for g in got)
 
         out = self._retry(epoch, "apply", once)
