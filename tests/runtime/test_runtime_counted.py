@@ -24,13 +24,17 @@ LATENT = [str(EX / "latent.lmpm"), "--input", f"Z={EX / 'latent' / 'z0.npy'}", "
 GPT = (EX / "gpt.lmpm", {"N": 12})
 
 
-def _epochs(run_dir: Path) -> list[dict[str, Any]]:
+def _query(run_dir: Path, sql: str) -> list[sqlite3.Row]:
     conn = sqlite3.connect(run_dir / "lmpm.db")
     conn.row_factory = sqlite3.Row
     try:
-        return [dict(r) for r in conn.execute("SELECT * FROM epochs ORDER BY epoch")]
+        return conn.execute(sql).fetchall()
     finally:
         conn.close()
+
+
+def _epochs(run_dir: Path) -> list[dict[str, Any]]:
+    return [dict(r) for r in _query(run_dir, "SELECT * FROM epochs ORDER BY epoch")]
 
 
 def test_wire_bytes_count_a_tensor_as_its_bytes_and_a_header() -> None:
@@ -114,18 +118,9 @@ def test_a_schema_2_run_directory_reads_and_resumes(
     assert main(["run", "--resume", str(old), "--epochs", "6", "--quiet"]) == 0
     rows = _epochs(old)
     assert [r["driver_cpu_s"] is None for r in rows] == [True] * 3 + [False] * 3
-    conn = sqlite3.connect(old / "lmpm.db")
-    try:
-        version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-    finally:
-        conn.close()
-    assert json.loads(version[0]) == SCHEMA_VERSION
-
-    def commits(d: Path) -> list[tuple[object, ...]]:
-        conn = sqlite3.connect(d / "lmpm.db")
-        try:
-            return conn.execute("SELECT * FROM commits ORDER BY epoch, value, first").fetchall()
-        finally:
-            conn.close()
-
-    assert commits(old) == commits(tmp_path / "ref")
+    version = _query(old, "SELECT value FROM meta WHERE key = 'schema_version'")[0][0]
+    assert json.loads(version) == SCHEMA_VERSION
+    commits = "SELECT * FROM commits ORDER BY epoch, value, first"
+    assert [tuple(r) for r in _query(old, commits)] == [
+        tuple(r) for r in _query(tmp_path / "ref", commits)
+    ]

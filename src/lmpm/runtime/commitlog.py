@@ -43,6 +43,7 @@ import json
 import platform
 import shutil
 import sqlite3
+import sys
 import time
 import zlib
 from collections.abc import Hashable, Iterable, Sequence
@@ -52,7 +53,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmpm.errors import RunDirError
+from lmpm.errors import RunDirError, UsageError
+from lmpm.ir.nodes import PredKind, Status
+from lmpm.ir.serialize import to_dict, to_json
+from lmpm.runtime.crdt import ORSet
 from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
 from lmpm.runtime.records import INPUT_RULE, CellState
 from lmpm.runtime.rundir import (
@@ -132,8 +136,6 @@ IDENTITY = ("params", "bind", "seed", "trace", "trace_region", "checkpoint_every
 
 def program_hash(program: Program) -> str:
     """sha256 of the program's IR, independent of formatting, comments and the file's name."""
-    from lmpm.ir.serialize import to_dict
-
     def strip(x: Any) -> Any:
         if isinstance(x, dict):
             # (a soft constraint's `hard: false` is left out: hashes from before it existed hold)
@@ -170,8 +172,6 @@ def failed_before_first_epoch(run_dir: str | Path) -> bool:
 
 def refuse_existing(run_dir: str | Path) -> None:
     """Raise the usage error for `lmpm run` into a directory that already holds a run."""
-    from lmpm.errors import UsageError
-
     epochs, status = "?", "unreadable"
     try:
         conn = connect(run_dir)
@@ -268,11 +268,7 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
 
 
 def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
-    import sys
-
-    import torch
-
-    from lmpm.runtime.crdt import ORSet
+    import torch  # not at import: commands import this module before a run needs torch
 
     d = Path(run_dir)
     nxt = check_epochs(conn, d)
@@ -419,8 +415,6 @@ def _bindings_of(plan: Plan) -> dict[str, str]:
 
 
 def _definitions(conn: sqlite3.Connection, plan: Plan, source: str) -> None:
-    from lmpm.ir.nodes import PredKind, Status
-
     lines = source.splitlines()
     for i, (name, vp) in enumerate(plan.values.items()):
         conn.execute(
@@ -554,9 +548,7 @@ class CommitLog:
         rel, nbytes, sha = write_checkpoint(
             self.run_dir, engine, engine.epoch, self.info.program_hash
         )
-        import torch
-
-        from lmpm.ir.serialize import to_json
+        import torch  # (see _restore)
 
         meta: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,

@@ -48,6 +48,7 @@ from lmpm.runtime.protocol import (
     ProposeRequest,
     Traffic,
 )
+from lmpm.runtime.store import PayloadStore
 from lmpm.workers import Results, WorkItem, get_backend
 
 # splitmix64's multipliers as signed int64 (torch has no uint64 arithmetic); products wrap.
@@ -398,8 +399,6 @@ class DataPlane:
     # ---- durability ------------------------------------------------------------------------------
     def open_store(self, run_dir: str | Path) -> None:
         """Persist committed payload under ``run_dir`` from now on (lmpm.runtime.store)."""
-        from lmpm.runtime.store import PayloadStore
-
         self.store = PayloadStore(run_dir, self.worker, self.plan)
 
     def close_store(self) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 
 from lmpm.errors import UsageError
 from lmpm.runtime.rundir import (  # the torch-free run directory format: `lmpm trace` stays fast
+    EPOCH_COLUMNS,
     checkpoint_shards,
     completed_epochs,
     decode,
@@ -64,20 +65,7 @@ if TYPE_CHECKING:
 LEVELS = ("off", "summary", "cells")
 DEFAULT_LEVEL = "summary"
 # the epochs table's columns in `lmpm trace --json` (the counted costs are None in a schema-2 run)
-EPOCH_FIELDS = (
-    "epoch",
-    "open_cells",
-    "attempts",
-    "candidates",
-    "commits",
-    "violations",
-    "decided",
-    "seconds",
-    "log_seconds",
-    "control_bytes",
-    "halo_bytes",
-    "driver_cpu_s",
-)
+EPOCH_FIELDS = tuple(c for c in EPOCH_COLUMNS if c not in ("model_seconds", "maskplan", "at"))
 MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over constraint ids
 
 
