@@ -383,7 +383,9 @@ def _execute(
                 assert isinstance(rec, EpochRecord)
                 epoch_seconds.append(rec.seconds)
                 rate = rec.attempts / rec.seconds if rec.seconds > 0 else 0.0
-                halo = f"  halo {rec.halo_bytes:,} B" if rec.halo_bytes else ""
+                halo = ""
+                if rec.control_bytes or rec.halo_bytes:  # several workers: what crossed
+                    halo = f"  control {rec.control_bytes:,} B  halo {rec.halo_bytes:,} B"
                 faults = f"  [yellow]{len(rec.faults)} worker fault(s)[/]" if rec.faults else ""
                 bar.update(
                     task,

@@ -136,6 +136,7 @@ IDENTITY = ("params", "bind", "seed", "trace", "trace_region", "checkpoint_every
 
 def program_hash(program: Program) -> str:
     """sha256 of the program's IR, independent of formatting, comments and the file's name."""
+
     def strip(x: Any) -> Any:
         if isinstance(x, dict):
             # (a soft constraint's `hard: false` is left out: hashes from before it existed hold)

@@ -8,10 +8,11 @@
 This module owns the schemas (:data:`SCHEMA`, :data:`STORE_SCHEMA`) and their version, the blob
 codec (:func:`encode`, :func:`decode`), commit rows as arithmetic runs of cells
 (:func:`commit_rows`), the checkpoint files (:func:`checkpoint_file`, the deterministic
-:func:`safetensors_bytes`, :func:`read_checkpoint`) and every read of a run directory. The writers
-are :mod:`lmpm.runtime.commitlog` (the log) and :mod:`lmpm.runtime.store` (a worker's payload);
+:func:`safetensors_bytes`, :func:`read_checkpoint`), opening and validating the log, and the reads
+``lmpm trace`` makes (the log's tables, the workers' stores). The writers are
+:mod:`lmpm.runtime.commitlog` (the log) and :mod:`lmpm.runtime.store` (a worker's payload);
 the reader is :mod:`lmpm.runtime.trace`. It imports SQLite, numpy and safetensors only, no torch:
-``lmpm trace`` and ``lmpm render`` start in a fraction of a second. Every fault is a
+``lmpm trace`` starts in a fraction of a second. Every fault is a
 :class:`~lmpm.errors.RunDirError` saying what is wrong. Tables and blobs: ``docs/trace.md``.
 
 Schema versions: 2 moved the payload out of the log into the workers' stores; 3 added the epoch's
