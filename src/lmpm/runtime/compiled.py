@@ -32,8 +32,9 @@ An epoch also runs eagerly while candidates are being recorded (``--trace cells`
 the candidate tables, or a fault is injected. Compiled and eager runs commit the same payload, the
 same clocks and provenance and the same epoch records (tests/runtime/test_compiled.py).
 
-This module runs in the control plane's process next to a one-worker data plane on the CPU (the
-payload and the metadata share a host); a worker group or a CUDA backend is refused (U101, U103).
+The steps run in a fused data plane (:meth:`lmpm.runtime.dataplane.DataPlane.compile`): one worker
+on the CPU that owns its cells, so the payload and the cells' metadata share a host; a worker group
+or a CUDA backend is refused (U101, U103).
 """
 
 from __future__ import annotations

@@ -13,7 +13,11 @@ on its backend's device for the whole run, and answers the control plane's messa
   changed.
 
 What the worker needs of the cells' metadata (committed, given as input) it mirrors itself from the
-inputs and commits it applies; Lamport clocks, provenance and scores stay on the control plane.
+inputs and commits it applies. A data plane that owns its cells (one worker: ``decides``) holds their
+metadata and decisions too (:class:`~lmpm.runtime.owner.Owner`: clocks, provenance, agreement) and
+answers the control plane's one message, ``epoch`` (:class:`~lmpm.runtime.port.DataPlanePort`);
+``compile`` makes it a fused data plane, which runs each eligible value's epoch after its model as
+one compiled step (:mod:`lmpm.runtime.compiled`, ``--compile``).
 
 Everything handed to user code (models, scores, predicates) is a fresh tensor: a model that writes
 into its inputs cannot change the payload, the plan's tables or a later epoch.
@@ -30,7 +34,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from lmpm.errors import ConstraintEvalError, InputError, ModelError, RunDirError, user_frame
+from lmpm.errors import (
+    ConstraintEvalError,
+    InputError,
+    ModelError,
+    RunDirError,
+    UsageError,
+    user_frame,
+)
 from lmpm.ir.nodes import PredKind
 from lmpm.resolve.plan import (
     ConstraintPlan,
@@ -39,15 +50,20 @@ from lmpm.resolve.plan import (
     ValuePlan,
 )
 from lmpm.resolve.policies import aggregates
+from lmpm.runtime.compiled import CompiledEpoch, ReadGathers
+from lmpm.runtime.owner import Owner, pick
 from lmpm.runtime.protocol import (
     Applied,
     ApplyReply,
     ApplyRequest,
     Candidates,
+    EpochReport,
+    EpochRequest,
     ProposeReply,
     ProposeRequest,
     Traffic,
 )
+from lmpm.runtime.records import ValueEpoch
 from lmpm.runtime.store import PayloadStore
 from lmpm.workers import Results, WorkItem, get_backend
 
@@ -103,14 +119,6 @@ class _ValueTables:
     checksums: bool  # the value's policy compares payloads (quorum, user policies)
     folds: bool  # a proposal equal to the committed payload folds into keep-current (not for
     #              aggregating policies: it counts in the aggregate like any proposal)
-
-
-def pick(table: Tensor, winner: Tensor) -> Tensor:
-    """(n,) ``table[i, winner[i]]`` of an (n, C) table: each row's entry in its winning column.
-    One row (causal generation) is one flat ``take``, a third of the operations of a gather."""
-    if table.shape[0] == 1:
-        return table.take(winner)
-    return table.gather(1, winner.unsqueeze(1)).squeeze(1)
 
 
 def _item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]:
@@ -206,6 +214,7 @@ class DataPlane:
         seed: int = 0,
         worker: str | None = None,
         checksum_policies: frozenset[str] = frozenset(),
+        decides: bool = True,
     ) -> None:
         self.plan = plan
         self.backend = (
@@ -300,12 +309,122 @@ class DataPlane:
         }
         # --compile: LMPM's own models' reads gathered by compiled graphs (compile_reads)
         self.read_gathers: Any = None
+        # the owner of the cells' metadata and decisions (None: a worker of a group, whose
+        # owner is the group's)
+        self._owner = Owner(plan, self.seed) if decides else None
+        self.compiled: CompiledEpoch | None = None  # a fused data plane's steps (compile)
+
+    @property
+    def owner(self) -> Owner:
+        if self._owner is None:
+            raise UsageError(f"worker {self.worker} is part of a group: the group owns its cells")
+        return self._owner
+
+    # ---- the port (lmpm.runtime.port.DataPlanePort) -------------------------------------------
+    def epoch(self, req: EpochRequest) -> EpochReport:
+        """Run one epoch on this worker's cells, which it owns (:meth:`Owner.epoch`)."""
+        if self.count_bytes:
+            self.traffic = Traffic()
+        report = self.owner.epoch(self, req, self if self.compiled is not None else None)
+        report.control_bytes = self.traffic.control_bytes
+        report.message_bytes = self.traffic.message_bytes
+        return report
+
+    def replica_worker(self, value: str, replica: int) -> str:
+        """The worker that ran ``replica`` of ``value``: this one."""
+        return self.worker
+
+    def compile(self) -> CompiledEpoch:
+        """Become a fused data plane: each eligible value's epoch after its model runs as one
+        compiled step from now on (``--compile``; :mod:`lmpm.runtime.compiled`)."""
+        if self.compiled is None:
+            if self.device.type != "cpu":
+                # The step writes the payload and the cells' metadata together; on CUDA the
+                # metadata would have to live on the device too (not built yet).
+                raise UsageError(
+                    f"--compile runs with the cpu backend; this run's payload is on {self.device}",
+                    code="U103",
+                    hint="drop --compile, or run with --backend cpu",
+                )
+            owner = self.owner
+            self.compiled = CompiledEpoch(self.plan, self.device, quota=owner.schedule.has_quota)
+            self.compiled.prepare(self)
+            self.compile_reads(self.compiled.stats)
+            owner.compiled = self.compiled
+            self.compile_models()  # the models that opted in (lmpm_compile)
+        return self.compiled
+
+    def propose_fused(
+        self, req: ProposeRequest
+    ) -> tuple[ProposeReply, list[str], dict[str, Proposal]]:
+        """Run the models; build the eager values' candidates (the compiled values' come in their
+        steps, :meth:`step_fused`). Returns the eager reply, the values in commit order and the
+        compiled values' proposals. An epoch that something watches (``--trace cells``, taps) or
+        that corrupts proposals (fault drills) runs eagerly."""
+        assert self.compiled is not None
+        if not self.compiled.specs or req.record or self.taps or self.corrupt_from is not None:
+            self.compiled.stats.eager_epochs += 1
+            reply = self.propose(req)
+            return reply, list(reply.values), {}
+        per_value, model_seconds = self.run_models(req)
+        self._staged = {}
+        values = {}
+        fused: dict[str, Proposal] = {}
+        for name, parts in per_value.items():
+            if self.compiled.compiles(name):
+                fused[name] = parts[0]
+            else:
+                values[name] = self._candidates(name, req.epoch, parts, req.fresh.get(name, False))
+        return ProposeReply(self.worker, values, model_seconds), list(per_value), fused
+
+    def step_fused(
+        self, owner: Owner, name: str, e: int, part: Proposal, checksums: bool
+    ) -> tuple[ValueEpoch, int, int]:
+        """One compiled value's epoch: its step (payload and metadata written together), its
+        commits appended to the store; its record, commits and violations."""
+        assert self.compiled is not None
+        rp, cells, _, prop, sc = part
+        static = owner.static[name]
+        active = owner.active_mask(name, self.device)
+        clocks = {s: st.clock for s, st in owner.state.items()}
+        out = self.compiled.step(
+            name, e, cells, prop, sc, self, owner.state[name], owner.why[name], active, clocks
+        )
+        winner, changed, score, valid, violated, applies, new_clock, was, counts = out
+        n_commits, n_viol = counts.tolist()
+        ve = ValueEpoch(
+            name,
+            cells,
+            valid,
+            score,
+            self.compiled.columns(rp.id, prop.shape[1]),
+            violated,
+            static.constraint_ids,
+            winner,
+            changed,
+            new_clock,
+            was,
+            applies,
+        )
+        if n_commits and (self.store is not None or checksums):
+            rows = cells if n_commits == cells.numel() else cells[changed]
+            new = self.payload[name].index_select(0, rows)
+            if self.store is not None:
+                self.store.append_commits(e, name, rows, new)
+            if checksums:
+                sums = torch.zeros(cells.numel(), dtype=torch.int64)
+                sums[changed] = checksum(new, len(self.plan.values[name].cell_shape)).cpu()
+                ve.checksum = sums
+        return ve, n_commits, n_viol
+
+    def sync(self, epoch: int) -> None:
+        """Make the fused steps' commits of ``epoch`` durable."""
+        if self.store is not None:
+            self.store.sync(epoch)
 
     def compile_reads(self, stats: Any = None) -> None:
         """Gather the reads of LMPM's own models with compiled graphs from now on (``--compile``;
         :class:`lmpm.runtime.compiled.ReadGathers`; ``stats``: the run's CompileStats)."""
-        from lmpm.runtime.compiled import ReadGathers
-
         if self.read_gathers is None:
             self.read_gathers = ReadGathers(stats)
             for rp in self.plan.rules:
@@ -385,6 +504,8 @@ class DataPlane:
         self.payload[value].index_copy_(0, didx, payload.index_select(0, idx).to(self.device))
         self.committed[value].index_fill_(0, didx, True)
         self.from_input[value].index_fill_(0, didx, True)
+        if self._owner is not None:
+            self._owner.mark_input(value, idx)
         return idx
 
     def load(self, value: str, payload: Tensor, committed: Tensor, from_input: Tensor) -> None:
@@ -486,7 +607,7 @@ class DataPlane:
                     self.store.record_candidates(e, name, st.cells, st.table, cells)
         reply = ProposeReply(self.worker, values, model_seconds)
         if self.count_bytes:
-            self.traffic = Traffic.of(req, reply)
+            self.traffic.count(req, reply)
         return reply
 
     def run_models(self, req: ProposeRequest) -> tuple[dict[str, list[Proposal]], float]:

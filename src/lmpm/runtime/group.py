@@ -29,11 +29,14 @@ from lmpm.errors import UsageError
 from lmpm.resolve.plan import Plan
 from lmpm.resolve.topology import Topology, partition
 from lmpm.runtime.dataplane import DataPlane
+from lmpm.runtime.owner import Owner
 from lmpm.runtime.protocol import (
     Applied,
     ApplyReply,
     ApplyRequest,
     Candidates,
+    EpochReport,
+    EpochRequest,
     ProposeReply,
     ProposeRequest,
     RuleWork,
@@ -201,6 +204,10 @@ class WorkerGroup:
         }
         self.checkpointed: tuple[int, dict[str, dict[str, Any]]] | None = None
         self.since: dict[tuple[int, str], list[Tensor]] = {}
+        self.store: Any = None  # the workers hold the stores (one each)
+        # the owner of every cell's metadata and decisions, over the merged candidates (in the
+        # driver's process for now: docs/distributed.md, "Where cells are decided")
+        self.owner = Owner(plan, self.seed)
         self.workers: list[Any] = self._start()
         self.transport = InProcessTransport(self.workers, self.topology)
         for spec in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
@@ -215,9 +222,32 @@ class WorkerGroup:
                 seed=self.seed,
                 worker=name,
                 checksum_policies=self.checksum_policies,
+                decides=False,
             )
             for name in self.shard_names
         ]
+
+    # ---- the port (lmpm.runtime.port.DataPlanePort) -------------------------------------------
+    def epoch(self, req: EpochRequest) -> EpochReport:
+        """Run one epoch: the owner opens and decides, the workers propose and apply."""
+        report = self.owner.epoch(self, req)
+        report.halo_bytes = self.halo_bytes
+        report.control_bytes = self.traffic.control_bytes
+        report.message_bytes = self.traffic.message_bytes
+        report.faults = tuple(self.take_faults())
+        return report
+
+    def compile(self) -> Any:
+        raise UsageError(
+            "--compile runs the epoch step next to one worker's payload; this run has a "
+            "worker group",
+            code="U101",
+            hint="drop --compile, or run with one worker",
+        )
+
+    def take_faults(self) -> list[Any]:
+        """The worker faults survived since the last call (in-process workers: none)."""
+        return []
 
     def _each(self, method: str, *args: Any) -> list[Any]:
         """Call ``method`` on every worker with the same arguments; their results in order."""
@@ -291,6 +321,7 @@ class WorkerGroup:
     def set_input(self, value: str, payload: Tensor, mask: Tensor) -> Tensor:
         """Every worker keeps the inputs (their cells are committed everywhere)."""
         idx = self._each("set_input", value, payload, mask)[0]
+        self.owner.mark_input(value, idx)
         self.committed[value][idx] = True
         self.from_input[value][idx] = True
         return idx

@@ -5,10 +5,12 @@ subclass that every torch operation propagates: whatever is computed from payloa
 The worker declares the fields of its replies metadata (the only place payload-derived tensors
 lose the mark: scores, verdicts, checksums). The engine then checks that
 
-- no message it sends or receives, no epoch record it hands to observers and none of its own state
-  holds a payload tensor (:func:`check_message`);
+- no message that crosses the port (:class:`~lmpm.runtime.protocol.EpochRequest`,
+  :class:`~lmpm.runtime.protocol.EpochReport`), no epoch record it hands to observers and none of
+  the owner's cell state holds a payload tensor (:func:`check_message`), compiled (fused) epochs
+  included;
 - nobody reads the worker's payload (:meth:`GuardedDataPlane.read`) while an epoch or an observer
-  runs on the control plane.
+  runs (:func:`guarding`).
 
 A failure raises :class:`PayloadLeak` naming where the payload was found.
 """
@@ -16,14 +18,17 @@ A failure raises :class:`PayloadLeak` naming where the payload was found.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from lmpm.runtime.dataplane import DataPlane
+from lmpm.runtime.owner import Owner
 from lmpm.runtime.protocol import ApplyReply, ApplyRequest, ProposeReply, ProposeRequest
+from lmpm.runtime.records import ValueEpoch
 
 
 class PayloadLeak(AssertionError):
@@ -80,6 +85,19 @@ def _find(obj: Any, path: str) -> str | None:
     return None
 
 
+@contextmanager
+def guarding(dataplane: Any) -> Iterator[None]:
+    """While the block runs, a guarded data plane refuses payload reads (others: no effect)."""
+    if not isinstance(dataplane, GuardedDataPlane):
+        yield
+        return
+    dataplane.busy = True
+    try:
+        yield
+    finally:
+        dataplane.busy = False
+
+
 class GuardedDataPlane(DataPlane):
     """A :class:`DataPlane` whose payload is marked, and that refuses payload reads while the
     control plane is running an epoch (``busy``)."""
@@ -109,3 +127,17 @@ class GuardedDataPlane(DataPlane):
         with torch.inference_mode(False), torch.no_grad():
             reply: ApplyReply = _declassify(super().apply(req))
         return reply
+
+    def propose_fused(self, req: ProposeRequest) -> tuple[ProposeReply, list[str], dict[str, Any]]:
+        with torch.inference_mode(False), torch.no_grad():
+            reply, order, parts = super().propose_fused(req)
+        declassified: ProposeReply = _declassify(reply)
+        return declassified, order, parts  # the fused values' proposals stay on the worker
+
+    def step_fused(
+        self, owner: Owner, name: str, e: int, part: Any, checksums: bool
+    ) -> tuple[ValueEpoch, int, int]:
+        with torch.inference_mode(False), torch.no_grad():
+            ve, commits, violations = super().step_fused(owner, name, e, part, checksums)
+        record: ValueEpoch = _declassify(ve)
+        return record, commits, violations

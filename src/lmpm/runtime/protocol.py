@@ -121,6 +121,47 @@ class ApplyReply:
     durable: bool  # the committed rows are in the worker's store (written and synced)
 
 
+@dataclass(slots=True)
+class EpochRequest:
+    """The control plane's only per-epoch message to the data plane (:class:`DataPlanePort`):
+    run epoch ``epoch``. Its size does not depend on the number of cells."""
+
+    epoch: int
+    # the schedules that open a few unset cells pass over the `skip` cells tried since epoch
+    # `start` (the last commit): the control plane's count of commit-free epochs
+    skip: int
+    start: int
+    # the ids of the constraints in the RuleSet this epoch, or None when all of them are
+    active: frozenset[int] | None = None
+    checksums: bool = False  # committed rows' checksums in the records (the commit log wants them)
+    # per value: the cells whose candidate payloads the workers record (--trace cells; set once)
+    record: Mapping[str, Tensor] | None = None
+
+
+@dataclass(slots=True)
+class EpochReport:
+    """What the data plane answers an :class:`EpochRequest` with: counts of fixed size for the
+    control plane (the schedule's termination reads ``unset``), and the owner's per-cell records
+    (``values``), handed to the observers that write them (commit log, trace) beside the owner."""
+
+    epoch: int
+    worker: str
+    opened: tuple[tuple[str, int], ...]  # (value, open cells), sorted by value
+    commits: int
+    attempts: int
+    violations: int
+    model_seconds: float  # time in dispatch + collect of the models
+    unset: Mapping[str, int]  # per value, its unset cells after the epoch
+    dissent: tuple[Any, ...] = ()  # quorum replicas outvoted (lmpm.runtime.records.Dissent)
+    values: list[Any] = dataclasses.field(default_factory=list)  # records.ValueEpoch per value
+    faults: tuple[Any, ...] = ()  # worker faults survived (the epoch was redone after each)
+    halo_bytes: int = 0  # payload bytes moved worker to worker
+    # the messages between the control plane's process and the workers (a :class:`Traffic`):
+    # serialised, and their tensor data (one in-process worker: counted on request)
+    control_bytes: int = 0
+    message_bytes: int = 0
+
+
 def nbytes(message: Any) -> int:
     """Bytes of tensor data in a message (recursively): what would cross the wire."""
     if isinstance(message, Tensor):
@@ -162,12 +203,6 @@ class Traffic:
 
     control_bytes: int = 0  # serialised: :func:`wire_bytes`
     message_bytes: int = 0  # their tensor data (the arrays sent out of band)
-
-    @classmethod
-    def of(cls, *messages: Any) -> Traffic:
-        out = cls()
-        out.count(*messages)
-        return out
 
     def count(self, *messages: Any, wired: bool = False) -> None:
         """Add ``messages`` (None: no message); ``wired``: they are in their wire form already

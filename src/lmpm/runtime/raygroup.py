@@ -200,6 +200,7 @@ class WorkerActor:
             seed=seed,
             worker=f"w{index}",
             checksum_policies=checksum_policies,
+            decides=False,
         )
         if store_dir is not None:
             self.dp.open_store(store_dir)
@@ -430,7 +431,7 @@ class RayGroup(WorkerGroup):
         self._store_dir: str | None = None
         self._subs: list[ProposeRequest | None] = []  # the epoch's propose, to redo it
         self.generation = 0
-        self.epoch = -1  # the epoch running
+        self.running = -1  # the epoch running
         self.done = 0  # the epochs the workers' durable state holds (a restore goes back here)
         self._recovering = False
         self._injected: list[tuple[int, str, int, str]] = []
@@ -592,7 +593,7 @@ class RayGroup(WorkerGroup):
 
     # ---- the epoch, with recovery ----------------------------------------------------------------
     def _before(self, epoch: int) -> None:
-        self.epoch = self.done = epoch
+        self.running = self.done = epoch
         if self.checkpointed is None:
             if self._store_dir is None:  # a run without a directory: stores of our own
                 self._tmp = tempfile.mkdtemp(prefix="lmpm-workers-")
@@ -615,7 +616,7 @@ class RayGroup(WorkerGroup):
 
     def _propose_all(self, subs: list[ProposeRequest | None]) -> list[ProposeReply | None]:
         self._subs = subs
-        epoch = self.epoch
+        epoch = self.running
         if all(s is None for s in subs):  # no rule fired
             return [None] * self.size
         return self._retry(epoch, "propose", lambda: self._propose_once(subs, epoch))
@@ -630,7 +631,7 @@ class RayGroup(WorkerGroup):
         return [from_wire(r) for r in got]
 
     def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
-        epoch = self.epoch
+        epoch = self.running
         if all(s is None for s in subs):  # nothing commits: nothing to write or send
             self.done = epoch + 1
             return [None] * self.size, 0

@@ -21,6 +21,7 @@ NOT_FIRED = -2  # opened, but no rule's `on`/`when` fires there
 NO_WINNER = -1  # a rule proposed, but no candidate beat leaving it unset (invalid, score)
 UNKNOWN = -4  # a resumed run: not recorded since the resume
 HELD = -5  # a candidate won, but the schedule's quota held it back for a later epoch
+NO_SOURCE = -6  # a value no rule proposes and no input gave (every cell unset)
 
 # Policies that compare candidates' payloads (by checksum): the worker computes checksums for them.
 CHECKSUM_POLICIES = frozenset(("quorum",))

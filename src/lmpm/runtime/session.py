@@ -125,11 +125,11 @@ class Run:
             guard=guard,
             dataplane=group,
         )
-        self.dataplane = self.engine.dataplane
+        # the concrete data plane (the API edge reaches its workers; the engine only its port)
+        self.dataplane: Any = self.engine.dataplane
         if compile:
             try:
                 self.engine.compile()
-                self.dataplane.compile_models()  # the models that opted in (lmpm_compile)
             except BaseException:
                 self.close()
                 raise
@@ -178,8 +178,8 @@ class Run:
         return self.engine.active_constraints()
 
     def set_input(self, value: str, payload: Tensor, mask: Tensor) -> None:
-        """Commit ``payload[mask]`` of ``value`` as given input: the payload goes to the worker,
-        the control plane records which cells are committed (provenance INPUT, clock 1)."""
+        """Commit ``payload[mask]`` of ``value`` as given input: the payload goes to the workers,
+        the cells' owner records them committed (provenance INPUT, clock 1)."""
         vp = self.plan.values.get(value)
         if vp is None:
             raise InputError(
@@ -195,8 +195,7 @@ class Run:
                 where={"value": value},
                 code="R011",
             )
-        cells = self.dataplane.set_input(value, payload, mask)
-        self.engine.mark_input(value, cells)
+        self.dataplane.set_input(value, payload, mask)  # its owner records the cells committed
 
     def payload(self, value: str) -> Tensor:
         """The committed payload of ``value`` ((ncells, *cell), fetched from the worker; unset

@@ -1,0 +1,510 @@
+"""The owner of a value's cells decides them: open, check, agree, apply, clocks, provenance.
+
+An :class:`Owner` sits on the data plane's side of the port, next to the workers that hold the
+payload. Per epoch (:meth:`Owner.epoch`) it
+
+1. opens the cells its schedule opens (:mod:`lmpm.resolve.schedules`) and evaluates each rule's
+   trigger on them;
+2. asks its workers for the candidates (:class:`~lmpm.runtime.protocol.ProposeRequest`: per value
+   and open cell, each candidate's score, validity and constraint verdicts);
+3. agrees (:func:`lmpm.runtime.agree.agree`: the value's commit policy, the schedule's quota);
+4. has the workers write the winners (:class:`~lmpm.runtime.protocol.ApplyRequest`), then advances
+   the Lamport clocks (:mod:`lmpm.runtime.clocks`) and provenance of the committed cells.
+
+It answers the control plane with an :class:`~lmpm.runtime.protocol.EpochReport`: counts of fixed
+size, plus the per-cell records (:class:`~lmpm.runtime.records.ValueEpoch`) that the owner's
+observers write (the commit log and the trace, in the same process).
+
+Its workers are one :class:`~lmpm.runtime.dataplane.DataPlane` (which owns every cell) or a
+:class:`~lmpm.runtime.group.WorkerGroup`, whose propose merges the workers' candidates into the
+columns one worker would produce. Reads see the state at the start of the epoch and winners are
+applied together at its end, so an epoch's result does not depend on the order in which work ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from lmpm.ir.nodes import TRUE
+from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan
+from lmpm.resolve.policies import aggregates, quorum
+from lmpm.resolve.schedules import make_schedule
+from lmpm.runtime.agree import agree
+from lmpm.runtime.clocks import Clocks
+from lmpm.runtime.protocol import (
+    Applied,
+    ApplyReply,
+    ApplyRequest,
+    Candidates,
+    EpochReport,
+    EpochRequest,
+    ProposeReply,
+    ProposeRequest,
+    RuleWork,
+    ValueDecision,
+)
+from lmpm.runtime.records import (
+    HELD,
+    INPUT_RULE,
+    NEVER_OPENED,
+    NO_SOURCE,
+    NO_WINNER,
+    NOT_FIRED,
+    UNKNOWN,
+    CellState,
+    Dissent,
+    ValueEpoch,
+)
+from lmpm.runtime.texpr import mask_of
+
+
+class Workers(Protocol):
+    """What an owner needs of the workers beside it: candidates, and writing the winners."""
+
+    worker: str
+
+    def propose(self, req: ProposeRequest) -> ProposeReply: ...
+    def apply(self, req: ApplyRequest) -> ApplyReply: ...
+    def replica_worker(self, value: str, replica: int) -> str: ...
+
+
+class Fused(Protocol):
+    """A data plane that runs some values' epoch after their models as one fused step
+    (``--compile``, :mod:`lmpm.runtime.compiled`): it proposes the others as usual."""
+
+    def propose_fused(self, req: ProposeRequest) -> tuple[ProposeReply, list[str], dict[str, Any]]:
+        """(the eager values' reply, every proposed value in commit order, the fused values'
+        model outputs)."""
+        ...
+
+    def step_fused(
+        self, owner: Owner, name: str, e: int, part: Any, checksums: bool
+    ) -> tuple[ValueEpoch, int, int]:
+        """One fused value's epoch: its record, commits and violations."""
+        ...
+
+    def sync(self, epoch: int) -> None:
+        """Make the fused values' commits of ``epoch`` durable."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ValueStatic:
+    """What the loop needs about one proposed value, built once."""
+
+    rules: tuple[RulePlan, ...]  # the rules proposing the value
+    constraints: tuple[ConstraintPlan, ...]  # evaluated at run time (K of them)
+    priority: Tensor  # (K,) int64
+    constraint_ids: Tensor  # (K,) int64 ids into plan.constraints
+    hard: Tensor | None = None  # (K,) bool: `hard` constraints (None: none is)
+
+
+def _hard_mask(constraints: list[ConstraintPlan]) -> Tensor | None:
+    """(K,) bool: which of a value's live constraints are `hard` (None when none is)."""
+    if not any(cp.ir.hard for cp in constraints):
+        return None
+    return torch.tensor([cp.ir.hard for cp in constraints], dtype=torch.bool)
+
+
+def pick(table: Tensor, winner: Tensor) -> Tensor:
+    """(n,) ``table[i, winner[i]]`` of an (n, C) table: each row's entry in its winning column.
+    One row (causal generation) is one flat ``take``, a third of the operations of a gather."""
+    if table.shape[0] == 1:
+        return table.take(winner)
+    return table.gather(1, winner.unsqueeze(1)).squeeze(1)
+
+
+def dissent(cand: Any, winner: Tensor, changed: Tensor) -> list[tuple[int, int]]:
+    """(replica, cells) for every replica whose proposal differed from the committed one in some
+    committed cell: compared by checksum with the winning column, among the columns of the same
+    rule and proposal slot (one per replica)."""
+    if cand.checksum is None:
+        return []
+    rows = (changed & (winner > 0)).nonzero().squeeze(1)
+    if not rows.numel():
+        return []
+    w = winner.index_select(0, rows)
+    sums = cand.checksum.index_select(0, rows)  # (m, C)
+    same_col = (cand.col_rule.unsqueeze(0) == cand.col_rule.index_select(0, w).unsqueeze(1)) & (
+        cand.col_slot.unsqueeze(0) == cand.col_slot.index_select(0, w).unsqueeze(1)
+    )  # (m, C): the winner's rule and slot, one column per replica
+    differs = same_col & (sums != sums.gather(1, w.unsqueeze(1)))
+    out = []
+    for p in cand.col_replica[cand.col_replica >= 0].unique().tolist():
+        n = int(differs[:, cand.col_replica == p].any(dim=1).count_nonzero())
+        if n:
+            out.append((int(p), n))
+    return out
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One value agreed on, waiting for the workers' apply."""
+
+    cand: Candidates
+    score: Tensor
+    winner: Tensor
+    changed: Tensor
+    weights: Tensor | None
+    rows: Tensor | None  # the committing rows (None: every row)
+    was: Tensor
+    commits: int
+
+    def decision(self) -> ValueDecision:
+        """What the workers write: the committing rows and their winners (or weights)."""
+        if self.rows is None:
+            return ValueDecision(None, self.winner, self.weights)
+        w = self.weights
+        return ValueDecision(
+            self.rows,
+            self.winner.index_select(0, self.rows),
+            None if w is None else w.index_select(0, self.rows),
+        )
+
+
+class Owner:
+    """The cells' metadata and the decisions on them (see the module doc).
+
+    ``state``: per value, committed flags, clocks, provenance and scores; ``why``: per proposed
+    value, why each unset cell is unset (a constraint id, or a code of :mod:`lmpm.runtime.records`).
+    """
+
+    def __init__(self, plan: Plan, seed: int = 0) -> None:
+        self.plan = plan
+        self.state: dict[str, CellState] = {
+            name: CellState.empty(vp.ncells) for name, vp in plan.values.items()
+        }
+        by_target = plan.rules_by_target
+        live = plan.live_constraints
+        self.static = {
+            name: ValueStatic(
+                tuple(rules),
+                tuple(live.get(name, [])),
+                torch.tensor([cp.priority for cp in live.get(name, [])], dtype=torch.int64),
+                torch.tensor([cp.id for cp in live.get(name, [])], dtype=torch.int64),
+                _hard_mask(live.get(name, [])),
+            )
+            for name, rules in by_target.items()
+        }
+        self.schedule = make_schedule(
+            plan.schedule,
+            {name: plan.values[name].coords for name in by_target},
+            plan.colors,
+            int(seed),
+        )
+        self.fresh = {name: not self.schedule.opens_committed for name in by_target}
+        self.triggered = {rp.id: rp.trigger != TRUE for rp in plan.rules}
+        # values with a rule whose `when` guard picks cells: their open cells vary within a phase
+        self.guarded = {
+            name: any(self.triggered[rp.id] for rp in st.rules) for name, st in self.static.items()
+        }
+        # values committed by quorum (not aggregated): their outvoted replicas are recorded
+        self.quorum = {
+            name: plan.values[name].policy is quorum
+            and not aggregates(plan.values[name].policy, plan.values[name].policy_args)
+            for name in self.static
+        }
+        self.clocks = Clocks(plan.rules)
+        self.why = {
+            name: torch.full((plan.values[name].ncells,), NEVER_OPENED) for name in by_target
+        }
+        self.compiled: Any = None  # the CompiledEpoch of a fused data plane (--compile)
+        # per value, its unset cells: kept up to date by every commit (the report's summary)
+        self._unset = {name: self._count_unset(name) for name in self.state}
+        self._active: frozenset[int] | None = None
+        self._active_mask: dict[str, Tensor] = {}
+        self._consts: dict[tuple[str, int, torch.dtype], Tensor] = {}
+
+    # ---- metadata outside the epoch ---------------------------------------------------------------
+    def mark_input(self, value: str, cells: Tensor) -> None:
+        """Record ``cells`` of ``value`` as committed from an input (provenance INPUT, clock 1)."""
+        st = self.state[value]
+        st.committed[cells] = True
+        st.clock[cells] = torch.maximum(st.clock[cells], torch.ones_like(st.clock[cells]))
+        st.rule[cells] = INPUT_RULE
+        st.score[cells] = 0.0
+        self._unset[value] = self._count_unset(value)
+
+    def restore(self, value: str, state: CellState) -> None:
+        """Load a checkpointed value's metadata (resume)."""
+        self.state[value] = state
+        self._unset[value] = self._count_unset(value)
+        if value in self.why:
+            self.why[value] = torch.where(state.committed, NEVER_OPENED, UNKNOWN)
+
+    def unset(self) -> dict[str, int]:
+        """Per value: how many of its cells are unset."""
+        return dict(self._unset)
+
+    def _count_unset(self, name: str) -> int:
+        committed = self.state[name].committed
+        return int(committed.numel() - committed.count_nonzero())
+
+    def reasons(self) -> dict[str, dict[int, int]]:
+        """Per value with unset cells: their count by why-code, the most frequent first (a value
+        no rule proposes and no input gave: all its cells under NO_SOURCE)."""
+        out: dict[str, dict[int, int]] = {}
+        for name, why in self.why.items():
+            left = why[~self.state[name].committed]
+            if not left.numel():
+                continue
+            codes, counts = torch.unique(left, return_counts=True)
+            pairs = sorted(zip(codes.tolist(), counts.tolist()), key=lambda x: -x[1])
+            out[name] = {int(c): int(n) for c, n in pairs}
+        for name, st in self.state.items():
+            if name not in self.why and st.committed.numel() and not bool(st.committed.any()):
+                out[name] = {NO_SOURCE: st.committed.numel()}
+        return out
+
+    # ---- the epoch ---------------------------------------------------------------------------------
+    def open_cells(self, e: int, skip: int, start: int) -> dict[str, Tensor]:
+        """(n,) int64 per proposed value: the cells open in epoch ``e``, sorted and unique. The
+        schedules that open a few unset cells pass over the ``skip`` cells tried since epoch
+        ``start`` (the last commit)."""
+        return {
+            name: self.schedule.open_cells(name, self.state[name].committed, e, skip, start)
+            for name in self.static
+        }
+
+    def work(self, e: int, open_: Mapping[str, Tensor]) -> tuple[RuleWork, ...]:
+        """The plan of work: the cells each rule fires on in epoch ``e``."""
+        work: list[RuleWork] = []
+        for rp in self.plan.rules:
+            cells = open_.get(rp.target)
+            if cells is None:
+                continue
+            if self.triggered[rp.id]:
+                vp = self.plan.values[rp.target]
+                env: dict[str, Any] = dict(self.plan.env)
+                env["e"] = e
+                env.update({v: vp.coords[:, k] for k, v in enumerate(rp.ir.vars)})
+                fire = torch.zeros(vp.ncells, dtype=torch.bool)
+                fire[cells] = True
+                cells = (fire & mask_of(rp.trigger, env, vp.ncells)).nonzero().squeeze(1)
+            if cells.numel():
+                work.append(RuleWork(rp.id, cells))
+        return tuple(work)
+
+    def set_active(self, active: frozenset[int] | None) -> None:
+        if active != self._active:
+            self._active = active
+            self._active_mask = {}
+
+    def active_mask(self, name: str, device: torch.device) -> Tensor:
+        """(K,) bool: which of ``name``'s live constraints are in the RuleSet (fused steps)."""
+        mask = self._active_mask.get(name)
+        if mask is None:
+            ids = self.static[name].constraint_ids.tolist()
+            on = [self._active is None or i in self._active for i in ids]
+            mask = self._active_mask[name] = torch.tensor(on, dtype=torch.bool, device=device)
+        return mask
+
+    def epoch(self, workers: Workers, req: EpochRequest, fused: Fused | None = None) -> EpochReport:
+        """Run epoch ``req.epoch`` on ``workers``: open, propose, check, agree, apply, commit.
+        ``fused``: the data plane that runs the compiled values' steps (``--compile``)."""
+        e = req.epoch
+        self.set_active(req.active)
+        open_ = self.open_cells(e, req.skip, req.start)
+        opened = tuple(sorted((k, int(v.numel())) for k, v in open_.items()))
+        phases = {
+            name: None if self.guarded[name] else self.schedule.phase(name, e) for name in open_
+        }
+        preq = ProposeRequest(e, self.work(e, open_), self.fresh, req.record, phases, req.active)
+        parts: dict[str, Any] = {}
+        if fused is not None:
+            reply, order, parts = fused.propose_fused(preq)
+        else:
+            reply = workers.propose(preq)
+            order = list(reply.values)
+        for name, cells in open_.items():
+            proposed = reply.values.get(name)
+            seen = parts[name][1] if name in parts else proposed.cells if proposed else None
+            if seen is None or seen.numel() != cells.numel():
+                # open cells no rule fired on (the proposed ones that stay unset are refined by
+                # _blocked; cells that commit need no reason)
+                self.why[name].index_fill_(0, cells, NOT_FIRED)
+        pending = {name: self._agree(name, e, cand) for name, cand in reply.values.items()}
+        if pending or not parts:
+            decisions = {name: p.decision() for name, p in pending.items()}
+            applied = workers.apply(ApplyRequest(e, decisions, req.checksums))
+        else:
+            applied = ApplyReply(workers.worker, {}, False)
+        commits = violations = attempts = 0
+        values: list[ValueEpoch] = []
+        dissents: list[Dissent] = []
+        for name in order:  # the order eager commits in: a value's clocks read the ones before
+            if name in parts:
+                assert fused is not None
+                ve, n_commits, n_viol = fused.step_fused(self, name, e, parts[name], req.checksums)
+            else:
+                p = pending[name]
+                ve, n_commits = self._commit(name, e, p, applied.values[name], phases[name])
+                if self.quorum[name]:
+                    for rep, n in dissent(p.cand, p.winner, ve.changed):
+                        dissents.append(Dissent(name, rep, workers.replica_worker(name, rep), n))
+                k = p.cand.violated.shape[2]
+                n_viol = 0
+                if k:
+                    viol = p.cand.violated if k == 1 else p.cand.violated.any(dim=2)
+                    n_viol = int(viol.count_nonzero())
+            values.append(ve)
+            if n_commits:  # the cells set for the first time
+                first = n_commits if self.fresh[name] else ve.changed & ~ve.was_committed
+                self._unset[name] -= first if isinstance(first, int) else int(first.sum())
+            commits += n_commits
+            attempts += int(ve.cells.numel())
+            violations += n_viol
+        if parts and fused is not None:
+            fused.sync(e)
+        return EpochReport(
+            e,
+            workers.worker,
+            opened,
+            commits,
+            attempts,
+            violations,
+            reply.model_seconds,
+            self.unset(),
+            tuple(dissents),
+            values,
+        )
+
+    def _agree(self, name: str, e: int, cand: Candidates) -> _Pending:
+        """Agree on one value's candidates; record why the cells that stay unset do."""
+        vp = self.plan.values[name]
+        st = self.state[name]
+        static = self.static[name]
+        cells = cand.cells
+        fresh = self.fresh[name]
+        n = cells.numel()
+        if fresh:  # every open cell is unset (never written: see _const)
+            kept = self._const("kept", n, torch.float64, -torch.inf)
+            was = self._const("was", n, torch.bool, False)
+        else:
+            kept = st.score.index_select(0, cells)
+            was = st.committed.index_select(0, cells)
+        quota = None
+        if self.schedule.has_quota:  # a share of the cells to generate: inputs do not count
+            given = int((st.rule == INPUT_RULE).count_nonzero())
+            quota = self.schedule.quota(
+                e, vp.ncells - given, int(st.committed.count_nonzero()) - given
+            )
+        ag = agree(vp, cand, kept, static.priority, quota, fresh, static.hard)
+        commits = int(ag.changed.count_nonzero())
+        if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
+            self._blocked(name, cand, static, (~ag.changed & ~was).nonzero().squeeze(1))
+            if quota is not None:  # winners the quota held back: not "no candidate"
+                held = (ag.winner != 0) & ~ag.changed & ~was
+                self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
+        rows = None if commits == n else ag.changed.nonzero().squeeze(1)
+        return _Pending(cand, ag.score, ag.winner, ag.changed, ag.weights, rows, was, commits)
+
+    def _blocked(self, name: str, cand: Any, static: ValueStatic, rows: Tensor) -> None:
+        """Record why the proposed cells at ``rows`` stay unset: the highest-priority constraint
+        that every valid proposal violates, else one that some proposal violates, else
+        NO_WINNER."""
+        if not rows.numel():
+            return
+        why = torch.full((rows.numel(),), NO_WINNER, dtype=torch.int64)
+        k = cand.violated.shape[2]
+        if k:
+            # (n, C-1) proposals only (column 0 is keep-current)
+            valid = cand.valid.index_select(0, rows)[:, 1:]
+            viol = cand.violated.index_select(0, rows)[:, 1:, :]  # (n, C-1, K)
+            order = torch.sort(-static.priority, stable=True).indices  # highest priority first
+            some = valid.any(dim=1, keepdim=True)  # (n, 1)
+            every = ((viol | ~valid.unsqueeze(2)).all(dim=1) & some)[:, order]  # (n, K)
+            anyv = (viol & valid.unsqueeze(2)).any(dim=1)[:, order]  # (n, K)
+            ids = static.constraint_ids[order]
+            for hit in (anyv, every):  # `every` overrides `some`
+                first = hit.to(torch.uint8).argmax(dim=1)
+                why = torch.where(hit.any(dim=1), ids[first], why)
+        self.why[name].index_put_((cand.cells.index_select(0, rows),), why)
+
+    def _commit(
+        self, name: str, e: int, p: _Pending, got: Applied, phase: int | None
+    ) -> tuple[ValueEpoch, int]:
+        """Advance clocks and provenance of the committing cells; the value's record and its
+        number of commits. ``got``: what the workers wrote (an aggregate equal to the committed
+        payload is no commit); ``phase``: the schedule's phase of the open cells (None: they
+        vary)."""
+        changed, commits, rows = p.changed, p.commits, p.rows
+        if got.changed is not None:
+            if rows is None:
+                changed = changed & got.changed
+            else:
+                changed = changed.clone()
+                changed[rows] = got.changed
+            commits = int(changed.count_nonzero())
+            rows = None  # the committing rows are no longer those the policy chose
+        cand, winner, weights = p.cand, p.winner, p.weights
+        st = self.state[name]
+        static = self.static[name]
+        cells = cand.cells
+        fresh = self.fresh[name]
+        n = cells.numel()
+        own = self._const("own", n, torch.int64, 0) if fresh else st.clock.index_select(0, cells)
+        new_clock = own
+        if commits:
+            contributed: dict[int, Tensor] | None = None
+            won_rule: Tensor | None = None  # (n,) each cell's winning rule (several rules)
+            if len(static.rules) > 1:
+                won_rule = cand.col_rule.index_select(0, winner)
+                if weights is None:  # the winner's rule
+                    contributed = {rp.id: won_rule == rp.id for rp in static.rules}
+                else:  # every rule whose proposals the aggregate weighs
+                    used = weights > 0
+                    contributed = {
+                        rp.id: used[:, cand.col_rule == rp.id].any(dim=1) for rp in static.rules
+                    }
+            new_clock = self.clocks.advance(
+                self.state, static.rules, own, cells, changed, commits, contributed, phase, fresh
+            )
+            fields = [cells, new_clock, pick(p.score, winner)]
+            if won_rule is not None:
+                fields.append(won_rule)
+            if commits < n:
+                keep = rows if rows is not None else changed.nonzero().squeeze(1)
+                fields = [t.index_select(0, keep) for t in fields]
+            idx, clock, won, *rule = fields
+            st.committed.index_fill_(0, idx, True)
+            st.clock.index_put_((idx,), clock)
+            if rule:
+                st.rule.index_put_((idx,), rule[0])
+            else:  # one rule: every committing column is that rule's
+                st.rule.index_fill_(0, idx, static.rules[0].id)
+            st.epoch.index_fill_(0, idx, e)
+            st.score.index_put_((idx,), won)
+        ve = ValueEpoch(
+            name,
+            cells,
+            cand.valid,
+            p.score,
+            cand.col_rule,
+            cand.violated,
+            static.constraint_ids,
+            winner,
+            changed,
+            new_clock,
+            p.was,
+            cand.applies,
+        )
+        if got.checksum is not None:  # one per committed row, in row order
+            sums = torch.zeros(n, dtype=torch.int64)
+            sums[changed] = got.checksum
+            ve.checksum = sums
+        return ve, commits
+
+    def _const(self, kind: str, n: int, dtype: torch.dtype, fill: Any) -> Tensor:
+        """A filled (n,) tensor made once: the metadata of unset cells. Only ever read (records
+        and agreement copy from it; no user code receives it)."""
+        key = (kind, n, dtype)
+        hit = self._consts.get(key)
+        if hit is None:
+            hit = self._consts[key] = torch.full((n,), fill, dtype=dtype)
+        return hit
