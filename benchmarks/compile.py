@@ -1,6 +1,6 @@
 """The compiled epoch step (``--compile``) against the eager epoch, side by side in one process.
 
-Each case runs the same program eagerly and compiled (lmpm.runtime.compiled), alternating, after
+Each case runs the same program eagerly and compiled (lmpm.runtime.data.compiled), alternating, after
 one compiled warm-up run (its graphs are then reused by every later run in the process, so the
 timed runs compile nothing), and checks that both commit the same outputs.
 

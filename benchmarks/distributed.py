@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import runtime as bench_runtime  # noqa: E402  (benchmarks/runtime.py: the null-model bindings)
 from lmpm.resolve.topology import partition  # noqa: E402
-from lmpm.runtime.group import WorkerGroup  # noqa: E402
+from lmpm.runtime.data.group import WorkerGroup  # noqa: E402
 from lmpm.runtime.io import load_input  # noqa: E402
 from lmpm.runtime.records import CHECKSUM_POLICIES, EpochRecord  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402

@@ -40,7 +40,7 @@ import torch
 
 from lmpm.ir import compile_file
 from lmpm.models import world
-from lmpm.runtime.engine import Engine
+from lmpm.runtime.control.engine import Engine
 from lmpm.runtime.records import EpochRecord
 from lmpm.runtime.session import Run
 

@@ -9,6 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+
+# Tests assert behaviour, never time (benchmarks/ measures it): no per-example deadline, which a
+# busy machine would turn into failures of a test whose behaviour is right.
+settings.register_profile("lmpm", deadline=None)
+settings.load_profile("lmpm")
 
 # A fast-parser internal failure must fail the test suite, not be retried with lark silently
 # (subprocesses inherit it). See lmpm.lang.fast.STRICT_ENV.

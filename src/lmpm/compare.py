@@ -3,7 +3,7 @@
 Both runs are ordinary run directories (``lmpm run --trace cells``): one of a program without its
 constraints (e.g. ``examples/video_free.lmpm``), one of the program itself, with the same inputs and
 seed. :func:`compare` reads their outputs, the constrained run's constraint trace (which constraint
-*decided* which cell, see :mod:`lmpm.runtime.trace`) and commit log, and measures, per constraint,
+*decided* which cell, see :mod:`lmpm.runtime.control.trace`) and commit log, and measures, per constraint,
 how far each run satisfies it at the end:
 
 - ``require/forbid X in Set`` (IN_SET): the share of the cells it speaks about, other than the

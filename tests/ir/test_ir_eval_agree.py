@@ -3,7 +3,7 @@
 - :func:`lmpm.ir.eval.evaluate` (the checker, constant folding) and its compiled form
   :func:`lmpm.ir.eval.compile_expr` (the probes),
 - :func:`lmpm.visibility._expr.evaluate` on plain ints (folding in the visibility compiler) and on
-  tensors of cells (stencils, ``mask_mod``, the runtime's triggers via :mod:`lmpm.runtime.texpr`).
+  tensors of cells (stencils, ``mask_mod``, the runtime's triggers via :mod:`lmpm.runtime.data.texpr`).
 
 Division by zero: the int evaluators raise; the tensor evaluator marks the cell undefined.
 """
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from lmpm.errors import BindError
 from lmpm.ir.eval import EvalError, compile_expr, evaluate
 from lmpm.ir.nodes import Expr, Op
-from lmpm.runtime.texpr import mask_of
+from lmpm.runtime.data.texpr import mask_of
 from lmpm.visibility import _expr
 
 BIN = [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MOD, Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE]
@@ -91,7 +91,7 @@ def test_the_evaluators_agree(e: Expr, p: int) -> None:
 @settings(max_examples=100, deadline=None)
 @given(exprs)
 def test_runtime_masks_are_the_guards_truth(e: Expr) -> None:
-    """lmpm.runtime.texpr.mask_of (triggers, constraint cells) = bool of ir.eval where defined."""
+    """lmpm.runtime.data.texpr.mask_of (triggers, constraint cells) = bool of ir.eval where defined."""
     xs = torch.tensor([pt[0] for pt in POINTS])
     ys = torch.tensor([pt[1] for pt in POINTS])
     try:

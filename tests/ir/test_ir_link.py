@@ -97,3 +97,113 @@ def test_check_bind_refuses_a_model_that_is_not_callable(tmp_path: Path) -> None
     rc, out, _ = _cli("check", str(prog), "--bind", str(binds), "--json")
     found = json.loads(out.splitlines()[-1])
     assert rc == 1 and found["code"] == "B052" and "not callable" in found["message"]
+
+
+WRONG = """import lmpm
+
+@lmpm.bind("MyModel")
+def my_model(inputs, k, temperature, step):  # no **kwargs: the run adds vocab, seed, epoch
+    return {}
+"""
+
+
+def test_a_model_whose_signature_cannot_take_the_call_fails_check_and_run(tmp_path: Path) -> None:
+    """B053 at the call, under `check --bind` and before the first epoch of `lmpm run`."""
+    binds = tmp_path / "binds.py"
+    binds.write_text(WRONG)
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(PROGRAM)
+    assert _cli("check", str(prog))[0] == 0  # without the bindings there is nothing to link
+    rc, out, _ = _cli("check", str(prog), "--bind", str(binds), "--json")
+    found = json.loads(out.splitlines()[-1])
+    assert rc == 1 and found["code"] == "B053"
+    assert "unexpected keyword argument 'vocab'" in found["message"]
+    assert "my_model(inputs, k, temperature, step)" in found["message"]
+    line = PROGRAM.split("\n")[7]
+    assert (found["line"], found["col"]) == (8, line.index("MyModel(") + 1)
+    out_dir = tmp_path / "run"
+    rc, _, err = _cli(
+        "run", str(prog), "--bind", str(binds), "--epochs", "1", "--out", str(out_dir)
+    )
+    assert rc == 1 and "error[B053]" in err and "^^^" in err
+    assert not (out_dir / "lmpm.db").exists()  # refused before the first epoch
+
+
+def _link(model: object, program: str = PROGRAM) -> None:
+    link(compile_source(program).ir, Bindings(mapping={"MyModel": model}), {"N": 8, "K": 3})
+
+
+def test_the_signature_check_names_a_missing_parameter() -> None:
+    def needs_n(inputs: object, n: int, **kw: object) -> dict[str, object]:
+        return {}
+
+    with pytest.raises(BindError) as e:
+        _link(needs_n)
+    assert e.value.code == "B053" and "missing a required argument: 'n'" in str(e.value)
+
+
+def test_callables_that_take_the_call_or_say_nothing_are_accepted() -> None:
+    class Net:
+        def __call__(self, inputs: object, **kw: object) -> dict[str, object]:
+            return {}
+
+    _link(lambda inputs, **kw: {})
+    _link(lambda inputs, k, temperature, step, vocab, seed, epoch: {})  # every keyword named
+    _link(Net())
+    _link(max)  # no signature Python can read: taken as it is
+
+
+def test_scores_and_positional_literals_are_held_to_how_the_run_calls_them() -> None:
+    scored = PROGRAM.replace("step=e+1)", "step=e+1)\n  score MyScore(...)")
+    with pytest.raises(BindError) as e:
+        link(
+            compile_source(scored).ir,
+            Bindings(mapping={"MyModel": lambda inputs, **kw: {}, "MyScore": lambda inputs: 0}),
+            {"N": 8, "K": 3},
+        )
+    assert e.value.code == "B053" and "MyScore(inputs, epoch=...)" in str(e.value)
+    positional = PROGRAM.replace("k=K*2", "K*2")
+    with pytest.raises(BindError, match=r"MyModel\(inputs, arg1=\.\.\., temperature"):
+        _link(lambda inputs, k, temperature, step, **kw: {}, positional)
+
+
+def test_a_workflow_tool_is_held_to_the_vm_s_call(tmp_path: Path) -> None:
+    """`check --bind` links a workflow as the VM does: its model with `vocab` and no seed or
+    epoch, its tools with one argument list."""
+    prog = tmp_path / "w.lmpm"
+    prog.write_text(Path("examples/vm.lmpm").read_text())
+    binds = tmp_path / "tools.py"
+    binds.write_text(
+        "import lmpm\n\n@lmpm.bind('ByteLM')\ndef model(inputs, vocab):\n    return None\n\n"
+        "@lmpm.bind('Count')\ndef count(args, more):\n    return []\n"
+    )
+    rc, out, _ = _cli("check", str(prog), "--bind", str(binds), "--json")
+    found = json.loads(out.splitlines()[-1])
+    assert rc == 1 and found["code"] == "B053" and "Count(args)" in found["message"]
+
+
+def test_the_vm_runner_binds_its_model_and_tools_through_the_link_step() -> None:
+    from lmpm.vm import WorkflowRun
+
+    ir = compile_source(Path("examples/vm.lmpm").read_text(), overrides={"B": 2}).ir
+    with pytest.raises(BindError) as e:
+        WorkflowRun(ir, overrides={"B": 2}, tools={"Count": lambda: []})
+    assert e.value.code == "B053" and e.value.span == ir.workflows[0].zones[3].tool.span  # type: ignore[union-attr]
+
+
+def test_the_trainer_binds_its_module_and_losses_through_the_link_step() -> None:
+    from lmpm.ir.link import link_training
+    from lmpm.train.frontend import train_spec
+    from lmpm.train.modules import LOSSES, MODULES
+
+    text = Path("examples/train_bytelm.lmpm").read_text()
+    spec = train_spec(compile_source(text).ir, {})
+    assert spec is not None
+    bound = link_training(spec)
+    assert bound.module is MODULES["ByteLM"] and bound.loss is LOSSES["NextByteLoss"]
+    assert bound.eval_loss is LOSSES["NextByteLoss"]
+    unknown = train_spec(compile_source(text.replace("Params[ByteLM]", "Params[Nope]")).ir, {})
+    assert unknown is not None
+    with pytest.raises(BindError) as e:
+        link_training(unknown)
+    assert e.value.code == "B080"

@@ -21,8 +21,8 @@ from lmpm.bindings import Bindings
 from lmpm.ir import compile_file
 from lmpm.resolve.plan import resolve
 from lmpm.resolve.topology import partition
-from lmpm.runtime.dataplane import DataPlane
-from lmpm.runtime.transport import GlooTransport
+from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.data.transport import GlooTransport
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The compiled epoch step (``--compile``, lmpm.runtime.compiled) commits exactly what the eager
+"""The compiled epoch step (``--compile``, lmpm.runtime.data.compiled) commits exactly what the eager
 epoch commits: the payload, the clocks and provenance, why cells stay unset, and every epoch's
 record (candidates, scores, verdicts, winners), on the examples and on random programs.
 
@@ -24,7 +24,7 @@ from lmpm.errors import UsageError
 from lmpm.ir import compile_file, compile_source
 from lmpm.models import text
 from lmpm.models.null import random_tokens, zero_score
-from lmpm.runtime.compiled import bucket, eligibility
+from lmpm.runtime.data.compiled import bucket, eligibility
 from lmpm.runtime.records import RunResult
 from lmpm.runtime.session import Run, resume
 

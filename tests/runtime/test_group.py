@@ -13,7 +13,7 @@ import torch
 
 from lmpm.errors import UsageError
 from lmpm.resolve.topology import partition
-from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.data.group import WorkerGroup
 from lmpm.runtime.io import load_input
 from lmpm.runtime.records import CHECKSUM_POLICIES
 from lmpm.runtime.session import Run

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from lmpm.ir import compile_source
 from lmpm.resolve.topology import partition
-from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.data.group import WorkerGroup
 from lmpm.runtime.records import CHECKSUM_POLICIES
 from lmpm.runtime.session import Run
 

@@ -21,8 +21,8 @@ from lmpm.ir.serialize import from_json, to_json
 from lmpm.lang.format import format_source
 from lmpm.lang.parser import parse, parse_lark
 from lmpm.resolve.topology import partition
-from lmpm.runtime.group import WorkerGroup
-from lmpm.runtime.raygroup import parse_fault
+from lmpm.runtime.data.group import WorkerGroup
+from lmpm.runtime.data.raygroup import parse_fault
 from lmpm.runtime.records import CHECKSUM_POLICIES, Dissent
 from lmpm.runtime.session import Run
 

@@ -18,9 +18,9 @@ ray = pytest.importorskip("ray")
 from lmpm.cli import main  # noqa: E402
 from lmpm.errors import UsageError  # noqa: E402
 from lmpm.resolve.topology import partition  # noqa: E402
-from lmpm.runtime.group import WorkerGroup  # noqa: E402
+from lmpm.runtime.data.group import WorkerGroup  # noqa: E402
+from lmpm.runtime.data.raygroup import RayGroup, parse_fault  # noqa: E402
 from lmpm.runtime.io import load_input  # noqa: E402
-from lmpm.runtime.raygroup import RayGroup, parse_fault  # noqa: E402
 from lmpm.runtime.records import CHECKSUM_POLICIES  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
 
@@ -340,7 +340,7 @@ def test_random_programs_commit_alike_on_ray_workers(
 def test_a_cluster_address_where_nothing_answers_fails_fast() -> None:
     import socket
 
-    from lmpm.runtime.raygroup import _probe
+    from lmpm.runtime.data.raygroup import _probe
 
     with socket.socket() as s:  # a port nothing listens on once closed
         s.bind(("127.0.0.1", 0))

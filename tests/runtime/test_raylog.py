@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lmpm.runtime import raylog
+from lmpm.runtime.data import raylog
 
 ROOT = Path(__file__).resolve().parents[2]
 ALARM = (

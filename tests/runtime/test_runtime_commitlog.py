@@ -15,7 +15,7 @@ import torch
 from lmpm.cli import main
 from lmpm.errors import RunDirError
 from lmpm.ir import compile_source
-from lmpm.runtime.commitlog import restore
+from lmpm.runtime.control.commitlog import restore
 from lmpm.runtime.rundir import SCHEMA_VERSION, cell_runs, connect, decode, encode
 from lmpm.runtime.session import Run
 
@@ -238,7 +238,7 @@ def test_damaged_or_foreign_run_dirs_are_refused(
 
 
 def test_the_program_hash_ignores_formatting(prog: tuple[Path, Path], tmp_path: Path) -> None:
-    from lmpm.runtime.commitlog import program_hash
+    from lmpm.runtime.control.commitlog import program_hash
 
     a = compile_source(PROG).ir
     b = compile_source("// a comment\n" + PROG.replace("priority 100", "priority  100"), "x").ir

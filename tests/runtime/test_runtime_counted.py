@@ -14,7 +14,7 @@ import torch
 
 from lmpm.cli import main
 from lmpm.resolve.topology import partition
-from lmpm.runtime.group import WorkerGroup
+from lmpm.runtime.data.group import WorkerGroup
 from lmpm.runtime.protocol import ValueDecision, nbytes, to_wire, wire_bytes
 from lmpm.runtime.rundir import COUNTED, SCHEMA_VERSION
 from lmpm.runtime.session import Run

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lmpm.runtime.crdt import ORSet
+from lmpm.runtime.control.crdt import ORSet
 
 ops = st.lists(st.tuples(st.sampled_from(["add", "remove"]), st.integers(0, 4)), max_size=12)
 

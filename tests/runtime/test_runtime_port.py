@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 
 from lmpm.ir import compile_file, compile_source
 from lmpm.resolve.topology import partition
-from lmpm.runtime import engine as engine_module
-from lmpm.runtime.dataplane import DataPlane
-from lmpm.runtime.group import WorkerGroup
-from lmpm.runtime.guard import GuardedDataPlane, PayloadLeak
+from lmpm.runtime.control import engine as engine_module
+from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.data.group import WorkerGroup
+from lmpm.runtime.data.guard import GuardedDataPlane, PayloadLeak
+from lmpm.runtime.data.raygroup import RayGroup
 from lmpm.runtime.port import DataPlanePort
 from lmpm.runtime.protocol import EpochReport, EpochRequest, to_wire
-from lmpm.runtime.raygroup import RayGroup
 from lmpm.runtime.records import CHECKSUM_POLICIES
 from lmpm.runtime.session import Run
 

@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from lmpm.cli import main
 from lmpm.errors import UsageError
 from lmpm.ir import compile_source
-from lmpm.runtime.commitlog import CommitLog, RunInfo, program_hash
+from lmpm.runtime.control.commitlog import CommitLog, RunInfo, program_hash
+from lmpm.runtime.control.trace import Tracer, cell_story, epoch_ranges, parse_region, report
 from lmpm.runtime.rundir import connect
 from lmpm.runtime.session import Run
-from lmpm.runtime.trace import Tracer, cell_story, epoch_ranges, parse_region, report
 
 sys.path.insert(0, str(Path(__file__).parent))
 from reference import Reference

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from lmpm.ir import compile_source
 from lmpm.resolve.plan import Plan
-from lmpm.runtime.engine import Engine
+from lmpm.runtime.control.engine import Engine
+from lmpm.runtime.control.trace import Tracer, box_text
 from lmpm.runtime.records import EpochRecord, ValueEpoch
 from lmpm.runtime.session import Run
-from lmpm.runtime.trace import Tracer, box_text
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_runtime_differential import BINDINGS, programs, used

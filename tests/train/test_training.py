@@ -267,9 +267,9 @@ def test_a_hung_worker_is_replaced_by_the_shared_supervision_policy(
     local_ray: Any, data: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A worker that hangs in its inner loop is declared hung at the timeout and replaced, by the
-    policy the engine's worker group uses (lmpm.runtime.raygroup.gather; the trainer's own copy
+    policy the engine's worker group uses (lmpm.runtime.data.raygroup.gather; the trainer's own copy
     force-cancelled the hung actor call, which Ray refuses with a ValueError)."""
-    from lmpm.runtime import raygroup
+    from lmpm.runtime.data import raygroup
 
     seen: list[bool] = []
     real = raygroup.gather

@@ -1,14 +1,14 @@
 """`lmpm show FILE --compiled`: what ``--compile`` makes of each proposed value.
 
 For every value a rule proposes: whether its epoch step compiles or runs eagerly, and why
-(:func:`lmpm.runtime.compiled.eligibility`); for a compiled one, what its graph bakes in (the
-:class:`~lmpm.runtime.compiled.StepSpec` in words) and the graph itself, summarized: the step is
+(:func:`lmpm.runtime.data.compiled.eligibility`); for a compiled one, what its graph bakes in (the
+:class:`~lmpm.runtime.data.compiled.StepSpec` in words) and the graph itself, summarized: the step is
 traced into an aten FX graph with ``make_fx(tracing_mode="fake")`` at a representative shape,
 exactly as ``--compile`` traces it, but inductor does not run (tracing takes well under a second,
 code generation ten). ``--graph`` prints the traced graph's code.
 
 The trace goes through :meth:`CompiledEpoch.step` itself, so the inputs are assembled, padded to
-the shape bucket and ordered as in a run; only :func:`~lmpm.runtime.compiled.compile_step` is
+the shape bucket and ordered as in a run; only :func:`~lmpm.runtime.data.compiled.compile_step` is
 replaced by a tracer, and the step stops before anything runs.
 """
 
@@ -30,7 +30,7 @@ from lmpm.errors import LmpmError, RuntimeFault, UsageError
 if TYPE_CHECKING:
     from lmpm.ir import Frontend
     from lmpm.resolve.plan import ConstraintPlan, RulePlan
-    from lmpm.runtime.compiled import StepSpec
+    from lmpm.runtime.data.compiled import StepSpec
     from lmpm.runtime.session import Run
 
 # The step's results, in the order :meth:`CompiledEpoch.step` documents them.
@@ -195,7 +195,7 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
 
 
 def _read_lines(run: Run, rp: RulePlan) -> list[str]:
-    """How the model's reads are gathered under --compile (lmpm.runtime.compiled.ReadGathers)."""
+    """How the model's reads are gathered under --compile (lmpm.runtime.data.compiled.ReadGathers)."""
     if not rp.reads:
         return []
     head = "  reads        "
@@ -323,7 +323,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     """Trace ``value``'s compiled step at ``open_cells`` (1 cell when none) and the rule's ``k``
     proposals per cell, through :meth:`CompiledEpoch.step` with its compiler replaced by
     ``make_fx``."""
-    from lmpm.runtime import compiled as cmod
+    from lmpm.runtime.data import compiled as cmod
 
     ce = run.engine.compiled
     assert ce is not None
@@ -406,7 +406,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
 def input_names(spec: StepSpec, run: Run, value: str, lens: tuple[int, ...]) -> list[str]:
     """A name per flat graph input: the step's parameters, then its tables named after the
     constraint or the clock source they belong to."""
-    from lmpm.runtime.compiled import value_step
+    from lmpm.runtime.data.compiled import value_step
 
     params = list(inspect.signature(value_step(spec)).parameters)
     head = params[: len(params) - len(lens)]

@@ -106,13 +106,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _link(front: Frontend, bindings: Bindings, overrides: dict[str, int]) -> list[Diagnostic]:
-    """The run's link step over the checked program (``lmpm.ir.link``), without importing the
-    built-ins: its first fault as a diagnostic."""
+    """The run's link step over the checked program (``lmpm.ir.link``; a workflow's as the VM
+    links it), without importing the built-ins: its first fault as a diagnostic."""
     from lmpm.ir.eval import bind_params
-    from lmpm.ir.link import link
+    from lmpm.ir.link import link, link_workflow
 
     try:
         link(front.ir, bindings, bind_params(front.ir, overrides), load=False, lenient=True)
+        for w in front.ir.workflows:
+            link_workflow(front.ir, w, bindings, load=False)
     except BindError as e:
         return list(e.diagnostics)
     return []

@@ -266,7 +266,7 @@ def render_grid(
     return written
 
 
-# ---- the trace database (lmpm.runtime.commitlog: RUN_DIR/lmpm.db) ------------------------------
+# ---- the trace database (lmpm.runtime.control.commitlog: RUN_DIR/lmpm.db) ------------------------------
 DB_NAME = "lmpm.db"
 
 

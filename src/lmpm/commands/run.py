@@ -24,10 +24,12 @@ from lmpm.commands.check import unknown_params
 from lmpm.errors import CheckError, LmpmError, UsageError
 
 if TYPE_CHECKING:
-    from lmpm.runtime.commitlog import CommitLog
+    from lmpm.runtime.control.commitlog import CommitLog
     from lmpm.runtime.session import Run
 
-DEFAULT_CHECKPOINT_EVERY = 20  # mirrors lmpm.runtime.commitlog (not imported: keeps --help light)
+DEFAULT_CHECKPOINT_EVERY = (
+    20  # mirrors lmpm.runtime.control.commitlog (not imported: keeps --help light)
+)
 MAX_EPOCHS = 2**31 - 1  # epochs numbered beyond this would not fit the log's and trace's counters
 
 HELP = "run a program: epochs of compute → propose → check → agree → commit"
@@ -169,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give the .lmpm program to run, or --resume RUN_DIR", code="U023")
 
     from lmpm.ir import compile_file
-    from lmpm.runtime.commitlog import (
+    from lmpm.runtime.control.commitlog import (
         CommitLog,
         RunInfo,
         failed_before_first_epoch,

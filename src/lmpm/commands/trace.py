@@ -31,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     if holds_training(args.run_dir) and not (Path(args.run_dir) / "lmpm.db").exists():
         return _training(args)
 
+    from lmpm.runtime.control.trace import cell_story, plot, report
     from lmpm.runtime.rundir import connect
-    from lmpm.runtime.trace import cell_story, plot, report
 
     conn = connect(args.run_dir)
     try:

@@ -45,17 +45,15 @@ def _front(
     bound_names: Iterable[str] = (),
 ) -> Frontend:
     sink = DiagnosticSink()
-    ir = build(tree, sink)
-    if not sink.has_errors:
-        ir = check(
-            ir,
-            sink,
-            overrides=overrides,
-            known_names=known_names,
-            strict=strict,
-            tree=tree,
-            bound_names=bound_names,
-        )
+    ir = check(  # (after the lowering's faults, only the training pass runs)
+        build(tree, sink),
+        sink,
+        overrides=overrides,
+        known_names=known_names,
+        strict=strict,
+        tree=tree,
+        bound_names=bound_names,
+    )
     if raise_errors:
         sink.raise_if_errors()
     return Frontend(tree, ir, tuple(sink.items))

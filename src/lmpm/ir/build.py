@@ -80,7 +80,6 @@ def build(prog: ast.Program, sink: DiagnosticSink | None = None) -> Program:
     for item in prog.items:
         if not isinstance(item, ast.Param | ast.Value):
             _guarded(item, lambda i, sc: _statement(i, sc, done), scope, deep)
-    train.training_scope(done, scope)
     ir = Program(
         IR_VERSION,
         prog.file,

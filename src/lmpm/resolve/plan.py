@@ -38,8 +38,8 @@ from lmpm.ir.nodes import (
 from lmpm.ir.printer import call_str, expr_str, read_str
 from lmpm.resolve.policies import Policy, get_policy, replicas
 from lmpm.resolve.schedules import ScheduleSpec, sample_tiles
-from lmpm.runtime.texpr import coords as coords_of
-from lmpm.runtime.texpr import eval_tensor
+from lmpm.runtime.data.texpr import coords as coords_of
+from lmpm.runtime.data.texpr import eval_tensor
 
 
 @dataclass(frozen=True, slots=True)

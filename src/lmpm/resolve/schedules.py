@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lmpm.errors import BindError
 from lmpm.ir.nodes import Expr, Op
-from lmpm.runtime.texpr import Val, eval_tensor, mask_of
+from lmpm.runtime.data.texpr import Val, eval_tensor, mask_of
 from lmpm.signatures import STRATEGIES  # one list, also read by the checker
 
 

@@ -105,7 +105,7 @@ class _Calls:
     """Maps the frames of a model, score or predicate call to the program's call site."""
 
     def __init__(self, rules: Mapping[str, Any], constraints: Mapping[str, Any]) -> None:
-        from lmpm.runtime.dataplane import DataPlane
+        from lmpm.runtime.data.dataplane import DataPlane
         from lmpm.vm.runner import WorkflowRun
         from lmpm.workers import batch
 

@@ -1,15 +1,15 @@
 """The one declared port between the planes: what the control plane may ask of the data plane.
 
-The control plane (:class:`lmpm.runtime.engine.Engine`) keeps the epoch barrier, the RuleSet, the
+The control plane (:class:`lmpm.runtime.control.engine.Engine`) keeps the epoch barrier, the RuleSet, the
 termination rule, faults and the "epoch durable" mark. Everything per cell is the data plane's:
-the payload, and the cells' metadata and decisions (its :class:`~lmpm.runtime.owner.Owner`). The
+the payload, and the cells' metadata and decisions (its :class:`~lmpm.runtime.data.owner.Owner`). The
 engine is typed against :class:`DataPlanePort` and reaches the data plane through it only (a test
 walks engine.py for payload and private-member access). Three data planes implement it:
 
-- :class:`lmpm.runtime.dataplane.DataPlane`: one worker in this process, owner of every cell;
-  ``compile()`` makes it a fused data plane (:mod:`lmpm.runtime.compiled`, ``--compile``);
-- :class:`lmpm.runtime.group.WorkerGroup`: W partitioned workers in this process;
-- :class:`lmpm.runtime.raygroup.RayGroup`: W workers as Ray actors, the halo over gloo.
+- :class:`lmpm.runtime.data.dataplane.DataPlane`: one worker in this process, owner of every cell;
+  ``compile()`` makes it a fused data plane (:mod:`lmpm.runtime.data.compiled`, ``--compile``);
+- :class:`lmpm.runtime.data.group.WorkerGroup`: W partitioned workers in this process;
+- :class:`lmpm.runtime.data.raygroup.RayGroup`: W workers as Ray actors, the halo over gloo.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import Tensor
 from lmpm.runtime.protocol import EpochReport, EpochRequest
 
 if TYPE_CHECKING:
-    from lmpm.runtime.owner import Owner
+    from lmpm.runtime.data.owner import Owner
 
 
 class DataPlanePort(Protocol):
@@ -43,7 +43,7 @@ class DataPlanePort(Protocol):
 
     def compile(self) -> Any:
         """Run the eligible values' epoch as one fused step from now on (``--compile``); the
-        step's statistics (:class:`lmpm.runtime.compiled.CompiledEpoch`). A data plane that cannot
+        step's statistics (:class:`lmpm.runtime.data.compiled.CompiledEpoch`). A data plane that cannot
         raises :class:`lmpm.errors.UsageError`."""
         ...
 

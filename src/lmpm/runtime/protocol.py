@@ -30,6 +30,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lmpm.runtime.records import Dissent, ValueEpoch
+
 
 @dataclass(slots=True)
 class RuleWork:
@@ -152,8 +154,8 @@ class EpochReport:
     violations: int
     model_seconds: float  # time in dispatch + collect of the models
     unset: Mapping[str, int]  # per value, its unset cells after the epoch
-    dissent: tuple[Any, ...] = ()  # quorum replicas outvoted (lmpm.runtime.records.Dissent)
-    values: list[Any] = dataclasses.field(default_factory=list)  # records.ValueEpoch per value
+    dissent: tuple[Dissent, ...] = ()  # quorum replicas outvoted
+    values: list[ValueEpoch] = dataclasses.field(default_factory=list)  # per value, in order
     faults: tuple[Any, ...] = ()  # worker faults survived (the epoch was redone after each)
     halo_bytes: int = 0  # payload bytes moved worker to worker
     # the messages between the control plane's process and the workers (a :class:`Traffic`):

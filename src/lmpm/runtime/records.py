@@ -117,7 +117,7 @@ class EpochRecord:
     # boundary (lmpm.runtime.protocol.wire_bytes); one in-process worker: 0 unless it counts them
     control_bytes: int = 0
     driver_cpu_s: float = 0.0  # the control plane's process CPU time in the epoch
-    # worker faults survived while running this epoch (lmpm.runtime.raygroup.Fault): the epoch
+    # worker faults survived while running this epoch (lmpm.runtime.data.raygroup.Fault): the epoch
     # was redone after each
     faults: tuple[Any, ...] = ()
     # quorum replicas outvoted in this epoch's commits, per value and replica

@@ -10,8 +10,8 @@ codec (:func:`encode`, :func:`decode`), commit rows as arithmetic runs of cells
 (:func:`commit_rows`), the checkpoint files (:func:`checkpoint_file`, the deterministic
 :func:`safetensors_bytes`, :func:`read_checkpoint`), opening and validating the log, and the reads
 ``lmpm trace`` makes (the log's tables, the workers' stores). The writers are
-:mod:`lmpm.runtime.commitlog` (the log) and :mod:`lmpm.runtime.store` (a worker's payload);
-the reader is :mod:`lmpm.runtime.trace`. It imports SQLite, numpy and safetensors only, no torch:
+:mod:`lmpm.runtime.control.commitlog` (the log) and :mod:`lmpm.runtime.data.store` (a worker's payload);
+the reader is :mod:`lmpm.runtime.control.trace`. It imports SQLite, numpy and safetensors only, no torch:
 ``lmpm trace`` starts in a fraction of a second. Every fault is a
 :class:`~lmpm.errors.RunDirError` saying what is wrong. Tables and blobs: ``docs/trace.md``.
 
@@ -85,7 +85,7 @@ RULESET_TABLE = (
     "at REAL NOT NULL)"
 )
 
-# Worker faults a multi-worker run survived (lmpm.runtime.raygroup.Fault); older logs have none
+# Worker faults a multi-worker run survived (lmpm.runtime.data.raygroup.Fault); older logs have none
 FAULTS_TABLE = (
     "CREATE TABLE IF NOT EXISTS worker_faults (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
     "worker TEXT NOT NULL, phase TEXT NOT NULL, cause TEXT NOT NULL, seconds REAL NOT NULL, "

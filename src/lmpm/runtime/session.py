@@ -32,12 +32,12 @@ from lmpm.bindings import Bindings
 from lmpm.errors import BindError, DiagnosticSink, InputError, UsageError
 from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
-from lmpm.runtime.engine import Engine, Observer
+from lmpm.runtime.control.engine import Engine, Observer
 from lmpm.runtime.io import load_input, output_array, write_outputs
 from lmpm.runtime.records import CHECKSUM_POLICIES, RunResult
 
 if TYPE_CHECKING:
-    from lmpm.runtime.commitlog import CommitLog, Restored
+    from lmpm.runtime.control.commitlog import CommitLog, Restored
 
 
 MSG_WORKFLOW = (
@@ -220,7 +220,7 @@ class Run:
         argv: Sequence[str] = (),
     ) -> CommitLog:
         """Append every epoch to RUN_DIR/lmpm.db (commit log + constraint trace at ``trace``)."""
-        from lmpm.runtime.commitlog import (
+        from lmpm.runtime.control.commitlog import (
             DEFAULT_CHECKPOINT_EVERY,
             CommitLog,
             RunInfo,
@@ -356,7 +356,7 @@ def make_group(
     ``topology``: the partition (default :func:`lmpm.resolve.topology.partition`)."""
 
     if driver == "process":
-        from lmpm.runtime.group import WorkerGroup
+        from lmpm.runtime.data.group import WorkerGroup
 
         return WorkerGroup(
             plan,
@@ -366,7 +366,7 @@ def make_group(
             seed=seed,
             checksum_policies=CHECKSUM_POLICIES,
         )
-    from lmpm.runtime.raygroup import DEFAULT_TIMEOUT, RayGroup
+    from lmpm.runtime.data.raygroup import DEFAULT_TIMEOUT, RayGroup
 
     return RayGroup(
         plan,
@@ -391,7 +391,7 @@ def bind_specs(items: Sequence[str]) -> tuple[str, ...]:
 def make_tracer(run: Run, level: str, region_text: str | None) -> tuple[Any, str | None]:
     if level == "off":
         return None, None
-    from lmpm.runtime.trace import Tracer, parse_region
+    from lmpm.runtime.control.trace import Tracer, parse_region
 
     region = None
     if region_text:
@@ -526,7 +526,7 @@ def _resume_locked(
     **opts: Any,
 ) -> Run:
     from lmpm.errors import CheckError, RunDirError
-    from lmpm.runtime.commitlog import MSG_FOREIGN, check_epochs, file_sha256, program_hash
+    from lmpm.runtime.control.commitlog import MSG_FOREIGN, check_epochs, file_sha256, program_hash
     from lmpm.runtime.rundir import connect, read_meta
 
     conn = connect(run_dir, readonly=True, check=True)
@@ -614,8 +614,8 @@ def open_resumed(
     ``durable`` turns ``--durable`` on (a run started with it keeps it); ``trace_region`` must
     name the stored region; ``ruleset``: (enable|disable, constraint) changes from now on."""
     from lmpm.errors import RunDirError
-    from lmpm.runtime.commitlog import CommitLog, RunInfo, connect, restore
-    from lmpm.runtime.trace import parse_region
+    from lmpm.runtime.control.commitlog import CommitLog, RunInfo, connect, restore
+    from lmpm.runtime.control.trace import parse_region
 
     backend = backend or meta["backend"]
     run = Run(

@@ -92,9 +92,9 @@ def check_init(spec: TrainSpec, init: dict[str, Any], file: str) -> None:
     """The initial parameters must be the module's: every parameter, each of its shape (InputError
     R004 naming what differs; buffers and extra keys are refused too)."""
     from lmpm.errors import InputError
-    from lmpm.train import modules
+    from lmpm.ir.link import link_training
 
-    want = {k: tuple(v.shape) for k, v in modules.module(spec.params.module)().state_dict().items()}
+    want = {k: tuple(v.shape) for k, v in link_training(spec).module().state_dict().items()}
     got = {k: tuple(v.shape) for k, v in init.items()}
     missing = sorted(set(want) - set(got))
     extra = sorted(set(got) - set(want))

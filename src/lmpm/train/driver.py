@@ -33,9 +33,9 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import LmpmError, UsageError
+from lmpm.runtime.data.raygroup import WorkerLost, _Failed, gather
+from lmpm.runtime.data.raylog import quiet_worker_deaths
 from lmpm.runtime.lock import atomic_write
-from lmpm.runtime.raygroup import WorkerLost, _Failed, gather
-from lmpm.runtime.raylog import quiet_worker_deaths
 from lmpm.train.spec import TrainSpec
 from lmpm.train.worker import Committed, Proposal, TrainWorker, inner_path
 
@@ -183,17 +183,17 @@ class TrainActor:
         return os.getpid(), socket.gethostname()
 
     def node(self) -> str:
-        from lmpm.runtime.raygroup import node_id
+        from lmpm.runtime.data.raygroup import node_id
 
         return node_id()
 
     def rendezvous(self) -> tuple[str, int]:
-        from lmpm.runtime.raygroup import rendezvous
+        from lmpm.runtime.data.raygroup import rendezvous
 
         return rendezvous()
 
     def join(self, addr: str, port: int, world: int, timeout: float) -> None:
-        from lmpm.runtime.raygroup import join_gloo
+        from lmpm.runtime.data.raygroup import join_gloo
 
         join_gloo(addr, port, self.rank, world, timeout)
 
@@ -292,7 +292,7 @@ class RayDriver:
         checkpoint_dir: Path | None = None,
         threads: int | None = None,
     ) -> None:
-        from lmpm.runtime.raygroup import _probe, _ray
+        from lmpm.runtime.data.raygroup import _probe, _ray
 
         if timeout <= 0:
             raise UsageError(f"worker timeout {timeout}: must be positive", code="U083")
@@ -374,7 +374,7 @@ class RayDriver:
         self, refs: list[Any], timeout: float | None, *, grace: bool
     ) -> tuple[list[Any], list[tuple[int, str]], str]:
         """Wait for every call: (answers, [(worker, died|hung|blocked)], Ray's first error), by
-        the engine group's supervision policy (:func:`lmpm.runtime.raygroup.gather`). ``grace``:
+        the engine group's supervision policy (:func:`lmpm.runtime.data.raygroup.gather`). ``grace``:
         once one died, the others get a little longer (they are blocked in a collective on it)."""
         got = gather(refs, self.timeout if timeout is None else timeout, grace=grace)
         return got.out, got.lost(), got.why

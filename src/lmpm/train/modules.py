@@ -19,8 +19,6 @@ from typing import Any
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmpm.errors import BindError
-
 # The shipped byte model's architecture (scripts/train_text.py writes weights of this shape).
 BYTELM_CONFIG: dict[str, Any] = {"d": 64, "layers": 2, "heads": 4, "max_len": 64}
 
@@ -42,28 +40,6 @@ def next_byte_loss(module: nn.Module, data: Tensor) -> tuple[Tensor, int]:
 
 MODULES: dict[str, Callable[[], nn.Module]] = {"ByteLM": _bytelm}
 LOSSES: dict[str, Callable[..., tuple[Tensor, int]]] = {"NextByteLoss": next_byte_loss}
-
-
-def module(name: str) -> Callable[[], nn.Module]:
-    try:
-        return MODULES[name]
-    except KeyError:
-        raise BindError(
-            f"no module is bound as `{name}` for a Params value",
-            code="B080",
-            hint=f"the modules are {', '.join(sorted(MODULES))}",
-        ) from None
-
-
-def loss(name: str) -> Callable[..., tuple[Tensor, int]]:
-    try:
-        return LOSSES[name]
-    except KeyError:
-        raise BindError(
-            f"no loss is bound as `{name}`",
-            code="B081",
-            hint=f"the losses are {', '.join(sorted(LOSSES))}",
-        ) from None
 
 
 def cells(m: nn.Module, granularity: str) -> list[tuple[str, list[int]]]:

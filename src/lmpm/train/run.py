@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import InputError, RunDirError, RuntimeFault, UsageError
-from lmpm.runtime.commitlog import file_sha256
+from lmpm.runtime.control.commitlog import file_sha256
 from lmpm.train import log as tlog
 from lmpm.train.driver import (
     MAX_RETRIES,

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import ModelError
+from lmpm.ir.link import link_training
 from lmpm.train import modules
 from lmpm.train.spec import TrainSpec
 
@@ -122,15 +123,16 @@ class TrainWorker:
         self.rank, self.world = rank, world
         rule = spec.rule
         torch.manual_seed(rule.seed)  # the same initial θ on every worker
-        self.module = modules.module(spec.params.module)()
+        bound = link_training(spec)
+        self.module = bound.module()
         if init is not None:
             self.module.load_state_dict(init)
         self.module.to(self.device)
         self.params = list(self.module.parameters())
         self.cells = modules.cells(self.module, spec.params.granularity)
         self.names = [n for n, _ in self.cells]
-        self.loss = modules.loss(rule.loss)
-        self.eval = modules.loss(rule.eval_loss) if rule.eval_loss else None
+        self.loss = bound.loss
+        self.eval = bound.eval_loss
         frozen: set[int] = set()
         self.norm_bounds: list[tuple[list[int], float]] = []
         for c in spec.constraints:

@@ -7,7 +7,7 @@ each costs microseconds of dispatch whatever its size, so the step costs as much
 stream in a Python loop. :class:`CompiledStep` traces one whole step -- :meth:`Core.commit` on the
 sampled and forced tokens, the settle rounds unrolled, then :meth:`Core.forced` of the next step
 and the two flags the driver polls -- with ``make_fx`` into one aten graph, which inductor
-compiles into a few fused C++ loops (:func:`lmpm.runtime.compiled.compile_graph`). The streams'
+compiles into a few fused C++ loops (:func:`lmpm.runtime.data.compiled.compile_graph`). The streams'
 state goes in and comes back (the history tables are written in place); the workflow's
 instruction tensors go in as they are.
 
@@ -30,7 +30,7 @@ result can be later than the eager step's.
 
 A graph depends on the shapes of its inputs (the stream count and length, the zones, exits and
 triggers, the tool-result width) and on how many settle rounds the workflow needs, not on the
-instructions' values: workflows of one shape share it. :data:`lmpm.runtime.compiled._GRAPHS` keeps
+instructions' values: workflows of one shape share it. :data:`lmpm.runtime.data.compiled._GRAPHS` keeps
 it for the process and inductor's on-disk cache for later runs.
 """
 
@@ -226,12 +226,12 @@ class CompiledStep:
         self.compiles = 0  # graphs built or loaded in this process for this core
         self.compile_seconds = 0.0
         self.steps = 0
-        from lmpm.runtime.compiled import CACHE_ENV, cache_dir
+        from lmpm.runtime.data.compiled import CACHE_ENV, cache_dir
 
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))  # kept across runs
 
     def _graph(self, width: int, args: tuple[Tensor, ...]) -> tuple[Callable[..., Any], list[str]]:
-        from lmpm.runtime.compiled import _signature, compile_graph, freeze_compiled
+        from lmpm.runtime.data.compiled import _signature, compile_graph, freeze_compiled
 
         key = ("vm", self.core.settle_rounds, _signature(args))
         rebound: list[str] = []
@@ -343,7 +343,7 @@ class CompiledStep:
     ) -> _Replay:
         """This core's graph: the process's captured one for these shapes when no live core
         owns it (its inputs take this core's state at the first replay), else a new capture."""
-        from lmpm.runtime.compiled import _signature
+        from lmpm.runtime.data.compiled import _signature
 
         key = (fn, _signature(args))
         rep = _REPLAYS.get(key)

@@ -1,4 +1,4 @@
-"""A workflow run's commit log: the runtime's SQLite schema (``lmpm.runtime.commitlog``) plus the
+"""A workflow run's commit log: the runtime's SQLite schema (``lmpm.runtime.control.commitlog``) plus the
 VM's own tables, so ``lmpm trace`` reads a workflow run like any other and ``lmpm vm status`` shows
 each stream's path.
 
@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 
 from lmpm.ir.nodes import Program
-from lmpm.runtime.commitlog import program_hash, refuse_existing
-from lmpm.runtime.dataplane import checksum
+from lmpm.runtime.control.commitlog import program_hash, refuse_existing
+from lmpm.runtime.control.trace import TraceRows
+from lmpm.runtime.data.dataplane import checksum
 from lmpm.runtime.records import INPUT_RULE
 from lmpm.runtime.rundir import (
     DB_NAME,
@@ -40,7 +41,6 @@ from lmpm.runtime.rundir import (
     connect,
     holds_run,
 )
-from lmpm.runtime.trace import TraceRows
 from lmpm.vm.compile import Instructions
 from lmpm.vm.core import Forced, StepOut
 from lmpm.vm.machine import VM

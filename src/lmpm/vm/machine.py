@@ -44,7 +44,8 @@ Tool = Callable[[list[Any]], Sequence[str]]
 class VM:
     """One workflow over B streams: feed it the sampled tokens of a step, get the tokens to commit.
 
-    ``tools`` maps tool names to callables (or is a :class:`lmpm.bindings.Bindings`). A tool is
+    ``tools`` maps tool names to callables (:class:`lmpm.vm.WorkflowRun` binds them through the
+    link step, :func:`lmpm.ir.link.link_workflow`). A tool is
     called once per step for all streams whose zone just ended, with one argument list per stream
     (each argument a capture's text or a literal), and returns one string per stream.
     """
@@ -55,7 +56,7 @@ class VM:
         *,
         streams: int | None = None,
         inputs: Mapping[str, Sequence[str] | str] | None = None,
-        tools: Mapping[str, Tool] | Any = None,
+        tools: Mapping[str, Tool] | None = None,
         tokenizer: ByteTokenizer | None = None,
         device: str | torch.device = "cpu",
         compile: bool = False,
@@ -75,7 +76,7 @@ class VM:
             from lmpm.vm.compiled import CompiledStep
 
             self.compiled = CompiledStep(self.core, ins.workflow.name)
-        self._tools = tools
+        self._tools: Mapping[str, Tool] = tools or {}
         self._tool_fns: dict[int, Tool] = {}
         self.steps = 0
         self.tool_calls = 0  # callables invoked (one per tool per step with ready streams)
@@ -157,23 +158,15 @@ class VM:
         if fn is not None:
             return fn
         name = self.ins.tool_calls[tid].func
-        tools = self._tools
-        if tools is None:
-            from lmpm.bindings import Bindings
-
-            tools = Bindings()
-        if isinstance(tools, Mapping):
-            if name not in tools:
-                raise WorkflowError(
-                    f"tool `{name}` is not bound",
-                    where={"workflow": self.ins.workflow.name},
-                    span=self.ins.tool_calls[tid].span,
-                    code="R155",
-                    hint=f'pass tools={{"{name}": fn}} or bind it with --bind MODULE',
-                )
-            fn = tools[name]
-        else:
-            fn = tools.get(name, "tool")
+        if name not in self._tools:
+            raise WorkflowError(
+                f"tool `{name}` is not bound",
+                where={"workflow": self.ins.workflow.name},
+                span=self.ins.tool_calls[tid].span,
+                code="R155",
+                hint=f'pass tools={{"{name}": fn}} or bind it with --bind MODULE',
+            )
+        fn = self._tools[name]
         self._tool_fns[tid] = fn
         return fn
 

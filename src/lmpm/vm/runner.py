@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lmpm.bindings import Bindings
 from lmpm.errors import ModelError
+from lmpm.ir.link import link_workflow
 from lmpm.ir.nodes import ArgKind, Program
 from lmpm.vm.compile import Instructions, compile_workflow
 from lmpm.vm.core import StepOut
@@ -52,7 +54,10 @@ class Stats:
 
 
 class WorkflowRun:
-    """A workflow of a checked program over its streams, with its model, tools and commit log."""
+    """A workflow of a checked program over its streams, with its model, tools and commit log.
+
+    The model and the tools are bound once, by the link step (:func:`lmpm.ir.link.link_workflow`),
+    from ``bindings`` (the run's ``--bind`` modules) or else from the mapping ``tools``."""
 
     def __init__(
         self,
@@ -61,7 +66,7 @@ class WorkflowRun:
         workflow: str | None = None,
         overrides: Mapping[str, int] | None = None,
         inputs: Mapping[str, Sequence[str] | str] | None = None,
-        bindings: Any = None,
+        bindings: Bindings | None = None,
         tools: Mapping[str, Any] | None = None,
         seed: int = 0,
         streams: int | None = None,
@@ -71,16 +76,16 @@ class WorkflowRun:
         device: str = "cpu",
         compile: bool = False,
     ) -> None:
-        from lmpm.bindings import Bindings
-
         self.program = program
         self.ins: Instructions = compile_workflow(program, workflow, overrides)
-        self.bindings = bindings if bindings is not None else Bindings(mapping=dict(tools or {}))
+        if bindings is None:
+            bindings = Bindings(mapping=dict(tools or {}))
+        linked = link_workflow(program, self.ins.workflow, bindings)
         self.vm = VM(
             self.ins,
             streams=streams,
             inputs=inputs,
-            tools=dict(tools) if tools is not None else self.bindings,
+            tools={c.func: linked.bound(c) for c in self.ins.tool_calls},
             device=device,
             compile=compile,
         )
@@ -90,10 +95,10 @@ class WorkflowRun:
         self.stream_ids = torch.arange(stream_offset, stream_offset + b, device=self.device)
         rule = self.ins.rule
         self.rule_name = rule.name
-        self.model = self.bindings.get(rule.proposal.func, "model")
+        self.model = linked.bound(rule.proposal)
         self.kwargs: dict[str, Any] = {
-            str(a.key): a.value
-            for a in rule.proposal.args
+            str(a.key): value
+            for a, value in zip(rule.proposal.args, linked.args(rule.proposal))
             if a.key is not None and a.kind in (ArgKind.INT, ArgKind.STR)
         }
         self.read = rule.reads[0].name if rule.reads else "context"

@@ -11,6 +11,7 @@ The passes, in the order :func:`check` runs them (a pass's diagnostics come in p
 =================  ==========================  ===============================================
 pass               module                      codes
 =================  ==========================  ===============================================
+training           ``training``                E162 E161; then any error stops the check
 shapes             ``shapes.check_shapes``     E203 E209 (and a binding error); stops the check
 commits            ``names.check_commits``     E208 W207
 bounds             ``shapes.check_bounds``     W202, per `visible` clause
@@ -21,9 +22,10 @@ signatures         ``signatures``              E210 E211 E212 E213 E214
 call names         ``names.check_call_names``  W210, or E207 with the run's names known
 =================  ==========================  ===============================================
 
-Training values are checked while they are lowered (``lmpm.ir.lower.train``: E150-E162): the
-passes here skip minimize rules (they read whole data values) and the calls the training runtime
-binds (:data:`~lmpm.ir.check.facts.TRAIN_ROLES`).
+Each training statement is refused while it is lowered (``lmpm.ir.lower.train``: E150-E160, a
+fault that leaves no IR to check); the training pass decides what the program holds as a whole.
+The later passes skip minimize rules (they read whole data values) and the calls the training
+runtime binds (:data:`~lmpm.ir.check.facts.TRAIN_ROLES`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,16 @@ from dataclasses import replace
 from lmpm.errors import DiagnosticSink
 from lmpm.ir import eval as ir_eval
 from lmpm.ir import probe
-from lmpm.ir.check import constraints, firing, future, names, reads, shapes, signatures
+from lmpm.ir.check import (
+    constraints,
+    firing,
+    future,
+    names,
+    reads,
+    shapes,
+    signatures,
+    training,
+)
 from lmpm.ir.check.facts import Facts, set_members
 from lmpm.ir.check.lint import lint
 from lmpm.ir.check.workflows import check_workflow, workflow_reachable
@@ -59,13 +70,17 @@ def check(
     of a built-in they override; ``tree`` (the AST the program was built from) lets diagnostics
     point at sub-expressions.
 
-    Errors go to ``sink`` (raised as CheckError when no sink is given).
+    Errors go to ``sink`` (raised as CheckError when no sink is given). The sink may hold the
+    lowering's faults: the training pass still runs, then the check stops on any error.
     """
     own = sink is None
     sink = sink if sink is not None else DiagnosticSink()
-    known = set(known_names) if known_names is not None else None
-    f = Facts(program, sink, dict(overrides or {}), known, strict, set(bound_names), tree)
-    out = _passes(f)
+    training.check_training(program, sink)
+    out = program
+    if not sink.has_errors:
+        known = set(known_names) if known_names is not None else None
+        f = Facts(program, sink, dict(overrides or {}), known, strict, set(bound_names), tree)
+        out = _passes(f)
     if own:
         sink.raise_if_errors()
     return out

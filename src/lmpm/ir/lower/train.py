@@ -1,6 +1,7 @@
 """Lowering of training values: `Params` values, the `minimize` rule that trains one, the
-constraints on its parameters (freeze, norm bounds), its commit policy, and what else a training
-program may hold (:func:`lower_training_scope`)."""
+constraints on its parameters (freeze, norm bounds) and its commit policy. A fault refuses its
+statement (E150-E160); what a training program may hold as a whole is the checker's training pass
+(:mod:`lmpm.ir.check.training`, E161 E162)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from lmpm.errors import Span
 from lmpm.ir.eval import EvalError, evaluate, names_in
 from lmpm.ir.lower.core import RuleParts, lower_reads, new_constraint
 from lmpm.ir.lower.exprs import lower_expr, lower_params_access, lower_target, params_of
-from lmpm.ir.lower.scope import MINIMIZE, Lowered, Scope, describe, src, suggest
+from lmpm.ir.lower.scope import MINIMIZE, Scope, describe, src, suggest
 from lmpm.ir.nodes import (
     PARAMS_SHAPES,
     TRUE,
@@ -459,82 +460,6 @@ def _diloco_option(a: ast.Arg, scope: Scope, allowed: str) -> Arg:
     if a.name == "momentum" and not 0 <= f < 1:
         raise scope.fail("E160", f"`momentum` must be in [0, 1), got {f:g}", x.span)
     return Arg(ArgKind.FLOAT, a.name, f)
-
-
-def training_scope(done: Lowered, scope: Scope) -> None:
-    """A training program trains one Params value with one minimize rule; its other values
-    are data the loss reads (rules, workflows, constraints and commits on them: not yet)."""
-    params = [v for v in scope.values.values() if v.dtype == DType.PARAMS]
-    if not params:
-        return
-    p = params[0]
-    for extra in params[1:]:
-        scope.sink.error(
-            "E162",
-            f"a second Params value `{extra.name}` (`{p.name}` is at line {p.span.line}); "
-            "one Params value per program is supported",
-            extra.span,
-            "train one module per program",
-        )
-    mins = [r for r in done.rules if r.target == p.name]
-    for r in mins[1:]:
-        scope.sink.error(
-            "E162",
-            f"a second minimize rule on `{p.name}` (`{mins[0].name}` is at line "
-            f"{mins[0].span.line}); one per Params value is supported",
-            r.span,
-            "merge them into one rule (a loss may read several data values)",
-        )
-    _on_data(p, done, scope)
-    if scope.sink.has_errors:
-        return  # a statement about the Params value may have failed to build: say no more
-    if not mins:
-        scope.sink.error(
-            "E162",
-            f"no rule trains the Params value `{p.name}`",
-            p.span,
-            f"add `rule Fit:` with `on {p.name}[*]` and "
-            f"`emit proposal {p.name}[*] := minimize(Loss({p.name}, data), steps=50, batch=8)`",
-        )
-    if not any(cm.access.value == p.name for cm in done.commits):
-        scope.sink.error(
-            "E161",
-            f"the Params value `{p.name}` has no `commit` line; a training program says how "
-            "replicas agree",
-            p.span,
-            f"add `commit {p.name}[*] using diloco(outer_lr=0.7, momentum=0.9)` "
-            "(or `average`, or `satisfy(max_constraints_then_score)`)",
-        )
-
-
-def _on_data(p: Value, done: Lowered, scope: Scope) -> None:
-    """E162 for every statement about a value other than the Params value ``p``."""
-    soon = "not supported yet: in a training program the other values are data inputs"
-    for r in done.rules:
-        if r.target != p.name:
-            scope.sink.error(
-                "E162", f"rule `{r.name}` on `{r.target}` is {soon}", r.span, "remove it"
-            )
-    for w in done.workflows:
-        scope.sink.error("E162", f"workflow `{w.name}` is {soon}", w.span, "remove it")
-    for c in done.constraints:
-        if c.access is None or c.access.value != p.name:
-            scope.sink.error(
-                "E162",
-                f"constraint `{c.name}` on "
-                + (f"`{c.access.value}`" if c.access is not None else "a data value")
-                + f" is {soon}",
-                c.span,
-                "constrain the parameters: `forbid change(P[...])`, `require NormAtMost(...)`",
-            )
-    for cm in done.commits:
-        if cm.access.value != p.name:
-            scope.sink.error(
-                "E162",
-                f"a commit of `{cm.access.value}` is {soon}",
-                cm.span,
-                "remove it",
-            )
 
 
 def range_words(key: str, rule: _Opt) -> str:

@@ -2,11 +2,11 @@
 
 Commit is the sole causal interface between a run and the world, so what a run committed is never
 lost. Each epoch is one SQLite transaction (WAL mode) holding the epoch's row, its commits and its
-constraint trace (:mod:`lmpm.runtime.trace`); an epoch is in the log entirely or not at all.
+constraint trace (:mod:`lmpm.runtime.control.trace`); an epoch is in the log entirely or not at all.
 
 The log is the control plane's and holds metadata only: which cells committed, by which rule, with
 which clocks, scores and payload checksums. The payload is made durable by the worker holding it
-(:mod:`lmpm.runtime.store`, ``RUN_DIR/payload/<worker>.db``) *before* the epoch is logged here (a
+(:mod:`lmpm.runtime.data.store`, ``RUN_DIR/payload/<worker>.db``) *before* the epoch is logged here (a
 two-step commit). Every ``checkpoint_every`` epochs the control plane's state (committed flags,
 clocks, provenance, scores) is written as a safetensors file beside the database, and each worker
 writes its payload shard; the control checkpoint names the shards (and their sha256) in its
@@ -56,7 +56,7 @@ import numpy as np
 from lmpm.errors import RunDirError, UsageError
 from lmpm.ir.nodes import PredKind, Status
 from lmpm.ir.serialize import to_dict, to_json
-from lmpm.runtime.crdt import ORSet
+from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
 from lmpm.runtime.records import INPUT_RULE, CellState
 from lmpm.runtime.rundir import (
@@ -87,9 +87,9 @@ from lmpm.runtime.rundir import (
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
     from lmpm.resolve.plan import Plan
-    from lmpm.runtime.engine import Engine
+    from lmpm.runtime.control.engine import Engine
+    from lmpm.runtime.control.trace import Tracer
     from lmpm.runtime.records import EpochRecord
-    from lmpm.runtime.trace import Tracer
 
 DEFAULT_CHECKPOINT_EVERY = (
     20  # epochs between payload checkpoints; resume replays at most this many

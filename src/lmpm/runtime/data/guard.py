@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmpm.runtime.dataplane import DataPlane
-from lmpm.runtime.owner import Owner
+from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.data.owner import Owner
 from lmpm.runtime.protocol import ApplyReply, ApplyRequest, ProposeReply, ProposeRequest
 from lmpm.runtime.records import ValueEpoch
 

@@ -14,10 +14,10 @@ on its backend's device for the whole run, and answers the control plane's messa
 
 What the worker needs of the cells' metadata (committed, given as input) it mirrors itself from the
 inputs and commits it applies. A data plane that owns its cells (one worker: ``decides``) holds their
-metadata and decisions too (:class:`~lmpm.runtime.owner.Owner`: clocks, provenance, agreement) and
+metadata and decisions too (:class:`~lmpm.runtime.data.owner.Owner`: clocks, provenance, agreement) and
 answers the control plane's one message, ``epoch`` (:class:`~lmpm.runtime.port.DataPlanePort`);
 ``compile`` makes it a fused data plane, which runs each eligible value's epoch after its model as
-one compiled step (:mod:`lmpm.runtime.compiled`, ``--compile``).
+one compiled step (:mod:`lmpm.runtime.data.compiled`, ``--compile``).
 
 Everything handed to user code (models, scores, predicates) is a fresh tensor: a model that writes
 into its inputs cannot change the payload, the plan's tables or a later epoch.
@@ -42,7 +42,9 @@ from lmpm.errors import (
     UsageError,
     user_frame,
 )
+from lmpm.ir.eval import evaluate
 from lmpm.ir.nodes import PredKind
+from lmpm.models.compile import compiled_model
 from lmpm.resolve.plan import (
     ConstraintPlan,
     Plan,
@@ -50,8 +52,9 @@ from lmpm.resolve.plan import (
     ValuePlan,
 )
 from lmpm.resolve.policies import aggregates
-from lmpm.runtime.compiled import CompiledEpoch, ReadGathers
-from lmpm.runtime.owner import Owner, pick
+from lmpm.runtime.data.compiled import CompiledEpoch, ReadGathers
+from lmpm.runtime.data.owner import Owner, pick
+from lmpm.runtime.data.store import PayloadStore
 from lmpm.runtime.protocol import (
     Applied,
     ApplyReply,
@@ -64,7 +67,6 @@ from lmpm.runtime.protocol import (
     Traffic,
 )
 from lmpm.runtime.records import ValueEpoch
-from lmpm.runtime.store import PayloadStore
 from lmpm.workers import Results, WorkItem, get_backend
 
 # splitmix64's multipliers as signed int64 (torch has no uint64 arithmetic); products wrap.
@@ -279,7 +281,9 @@ class DataPlane:
         self._tracks_inputs = {cp.target for cp in plan.constraints if cp.needs_inputs_region}
         self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
         self._kwargs_base: dict[int, dict[str, Any]] = {}
-        self.store: Any = None  # a PayloadStore (lmpm.runtime.store) once the run has a directory
+        self.store: Any = (
+            None  # a PayloadStore (lmpm.runtime.data.store) once the run has a directory
+        )
         # per value: the cells the last apply wrote (the halo transports send the routed ones)
         self.written: dict[str, Tensor] = {}
         # this epoch's requests and replies as they would cross a process boundary, counted when
@@ -336,7 +340,7 @@ class DataPlane:
 
     def compile(self) -> CompiledEpoch:
         """Become a fused data plane: each eligible value's epoch after its model runs as one
-        compiled step from now on (``--compile``; :mod:`lmpm.runtime.compiled`)."""
+        compiled step from now on (``--compile``; :mod:`lmpm.runtime.data.compiled`)."""
         if self.compiled is None:
             if self.device.type != "cpu":
                 # The step writes the payload and the cells' metadata together; on CUDA the
@@ -424,7 +428,7 @@ class DataPlane:
 
     def compile_reads(self, stats: Any = None) -> None:
         """Gather the reads of LMPM's own models with compiled graphs from now on (``--compile``;
-        :class:`lmpm.runtime.compiled.ReadGathers`; ``stats``: the run's CompileStats)."""
+        :class:`lmpm.runtime.data.compiled.ReadGathers`; ``stats``: the run's CompileStats)."""
         if self.read_gathers is None:
             self.read_gathers = ReadGathers(stats)
             for rp in self.plan.rules:
@@ -435,8 +439,6 @@ class DataPlane:
         """Call the compiled version of every model and score that opted in (``lmpm_compile``,
         lmpm.models.compile) from now on: what ``--compile`` does besides the epoch step. Returns
         rule name -> (model, score) wrappers (None where that one did not opt in)."""
-        from lmpm.models.compile import compiled_model
-
         out: dict[str, tuple[Any, Any]] = {}
         for rp in self.plan.rules:
             if rp.id in self.models:
@@ -462,7 +464,7 @@ class DataPlane:
 
     def _ones(self, shape: tuple[int, int]) -> Tensor:
         """An all-True (n, C) mask, made once per shape. Replies share it: the control plane
-        only reads replies (a user policy gets copies, lmpm.runtime.agree)."""
+        only reads replies (a user policy gets copies, lmpm.runtime.data.agree)."""
         return self._fill("ones", shape, torch.bool, True)
 
     def _fill(self, kind: str, shape: tuple[int, ...], dtype: torch.dtype, value: Any) -> Tensor:
@@ -519,7 +521,7 @@ class DataPlane:
 
     # ---- durability ------------------------------------------------------------------------------
     def open_store(self, run_dir: str | Path) -> None:
-        """Persist committed payload under ``run_dir`` from now on (lmpm.runtime.store)."""
+        """Persist committed payload under ``run_dir`` from now on (lmpm.runtime.data.store)."""
         self.store = PayloadStore(run_dir, self.worker, self.plan)
 
     def close_store(self) -> None:
@@ -717,8 +719,6 @@ class DataPlane:
                 base = self._kwargs_base[rp.id] = {"vocab": vp.vocab, "seed": self.seed}
                 base.update(rp.kwargs)
             return {**base, "epoch": e}
-        from lmpm.ir.eval import evaluate
-
         kwargs = dict(rp.kwargs)
         for k, ex in rp.epoch_args.items():
             kwargs[k] = evaluate(ex, self.plan.env | {"e": e})
@@ -1155,7 +1155,7 @@ class DataPlane:
 
     def record_columns(self, epoch: int, value: str, which: Tensor, cols: list[int]) -> None:
         """Record the staged candidates of ``value``'s cells in ``which`` (``--trace cells``), local
-        column j as column ``cols[j]``: a group's merged column (lmpm.runtime.group)."""
+        column j as column ``cols[j]``: a group's merged column (lmpm.runtime.data.group)."""
         st = self._staged.get(value)
         if st is not None and self.store is not None:
             self.store.record_candidates(epoch, value, st.cells, st.table, which, cols)
@@ -1168,7 +1168,7 @@ class DataPlane:
         """Append to this worker's store the cells other workers wrote this epoch and the halo
         exchange brought here (per value, sorted cells): a `quorum(k of n)` value is written by
         whichever worker's replica won, and every worker's store keeps all of it, so each can be
-        restored alone (lmpm.runtime.group.WorkerGroup.restore_shards)."""
+        restored alone (lmpm.runtime.data.group.WorkerGroup.restore_shards)."""
         if self.store is None:
             return
         for name, c in cells.items():

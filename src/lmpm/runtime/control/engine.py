@@ -5,7 +5,7 @@ The engine decides *when* an epoch runs and what counts in it; the data plane be
 
 1. sends one :class:`~lmpm.runtime.protocol.EpochRequest` (the epoch, the RuleSet, where the
    schedule's pass over unset cells stands), of a size independent of the cells;
-2. the data plane's owner of the cells (:class:`~lmpm.runtime.owner.Owner`) opens them, has the
+2. the data plane's owner of the cells (:class:`~lmpm.runtime.data.owner.Owner`) opens them, has the
    workers propose and check, agrees, applies, advances Lamport clocks and provenance, and makes
    the commits durable;
 3. gets back an :class:`~lmpm.runtime.protocol.EpochReport` (counts; a MaskPlan event records the
@@ -14,7 +14,7 @@ The engine decides *when* an epoch runs and what counts in it; the data plane be
 
 The engine holds no payload and no per-cell state: ``engine.state`` and ``engine.why`` are the
 owner's, read by the observers beside it (run with ``guard=True`` to check every message and
-record for payload, see :mod:`lmpm.runtime.guard`).
+record for payload, see :mod:`lmpm.runtime.data.guard`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from lmpm.errors import InputError, UsageError
 from lmpm.ir.nodes import TRUE
 from lmpm.resolve.plan import Plan, needs_input
 from lmpm.resolve.schedules import epoch_horizon
-from lmpm.runtime.crdt import ORSet
-from lmpm.runtime.dataplane import DataPlane
-from lmpm.runtime.guard import GuardedDataPlane, check_message, guarding
+from lmpm.runtime.control.crdt import ORSet
+from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.data.guard import GuardedDataPlane, check_message, guarding
 from lmpm.runtime.port import DataPlanePort
 from lmpm.runtime.protocol import EpochReport, EpochRequest
 from lmpm.runtime.records import (
@@ -128,7 +128,7 @@ class Engine:
 
     def compile(self) -> Any:
         """Run each value's epoch after its model as one compiled step from now on (``--compile``;
-        :mod:`lmpm.runtime.compiled`): the data plane becomes a fused one."""
+        :mod:`lmpm.runtime.data.compiled`): the data plane becomes a fused one."""
         if self.compiled is None:
             self.compiled = self.dataplane.compile()
         return self.compiled

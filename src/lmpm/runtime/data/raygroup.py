@@ -1,11 +1,11 @@
 """Partitioned workers as Ray actors: one process per worker, the halo over ``torch.distributed``.
 
-:class:`RayGroup` is a :class:`~lmpm.runtime.group.WorkerGroup` whose workers are Ray actors
-(:class:`WorkerActor`), each holding one :class:`~lmpm.runtime.dataplane.DataPlane` with the cells
+:class:`RayGroup` is a :class:`~lmpm.runtime.data.group.WorkerGroup` whose workers are Ray actors
+(:class:`WorkerActor`), each holding one :class:`~lmpm.runtime.data.dataplane.DataPlane` with the cells
 the topology gives it. The control plane (the engine, in the driver process) sends each phase's
 messages to every worker at once and waits for all of them (one parallel round trip per phase:
 propose, then apply); after applying, the workers send their changed routed cells to each other
-over a gloo process group (:class:`~lmpm.runtime.transport.GlooTransport`), never through the
+over a gloo process group (:class:`~lmpm.runtime.data.transport.GlooTransport`), never through the
 driver. Only metadata crosses Ray's channels in the epoch loop; payload crosses them only at the
 API edge (inputs in, outputs out).
 
@@ -45,10 +45,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lmpm.bindings import Bindings
 from lmpm.errors import LmpmError, RuntimeFault, UsageError
-from lmpm.resolve.plan import Plan
+from lmpm.resolve.plan import Plan, resolve
 from lmpm.resolve.topology import Topology
-from lmpm.runtime.group import (
+from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.data.group import (
     CORRUPT,
     HOWS,
     INJECT_ENV,
@@ -58,6 +60,7 @@ from lmpm.runtime.group import (
     parse_fault,
     received,
 )
+from lmpm.runtime.data.raylog import quiet_worker_deaths
 from lmpm.runtime.protocol import (
     ApplyReply,
     ApplyRequest,
@@ -66,7 +69,6 @@ from lmpm.runtime.protocol import (
     from_wire,
     to_wire,
 )
-from lmpm.runtime.raylog import quiet_worker_deaths
 
 DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
 MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
@@ -188,8 +190,6 @@ class WorkerActor:
         threads: int,
         store_dir: str | None,
     ) -> None:
-        from lmpm.runtime.dataplane import DataPlane
-
         torch.set_num_threads(threads)
         plan = recipe if isinstance(recipe, Plan) else _resolve(recipe)
         self.index = index
@@ -220,7 +220,7 @@ class WorkerActor:
 
     def join(self, addr: str, port: int, world: int, timeout: float) -> None:
         """Join a new process group (a new generation; the old one is dropped)."""
-        from lmpm.runtime.transport import GlooTransport
+        from lmpm.runtime.data.transport import GlooTransport
 
         join_gloo(addr, port, self.index, world, timeout)
         self.transport = GlooTransport(self.dp, self.topology, self.index)
@@ -299,9 +299,6 @@ class WorkerActor:
 
 def _resolve(recipe: tuple[Any, ...]) -> Plan:
     """The plan from (IR, params, bind modules, bindings mapping, epochs), resolved here."""
-    from lmpm.bindings import Bindings
-    from lmpm.resolve.plan import resolve
-
     ir, params, bind, mapping, epochs = recipe
     return resolve(ir, params, Bindings(bind, dict(mapping)), epochs=epochs)
 

@@ -1,6 +1,6 @@
 """A worker's durable payload: ``RUN_DIR/payload/<worker>.db`` and its checkpoint shards.
 
-The control plane's commit log (``lmpm.db``, :mod:`lmpm.runtime.commitlog`) holds metadata only:
+The control plane's commit log (``lmpm.db``, :mod:`lmpm.runtime.control.commitlog`) holds metadata only:
 which cells committed in which epoch, by which rule, with which clocks, scores and payload
 checksums. The payload itself is written by the worker that holds it, here:
 

@@ -1,11 +1,11 @@
 """Worker-to-worker halo transport over ``torch.distributed`` (gloo on CPU).
 
-Each worker is one rank of a process group and holds one :class:`~lmpm.runtime.dataplane.DataPlane`
+Each worker is one rank of a process group and holds one :class:`~lmpm.runtime.data.dataplane.DataPlane`
 with the cells the topology gives it. After an epoch's apply, :meth:`GlooTransport.exchange` sends,
 for every route whose sender is this rank, the cells of the route that changed this epoch: first
 their count, then their ids, payload rows, committed and input flags, point to point
 (``isend``/``irecv``). Only tensors cross; nothing is pickled. The in-process counterpart is
-:class:`lmpm.runtime.group.InProcessTransport`.
+:class:`lmpm.runtime.data.group.InProcessTransport`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lmpm.resolve.topology import Topology
-from lmpm.runtime.dataplane import DataPlane
+from lmpm.runtime.data.dataplane import DataPlane
 
 
 def _wait(ops: list[Any]) -> None:

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
     from lmpm.resolve.plan import Plan
-    from lmpm.runtime.engine import Engine
+    from lmpm.runtime.control.engine import Engine
     from lmpm.runtime.records import EpochRecord, ValueEpoch
 
 LEVELS = ("off", "summary", "cells")
@@ -436,7 +436,7 @@ class Tracer:
         was = ve.was_committed.cpu()[rows]
         score = ve.score.cpu()[rows]
         # payloads stay with the worker (its store records this region's candidates): the story
-        # reader joins them in (lmpm.runtime.store)
+        # reader joins them in (lmpm.runtime.data.store)
         coords = self.plan.values[ve.value].coords[cells[rows]]
         decided = resp[rows]
         cell_ids = cells[rows].tolist()
@@ -694,7 +694,7 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
         "commits": [],
         "attempts": [],
     }
-    # Payload lives in the workers' stores (lmpm.runtime.store); the log holds metadata.
+    # Payload lives in the workers' stores (lmpm.runtime.data.store); the log holds metadata.
     workers = list(checkpoint_shards(Path(run_dir), _first_checkpoint(conn) or ""))
     committed_payload: dict[int, Any] = {}
     for w in workers:

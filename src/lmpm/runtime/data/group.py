@@ -1,6 +1,6 @@
 """W partitioned workers behind the one-worker interface the engine talks to.
 
-A :class:`WorkerGroup` holds W :class:`~lmpm.runtime.dataplane.DataPlane` workers in this process,
+A :class:`WorkerGroup` holds W :class:`~lmpm.runtime.data.dataplane.DataPlane` workers in this process,
 each owning the cells the topology (:func:`lmpm.resolve.topology.partition`) gives it. It splits a
 :class:`ProposeRequest` by owner, merges the workers' replies into one :class:`Candidates` per value
 with the column layout one worker would produce (a worker where a rule did not fire contributes
@@ -9,7 +9,7 @@ invalid columns), splits the :class:`ApplyRequest` back, and after every worker 
 two-phase exchange, all apply, then all exchange). The control plane sees metadata only.
 
 How the workers are reached is the subclass's part: here they are objects in this process;
-:class:`lmpm.runtime.raygroup.RayGroup` runs each as a Ray actor in its own process, the halo moving
+:class:`lmpm.runtime.data.raygroup.RayGroup` runs each as a Ray actor in its own process, the halo moving
 over ``torch.distributed``. The split and merge of the messages, the metadata the group keeps for
 restores (committed and input flags, the cells committed since the newest checkpoint) and the
 restore itself are shared.
@@ -28,8 +28,8 @@ from torch import Tensor
 from lmpm.errors import UsageError
 from lmpm.resolve.plan import Plan
 from lmpm.resolve.topology import Topology, partition
-from lmpm.runtime.dataplane import DataPlane
-from lmpm.runtime.owner import Owner
+from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.data.owner import Owner
 from lmpm.runtime.protocol import (
     Applied,
     ApplyReply,

@@ -32,7 +32,7 @@ An epoch also runs eagerly while candidates are being recorded (``--trace cells`
 the candidate tables, or a fault is injected. Compiled and eager runs commit the same payload, the
 same clocks and provenance and the same epoch records (tests/runtime/test_compiled.py).
 
-The steps run in a fused data plane (:meth:`lmpm.runtime.dataplane.DataPlane.compile`): one worker
+The steps run in a fused data plane (:meth:`lmpm.runtime.data.dataplane.DataPlane.compile`): one worker
 on the CPU that owns its cells, so the payload and the cells' metadata share a host; a worker group
 or a CUDA backend is refused (U101, U103).
 """
@@ -55,7 +55,7 @@ from lmpm.errors import RuntimeFault
 from lmpm.ir.nodes import PredKind
 from lmpm.resolve import policies
 from lmpm.resolve.plan import Plan
-from lmpm.runtime.clocks import clock_reads
+from lmpm.runtime.data.clocks import clock_reads
 from lmpm.runtime.records import NO_WINNER
 
 # The compiled steps' inductor cache (kept across runs: a warm cache skips code generation).

@@ -7,16 +7,16 @@ payload. Per epoch (:meth:`Owner.epoch`) it
    trigger on them;
 2. asks its workers for the candidates (:class:`~lmpm.runtime.protocol.ProposeRequest`: per value
    and open cell, each candidate's score, validity and constraint verdicts);
-3. agrees (:func:`lmpm.runtime.agree.agree`: the value's commit policy, the schedule's quota);
+3. agrees (:func:`lmpm.runtime.data.agree.agree`: the value's commit policy, the schedule's quota);
 4. has the workers write the winners (:class:`~lmpm.runtime.protocol.ApplyRequest`), then advances
-   the Lamport clocks (:mod:`lmpm.runtime.clocks`) and provenance of the committed cells.
+   the Lamport clocks (:mod:`lmpm.runtime.data.clocks`) and provenance of the committed cells.
 
 It answers the control plane with an :class:`~lmpm.runtime.protocol.EpochReport`: counts of fixed
 size, plus the per-cell records (:class:`~lmpm.runtime.records.ValueEpoch`) that the owner's
 observers write (the commit log and the trace, in the same process).
 
-Its workers are one :class:`~lmpm.runtime.dataplane.DataPlane` (which owns every cell) or a
-:class:`~lmpm.runtime.group.WorkerGroup`, whose propose merges the workers' candidates into the
+Its workers are one :class:`~lmpm.runtime.data.dataplane.DataPlane` (which owns every cell) or a
+:class:`~lmpm.runtime.data.group.WorkerGroup`, whose propose merges the workers' candidates into the
 columns one worker would produce. Reads see the state at the start of the epoch and winners are
 applied together at its end, so an epoch's result does not depend on the order in which work ran.
 """
@@ -34,8 +34,9 @@ from lmpm.ir.nodes import TRUE
 from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan
 from lmpm.resolve.policies import aggregates, quorum
 from lmpm.resolve.schedules import make_schedule
-from lmpm.runtime.agree import agree
-from lmpm.runtime.clocks import Clocks
+from lmpm.runtime.data.agree import agree
+from lmpm.runtime.data.clocks import Clocks
+from lmpm.runtime.data.texpr import mask_of
 from lmpm.runtime.protocol import (
     Applied,
     ApplyReply,
@@ -60,7 +61,6 @@ from lmpm.runtime.records import (
     Dissent,
     ValueEpoch,
 )
-from lmpm.runtime.texpr import mask_of
 
 
 class Workers(Protocol):
@@ -75,7 +75,7 @@ class Workers(Protocol):
 
 class Fused(Protocol):
     """A data plane that runs some values' epoch after their models as one fused step
-    (``--compile``, :mod:`lmpm.runtime.compiled`): it proposes the others as usual."""
+    (``--compile``, :mod:`lmpm.runtime.data.compiled`): it proposes the others as usual."""
 
     def propose_fused(self, req: ProposeRequest) -> tuple[ProposeReply, list[str], dict[str, Any]]:
         """(the eager values' reply, every proposed value in commit order, the fused values'
@@ -140,6 +140,19 @@ def dissent(cand: Any, winner: Tensor, changed: Tensor) -> list[tuple[int, int]]
         if n:
             out.append((int(p), n))
     return out
+
+
+def _newly_set(ve: ValueEpoch) -> int:
+    """Cells of the record committed for the first time."""
+    return int((ve.changed & ~ve.was_committed).count_nonzero())
+
+
+def _violations(violated: Tensor) -> int:
+    """Candidates (n, C, K) that violate some constraint."""
+    k = violated.shape[2]
+    if not k:
+        return 0
+    return int((violated if k == 1 else violated.any(dim=2)).count_nonzero())
 
 
 @dataclass(slots=True)
@@ -321,13 +334,7 @@ class Owner:
         else:
             reply = workers.propose(preq)
             order = list(reply.values)
-        for name, cells in open_.items():
-            proposed = reply.values.get(name)
-            seen = parts[name][1] if name in parts else proposed.cells if proposed else None
-            if seen is None or seen.numel() != cells.numel():
-                # open cells no rule fired on (the proposed ones that stay unset are refined by
-                # _blocked; cells that commit need no reason)
-                self.why[name].index_fill_(0, cells, NOT_FIRED)
+        self._not_fired(open_, reply, parts)
         pending = {name: self._agree(name, e, cand) for name, cand in reply.values.items()}
         if pending or not parts:
             decisions = {name: p.decision() for name, p in pending.items()}
@@ -347,15 +354,10 @@ class Owner:
                 if self.quorum[name]:
                     for rep, n in dissent(p.cand, p.winner, ve.changed):
                         dissents.append(Dissent(name, rep, workers.replica_worker(name, rep), n))
-                k = p.cand.violated.shape[2]
-                n_viol = 0
-                if k:
-                    viol = p.cand.violated if k == 1 else p.cand.violated.any(dim=2)
-                    n_viol = int(viol.count_nonzero())
+                n_viol = _violations(p.cand.violated)
             values.append(ve)
-            if n_commits:  # the cells set for the first time
-                first = n_commits if self.fresh[name] else ve.changed & ~ve.was_committed
-                self._unset[name] -= first if isinstance(first, int) else int(first.sum())
+            if n_commits:  # the cells set for the first time (fresh: every committing cell)
+                self._unset[name] -= n_commits if self.fresh[name] else _newly_set(ve)
             commits += n_commits
             attempts += int(ve.cells.numel())
             violations += n_viol
@@ -373,6 +375,17 @@ class Owner:
             tuple(dissents),
             values,
         )
+
+    def _not_fired(
+        self, open_: Mapping[str, Tensor], reply: ProposeReply, parts: Mapping[str, Any]
+    ) -> None:
+        """Mark the open cells no rule fired on (the proposed ones that stay unset are refined by
+        _blocked; cells that commit need no reason)."""
+        for name, cells in open_.items():
+            proposed = reply.values.get(name)
+            seen = parts[name][1] if name in parts else proposed.cells if proposed else None
+            if seen is None or seen.numel() != cells.numel():
+                self.why[name].index_fill_(0, cells, NOT_FIRED)
 
     def _agree(self, name: str, e: int, cand: Candidates) -> _Pending:
         """Agree on one value's candidates; record why the cells that stay unset do."""
