@@ -218,7 +218,7 @@ def recovery(epochs: int, kill_epoch: int = 3) -> dict[str, Any]:
     params = {"T": 8, "W": 64, "H": 64}
     torch.set_num_threads(1)
     with _video(params, 2) as run:
-        normal, ref = _epochs(run, epochs)
+        normal, ref, _ = _epochs(run, epochs)
     with _video(params, 2) as run:
         group = run.dataplane
         run.engine.step()
