@@ -67,7 +67,7 @@ def one(
     payload[: len(text)] = torch.tensor(list(text))
     mask = torch.zeros(n, dtype=torch.bool)
     mask[: len(text)] = True
-    engine.mark_input("Txt", engine.dataplane.set_input("Txt", payload, mask))
+    engine.dataplane.set_input("Txt", payload, mask)  # its owner marks the cells committed
     log = None
     tracer = None
     if config != "none":

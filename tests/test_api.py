@@ -121,3 +121,14 @@ def test_a_binding_that_overrides_a_builtin_is_not_held_to_its_signature() -> No
     assert bytes(run.outputs()["Txt"].tolist()) == b"aaaaaa"
     with pytest.raises(CheckError):  # unbound, the built-in's signature applies
         Run(front)
+
+
+def test_the_version_is_the_packages() -> None:
+    import tomllib
+    from pathlib import Path
+
+    import lmpm
+    from lmpm.version import __version__
+
+    meta = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert lmpm.__version__ == __version__ == meta["project"]["version"]

@@ -21,8 +21,7 @@ from lmpm.errors import RuntimeFault as RuntimeFault
 from lmpm.ir import Frontend as Frontend
 from lmpm.ir import compile_file as check_file
 from lmpm.ir import compile_source as check_source
-
-__version__ = "0.1.0"
+from lmpm.version import __version__ as __version__
 
 __all__ = [
     "BindError",

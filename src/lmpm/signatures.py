@@ -56,6 +56,9 @@ _TEMPERATURE = Param("temperature", NUMBER, positive=True)
 STRATEGIES = ("all", "raster", "red-black", "independent", "random", "confidence")
 PALETTE_NAMES = ("blue-ish", "sky", "ground", "shapes", "all")  # lmpm.models.world.PALETTES
 SATISFY_MODES = ("max_constraints_then_score",)
+# a training program's module (`Params[M]`) and loss names (lmpm.train.modules.MODULES, LOSSES)
+TRAIN_MODULES = ("ByteLM",)
+TRAIN_LOSSES = ("NextByteLoss",)
 
 SIGNATURES: dict[str, Signature] = {
     # ---- commit policies (positional arguments) ----

@@ -202,8 +202,27 @@ def test_the_trainer_binds_its_module_and_losses_through_the_link_step() -> None
     bound = link_training(spec)
     assert bound.module is MODULES["ByteLM"] and bound.loss is LOSSES["NextByteLoss"]
     assert bound.eval_loss is LOSSES["NextByteLoss"]
-    unknown = train_spec(compile_source(text.replace("Params[ByteLM]", "Params[Nope]")).ir, {})
+    # (the check refuses it too, B080: the link step is what a program that skipped it meets)
+    front = compile_source(text.replace("Params[ByteLM]", "Params[Nope]"), raise_errors=False)
+    unknown = train_spec(front.ir, {})
     assert unknown is not None
     with pytest.raises(BindError) as e:
         link_training(unknown)
     assert e.value.code == "B080"
+
+
+def test_check_names_the_training_module_and_loss_nothing_binds() -> None:
+    """`lmpm check` refuses what `link_training` would refuse at run time (B080, B081), at the
+    statement; the check's torch-free names are the trainer's."""
+    from lmpm.signatures import TRAIN_LOSSES, TRAIN_MODULES
+    from lmpm.train.modules import LOSSES, MODULES
+
+    assert tuple(MODULES) == TRAIN_MODULES and tuple(LOSSES) == TRAIN_LOSSES
+    text = Path("examples/train_bytelm.lmpm").read_text()
+    bad = text.replace("Params[ByteLM]", "Params[Nope]").replace("NextByteLoss", "NopeLoss")
+    front = compile_source(bad, raise_errors=False)
+    got = [(d.code, d.span.line) for d in front.errors]
+    lines = bad.splitlines()
+    want = [("B080", next(i for i, s in enumerate(lines, 1) if "Params[Nope]" in s))]
+    want += [("B081", i) for i, s in enumerate(lines, 1) if "NopeLoss(" in s]
+    assert got == want

@@ -199,7 +199,7 @@ def _read_lines(run: Run, rp: RulePlan) -> list[str]:
     if not rp.reads:
         return []
     head = "  reads        "
-    if rp.id not in run.dataplane._trusted:
+    if not run.dataplane.trusts(rp):
         return [head + "gathered eagerly (a bound model gets copies it may write into)"]
     per_cell = [a for rd in rp.reads if not rd.uniform for a in rd.args]
     shared = [a for rd in rp.reads if rd.uniform for a in rd.args]

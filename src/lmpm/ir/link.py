@@ -206,7 +206,7 @@ class Calling(NamedTuple):
     keywords: tuple[str, ...]
 
 
-# The keywords the runtime adds to a model's call (lmpm.runtime.dataplane, DataPlane._kwargs), and
+# The keywords the runtime adds to a model's call (lmpm.runtime.data.dataplane, DataPlane._kwargs), and
 # the VM's (lmpm.vm.runner, WorkflowRun.logits): a call's own keywords come first.
 MODEL_KEYWORDS = ("vocab", "seed", "epoch")
 VM_MODEL_KEYWORDS = ("vocab",)
@@ -217,7 +217,7 @@ CALLED_AS = {
     "workflow model": "model(inputs, vocab=V, **keywords): the call's integer and string keywords; "
     "take **kwargs for the ones it does not use",
     "score": "score(inputs, epoch=e)",
-    "predicate": "predicate(ctx): one PredicateInput (lmpm.runtime.constraints)",
+    "predicate": "predicate(ctx): one PredicateInput (lmpm.runtime.data.constraints)",
     "region": "region(*positional literals, shape=(...), **keywords)",
     "set": "set(*positional literals, **keywords)",
     "schedule": "schedule(**keywords) (a positional literal as argN)",

@@ -24,21 +24,35 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from lmpm.bindings import Bindings
-from lmpm.errors import BindError, DiagnosticSink, InputError, UsageError
+from lmpm.errors import BindError, CheckError, DiagnosticSink, InputError, RunDirError, UsageError
 from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
+from lmpm.resolve.policies import POLICIES
+from lmpm.runtime.control.commitlog import (
+    DEFAULT_CHECKPOINT_EVERY,
+    MSG_FOREIGN,
+    CommitLog,
+    Restored,
+    RunInfo,
+    check_epochs,
+    file_sha256,
+    program_hash,
+    refuse_existing,
+    restore,
+)
 from lmpm.runtime.control.engine import Engine, Observer
+from lmpm.runtime.control.trace import Tracer, parse_region
+from lmpm.runtime.data.group import WorkerGroup
+from lmpm.runtime.data.raygroup import DEFAULT_TIMEOUT, RayGroup
 from lmpm.runtime.io import load_input, output_array, write_outputs
+from lmpm.runtime.lock import RunLock
 from lmpm.runtime.records import CHECKSUM_POLICIES, RunResult
-
-if TYPE_CHECKING:
-    from lmpm.runtime.control.commitlog import CommitLog, Restored
-
+from lmpm.runtime.rundir import connect, holds_run, read_meta, remove_run
 
 MSG_WORKFLOW = (
     "`{name}` is a workflow: the epoch engine (`lmpm run`, `Run`) does not run workflows and would "
@@ -220,23 +234,12 @@ class Run:
         argv: Sequence[str] = (),
     ) -> CommitLog:
         """Append every epoch to RUN_DIR/lmpm.db (commit log + constraint trace at ``trace``)."""
-        from lmpm.runtime.control.commitlog import (
-            DEFAULT_CHECKPOINT_EVERY,
-            CommitLog,
-            RunInfo,
-            program_hash,
-            refuse_existing,
-        )
-        from lmpm.runtime.rundir import holds_run, remove_run
-
         if trace not in ("off", "summary", "cells"):
             raise UsageError(f"trace={trace!r}: use off, summary or cells", code="U025")
         if trace_region and trace != "cells":
             raise UsageError("a trace region needs trace level cells", code="U025")
         if checkpoint_every is not None and checkpoint_every < 1:
             raise UsageError("checkpoint_every must be at least 1", code="U024")
-        from lmpm.runtime.lock import RunLock
-
         out = Path(run_dir)
         # the directory's lock, as `lmpm run` takes it, held until finish()
         self._lock = RunLock(out, what="delete (force=True)" if force else "write").acquire()
@@ -356,8 +359,6 @@ def make_group(
     ``topology``: the partition (default :func:`lmpm.resolve.topology.partition`)."""
 
     if driver == "process":
-        from lmpm.runtime.data.group import WorkerGroup
-
         return WorkerGroup(
             plan,
             workers,
@@ -366,8 +367,6 @@ def make_group(
             seed=seed,
             checksum_policies=CHECKSUM_POLICIES,
         )
-    from lmpm.runtime.data.raygroup import DEFAULT_TIMEOUT, RayGroup
-
     return RayGroup(
         plan,
         workers,
@@ -391,8 +390,6 @@ def bind_specs(items: Sequence[str]) -> tuple[str, ...]:
 def make_tracer(run: Run, level: str, region_text: str | None) -> tuple[Any, str | None]:
     if level == "off":
         return None, None
-    from lmpm.runtime.control.trace import Tracer, parse_region
-
     region = None
     if region_text:
         region = parse_region(region_text, {n: vp.dims for n, vp in run.plan.values.items()})
@@ -420,8 +417,6 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
 
 def check_meta(meta: Mapping[str, Any], run_dir: Path) -> None:
     """A hand-damaged ``meta`` table is a RunDirError naming the key, never an internal error."""
-    from lmpm.errors import RunDirError
-
     for key, types in _META_TYPES.items():
         if key not in meta:
             raise RunDirError(
@@ -477,9 +472,6 @@ def resume(
     D011 otherwise) or ``trust_bind=True`` says to import what the run directory names (U040): a
     run directory received from someone else never executes code by itself. ``cli``: messages
     name the command's flags (``--bind``, ``--trust-bind``) rather than the keywords."""
-    from lmpm.runtime.lock import RunLock
-    from lmpm.runtime.rundir import connect
-
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         connect(run_dir)  # raises the RunDirError for a missing run
@@ -525,10 +517,6 @@ def _resume_locked(
     cli: bool,
     **opts: Any,
 ) -> Run:
-    from lmpm.errors import CheckError, RunDirError
-    from lmpm.runtime.control.commitlog import MSG_FOREIGN, check_epochs, file_sha256, program_hash
-    from lmpm.runtime.rundir import connect, read_meta
-
     conn = connect(run_dir, readonly=True, check=True)
     try:
         meta = read_meta(conn)
@@ -613,10 +601,6 @@ def open_resumed(
     come, with the run's stored settings: what `lmpm run --resume` and :func:`resume` share.
     ``durable`` turns ``--durable`` on (a run started with it keeps it); ``trace_region`` must
     name the stored region; ``ruleset``: (enable|disable, constraint) changes from now on."""
-    from lmpm.errors import RunDirError
-    from lmpm.runtime.control.commitlog import CommitLog, RunInfo, connect, restore
-    from lmpm.runtime.control.trace import parse_region
-
     backend = backend or meta["backend"]
     run = Run(
         front,
@@ -679,8 +663,6 @@ def open_resumed(
 def stored_workers(meta: Mapping[str, Any], run_dir: Path, asked: int | None = None) -> int:
     """The worker count a run was started with (1 for runs from before --workers). A resumed run
     keeps it: its payload is in one shard per worker."""
-    from lmpm.errors import RunDirError
-
     workers = meta.get("workers", 1)
     if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
         raise RunDirError(
@@ -715,8 +697,6 @@ def check_bindings(
             code="B021",
             hint="the program's call names: " + (", ".join(used) or "none"),
         )
-    from lmpm.resolve.policies import POLICIES
-
     sink = DiagnosticSink()
     check(
         front.ir,

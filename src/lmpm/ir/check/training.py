@@ -1,4 +1,6 @@
-"""The training pass: what a training program may hold beyond its Params value (E161, E162).
+"""The training pass: what a training program may hold beyond its Params value (E161, E162), and
+the names it binds (B080 a module, B081 a loss: the names :mod:`lmpm.train.modules` binds, read
+torch-free from :mod:`lmpm.signatures`, so a run cannot fail on a name the check accepted).
 
 A training program trains one Params value with one minimize rule, and says with a `commit` line
 how its replicas agree; its other values are data the loss reads (rules, workflows, constraints
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from lmpm.errors import DiagnosticSink
 from lmpm.ir.nodes import DType, Program, Value
+from lmpm.signatures import TRAIN_LOSSES, TRAIN_MODULES
 
 
 def check_training(program: Program, sink: DiagnosticSink) -> None:
@@ -38,6 +41,7 @@ def check_training(program: Program, sink: DiagnosticSink) -> None:
             "merge them into one rule (a loss may read several data values)",
         )
     _on_data(p, program, sink)
+    _names(p, program, sink)
     if sink.has_errors:
         return  # a statement about the Params value may have failed to lower: say no more
     if not mins:
@@ -80,3 +84,26 @@ def _on_data(p: Value, program: Program, sink: DiagnosticSink) -> None:
     for cm in program.commits:
         if cm.access.value != p.name:
             sink.error("E162", f"a commit of `{cm.access.value}` is {soon}", cm.span, "remove it")
+
+
+def _names(p: Value, program: Program, sink: DiagnosticSink) -> None:
+    """B080 for a module name and B081 for a loss name that nothing binds."""
+    if p.module is not None and p.module not in TRAIN_MODULES:
+        sink.error(
+            "B080",
+            f"no module is bound as `{p.module}` for a Params value",
+            p.span,
+            f"the modules are {', '.join(TRAIN_MODULES)}",
+        )
+    for r in program.rules:
+        if r.target != p.name:
+            continue
+        calls = [a.call for a in r.proposal.args[:1] if a.call is not None] if r.proposal else []
+        for call in calls + ([r.score] if r.score is not None else []):
+            if call.func not in TRAIN_LOSSES:
+                sink.error(
+                    "B081",
+                    f"no loss is bound as `{call.func}`",
+                    call.span,
+                    f"the losses are {', '.join(TRAIN_LOSSES)}",
+                )

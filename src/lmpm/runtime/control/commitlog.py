@@ -83,6 +83,7 @@ from lmpm.runtime.rundir import (
     upgrade,
     write_checkpoint_file,
 )
+from lmpm.version import __version__
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Program
@@ -561,7 +562,7 @@ class CommitLog:
             "bind_sha256": {b: file_sha256(b) for b in self.info.bind if Path(b).is_file()},
             "env": engine.plan.env,
             "versions": {
-                "lmpm": _lmpm_version(),
+                "lmpm": __version__,
                 "torch": torch.__version__,
                 "python": platform.python_version(),
                 "sqlite": sqlite3.sqlite_version,
@@ -824,9 +825,3 @@ def _rollback(conn: sqlite3.Connection) -> None:
             conn.execute("ROLLBACK")
         except sqlite3.Error:
             pass
-
-
-def _lmpm_version() -> str:
-    import lmpm
-
-    return str(lmpm.__version__)

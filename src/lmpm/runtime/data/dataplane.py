@@ -318,6 +318,11 @@ class DataPlane:
         self._owner = Owner(plan, self.seed) if decides else None
         self.compiled: CompiledEpoch | None = None  # a fused data plane's steps (compile)
 
+    def trusts(self, rp: RulePlan) -> bool:
+        """The rule's model and score are LMPM's own: they get views of the payload, not copies
+        (and their reads are gathered by compiled graphs under ``--compile``)."""
+        return rp.id in self._trusted
+
     @property
     def owner(self) -> Owner:
         if self._owner is None:
