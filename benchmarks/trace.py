@@ -35,9 +35,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from lmpm.ir import compile_file  # noqa: E402
 from lmpm.models.null import random_tokens  # noqa: E402
 from lmpm.resolve.plan import Plan  # noqa: E402
-from lmpm.runtime.control.commitlog import DB_NAME, CommitLog, RunInfo, program_hash  # noqa: E402
+from lmpm.runtime.control.commitlog import CommitLog, RunInfo, program_hash  # noqa: E402
 from lmpm.runtime.control.engine import Engine  # noqa: E402
 from lmpm.runtime.control.trace import Tracer, parse_region  # noqa: E402
+from lmpm.runtime.rundir import DB_NAME  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
 from runtime import BINDINGS, params  # noqa: E402
 

@@ -53,7 +53,7 @@ def test_runner_makes_the_run_checks_before_epoch_0() -> None:
 
 
 def test_run_dir_trace_records_and_resume(tmp_path: Path) -> None:
-    from lmpm.runtime.logread import connect, read_meta
+    from lmpm.runtime.rundir import connect, read_meta
 
     run = lmpm.compile(text=PROG).runner(run_dir=tmp_path / "r", seed=3, epochs=3)
     res = run.run(3)
@@ -80,7 +80,7 @@ def test_resume_keeps_a_durable_run_durable(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from lmpm.runtime.logread import connect, read_meta
+    from lmpm.runtime.rundir import connect, read_meta
 
     prog = tmp_path / "p.lmpm"
     prog.write_text(PROG)

@@ -18,6 +18,7 @@ ray = pytest.importorskip("ray")
 from lmpm.cli import main  # noqa: E402
 from lmpm.errors import UsageError  # noqa: E402
 from lmpm.resolve.topology import partition  # noqa: E402
+from lmpm.runtime.data.group import WorkerGroup  # noqa: E402
 from lmpm.runtime.data.raygroup import RayGroup, parse_fault  # noqa: E402
 from lmpm.runtime.io import load_input  # noqa: E402
 from lmpm.runtime.records import CHECKSUM_POLICIES  # noqa: E402
@@ -101,6 +102,31 @@ def test_ray_workers_commit_like_one_worker(name: str, tmp_path: Path) -> None:
         many, faults = _run(name, workers, tmp_path)
         assert faults == []
         _same(one, many, f"{name} W={workers}")
+
+
+def test_ray_workers_count_the_messages_that_cross(tmp_path: Path) -> None:
+    """The Ray group counts what it sends to and receives from its workers: the array data the
+    in-process group counts (what would cross), serialised at least as large (an apply reply also
+    carries the halo's byte count, and every worker answers apply)."""
+    path, params, _, epochs = CASES["latent"]
+    counted: dict[str, list[tuple[int, int]]] = {}
+    for driver in (WorkerGroup, RayGroup):
+        run = Run.from_file(path, params=params, seed=3)
+        topo = partition(run.plan, 2, replicate_bytes=0)
+        extra: dict[str, Any] = {}
+        if driver is RayGroup:
+            extra = {"recipe": (run.front.ir, run.params, (), {}, None), "timeout": 8.0}
+        group = driver(run.plan, 2, topology=topo, seed=3, **extra)
+        run.engine.dataplane = run.dataplane = group
+        try:
+            payload, mask = load_input(str(_latent_input(tmp_path)), run.plan.values["Z"])
+            run.set_input("Z", payload, mask)
+            recs = [run.engine.step() for _ in range(epochs)]
+        finally:
+            group.close()
+        counted[driver.__name__] = [(r.message_bytes, r.control_bytes) for r in recs]
+    for (m, c), (ray_m, ray_c) in zip(counted["WorkerGroup"], counted["RayGroup"], strict=True):
+        assert 0 < m == ray_m < c <= ray_c
 
 
 @pytest.mark.parametrize(

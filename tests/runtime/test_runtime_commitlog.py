@@ -15,7 +15,8 @@ import torch
 from lmpm.cli import main
 from lmpm.errors import RunDirError
 from lmpm.ir import compile_source
-from lmpm.runtime.control.commitlog import cell_runs, connect, decode, encode, restore
+from lmpm.runtime.control.commitlog import restore
+from lmpm.runtime.rundir import SCHEMA_VERSION, cell_runs, connect, decode, encode
 from lmpm.runtime.session import Run
 
 PROG = """
@@ -145,7 +146,9 @@ def test_replaying_the_log_rebuilds_the_final_state(
     assert rows and int(fresh.engine.state["G"].epoch[cell]) == rows[-1][0]
     meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
     assert json.loads(meta["seed"]) == 5 and json.loads(meta["status"]) == "finished"
-    assert json.loads(meta["schema_version"]) == 2 and "Noise" in json.loads(meta["bindings"])
+    assert json.loads(meta["schema_version"]) == SCHEMA_VERSION and "Noise" in json.loads(
+        meta["bindings"]
+    )
     conn.close()
 
 

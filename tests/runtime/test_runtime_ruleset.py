@@ -71,7 +71,7 @@ def test_unknown_constraint_names_list_the_declared_ones() -> None:
 
 def test_log_trace_and_resume_keep_the_ruleset(tmp_path: Path) -> None:
     from lmpm.runtime.control.trace import report
-    from lmpm.runtime.logread import connect
+    from lmpm.runtime.rundir import connect
 
     d = tmp_path / "r"
     run = lmpm.compile(text=PROG).runner(run_dir=d, seed=3)

@@ -15,8 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from lmpm.cli import main
 from lmpm.errors import UsageError
 from lmpm.ir import compile_source
-from lmpm.runtime.control.commitlog import CommitLog, RunInfo, connect, program_hash
+from lmpm.runtime.control.commitlog import CommitLog, RunInfo, program_hash
 from lmpm.runtime.control.trace import Tracer, cell_story, epoch_ranges, parse_region, report
+from lmpm.runtime.rundir import connect
 from lmpm.runtime.session import Run
 
 sys.path.insert(0, str(Path(__file__).parent))

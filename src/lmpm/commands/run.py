@@ -175,12 +175,11 @@ def run(args: argparse.Namespace) -> int:
         CommitLog,
         RunInfo,
         failed_before_first_epoch,
-        holds_run,
         program_hash,
         refuse_existing,
-        remove_run,
     )
     from lmpm.runtime.lock import RunLock
+    from lmpm.runtime.rundir import holds_run, remove_run
     from lmpm.runtime.session import Run, bind_specs, make_tracer
 
     path = program_path(args.file)
@@ -268,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resume(args: argparse.Namespace) -> int:
-    from lmpm.runtime.control.commitlog import connect
+    from lmpm.runtime.rundir import connect
 
     run_dir = Path(args.resume)
     if args.force:
@@ -386,7 +385,9 @@ def _execute(
                 assert isinstance(rec, EpochRecord)
                 epoch_seconds.append(rec.seconds)
                 rate = rec.attempts / rec.seconds if rec.seconds > 0 else 0.0
-                halo = f"  halo {rec.halo_bytes:,} B" if rec.halo_bytes else ""
+                halo = ""
+                if rec.control_bytes or rec.halo_bytes:  # several workers: what crossed
+                    halo = f"  control {rec.control_bytes:,} B  halo {rec.halo_bytes:,} B"
                 faults = f"  [yellow]{len(rec.faults)} worker fault(s)[/]" if rec.faults else ""
                 bar.update(
                     task,

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         return _training(args)
 
     from lmpm.runtime.control.trace import cell_story, plot, report
-    from lmpm.runtime.logread import connect
+    from lmpm.runtime.rundir import connect
 
     conn = connect(args.run_dir)
     try:
@@ -210,36 +210,50 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
     if rep.get("dissent"):
         _print_dissent(console, rep["dissent"])
 
-    epochs = rep["epochs"]
-    if epochs:
-        e = Table(title="epochs", title_justify="left")
-        for col in (
-            "epoch",
-            "open",
-            "candidates",
-            "commits",
-            "violations",
-            "decided",
-            "ms",
-            "log ms",
-        ):
-            e.add_column(col, justify="right")
-        shown = epochs if len(epochs) <= 12 else [*epochs[:5], None, *epochs[-5:]]
-        for ep in shown:
-            if ep is None:
-                e.add_row("…", "", "", "", "", "", "", "")
-                continue
-            e.add_row(
-                str(ep["epoch"]),
-                f"{ep['open_cells']:,}",
-                f"{ep['candidates']:,}",
-                f"{ep['commits']:,}",
-                f"{ep['violations']:,}",
-                "—" if ep["decided"] is None else f"{ep['decided']:,}",
-                f"{1000 * ep['seconds']:.1f}",
-                f"{1000 * ep['log_seconds']:.1f}",
-            )
-        console.print(e)
+    if rep["epochs"]:
+        console.print(_epochs_table(rep["epochs"]))
+
+
+def _epochs_table(epochs: list[dict[str, Any]]) -> Any:
+    """Per epoch: cells, commits, time; the driver's CPU time where logged, and the bytes into
+    and out of the control plane and worker to worker where any crossed (multi-worker runs)."""
+    from rich.table import Table
+
+    def kb(n: int | None) -> str:
+        return "—" if n is None else f"{n / 1000:,.1f}"
+
+    cpu = any(ep["driver_cpu_s"] is not None for ep in epochs)
+    moved = any(ep["control_bytes"] or ep["halo_bytes"] for ep in epochs)
+    cols = ["epoch", "open", "candidates", "commits", "violations", "decided", "ms", "log ms"]
+    if cpu:
+        cols.append("cpu ms")
+    if moved:
+        cols += ["control kB", "halo kB"]
+    e = Table(title="epochs", title_justify="left")
+    for col in cols:
+        e.add_column(col, justify="right")
+    shown = epochs if len(epochs) <= 12 else [*epochs[:5], None, *epochs[-5:]]
+    for ep in shown:
+        if ep is None:
+            e.add_row("…", *[""] * (len(cols) - 1))
+            continue
+        row = [
+            str(ep["epoch"]),
+            f"{ep['open_cells']:,}",
+            f"{ep['candidates']:,}",
+            f"{ep['commits']:,}",
+            f"{ep['violations']:,}",
+            "—" if ep["decided"] is None else f"{ep['decided']:,}",
+            f"{1000 * ep['seconds']:.1f}",
+            f"{1000 * ep['log_seconds']:.1f}",
+        ]
+        if cpu:
+            s = ep["driver_cpu_s"]
+            row.append("—" if s is None else f"{1000 * s:.1f}")
+        if moved:
+            row += [kb(ep["control_bytes"]), kb(ep["halo_bytes"])]
+        e.add_row(*row)
+    return e
 
 
 def _render_story(s: dict[str, Any], console: Any) -> None:

@@ -79,7 +79,7 @@ def _inputs(items: list[str]) -> dict[str, list[str]]:
 def _run(args: argparse.Namespace) -> int:
     from lmpm.bindings import Bindings
     from lmpm.ir import compile_file
-    from lmpm.runtime.control.commitlog import remove_run
+    from lmpm.runtime.rundir import remove_run
     from lmpm.vm import WorkflowRun
 
     if args.device == "cuda":
@@ -172,7 +172,7 @@ def _stream_line(s: dict[str, Any]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from lmpm.runtime.control.commitlog import connect
+    from lmpm.runtime.rundir import connect
     from lmpm.vm.log import stream_report
 
     conn = connect(args.run_dir, readonly=True)

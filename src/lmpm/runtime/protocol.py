@@ -11,7 +11,8 @@ and answers with an :class:`ApplyReply` (which rows really changed, their checks
 
 No message carries payload: every tensor in them is a cell index, a flag, a score, a verdict, a
 column id or a checksum, so their size does not depend on the payload's width (``Token[16]`` and
-``Tensor[256]`` values cost the same bytes per epoch). :func:`nbytes` measures them.
+``Tensor[256]`` values cost the same bytes per epoch). :func:`nbytes` measures their tensor data,
+:func:`wire_bytes` the whole message as it crosses a process boundary.
 
 The messages are plain slotted dataclasses, built every epoch (a frozen one costs ~1.5 µs more to
 build): treat them as immutable once sent.
@@ -20,6 +21,7 @@ build): treat them as immutable once sent.
 from __future__ import annotations
 
 import dataclasses
+import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -156,7 +158,10 @@ class EpochReport:
     values: list[ValueEpoch] = dataclasses.field(default_factory=list)  # per value, in order
     faults: tuple[Any, ...] = ()  # worker faults survived (the epoch was redone after each)
     halo_bytes: int = 0  # payload bytes moved worker to worker
-    message_bytes: int = 0  # tensor bytes between the owner and its workers (counted on request)
+    # the messages between the control plane's process and the workers (a :class:`Traffic`):
+    # serialised, and their tensor data (one in-process worker: counted on request)
+    control_bytes: int = 0
+    message_bytes: int = 0
 
 
 def nbytes(message: Any) -> int:
@@ -170,6 +175,45 @@ def nbytes(message: Any) -> int:
     if isinstance(message, tuple | list):
         return sum(nbytes(v) for v in message)
     return 0
+
+
+def wire_bytes(message: Any) -> int:
+    """Bytes of ``message`` serialised to cross a process boundary: the pickle (protocol 5) of
+    its wire form (:func:`to_wire`), every array's data out of band as Ray sends it, plus those
+    buffers. An array costs its data and a header of about a hundred bytes (dtype, shape).
+
+    >>> wire_bytes(ValueDecision(None, torch.zeros(1000, dtype=torch.int64), None)) > 8000
+    True
+    """
+    head, data = _wire_sizes(to_wire(message))
+    return head + data
+
+
+def _wire_sizes(wired: Any) -> tuple[int, int]:
+    """(bytes pickled in band, array bytes out of band) of a message in its wire form: one pickle
+    gives both (the arrays' data is not copied)."""
+    buffers: list[pickle.PickleBuffer] = []
+    head = pickle.dumps(wired, protocol=5, buffer_callback=buffers.append)
+    return len(head), sum(b.raw().nbytes for b in buffers)
+
+
+@dataclass(slots=True)
+class Traffic:
+    """The bytes of the messages that crossed between the control plane and the workers in one
+    epoch (a data plane's ``traffic``, reset each epoch; one in-process worker counts only when
+    asked: nothing crosses a process boundary there)."""
+
+    control_bytes: int = 0  # serialised: :func:`wire_bytes`
+    message_bytes: int = 0  # their tensor data (the arrays sent out of band)
+
+    def count(self, *messages: Any, wired: bool = False) -> None:
+        """Add ``messages`` (None: no message); ``wired``: they are in their wire form already
+        (:func:`to_wire`, as a worker process receives them)."""
+        for m in messages:
+            if m is not None:
+                head, data = _wire_sizes(m if wired else to_wire(m))
+                self.control_bytes += head + data
+                self.message_bytes += data
 
 
 def tensors(message: Any) -> list[Tensor]:

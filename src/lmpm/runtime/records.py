@@ -113,6 +113,10 @@ class EpochRecord:
     model_seconds: float
     message_bytes: int = 0  # tensor bytes exchanged with the workers (metadata only)
     halo_bytes: int = 0  # payload bytes moved worker to worker (partitioned workers; 0 for one)
+    # bytes into and out of the control plane, every message serialised as it crosses a process
+    # boundary (lmpm.runtime.protocol.wire_bytes); one in-process worker: 0 unless it counts them
+    control_bytes: int = 0
+    driver_cpu_s: float = 0.0  # the control plane's process CPU time in the epoch
     # worker faults survived while running this epoch (lmpm.runtime.data.raygroup.Fault): the epoch
     # was redone after each
     faults: tuple[Any, ...] = ()

@@ -40,13 +40,9 @@ from lmpm.runtime.control.commitlog import (
     Restored,
     RunInfo,
     check_epochs,
-    connect,
     file_sha256,
-    holds_run,
     program_hash,
-    read_meta,
     refuse_existing,
-    remove_run,
     restore,
 )
 from lmpm.runtime.control.engine import Engine, Observer
@@ -56,6 +52,7 @@ from lmpm.runtime.data.raygroup import DEFAULT_TIMEOUT, RayGroup
 from lmpm.runtime.io import load_input, output_array, write_outputs
 from lmpm.runtime.lock import RunLock
 from lmpm.runtime.records import CHECKSUM_POLICIES, RunResult
+from lmpm.runtime.rundir import connect, holds_run, read_meta, remove_run
 
 MSG_WORKFLOW = (
     "`{name}` is a workflow: the epoch engine (`lmpm run`, `Run`) does not run workflows and would "

@@ -3,7 +3,7 @@ VM's own tables, so ``lmpm trace`` reads a workflow run like any other and ``lmp
 each stream's path.
 
 One step is one epoch, written in one transaction: its ``commits`` rows (built by the runtime's
-:func:`~lmpm.runtime.control.commitlog.commit_rows`: forced tokens under the rule ``forced``, tool results
+:func:`~lmpm.runtime.rundir.commit_rows`: forced tokens under the rule ``forced``, tool results
 under ``tool``, sampled ones under the program's rule, with their log-probability as the score),
 its ``trace_summary`` rows (every ``in Set`` constraint over the value, checked on every committed
 token: sampled tokens never violate one, the sampler is masked; a forced token may) and its
@@ -27,20 +27,20 @@ import torch
 from torch import Tensor
 
 from lmpm.ir.nodes import Program
-from lmpm.runtime.control.commitlog import (
+from lmpm.runtime.control.commitlog import program_hash, refuse_existing
+from lmpm.runtime.control.trace import TraceRows
+from lmpm.runtime.data.dataplane import checksum
+from lmpm.runtime.records import INPUT_RULE
+from lmpm.runtime.rundir import (
     DB_NAME,
-    INPUT_RULE,
+    INSERT_EPOCH,
     KEEP_RULE,
     SCHEMA,
     SCHEMA_VERSION,
     commit_rows,
     connect,
     holds_run,
-    program_hash,
-    refuse_existing,
 )
-from lmpm.runtime.control.trace import TraceRows
-from lmpm.runtime.data.dataplane import checksum
 from lmpm.vm.compile import Instructions
 from lmpm.vm.core import Forced, StepOut
 from lmpm.vm.machine import VM
@@ -224,7 +224,7 @@ class VMLog:
             score=score[rows][:, None].expand(-1, 3).contiguous(),
             checksum=checksum(tok, 0),
         )
-        commits = commit_rows(_Record(epoch, [ve]), {self.run.ins.value: self.run.ins.vocab})  # type: ignore[arg-type]
+        commits = commit_rows(_Record(epoch, [ve]))  # type: ignore[arg-type]
         trace = TraceRows()
         violations = 0
         for cid, kind_c, table in self.constraints:
@@ -257,7 +257,7 @@ class VMLog:
             trace.insert(conn)
             conn.executemany("INSERT INTO vm_tokens VALUES (?,?,?,?,?,?,?,?,?)", vm_rows)
             conn.execute(
-                "INSERT INTO epochs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                INSERT_EPOCH,
                 (
                     epoch,
                     len(rows),
@@ -271,6 +271,9 @@ class VMLog:
                     time.perf_counter() - t0,
                     "[]",
                     time.time(),
+                    None,  # control_bytes, halo_bytes, driver_cpu_s: not counted (one process)
+                    None,
+                    None,
                 ),
             )
             conn.execute("COMMIT")

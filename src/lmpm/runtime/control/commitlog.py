@@ -15,9 +15,11 @@ killed run resumes from its newest checkpoint plus the commits logged after it, 
 the state after its last complete epoch: with the counter-based RNG, the rest of the run is then
 identical to an uninterrupted one.
 
-This module imports no torch at module level: ``lmpm trace`` reads the log without it.
+The format (schemas, blobs, checkpoint files) is :mod:`lmpm.runtime.rundir`'s, shared with
+``lmpm trace``. This module imports no torch at module level (commands import it before a run
+starts; :func:`restore` and :class:`CommitLog` import it when they run).
 
-Schema (version :data:`SCHEMA_VERSION`; every table is plain SQL, see ``docs/trace.md``)::
+Schema (version :data:`~lmpm.runtime.rundir.SCHEMA_VERSION`; plain SQL, see ``docs/trace.md``)::
 
     meta(key, value)                      run metadata, values JSON-encoded
     value_defs / rule_defs / constraint_defs   what the ids in the other tables mean
@@ -41,10 +43,10 @@ import json
 import platform
 import shutil
 import sqlite3
+import sys
 import time
-import urllib.parse
 import zlib
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,17 +54,35 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import RunDirError, UsageError
+from lmpm.ir.nodes import PredKind, Status
+from lmpm.ir.serialize import to_dict, to_json
 from lmpm.runtime.control.crdt import ORSet
-from lmpm.runtime.lock import atomic_write, fsync_dir, os_error, sqlite_error
-from lmpm.runtime.logread import DB_NAME as DB_NAME
-from lmpm.runtime.logread import SCHEMA_VERSION as SCHEMA_VERSION
-from lmpm.runtime.logread import SQLITE_HEADER as SQLITE_HEADER
-from lmpm.runtime.logread import _check_header, validate
-from lmpm.runtime.logread import checkpoint_shards as checkpoint_shards
-from lmpm.runtime.logread import db_path as db_path
-from lmpm.runtime.logread import read_checkpoint as read_checkpoint
-from lmpm.runtime.logread import ruleset_events as ruleset_events
+from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
 from lmpm.runtime.records import INPUT_RULE, CellState
+from lmpm.runtime.rundir import (
+    CHECKPOINT_DIR,
+    DB_NAME,
+    INSERT_EPOCH,
+    KEEP_RULE,
+    SCHEMA,
+    SCHEMA_VERSION,
+    STORE_DIR,
+    checkpoint_file,
+    checkpoint_shards,
+    commit_rows,
+    completed_epochs,
+    connect,
+    db_path,
+    decode,
+    load_checkpoint,
+    read_checkpoint,
+    read_meta,
+    ruleset_events,
+    safetensors_bytes,
+    unlink_db,
+    upgrade,
+    write_checkpoint_file,
+)
 from lmpm.version import __version__
 
 if TYPE_CHECKING:
@@ -72,90 +92,10 @@ if TYPE_CHECKING:
     from lmpm.runtime.control.trace import Tracer
     from lmpm.runtime.records import EpochRecord
 
-CHECKPOINT_DIR = "checkpoints"
 DEFAULT_CHECKPOINT_EVERY = (
     20  # epochs between payload checkpoints; resume replays at most this many
 )
 KEEP_CHECKPOINTS = 2  # newest checkpoints kept besides epoch 0's (the inputs)
-
-# RuleSet events (enable/disable a constraint from an epoch on); logs written before it have none
-RULESET_TABLE = (
-    "CREATE TABLE IF NOT EXISTS ruleset_events (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
-    "op TEXT NOT NULL, name TEXT NOT NULL, clock INTEGER NOT NULL, by TEXT NOT NULL, "
-    "at REAL NOT NULL)"
-)
-
-# Worker faults a multi-worker run survived (lmpm.runtime.data.raygroup.Fault); older logs have none
-FAULTS_TABLE = (
-    "CREATE TABLE IF NOT EXISTS worker_faults (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
-    "worker TEXT NOT NULL, phase TEXT NOT NULL, cause TEXT NOT NULL, seconds REAL NOT NULL, "
-    "pid INTEGER NOT NULL, at REAL NOT NULL)"
-)
-
-# Quorum replicas outvoted (lmpm.runtime.records.Dissent): per epoch, value and replica, the worker
-# that ran it and the committed cells where its proposal differed; older logs have none
-DISSENT_TABLE = (
-    "CREATE TABLE IF NOT EXISTS quorum_dissent (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
-    "value TEXT NOT NULL, replica INTEGER NOT NULL, worker TEXT NOT NULL, cells INTEGER NOT NULL)"
-)
-
-SCHEMA = """
-CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE value_defs (
-  id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL, dims TEXT NOT NULL, ncells INTEGER NOT NULL,
-  first_id INTEGER NOT NULL, vocab INTEGER, dtype TEXT NOT NULL, policy TEXT NOT NULL);
-CREATE TABLE rule_defs (
-  id INTEGER PRIMARY KEY, name TEXT NOT NULL, target TEXT, model TEXT, score TEXT, replicas INTEGER);
-CREATE TABLE constraint_defs (
-  id INTEGER PRIMARY KEY, name TEXT NOT NULL, value TEXT NOT NULL, kind TEXT NOT NULL,
-  pred TEXT NOT NULL, priority INTEGER NOT NULL, status TEXT NOT NULL, source TEXT, text TEXT,
-  cells INTEGER);
-CREATE TABLE epochs (
-  epoch INTEGER PRIMARY KEY, open_cells INTEGER NOT NULL, attempts INTEGER NOT NULL,
-  candidates INTEGER NOT NULL, commits INTEGER NOT NULL, violations INTEGER NOT NULL,
-  decided INTEGER, seconds REAL NOT NULL, model_seconds REAL NOT NULL, log_seconds REAL NOT NULL,
-  maskplan TEXT NOT NULL, at REAL NOT NULL);
-CREATE TABLE commits (
-  epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,
-  step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,
-  clock_min INTEGER NOT NULL, clock_max INTEGER NOT NULL, score_min REAL, score_max REAL,
-  crc INTEGER NOT NULL, sums BLOB, clocks BLOB, scores BLOB);
-CREATE INDEX commits_by_epoch ON commits (epoch);
-CREATE TABLE checkpoints (
-  epoch INTEGER PRIMARY KEY, file TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL,
-  created REAL NOT NULL);
-CREATE TABLE resumes (id INTEGER PRIMARY KEY, at REAL NOT NULL, from_epoch INTEGER NOT NULL,
-  argv TEXT);
-CREATE TABLE trace_summary (
-  epoch INTEGER NOT NULL, constraint_id INTEGER NOT NULL, rule INTEGER NOT NULL,
-  checked INTEGER NOT NULL, violations INTEGER NOT NULL, won INTEGER NOT NULL, lost INTEGER NOT NULL,
-  blocked_where TEXT, PRIMARY KEY (epoch, constraint_id, rule));
-CREATE TABLE trace_cells (
-  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, coord TEXT NOT NULL,
-  candidates INTEGER NOT NULL, winner INTEGER NOT NULL, winner_rule INTEGER NOT NULL,
-  favourite INTEGER NOT NULL, committed INTEGER NOT NULL, payload, clock INTEGER NOT NULL,
-  covered INTEGER NOT NULL, decided_by TEXT, PRIMARY KEY (value, cell, epoch));
-CREATE TABLE trace_candidates (
-  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
-  rule INTEGER NOT NULL, payload, score REAL, violated INTEGER NOT NULL,
-  PRIMARY KEY (value, cell, epoch, col));
-CREATE TABLE ruleset_events (
-  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, op TEXT NOT NULL, name TEXT NOT NULL,
-  clock INTEGER NOT NULL, by TEXT NOT NULL, at REAL NOT NULL);
-CREATE TABLE worker_faults (
-  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, worker TEXT NOT NULL, phase TEXT NOT NULL,
-  cause TEXT NOT NULL, seconds REAL NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL);
-CREATE TABLE quorum_dissent (
-  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, value TEXT NOT NULL, replica INTEGER NOT NULL,
-  worker TEXT NOT NULL, cells INTEGER NOT NULL);
-CREATE VIEW trace_named AS
-  SELECT s.epoch, c.name AS constraint_name, c.priority, r.name AS rule_name, s.checked,
-         s.violations, s.won, s.lost, s.blocked_where
-  FROM trace_summary s JOIN constraint_defs c ON c.id = s.constraint_id
-  LEFT JOIN rule_defs r ON r.id = s.rule;
-"""
-
-KEEP_RULE = -1  # rule id of the keep-current candidate (column 0)
 
 MSG_FOREIGN = (
     "{dir} holds a run of a different program (hash {stored} ≠ {given}); nothing was changed. "
@@ -197,7 +137,6 @@ IDENTITY = ("params", "bind", "seed", "trace", "trace_region", "checkpoint_every
 
 def program_hash(program: Program) -> str:
     """sha256 of the program's IR, independent of formatting, comments and the file's name."""
-    from lmpm.ir.serialize import to_dict
 
     def strip(x: Any) -> Any:
         if isinstance(x, dict):
@@ -220,77 +159,6 @@ def file_sha256(path: str | Path) -> str:
 
 
 # ---- the run directory ----------------------------------------------------------------------------
-def holds_run(run_dir: str | Path) -> bool:
-    """True when RUN_DIR contains a run's commit log."""
-    return db_path(run_dir).exists()
-
-
-def _unlink_db(path: Path) -> None:
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        Path(f"{path}{suffix}").unlink(missing_ok=True)
-
-
-def remove_run(run_dir: str | Path) -> None:
-    """Delete a run's commit log and checkpoints (``--force``). Outputs are overwritten later."""
-    d = Path(run_dir)
-    for suffix in ("", "-wal", "-shm", "-journal"):
-        (d / f"{DB_NAME}{suffix}").unlink(missing_ok=True)
-    shutil.rmtree(d / CHECKPOINT_DIR, ignore_errors=True)
-    shutil.rmtree(d / "payload", ignore_errors=True)
-
-
-def connect(
-    run_dir: str | Path, *, readonly: bool = True, check: bool = False, durable: bool = False
-) -> sqlite3.Connection:
-    """Open RUN_DIR's log and validate it: an LMPM database of a schema this version reads.
-
-    ``readonly`` never modifies the database (SQLite may rebuild its ``-shm`` index); ``check``
-    also runs ``PRAGMA quick_check``. Raises :class:`RunDirError` with what is wrong."""
-    path = db_path(run_dir)
-    if not path.is_file():
-        raise RunDirError(
-            f"{run_dir} holds no LMPM run (no {DB_NAME})",
-            code="D001",
-            hint="give the --out directory of an `lmpm run`",
-        )
-    _check_header(path)
-    uri = f"file:{urllib.parse.quote(str(path.resolve()))}"
-    try:
-        conn = sqlite3.connect(
-            uri + ("?mode=ro" if readonly else ""), uri=True, isolation_level=None
-        )
-    except sqlite3.Error as e:
-        raise RunDirError(f"cannot open {path}: {e}", code="D002") from None
-    try:
-        validate(conn, path, check=check)
-    except RunDirError:
-        conn.close()
-        raise
-    except sqlite3.Error as e:  # an I/O error while validating (validate types the rest)
-        conn.close()
-        raise sqlite_error(e, "open", path) from None
-    if not readonly:
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
-        except sqlite3.Error as e:
-            conn.close()
-            raise sqlite_error(e, "open for writing", path) from None
-    return conn
-
-
-def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
-    try:
-        return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
-    except (sqlite3.Error, ValueError) as e:
-        raise RunDirError(f"the run's metadata is unreadable ({e})", code="D006") from None
-
-
-def completed_epochs(conn: sqlite3.Connection) -> int:
-    row = conn.execute("SELECT max(epoch) FROM epochs").fetchone()
-    return 0 if row[0] is None else int(row[0]) + 1
-
-
 def failed_before_first_epoch(run_dir: str | Path) -> bool:
     """The run in ``run_dir`` failed before it completed an epoch: it committed nothing but its
     inputs (which are still in their files), so a new run may take its place."""
@@ -318,120 +186,6 @@ def refuse_existing(run_dir: str | Path) -> None:
     raise UsageError(MSG_EXISTS.format(dir=run_dir, epochs=epochs, status=status), code="U030")
 
 
-# ---- arrays in blobs ------------------------------------------------------------------------------
-# A blob is one tag byte (a numpy type character) followed by the little-endian array.
-_TAGS = {"B": "<u1", "H": "<u2", "I": "<u4", "q": "<i8", "f": "<f4", "d": "<f8"}
-
-
-def encode(arr: np.ndarray, tag: str) -> bytes:
-    return tag.encode() + np.ascontiguousarray(arr, dtype=_TAGS[tag]).tobytes()
-
-
-def decode(blob: bytes) -> np.ndarray:
-    tag = chr(blob[0])
-    if tag not in _TAGS:
-        raise RunDirError(f"a commit-log blob has an unknown type tag {tag!r}", code="D006")
-    return np.frombuffer(blob, dtype=_TAGS[tag], offset=1)
-
-
-def _uint_tag(top: int) -> str:
-    return "B" if top < 1 << 8 else "H" if top < 1 << 16 else "I" if top < 1 << 32 else "q"
-
-
-def payload_tag(vocab: int | None) -> str:
-    """Tokens in the smallest unsigned type that holds the vocabulary; numbers as float32."""
-    return "f" if vocab is None else _uint_tag(vocab - 1)
-
-
-def cell_runs(cells: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Split sorted cell ids into arithmetic runs with one ``key`` each: (starts, counts, steps).
-
-    The step is the most common gap (1 for dense commits, 2 for a red-black schedule), so a commit
-    of a whole tile is a handful of rows, not one row per cell. Vectorized: no loop per cell.
-    """
-    m = cells.size
-    if m == 1:
-        return np.zeros(1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64)
-    gap = np.diff(cells)
-    top = int(gap.max())
-    if top <= 4 * m:
-        step = int(np.bincount(gap).argmax())
-    else:
-        vals, cnt = np.unique(gap, return_counts=True)
-        step = int(vals[cnt.argmax()])
-    brk = (gap != step) | (key[1:] != key[:-1])
-    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
-    counts = np.diff(np.append(starts, m))
-    steps = np.where(counts > 1, step, 1)
-    return starts, counts, steps
-
-
-def commit_rows(record: EpochRecord, vocab: Mapping[str, int | None]) -> list[tuple[Any, ...]]:
-    """The ``commits`` rows of one epoch: one per arithmetic run of cells with one winning rule.
-    ``sums``: the committed payloads' checksums (int64, from the worker); ``crc``: their CRC-32."""
-    out: list[tuple[Any, ...]] = []
-    e = record.epoch
-    for ve in record.values:
-        rows = np.flatnonzero(ve.changed.cpu().numpy())
-        if rows.size == 0:
-            continue
-        win = ve.winner.cpu().numpy()[rows]
-        cells = ve.cells.cpu().numpy()[rows]
-        rule = ve.col_rule.cpu().numpy()[win]
-        clock = ve.new_clock.cpu().numpy()[rows]
-        score = ve.score.cpu().numpy()[rows, win]
-        sums = (
-            np.zeros(rows.size, np.int64)
-            if ve.checksum is None
-            else ve.checksum.cpu().numpy()[rows]
-        )
-        starts, counts, steps = cell_runs(cells, rule)
-        ends = starts + counts
-        run_of = np.repeat(np.arange(starts.size), counts)
-        cmin = np.minimum.reduceat(clock, starts)
-        cmax = np.maximum.reduceat(clock, starts)
-        smin = np.minimum.reduceat(score, starts)
-        smax = np.maximum.reduceat(score, starts)
-        kraw = np.ascontiguousarray(sums, dtype="<i8").tobytes()
-        delta = clock - cmin[run_of]
-        ctag = _uint_tag(int(delta.max()) + 1)
-        craw = np.ascontiguousarray(delta, dtype=_TAGS[ctag]).tobytes()
-        cw = np.dtype(_TAGS[ctag]).itemsize
-        sraw = np.ascontiguousarray(score, dtype="<f8").tobytes()
-        ct = ctag.encode()
-        for s, n, st, c0, c1, s0, s1, end in zip(
-            starts.tolist(),
-            counts.tolist(),
-            steps.tolist(),
-            cmin.tolist(),
-            cmax.tolist(),
-            smin.tolist(),
-            smax.tolist(),
-            ends.tolist(),
-        ):
-            k = kraw[s * 8 : end * 8]
-            out.append(
-                (
-                    e,
-                    ve.value,
-                    int(cells[s]),
-                    int(cells[end - 1]),
-                    st,
-                    n,
-                    int(rule[s]),
-                    c0,
-                    c1,
-                    s0,
-                    s1,
-                    zlib.crc32(k),
-                    b"q" + k,
-                    None if c0 == c1 else ct + craw[s * cw : end * cw],
-                    None if s0 == s1 else b"d" + sraw[s * 8 : end * 8],
-                )
-            )
-    return out
-
-
 # ---- checkpoints ----------------------------------------------------------------------------------
 STATE_FIELDS = ("committed", "clock", "rule", "epoch", "score")
 
@@ -444,44 +198,6 @@ def state_arrays(engine: Engine) -> dict[str, np.ndarray]:
         for f in STATE_FIELDS:
             out[f"{name}.{f}"] = getattr(st, f).detach().cpu().numpy()
     return out
-
-
-_ST_DTYPES = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float16": "F16",
-    "float32": "F32",
-    "float64": "F64",
-}
-
-
-def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
-    """The safetensors file of ``arrays``, byte-for-byte the same for the same arrays: tensors in
-    name order, the header's keys sorted (``safetensors.numpy.save`` orders the metadata by a hash
-    map, so two identical runs' checkpoints differed in their sha256). Readable by safetensors."""
-    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
-    chunks: list[bytes] = []
-    offset = 0
-    for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {
-            "dtype": _ST_DTYPES[a.dtype.name],
-            "shape": list(a.shape),
-            "data_offsets": [offset, offset + len(raw)],
-        }
-        chunks.append(raw)
-        offset += len(raw)
-    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
-    return len(head).to_bytes(8, "little") + head + b"".join(chunks)
 
 
 def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> tuple[str, int, str]:
@@ -498,28 +214,7 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
             "shards": json.dumps(shards, sort_keys=True),
         },
     )
-    return write_checkpoint_file(run_dir, f"{CHECKPOINT_DIR}/epoch-{label:08d}.safetensors", data)
-
-
-def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, int, str]:
-    """Write a checkpoint file beside, fsync, rename: (file, bytes, sha256)."""
-    path = run_dir / rel
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, "create the checkpoint folder", path.parent) from None
-    atomic_write(path, data)
-    return rel, len(data), hashlib.sha256(data).hexdigest()
-
-
-def load_checkpoint(run_dir: Path, rel: str, sha: str) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load
-
-    data = read_checkpoint(run_dir, rel, sha)
-    try:
-        return load(data)
-    except Exception as e:
-        raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
+    return write_checkpoint_file(run_dir, checkpoint_file(label), data)
 
 
 # ---- resume ---------------------------------------------------------------------------------------
@@ -575,9 +270,7 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
 
 
 def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
-    import sys
-
-    import torch
+    import torch  # not at import: commands import this module before a run needs torch
 
     d = Path(run_dir)
     nxt = check_epochs(conn, d)
@@ -724,8 +417,6 @@ def _bindings_of(plan: Plan) -> dict[str, str]:
 
 
 def _definitions(conn: sqlite3.Connection, plan: Plan, source: str) -> None:
-    from lmpm.ir.nodes import PredKind, Status
-
     lines = source.splitlines()
     for i, (name, vp) in enumerate(plan.values.items()):
         conn.execute(
@@ -802,14 +493,12 @@ class CommitLog:
         self.tracer = tracer
         self.conn = conn  # given: resume an existing log (opened read-write)
         self.argv = list(argv or [])
-        self._vocab: dict[str, int | None] = {}
         self._checkpointed = -1  # label of the newest checkpoint
         self.log_seconds = 0.0  # time spent in on_epoch, the log's whole cost to the run
         self._ruleset_logged = 0  # engine.ruleset_events already in the log
 
     # Observer protocol
     def on_start(self, engine: Engine) -> None:
-        self._vocab = {n: vp.vocab for n, vp in engine.plan.values.items()}
         self._dataplane = engine.dataplane  # its store is closed with the log
         engine.checksums = True  # the committed rows' checksums go into the log
         if self.tracer is not None and self.tracer.level == "cells":
@@ -823,11 +512,11 @@ class CommitLog:
         tmp = self.run_dir / f".{DB_NAME}.tmp"
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            _unlink_db(tmp)
+            unlink_db(tmp)
             self._create(engine, tmp)
         except BaseException as e:
             try:
-                _unlink_db(tmp)
+                unlink_db(tmp)
             except OSError:
                 pass
             if isinstance(e, OSError):
@@ -856,14 +545,12 @@ class CommitLog:
         fsync_dir(self.run_dir)
 
     def _fill(self, engine: Engine, conn: sqlite3.Connection) -> None:
-        shutil.rmtree(self.run_dir / "payload", ignore_errors=True)  # a half-started run's
+        shutil.rmtree(self.run_dir / STORE_DIR, ignore_errors=True)  # a half-started run's
         engine.dataplane.open_store(self.run_dir)
         rel, nbytes, sha = write_checkpoint(
             self.run_dir, engine, engine.epoch, self.info.program_hash
         )
-        import torch
-
-        from lmpm.ir.serialize import to_json
+        import torch  # (see _restore)
 
         meta: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
@@ -911,11 +598,9 @@ class CommitLog:
         assert self.conn is not None
         row = self.conn.execute("SELECT max(epoch) FROM checkpoints").fetchone()
         self._checkpointed = int(row[0]) if row[0] is not None else -1
-        self.conn.execute(RULESET_TABLE)  # a log written before RuleSet events existed
-        self.conn.execute(FAULTS_TABLE)  # ... or before worker faults were logged
-        self.conn.execute(DISSENT_TABLE)  # ... or before quorum dissent was
-        self._ruleset_logged = len(ruleset_events(self.conn))  # replayed by restore()
         self.conn.execute("BEGIN IMMEDIATE")
+        upgrade(self.conn)  # a log of an older schema this version reads
+        self._ruleset_logged = len(ruleset_events(self.conn))  # replayed by restore()
         self.conn.execute(
             "INSERT INTO resumes (at, from_epoch, argv) VALUES (?,?,?)",
             (time.time(), engine.epoch, json.dumps(self.argv)),
@@ -933,7 +618,7 @@ class CommitLog:
     def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
         assert self.conn is not None
         t0 = time.perf_counter()
-        rows = commit_rows(record, self._vocab)
+        rows = commit_rows(record)
         trace = self.tracer.record(engine, record) if self.tracer is not None else None
         label = record.epoch + 1
         ckpt = None
@@ -976,7 +661,7 @@ class CommitLog:
                 )
             seconds = time.perf_counter() - t0
             conn.execute(
-                "INSERT INTO epochs VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                INSERT_EPOCH,
                 (
                     record.epoch,
                     record.open_cells,
@@ -990,6 +675,9 @@ class CommitLog:
                     seconds,
                     maskplan,
                     time.time(),
+                    record.control_bytes,
+                    record.halo_bytes,
+                    record.driver_cpu_s,
                 ),
             )
             conn.execute("COMMIT")

@@ -343,7 +343,7 @@ class Engine:
 
     def _epoch(self) -> EpochRecord:
         e = self.epoch
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         req = self._request(e)
         report = self.dataplane.epoch(req)
         if self.guard:
@@ -353,13 +353,13 @@ class Engine:
         self._unset = dict(report.unset)
         self.epoch = e + 1
         self._count_quiet(e, report.commits)
-        rec = self._record(report, time.perf_counter() - t0)
+        rec = self._record(report, time.perf_counter() - t0, time.process_time() - cpu0)
         for o in self.observers:
             o.on_epoch(self, rec)
         return rec
 
     @staticmethod
-    def _record(report: EpochReport, seconds: float) -> EpochRecord:
+    def _record(report: EpochReport, seconds: float, cpu_s: float) -> EpochRecord:
         return EpochRecord(
             report.epoch,
             report.values,
@@ -371,6 +371,8 @@ class Engine:
             report.model_seconds,
             halo_bytes=report.halo_bytes,
             message_bytes=report.message_bytes,
+            control_bytes=report.control_bytes,
+            driver_cpu_s=cpu_s,
             faults=report.faults,
             dissent=report.dissent,
         )

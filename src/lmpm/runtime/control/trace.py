@@ -40,11 +40,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import UsageError
-from lmpm.runtime.logread import (  # the torch-free reading side: `lmpm trace` stays fast
+from lmpm.runtime.rundir import (  # the torch-free run directory format: `lmpm trace` stays fast
+    EPOCH_COLUMNS,
+    checkpoint_shards,
     completed_epochs,
     decode,
+    epoch_rows,
     load_checkpoint,
+    quorum_dissent,
+    read_candidates,
+    read_cell_payload,
     read_meta,
+    ruleset_events,
+    worker_faults,
 )
 
 if TYPE_CHECKING:
@@ -56,6 +64,8 @@ if TYPE_CHECKING:
 
 LEVELS = ("off", "summary", "cells")
 DEFAULT_LEVEL = "summary"
+# the epochs table's columns in `lmpm trace --json` (the counted costs are None in a schema-2 run)
+EPOCH_FIELDS = tuple(c for c in EPOCH_COLUMNS if c not in ("model_seconds", "maskplan", "at"))
 MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over constraint ids
 
 
@@ -507,28 +517,7 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
     """The whole trace of a run as plain data (what ``lmpm trace --json`` prints)."""
     meta = read_meta(conn)
     rules = _rule_names(conn)
-    epochs = [
-        dict(
-            zip(
-                (
-                    "epoch",
-                    "open_cells",
-                    "attempts",
-                    "candidates",
-                    "commits",
-                    "violations",
-                    "decided",
-                    "seconds",
-                    "log_seconds",
-                ),
-                r,
-            )
-        )
-        for r in conn.execute(
-            "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, "
-            "seconds, log_seconds FROM epochs ORDER BY epoch"
-        )
-    ]
+    epochs = epoch_rows(conn, EPOCH_FIELDS)
     totals = {
         int(r[0]): r[1:]
         for r in conn.execute(
@@ -645,24 +634,10 @@ def _unattempted(conn: sqlite3.Connection) -> int:
     return int(row[0] or 0)
 
 
-def quorum_dissent(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-    from lmpm.runtime.logread import quorum_dissent as read
-
-    return read(conn)
-
-
-def worker_faults(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-    from lmpm.runtime.logread import worker_faults as read
-
-    return read(conn)
-
-
 def ruleset_changes(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     """The RuleSet's committed changes, one per event: the epoch it took effect, the constraint
     added or removed, by whom, and the active set from that epoch on (every constraint before the
     first event)."""
-    from lmpm.runtime.logread import ruleset_events
-
     events = ruleset_events(conn)
     if not events:
         return []
@@ -720,8 +695,6 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
         "attempts": [],
     }
     # Payload lives in the workers' stores (lmpm.runtime.data.store); the log holds metadata.
-    from lmpm.runtime.logread import checkpoint_shards, read_candidates, read_cell_payload
-
     workers = list(checkpoint_shards(Path(run_dir), _first_checkpoint(conn) or ""))
     committed_payload: dict[int, Any] = {}
     for w in workers:
@@ -836,12 +809,10 @@ def _first_checkpoint(conn: sqlite3.Connection) -> str | None:
 
 def _shard_payload(run_dir: Path, rel: str, value: str, cell: int) -> Any:
     """A cell's payload in the worker shards of control checkpoint ``rel``."""
-    from safetensors.numpy import load_file
-
-    from lmpm.runtime.logread import checkpoint_shards
-
     for shard in checkpoint_shards(run_dir, rel).values():
-        arrays = load_file(str(run_dir / str(shard["file"])))
+        arrays = load_checkpoint(
+            run_dir, str(shard["file"]), str(shard["sha256"]), "payload checkpoint"
+        )
         if f"{value}.payload" in arrays:
             return _val(arrays[f"{value}.payload"][cell])
     return None

@@ -54,6 +54,7 @@ from lmpm.resolve.plan import (
 from lmpm.resolve.policies import aggregates
 from lmpm.runtime.data.compiled import CompiledEpoch, ReadGathers
 from lmpm.runtime.data.owner import Owner, pick
+from lmpm.runtime.data.store import PayloadStore
 from lmpm.runtime.protocol import (
     Applied,
     ApplyReply,
@@ -63,6 +64,7 @@ from lmpm.runtime.protocol import (
     EpochRequest,
     ProposeReply,
     ProposeRequest,
+    Traffic,
 )
 from lmpm.runtime.records import ValueEpoch
 from lmpm.workers import Results, WorkItem, get_backend
@@ -284,6 +286,10 @@ class DataPlane:
         )
         # per value: the cells the last apply wrote (the halo transports send the routed ones)
         self.written: dict[str, Tensor] = {}
+        # this epoch's requests and replies as they would cross a process boundary, counted when
+        # ``count_bytes`` is set (in this process nothing crosses: one-process runs pay nothing)
+        self.count_bytes = False
+        self.traffic = Traffic()
         # Worker-side instrumentation: tap(epoch, value, cells, table (n, C, *cell), valid (n, C))
         # sees every candidate table where the payload lives (benchmarks, debugging).
         self.taps: list[Any] = []
@@ -326,7 +332,12 @@ class DataPlane:
     # ---- the port (lmpm.runtime.port.DataPlanePort) -------------------------------------------
     def epoch(self, req: EpochRequest) -> EpochReport:
         """Run one epoch on this worker's cells, which it owns (:meth:`Owner.epoch`)."""
-        return self.owner.epoch(self, req, self if self.compiled is not None else None)
+        if self.count_bytes:
+            self.traffic = Traffic()
+        report = self.owner.epoch(self, req, self if self.compiled is not None else None)
+        report.control_bytes = self.traffic.control_bytes
+        report.message_bytes = self.traffic.message_bytes
+        return report
 
     def replica_worker(self, value: str, replica: int) -> str:
         """The worker that ran ``replica`` of ``value``: this one."""
@@ -516,8 +527,6 @@ class DataPlane:
     # ---- durability ------------------------------------------------------------------------------
     def open_store(self, run_dir: str | Path) -> None:
         """Persist committed payload under ``run_dir`` from now on (lmpm.runtime.data.store)."""
-        from lmpm.runtime.data.store import PayloadStore
-
         self.store = PayloadStore(run_dir, self.worker, self.plan)
 
     def close_store(self) -> None:
@@ -603,7 +612,10 @@ class DataPlane:
                 st = self._staged.get(name)
                 if st is not None:
                     self.store.record_candidates(e, name, st.cells, st.table, cells)
-        return ProposeReply(self.worker, values, model_seconds)
+        reply = ProposeReply(self.worker, values, model_seconds)
+        if self.count_bytes:
+            self.traffic.count(req, reply)
+        return reply
 
     def run_models(self, req: ProposeRequest) -> tuple[dict[str, list[Proposal]], float]:
         """Gather every fired rule's reads, run all models and scores: per value, each rule
@@ -1141,7 +1153,10 @@ class DataPlane:
         if durable:
             self.store.sync(req.epoch)
         self._staged = {}
-        return ApplyReply(self.worker, out, durable)
+        reply = ApplyReply(self.worker, out, durable)
+        if self.count_bytes:
+            self.traffic.count(req, reply)
+        return reply
 
     def record_columns(self, epoch: int, value: str, which: Tensor, cols: list[int]) -> None:
         """Record the staged candidates of ``value``'s cells in ``which`` (``--trace cells``), local

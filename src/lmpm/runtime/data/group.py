@@ -40,8 +40,8 @@ from lmpm.runtime.protocol import (
     ProposeReply,
     ProposeRequest,
     RuleWork,
+    Traffic,
     ValueDecision,
-    nbytes,
 )
 
 
@@ -190,10 +190,9 @@ class WorkerGroup:
         self.halo_bytes = 0  # payload bytes moved worker to worker in the last epoch
         self.halo_bytes_total = 0
         self.busy = False
-        # bytes of the messages between the control plane and each worker in the last epoch
-        # (metadata only), counted when ``count_messages`` is set (benchmarks)
-        self.count_messages = False
-        self.message_bytes = 0
+        # the messages between the control plane and each worker in the last epoch (metadata
+        # only): serialised as they cross (or, in this process, would cross) and tensor bytes
+        self.traffic = Traffic()
         self._merged: dict[str, _Merged] = {}
         # Metadata the group keeps to restore its workers (never payload): committed and input
         # flags per value, the newest checkpoint's shards and the cells committed since it.
@@ -233,7 +232,8 @@ class WorkerGroup:
         """Run one epoch: the owner opens and decides, the workers propose and apply."""
         report = self.owner.epoch(self, req)
         report.halo_bytes = self.halo_bytes
-        report.message_bytes = self.message_bytes
+        report.control_bytes = self.traffic.control_bytes
+        report.message_bytes = self.traffic.message_bytes
         report.faults = tuple(self.take_faults())
         return report
 
@@ -261,12 +261,15 @@ class WorkerGroup:
         ]
 
     def _propose_all(self, subs: list[ProposeRequest | None]) -> list[ProposeReply | None]:
-        return self._calls("propose", [None if s is None else (s,) for s in subs])
+        replies = self._calls("propose", [None if s is None else (s,) for s in subs])
+        self.traffic.count(*subs, *replies)
+        return replies
 
     def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
         """Apply on every worker, then move the cells each wrote along its routes: (replies,
         payload bytes moved)."""
         replies = self._calls("apply", [None if s is None else (s,) for s in subs])
+        self.traffic.count(*subs, *replies)
         changed: dict[tuple[str, int], Tensor] = {}
         for i, (w, rep) in enumerate(zip(self.workers, replies, strict=True)):
             if rep is None:
@@ -419,12 +422,8 @@ class WorkerGroup:
                 )
             )
         self._before(req.epoch)
+        self.traffic = Traffic()
         replies = self._propose_all(subs)
-        self.message_bytes = 0
-        if self.count_messages:
-            self.message_bytes = sum(
-                nbytes(q) + nbytes(r) for q, r in zip(subs, replies, strict=True)
-            )
         seconds = sum(r.model_seconds for r in replies if r is not None)
         order = [rw.rule for rw in req.rules]
         values: dict[str, Candidates] = {}
@@ -557,10 +556,6 @@ class WorkerGroup:
             for i in range(self.size)
         ]
         replies, self.halo_bytes = self._apply_all(subs)
-        if self.count_messages:
-            self.message_bytes += sum(
-                nbytes(q) + nbytes(r) for q, r in zip(subs, replies, strict=True)
-            )
         out: dict[str, Applied] = {}
         for name, d in req.values.items():
             mg = self._merged[name]

@@ -621,10 +621,11 @@ class RayGroup(WorkerGroup):
     def _propose_once(
         self, subs: list[ProposeRequest | None], epoch: int
     ) -> list[ProposeReply | None]:
-        refs = [
-            None if s is None else w.propose.remote(to_wire(s)) for w, s in zip(self.workers, subs)
-        ]
-        return [from_wire(r) for r in self._get(refs, "propose", epoch)]
+        wired = [None if s is None else to_wire(s) for s in subs]
+        refs = [None if s is None else w.propose.remote(s) for w, s in zip(self.workers, wired)]
+        got = self._get(refs, "propose", epoch)
+        self.traffic.count(*wired, *got, wired=True)  # what crossed (again after a fault)
+        return [from_wire(r) for r in got]
 
     def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
         epoch = self.running
@@ -633,8 +634,10 @@ class RayGroup(WorkerGroup):
             return [None] * self.size, 0
 
         def once() -> tuple[list[ApplyReply | None], int]:
-            refs = [w.apply.remote(to_wire(s), epoch) for w, s in zip(self.workers, subs)]
+            wired = [to_wire(s) for s in subs]
+            refs = [w.apply.remote(s, epoch) for w, s in zip(self.workers, wired)]
             got = self._get(refs, "apply", epoch)
+            self.traffic.count(*wired, *got, wired=True)
             return [from_wire(g[0]) for g in got], sum(g[1] for g in got)
 
         out = self._retry(epoch, "apply", once)

@@ -11,7 +11,7 @@ checksums. The payload itself is written by the worker that holds it, here:
                                                            ``--trace cells`` region asks for
 
 and, every ``checkpoint_every`` epochs, ``checkpoints/epoch-NNNNNNNN.<worker>.safetensors`` with each
-value's whole payload.
+value's whole payload (the format: :mod:`lmpm.runtime.rundir`).
 
 An epoch commits in two steps: the worker appends its rows and commits its transaction
 (:meth:`PayloadStore.sync`), *then* the control plane logs the epoch. A run killed between the two
@@ -29,39 +29,25 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from lmpm.errors import RunDirError
-from lmpm.runtime.control.commitlog import (
-    _TAGS,
-    CHECKPOINT_DIR,
+from lmpm.runtime.lock import sqlite_error
+from lmpm.runtime.rundir import (
+    STORE_SCHEMA,
+    TAGS,
     cell_runs,
+    checkpoint_file,
     decode,
+    encode,
+    load_checkpoint,
     payload_tag,
-    read_checkpoint,
+    safetensors_bytes,
+    store_path,
     write_checkpoint_file,
 )
-from lmpm.runtime.lock import sqlite_error
 
 if TYPE_CHECKING:
     from torch import Tensor
 
     from lmpm.resolve.plan import Plan
-
-STORE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS rows (
-  epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, step INTEGER NOT NULL,
-  count INTEGER NOT NULL, crc INTEGER NOT NULL, payload BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS rows_by_epoch ON rows (epoch);
-CREATE TABLE IF NOT EXISTS candidates (
-  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
-  payload BLOB NOT NULL, PRIMARY KEY (value, cell, epoch, col));
-"""
-
-
-from lmpm.runtime.logread import (  # noqa: E402  (the reading side, shared with lmpm trace)
-    read_candidates as read_candidates,
-)
-from lmpm.runtime.logread import read_cell_payload as read_cell_payload  # noqa: E402
-from lmpm.runtime.logread import store_path as store_path  # noqa: E402
-from lmpm.runtime.logread import worker_file as worker_file  # noqa: E402
 
 
 class PayloadStore:
@@ -102,8 +88,8 @@ class PayloadStore:
         cells_np = cells_np[order]
         tag = self.tags[value]
         width = self.cell_size[value]
-        raw = np.ascontiguousarray(payload.cpu().numpy()[order], dtype=_TAGS[tag]).tobytes()
-        size = np.dtype(_TAGS[tag]).itemsize * width
+        raw = np.ascontiguousarray(payload.cpu().numpy()[order], dtype=TAGS[tag]).tobytes()
+        size = np.dtype(TAGS[tag]).itemsize * width
         starts, counts, steps = cell_runs(cells_np, np.zeros(cells_np.size, np.int64))
         rows = []
         for s, n, st in zip(starts.tolist(), counts.tolist(), steps.tolist()):
@@ -136,9 +122,8 @@ class PayloadStore:
         out = []
         for i, r in enumerate(rows_idx.tolist()):
             for col in range(tab.shape[1]):
-                raw = np.ascontiguousarray(tab[i, col], dtype=_TAGS[tag]).tobytes()
                 at = col if cols is None else cols[col]
-                out.append((epoch, value, int(cells_np[r]), at, tag.encode() + raw))
+                out.append((epoch, value, int(cells_np[r]), at, encode(tab[i, col], tag)))
         try:
             self._begin()
             self.conn.executemany("INSERT OR REPLACE INTO candidates VALUES (?,?,?,?,?)", out)
@@ -164,12 +149,9 @@ class PayloadStore:
 
     def checkpoint(self, label: int, payloads: dict[str, np.ndarray]) -> tuple[str, int, str]:
         """Write the payload at the start of epoch ``label``: (file, bytes, sha256)."""
-        from lmpm.runtime.control.commitlog import safetensors_bytes
-
         arrays = {f"{name}.payload": np.ascontiguousarray(a) for name, a in payloads.items()}
         data = safetensors_bytes(arrays, {"epoch": str(label), "worker": self.worker})
-        rel = f"{CHECKPOINT_DIR}/epoch-{label:08d}.{worker_file(self.worker)}.safetensors"
-        return write_checkpoint_file(self.run_dir, rel, data)
+        return write_checkpoint_file(self.run_dir, checkpoint_file(label, self.worker), data)
 
     def restore(
         self, label: int, rel: str, sha: str, upto: int, counts: dict[tuple[int, str], int]
@@ -179,11 +161,9 @@ class PayloadStore:
         its CRC and, per (epoch, value), against the cell ``counts`` the control plane logged.
         Rows of epochs the control plane never logged (a kill between the two commit steps) are
         dropped."""
-        from safetensors.numpy import load
-
         self.rollback()  # rows staged by an epoch that did not finish
-        data = read_checkpoint(self.run_dir, rel, sha, "payload checkpoint")
-        arrays = {k.removesuffix(".payload"): v.copy() for k, v in load(data).items()}
+        loaded = load_checkpoint(self.run_dir, rel, sha, "payload checkpoint")
+        arrays = {k.removesuffix(".payload"): v.copy() for k, v in loaded.items()}
         seen: dict[tuple[int, str], int] = {}
         cur = self.conn.execute(
             "SELECT epoch, value, first, step, count, crc, payload FROM rows "

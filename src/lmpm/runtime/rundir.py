@@ -1,0 +1,667 @@
+"""The run directory's format, in one module: what `lmpm run` writes and `lmpm trace` reads.
+
+    RUN_DIR/lmpm.db                                          the control plane's commit log
+    RUN_DIR/payload/<worker>.db                              a worker's committed payload
+    RUN_DIR/checkpoints/epoch-NNNNNNNN.safetensors           the control plane's state
+    RUN_DIR/checkpoints/epoch-NNNNNNNN.<worker>.safetensors  a worker's payload shard
+
+This module owns the schemas (:data:`SCHEMA`, :data:`STORE_SCHEMA`) and their version, the blob
+codec (:func:`encode`, :func:`decode`), commit rows as arithmetic runs of cells
+(:func:`commit_rows`), the checkpoint files (:func:`checkpoint_file`, the deterministic
+:func:`safetensors_bytes`, :func:`read_checkpoint`), opening and validating the log, and the reads
+``lmpm trace`` makes (the log's tables, the workers' stores). The writers are
+:mod:`lmpm.runtime.control.commitlog` (the log) and :mod:`lmpm.runtime.data.store` (a worker's payload);
+the reader is :mod:`lmpm.runtime.control.trace`. It imports SQLite, numpy and safetensors only, no torch:
+``lmpm trace`` starts in a fraction of a second. Every fault is a
+:class:`~lmpm.errors.RunDirError` saying what is wrong. Tables and blobs: ``docs/trace.md``.
+
+Schema versions: 2 moved the payload out of the log into the workers' stores; 3 added the epoch's
+counted costs (``epochs.control_bytes``, ``halo_bytes``, ``driver_cpu_s``). A schema-2 log is read
+as it is (those columns are None) and upgraded to 3 when a run resumes it (:func:`upgrade`).
+
+>>> checkpoint_file(20, "cpu:0")
+'checkpoints/epoch-00000020.cpu-0.safetensors'
+>>> decode(encode(np.arange(3), "H")).tolist()
+[0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import sqlite3
+import urllib.parse
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load as load_safetensors
+
+from lmpm.errors import RunDirError
+from lmpm.runtime.lock import atomic_write, is_io_error, os_error, sqlite_error
+
+if TYPE_CHECKING:
+    from lmpm.runtime.records import EpochRecord
+
+SCHEMA_VERSION = 3  # the log schema this version writes
+OLDEST_SCHEMA = 2  # the oldest it reads and resumes
+DB_NAME = "lmpm.db"
+STORE_DIR = "payload"  # the workers' payload stores
+CHECKPOINT_DIR = "checkpoints"
+SQLITE_HEADER = b"SQLite format 3\x00"
+KEEP_RULE = -1  # rule id of the keep-current candidate (column 0) in rule_defs
+
+# The epochs table's columns in insert order: schema 3 appended the last three (NULL in the rows a
+# schema-2 run wrote), so a table upgraded with ALTER TABLE has the same order as a new one.
+EPOCH_COLUMNS = (
+    "epoch",
+    "open_cells",
+    "attempts",
+    "candidates",
+    "commits",
+    "violations",
+    "decided",
+    "seconds",
+    "model_seconds",
+    "log_seconds",
+    "maskplan",
+    "at",
+    "control_bytes",  # bytes into and out of the control plane, every message serialised
+    "halo_bytes",  # payload bytes moved worker to worker
+    "driver_cpu_s",  # the control plane's process CPU time
+)
+COUNTED = {"control_bytes": "INTEGER", "halo_bytes": "INTEGER", "driver_cpu_s": "REAL"}
+INSERT_EPOCH = f"INSERT INTO epochs ({', '.join(EPOCH_COLUMNS)}) VALUES ({', '.join('?' * len(EPOCH_COLUMNS))})"
+
+# RuleSet events (enable/disable a constraint from an epoch on); logs written before it have none
+RULESET_TABLE = (
+    "CREATE TABLE IF NOT EXISTS ruleset_events (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
+    "op TEXT NOT NULL, name TEXT NOT NULL, clock INTEGER NOT NULL, by TEXT NOT NULL, "
+    "at REAL NOT NULL)"
+)
+
+# Worker faults a multi-worker run survived (lmpm.runtime.data.raygroup.Fault); older logs have none
+FAULTS_TABLE = (
+    "CREATE TABLE IF NOT EXISTS worker_faults (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
+    "worker TEXT NOT NULL, phase TEXT NOT NULL, cause TEXT NOT NULL, seconds REAL NOT NULL, "
+    "pid INTEGER NOT NULL, at REAL NOT NULL)"
+)
+
+# Quorum replicas outvoted (lmpm.runtime.records.Dissent): per epoch, value and replica, the worker
+# that ran it and the committed cells where its proposal differed; older logs have none
+DISSENT_TABLE = (
+    "CREATE TABLE IF NOT EXISTS quorum_dissent (seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, "
+    "value TEXT NOT NULL, replica INTEGER NOT NULL, worker TEXT NOT NULL, cells INTEGER NOT NULL)"
+)
+
+SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE value_defs (
+  id INTEGER PRIMARY KEY, name TEXT UNIQUE NOT NULL, dims TEXT NOT NULL, ncells INTEGER NOT NULL,
+  first_id INTEGER NOT NULL, vocab INTEGER, dtype TEXT NOT NULL, policy TEXT NOT NULL);
+CREATE TABLE rule_defs (
+  id INTEGER PRIMARY KEY, name TEXT NOT NULL, target TEXT, model TEXT, score TEXT, replicas INTEGER);
+CREATE TABLE constraint_defs (
+  id INTEGER PRIMARY KEY, name TEXT NOT NULL, value TEXT NOT NULL, kind TEXT NOT NULL,
+  pred TEXT NOT NULL, priority INTEGER NOT NULL, status TEXT NOT NULL, source TEXT, text TEXT,
+  cells INTEGER);
+CREATE TABLE epochs (
+  epoch INTEGER PRIMARY KEY, open_cells INTEGER NOT NULL, attempts INTEGER NOT NULL,
+  candidates INTEGER NOT NULL, commits INTEGER NOT NULL, violations INTEGER NOT NULL,
+  decided INTEGER, seconds REAL NOT NULL, model_seconds REAL NOT NULL, log_seconds REAL NOT NULL,
+  maskplan TEXT NOT NULL, at REAL NOT NULL, control_bytes INTEGER, halo_bytes INTEGER,
+  driver_cpu_s REAL);
+CREATE TABLE commits (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,
+  step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,
+  clock_min INTEGER NOT NULL, clock_max INTEGER NOT NULL, score_min REAL, score_max REAL,
+  crc INTEGER NOT NULL, sums BLOB, clocks BLOB, scores BLOB);
+CREATE INDEX commits_by_epoch ON commits (epoch);
+CREATE TABLE checkpoints (
+  epoch INTEGER PRIMARY KEY, file TEXT NOT NULL, bytes INTEGER NOT NULL, sha256 TEXT NOT NULL,
+  created REAL NOT NULL);
+CREATE TABLE resumes (id INTEGER PRIMARY KEY, at REAL NOT NULL, from_epoch INTEGER NOT NULL,
+  argv TEXT);
+CREATE TABLE trace_summary (
+  epoch INTEGER NOT NULL, constraint_id INTEGER NOT NULL, rule INTEGER NOT NULL,
+  checked INTEGER NOT NULL, violations INTEGER NOT NULL, won INTEGER NOT NULL, lost INTEGER NOT NULL,
+  blocked_where TEXT, PRIMARY KEY (epoch, constraint_id, rule));
+CREATE TABLE trace_cells (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, coord TEXT NOT NULL,
+  candidates INTEGER NOT NULL, winner INTEGER NOT NULL, winner_rule INTEGER NOT NULL,
+  favourite INTEGER NOT NULL, committed INTEGER NOT NULL, payload, clock INTEGER NOT NULL,
+  covered INTEGER NOT NULL, decided_by TEXT, PRIMARY KEY (value, cell, epoch));
+CREATE TABLE trace_candidates (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
+  rule INTEGER NOT NULL, payload, score REAL, violated INTEGER NOT NULL,
+  PRIMARY KEY (value, cell, epoch, col));
+CREATE TABLE ruleset_events (
+  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, op TEXT NOT NULL, name TEXT NOT NULL,
+  clock INTEGER NOT NULL, by TEXT NOT NULL, at REAL NOT NULL);
+CREATE TABLE worker_faults (
+  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, worker TEXT NOT NULL, phase TEXT NOT NULL,
+  cause TEXT NOT NULL, seconds REAL NOT NULL, pid INTEGER NOT NULL, at REAL NOT NULL);
+CREATE TABLE quorum_dissent (
+  seq INTEGER PRIMARY KEY, epoch INTEGER NOT NULL, value TEXT NOT NULL, replica INTEGER NOT NULL,
+  worker TEXT NOT NULL, cells INTEGER NOT NULL);
+CREATE VIEW trace_named AS
+  SELECT s.epoch, c.name AS constraint_name, c.priority, r.name AS rule_name, s.checked,
+         s.violations, s.won, s.lost, s.blocked_where
+  FROM trace_summary s JOIN constraint_defs c ON c.id = s.constraint_id
+  LEFT JOIN rule_defs r ON r.id = s.rule;
+"""
+
+# A worker's store: committed payload, one row per arithmetic run of cells (crc: CRC-32 of the
+# payload bytes after the type tag), and the candidate payloads `--trace cells` asks for
+STORE_SCHEMA = """
+CREATE TABLE IF NOT EXISTS rows (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, step INTEGER NOT NULL,
+  count INTEGER NOT NULL, crc INTEGER NOT NULL, payload BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS rows_by_epoch ON rows (epoch);
+CREATE TABLE IF NOT EXISTS candidates (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
+  payload BLOB NOT NULL, PRIMARY KEY (value, cell, epoch, col));
+"""
+
+
+# ---- paths ------------------------------------------------------------------------------------------
+def db_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / DB_NAME
+
+
+def worker_file(worker: str) -> str:
+    """A worker's name as a file name ("cpu:0" -> "cpu-0")."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", worker)
+
+
+def store_path(run_dir: str | Path, worker: str) -> Path:
+    return Path(run_dir) / STORE_DIR / f"{worker_file(worker)}.db"
+
+
+def checkpoint_file(label: int, worker: str | None = None) -> str:
+    """The checkpoint of the state at the start of epoch ``label``, relative to the run directory:
+    the control plane's, or ``worker``'s payload shard (same prefix, so they are pruned together)."""
+    shard = "" if worker is None else f".{worker_file(worker)}"
+    return f"{CHECKPOINT_DIR}/epoch-{label:08d}{shard}.safetensors"
+
+
+def holds_run(run_dir: str | Path) -> bool:
+    """True when RUN_DIR contains a run's commit log."""
+    return db_path(run_dir).exists()
+
+
+def unlink_db(path: Path) -> None:
+    """Delete an SQLite database and its journal files."""
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+
+
+def remove_run(run_dir: str | Path) -> None:
+    """Delete a run's commit log, payload stores and checkpoints (``--force``). Outputs are
+    overwritten later."""
+    d = Path(run_dir)
+    unlink_db(db_path(d))
+    shutil.rmtree(d / CHECKPOINT_DIR, ignore_errors=True)
+    shutil.rmtree(d / STORE_DIR, ignore_errors=True)
+
+
+# ---- opening the log --------------------------------------------------------------------------------
+def _check_header(path: Path) -> None:
+    """Refuse a file that is not an SQLite database *before* SQLite opens it: SQLite treats an
+    empty or foreign file as a new database and may then discard the ``-wal`` beside it, which
+    holds the run's commits."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError as e:
+        raise RunDirError(f"cannot read {path}: {e.strerror}", code="D002") from None
+    if head == SQLITE_HEADER:
+        return
+    wal = Path(f"{path}-wal")
+    kept = ""
+    if wal.is_file() and wal.stat().st_size > 0:
+        kept = f"; its write-ahead log {wal.name} ({wal.stat().st_size:,} bytes) was left as it is"
+    what = "empty (0 bytes)" if not head else "not an SQLite database"
+    raise RunDirError(
+        f"{path} is {what}{kept}; nothing was changed",
+        code="D003",
+        hint="restore lmpm.db from a copy (the -wal file alone cannot be read without it), "
+        "or start a new run in another directory",
+    )
+
+
+def connect(
+    run_dir: str | Path, *, readonly: bool = True, check: bool = False, durable: bool = False
+) -> sqlite3.Connection:
+    """Open RUN_DIR's log and validate it: an LMPM database of a schema this version reads.
+
+    ``readonly`` never modifies the database (SQLite may rebuild its ``-shm`` index); ``check``
+    also runs ``PRAGMA quick_check``; ``durable`` (writing) fsyncs every transaction. Raises
+    :class:`RunDirError` with what is wrong."""
+    path = db_path(run_dir)
+    if not path.is_file():
+        raise RunDirError(
+            f"{run_dir} holds no LMPM run (no {DB_NAME})",
+            code="D001",
+            hint="give the --out directory of an `lmpm run`",
+        )
+    _check_header(path)  # before SQLite opens it (it would discard the -wal of an empty file)
+    uri = f"file:{urllib.parse.quote(str(path.resolve()))}"
+    try:
+        conn = sqlite3.connect(
+            uri + ("?mode=ro" if readonly else ""), uri=True, isolation_level=None
+        )
+    except sqlite3.Error as e:
+        raise RunDirError(f"cannot open {path}: {e}", code="D002") from None
+    try:
+        validate(conn, path, check=check)
+    except RunDirError:
+        conn.close()
+        raise
+    except sqlite3.Error as e:  # an I/O error while validating (validate types the rest)
+        conn.close()
+        raise sqlite_error(e, "open", path) from None
+    if not readonly:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+        except sqlite3.Error as e:
+            conn.close()
+            raise sqlite_error(e, "open for writing", path) from None
+    return conn
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+    return -1 if row is None else int(json.loads(row[0]))
+
+
+def validate(conn: sqlite3.Connection, path: Path, *, check: bool = False) -> None:
+    """Raise RunDirError unless ``conn`` is an LMPM log of a schema this version reads."""
+    try:
+        version = schema_version(conn)
+        if version < 0:
+            raise RunDirError(
+                f"{path} is not an LMPM run database (no schema version)", code="D003"
+            )
+        if version > SCHEMA_VERSION:
+            raise RunDirError(
+                f"{path} was written by a newer LMPM (log schema {version}; this version reads "
+                f"{OLDEST_SCHEMA} to {SCHEMA_VERSION}); nothing was changed",
+                code="D004",
+                hint="upgrade lmpm to resume or read this run",
+            )
+        if version < OLDEST_SCHEMA:
+            raise RunDirError(
+                f"{path} has log schema {version}; this version reads {OLDEST_SCHEMA} to "
+                f"{SCHEMA_VERSION} only (schema 2 moved the payload out of the log into the "
+                "workers' stores); nothing was changed",
+                code="D005",
+                hint="rerun the program with this version of lmpm to get a run it can read and resume",
+            )
+        if check:
+            bad = [r[0] for r in conn.execute("PRAGMA quick_check").fetchall() if r[0] != "ok"]
+            if bad:
+                raise RunDirError(f"{path} is corrupt: {bad[0]}; nothing was changed", code="D006")
+    except RunDirError:
+        raise
+    except (sqlite3.Error, ValueError) as e:
+        if isinstance(e, sqlite3.Error) and is_io_error(e):
+            raise  # the disk failed, the database is not damaged: the caller names the cause
+        raise RunDirError(
+            f"{path} is corrupt or truncated ({e}); nothing was changed",
+            code="D006",
+            hint="start a new run with --force, or restore the directory from a copy",
+        ) from None
+
+
+def upgrade(conn: sqlite3.Connection) -> None:
+    """Bring a log this version reads to :data:`SCHEMA_VERSION` (a resume, in the caller's
+    transaction): the tables later versions added, and schema 3's counted epoch columns (NULL in
+    the epochs logged before)."""
+    conn.execute(RULESET_TABLE)  # a log written before RuleSet events existed
+    conn.execute(FAULTS_TABLE)  # ... or before worker faults were logged
+    conn.execute(DISSENT_TABLE)  # ... or before quorum dissent was
+    have = _columns(conn, "epochs")
+    for name, kind in COUNTED.items():
+        if name not in have:
+            conn.execute(f"ALTER TABLE epochs ADD COLUMN {name} {kind}")
+    conn.execute(
+        "UPDATE meta SET value = ? WHERE key = 'schema_version'", (json.dumps(SCHEMA_VERSION),)
+    )
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
+    return [str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")]
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    return bool(
+        conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+        ).fetchone()
+    )
+
+
+# ---- reading the log --------------------------------------------------------------------------------
+def read_meta(conn: sqlite3.Connection) -> dict[str, Any]:
+    try:
+        return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    except (sqlite3.Error, ValueError) as e:
+        raise RunDirError(f"the run's metadata is unreadable ({e})", code="D006") from None
+
+
+def completed_epochs(conn: sqlite3.Connection) -> int:
+    row = conn.execute("SELECT max(epoch) FROM epochs").fetchone()
+    return 0 if row[0] is None else int(row[0]) + 1
+
+
+def epoch_rows(conn: sqlite3.Connection, columns: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The ``epochs`` rows in order, each ``columns`` -> its value (None for a column the log's
+    schema lacks: the counted costs of a schema-2 run)."""
+    have = set(_columns(conn, "epochs"))
+    picked = [c for c in columns if c in have]
+    rows = conn.execute(f"SELECT {', '.join(picked)} FROM epochs ORDER BY epoch")
+    return [{c: dict(zip(picked, r)).get(c) for c in columns} for r in rows]
+
+
+def ruleset_events(conn: sqlite3.Connection) -> list[tuple[int, str, str, int, str]]:
+    """The RuleSet events (epoch, op, name, clock, by) in the order they were committed (none in
+    a log written before RuleSet events existed)."""
+    if not _has_table(conn, "ruleset_events"):
+        return []
+    rows = conn.execute("SELECT epoch, op, name, clock, by FROM ruleset_events ORDER BY seq")
+    return [(int(e), str(op), str(n), int(c), str(b)) for e, op, n, c, b in rows]
+
+
+def worker_faults(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    """The worker faults a multi-worker run survived, in order: the epoch redone, the worker, the
+    phase, the cause (died, hung, blocked on a dead peer), the seconds lost, the failed process
+    (none in a log written before faults were logged)."""
+    if not _has_table(conn, "worker_faults"):
+        return []
+    rows = conn.execute(
+        "SELECT epoch, worker, phase, cause, seconds, pid FROM worker_faults ORDER BY seq"
+    )
+    return [
+        {
+            "epoch": int(e),
+            "worker": str(w),
+            "phase": str(p),
+            "cause": str(c),
+            "seconds": float(s),
+            "pid": int(pid),
+        }
+        for e, w, p, c, s, pid in rows
+    ]
+
+
+def quorum_dissent(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    """The quorum replicas outvoted, in order: the epoch, the value, the replica, the worker that
+    ran it and the committed cells where its proposal differed from the committed payload (none
+    in a log written before dissent was logged)."""
+    if not _has_table(conn, "quorum_dissent"):
+        return []
+    rows = conn.execute(
+        "SELECT epoch, value, replica, worker, cells FROM quorum_dissent ORDER BY seq"
+    )
+    return [
+        {"epoch": int(e), "value": str(v), "replica": int(p), "worker": str(w), "cells": int(c)}
+        for e, v, p, w, c in rows
+    ]
+
+
+# ---- reading the workers' stores --------------------------------------------------------------------
+def _store_rows(run_dir: str | Path, worker: str, query: str, args: tuple[Any, ...]) -> list[Any]:
+    path = store_path(run_dir, worker)
+    if not path.is_file():
+        return []
+    try:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro", uri=True)
+        try:
+            return conn.execute(query, args).fetchall()
+        finally:
+            conn.close()
+    except sqlite3.Error as e:
+        raise RunDirError(f"the payload store {path} is unreadable ({e})", code="D006") from None
+
+
+def read_cell_payload(
+    run_dir: str | Path, worker: str, value: str, cell: int
+) -> dict[int, np.ndarray]:
+    """epoch -> the payload ``cell`` of ``value`` committed in that epoch (``lmpm trace --cell``)."""
+    out: dict[int, np.ndarray] = {}
+    rows = _store_rows(
+        run_dir,
+        worker,
+        "SELECT epoch, first, step, count, payload FROM rows WHERE value = ? AND first <= ? "
+        "ORDER BY epoch",
+        (value, cell),
+    )
+    for e, first, step, count, payload in rows:
+        j, r = divmod(cell - first, step)
+        if r == 0 and j < count:
+            out[int(e)] = decode(payload).reshape(count, -1)[j]
+    return out
+
+
+def read_candidates(
+    run_dir: str | Path, worker: str, value: str, cell: int
+) -> dict[tuple[int, int], np.ndarray]:
+    """(epoch, column) -> the recorded candidate payload of ``cell`` (``--trace cells``)."""
+    rows = _store_rows(
+        run_dir,
+        worker,
+        "SELECT epoch, col, payload FROM candidates WHERE value = ? AND cell = ?",
+        (value, cell),
+    )
+    return {(int(e), int(col)): decode(payload) for e, col, payload in rows}
+
+
+# ---- arrays in blobs --------------------------------------------------------------------------------
+# A blob is one tag byte (a numpy type character) followed by the little-endian array.
+TAGS = {"B": "<u1", "H": "<u2", "I": "<u4", "q": "<i8", "f": "<f4", "d": "<f8"}
+
+
+def encode(arr: np.ndarray, tag: str) -> bytes:
+    return tag.encode() + np.ascontiguousarray(arr, dtype=TAGS[tag]).tobytes()
+
+
+def decode(blob: bytes) -> np.ndarray:
+    tag = chr(blob[0])
+    if tag not in TAGS:
+        raise RunDirError(f"a commit-log blob has an unknown type tag {tag!r}", code="D006")
+    return np.frombuffer(blob, dtype=TAGS[tag], offset=1)
+
+
+def uint_tag(top: int) -> str:
+    """The smallest unsigned type that holds 0..top."""
+    return "B" if top < 1 << 8 else "H" if top < 1 << 16 else "I" if top < 1 << 32 else "q"
+
+
+def payload_tag(vocab: int | None) -> str:
+    """Tokens in the smallest unsigned type that holds the vocabulary; numbers as float32."""
+    return "f" if vocab is None else uint_tag(vocab - 1)
+
+
+def cell_runs(cells: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split sorted cell ids into arithmetic runs with one ``key`` each: (starts, counts, steps).
+
+    The step is the most common gap (1 for dense commits, 2 for a red-black schedule), so a commit
+    of a whole tile is a handful of rows, not one row per cell. Vectorized: no loop per cell.
+    """
+    m = cells.size
+    if m == 1:
+        return np.zeros(1, np.int64), np.ones(1, np.int64), np.ones(1, np.int64)
+    gap = np.diff(cells)
+    top = int(gap.max())
+    if top <= 4 * m:
+        step = int(np.bincount(gap).argmax())
+    else:
+        vals, cnt = np.unique(gap, return_counts=True)
+        step = int(vals[cnt.argmax()])
+    brk = (gap != step) | (key[1:] != key[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    counts = np.diff(np.append(starts, m))
+    steps = np.where(counts > 1, step, 1)
+    return starts, counts, steps
+
+
+def commit_rows(record: EpochRecord) -> list[tuple[Any, ...]]:
+    """The ``commits`` rows of one epoch: one per arithmetic run of cells with one winning rule.
+    ``sums``: the committed payloads' checksums (int64, from the worker); ``crc``: their CRC-32."""
+    out: list[tuple[Any, ...]] = []
+    e = record.epoch
+    for ve in record.values:
+        rows = np.flatnonzero(ve.changed.cpu().numpy())
+        if rows.size == 0:
+            continue
+        win = ve.winner.cpu().numpy()[rows]
+        cells = ve.cells.cpu().numpy()[rows]
+        rule = ve.col_rule.cpu().numpy()[win]
+        clock = ve.new_clock.cpu().numpy()[rows]
+        score = ve.score.cpu().numpy()[rows, win]
+        sums = (
+            np.zeros(rows.size, np.int64)
+            if ve.checksum is None
+            else ve.checksum.cpu().numpy()[rows]
+        )
+        starts, counts, steps = cell_runs(cells, rule)
+        ends = starts + counts
+        run_of = np.repeat(np.arange(starts.size), counts)
+        cmin = np.minimum.reduceat(clock, starts)
+        cmax = np.maximum.reduceat(clock, starts)
+        smin = np.minimum.reduceat(score, starts)
+        smax = np.maximum.reduceat(score, starts)
+        kraw = np.ascontiguousarray(sums, dtype="<i8").tobytes()
+        delta = clock - cmin[run_of]
+        ctag = uint_tag(int(delta.max()) + 1)
+        craw = np.ascontiguousarray(delta, dtype=TAGS[ctag]).tobytes()
+        cw = np.dtype(TAGS[ctag]).itemsize
+        sraw = np.ascontiguousarray(score, dtype="<f8").tobytes()
+        ct = ctag.encode()
+        for s, n, st, c0, c1, s0, s1, end in zip(
+            starts.tolist(),
+            counts.tolist(),
+            steps.tolist(),
+            cmin.tolist(),
+            cmax.tolist(),
+            smin.tolist(),
+            smax.tolist(),
+            ends.tolist(),
+        ):
+            k = kraw[s * 8 : end * 8]
+            out.append(
+                (
+                    e,
+                    ve.value,
+                    int(cells[s]),
+                    int(cells[end - 1]),
+                    st,
+                    n,
+                    int(rule[s]),
+                    c0,
+                    c1,
+                    s0,
+                    s1,
+                    zlib.crc32(k),
+                    b"q" + k,
+                    None if c0 == c1 else ct + craw[s * cw : end * cw],
+                    None if s0 == s1 else b"d" + sraw[s * 8 : end * 8],
+                )
+            )
+    return out
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------
+_ST_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "uint32": "U32",
+    "int32": "I32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+}
+
+
+def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> bytes:
+    """The safetensors file of ``arrays``, byte-for-byte the same for the same arrays: tensors in
+    name order, the header's keys sorted (``safetensors.numpy.save`` orders the metadata by a hash
+    map, so two identical runs' checkpoints differed in their sha256). Readable by safetensors."""
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))}
+    chunks: list[bytes] = []
+    offset = 0
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        raw = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {
+            "dtype": _ST_DTYPES[a.dtype.name],
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
+        chunks.append(raw)
+        offset += len(raw)
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned
+    return len(head).to_bytes(8, "little") + head + b"".join(chunks)
+
+
+def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, int, str]:
+    """Write a checkpoint file beside, fsync, rename: (file, bytes, sha256)."""
+    path = run_dir / rel
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, "create the checkpoint folder", path.parent) from None
+    atomic_write(path, data)
+    return rel, len(data), hashlib.sha256(data).hexdigest()
+
+
+def read_checkpoint(run_dir: Path, rel: str, sha: str, what: str = "checkpoint") -> bytes:
+    """A checkpoint file's bytes, checked against the sha256 the log (or a control checkpoint)
+    recorded for it; RunDirError D007 when it is missing, truncated or altered."""
+    path = run_dir / rel
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise RunDirError(
+            f"{what} {path} is missing ({e.strerror}); nothing was changed", code="D007"
+        ) from None
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise RunDirError(
+            f"{what} {path} is corrupt or truncated (checksum mismatch); nothing was changed",
+            code="D007",
+        )
+    return data
+
+
+def load_checkpoint(
+    run_dir: Path, rel: str, sha: str, what: str = "checkpoint"
+) -> dict[str, np.ndarray]:
+    """The arrays of a checkpoint file, checked as :func:`read_checkpoint` checks it."""
+    data = read_checkpoint(run_dir, rel, sha, what)
+    try:
+        return load_safetensors(data)
+    except Exception as e:
+        raise RunDirError(f"{what} {run_dir / rel} is unreadable ({e})", code="D007") from None
+
+
+def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
+    """The worker shards a control checkpoint names: worker -> {file, bytes, sha256}."""
+    try:
+        with safe_open(str(run_dir / rel), framework="numpy") as f:
+            meta = f.metadata() or {}
+        return dict(json.loads(meta.get("shards", "{}")))
+    except Exception as e:
+        raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
