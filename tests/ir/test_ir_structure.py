@@ -1,6 +1,7 @@
-"""Issue 34's structural rules, held: in ``lmpm/ir`` no class over 400 lines and no function over
-60; no import loop among LMPM's modules outside ``runtime/`` (imports at module level, those under
-``if TYPE_CHECKING`` aside; a package's ``__init__`` run as a parent is no import of it)."""
+"""Structural rules, held: in ``lmpm/ir`` no class over 400 lines and no function over 60; no
+import loop among LMPM's modules (imports at module level, those under ``if TYPE_CHECKING`` aside;
+a package's ``__init__`` run as a parent is no import of it); the data plane below the control
+plane."""
 
 from __future__ import annotations
 
@@ -99,14 +100,26 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_import_loop_outside_runtime() -> None:
+def test_no_import_loop() -> None:
     mods = _modules()
     graph = {
         m: set().union(*(_targets(m, f, n, mods) for n in _imports(ast.parse(f.read_text()).body)))
         for m, f in mods.items()
     }
-    loops = [c for c in _cycles(graph) if any(not m.startswith("lmpm.runtime") for m in c)]
-    assert loops == []
+    assert _cycles(graph) == []
+
+
+def test_the_data_plane_imports_nothing_of_the_control_plane() -> None:
+    """runtime/data/ sits below runtime/control/: the control plane drives the data plane through
+    the port, never the other way round (imports at module level and inside functions)."""
+    up = []
+    for f in sorted((SRC / "lmpm" / "runtime" / "data").glob("*.py")):
+        for n in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in n.names] if isinstance(n, ast.Import) else []
+            if isinstance(n, ast.ImportFrom) and n.module:
+                names = [n.module]
+            up += [f"{f.name}: {m}" for m in names if m.startswith("lmpm.runtime.control")]
+    assert up == []
 
 
 def test_no_long_class_or_function_in_ir() -> None:
