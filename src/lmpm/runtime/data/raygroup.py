@@ -61,6 +61,7 @@ from lmpm.runtime.data.group import (
     received,
 )
 from lmpm.runtime.data.raylog import quiet_worker_deaths
+from lmpm.runtime.data.transport import GlooTransport
 from lmpm.runtime.protocol import (
     ApplyReply,
     ApplyRequest,
@@ -220,8 +221,6 @@ class WorkerActor:
 
     def join(self, addr: str, port: int, world: int, timeout: float) -> None:
         """Join a new process group (a new generation; the old one is dropped)."""
-        from lmpm.runtime.data.transport import GlooTransport
-
         join_gloo(addr, port, self.index, world, timeout)
         self.transport = GlooTransport(self.dp, self.topology, self.index)
 
