@@ -1,7 +1,7 @@
 """Agreement: one value's candidates (metadata) → which cells commit, and with which column.
 
-A pure function of the worker's :class:`~lmpm.runtime.protocol.Candidates` and the control plane's
-cell metadata; it never sees payload. The commit policy picks a winner per cell (or aggregation
+A pure function of the workers' :class:`~lmpm.runtime.protocol.Candidates` and the owner's cell
+metadata (:mod:`lmpm.runtime.data.owner`); it never sees payload. The commit policy picks a winner per cell (or aggregation
 weights); a schedule with a quota (confidence) keeps the most confident commits.
 """
 

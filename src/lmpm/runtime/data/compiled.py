@@ -177,7 +177,7 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
         payload: Tensor,  # the data plane's (N, *cell)
         dp_committed: Tensor,  # the data plane's (N,) bool
         from_input: Tensor,  # the data plane's (N,) bool
-        committed: Tensor,  # the control plane's (N,) bool
+        committed: Tensor,  # the owner's (N,) bool
         clock: Tensor,  # (N,) int64
         rule: Tensor,  # (N,) int64
         epoch: Tensor,  # (N,) int64

@@ -1,8 +1,8 @@
 """The data plane: a worker that owns payload and runs an epoch's work where the payload lives.
 
 A :class:`DataPlane` holds the payload of its cells (today: every cell of every value; one worker)
-on its backend's device for the whole run, and answers the control plane's messages
-(:mod:`lmpm.runtime.protocol`):
+on its backend's device for the whole run, and answers its owner's messages
+(:mod:`lmpm.runtime.protocol`; the owner of the cells decides them, :mod:`lmpm.runtime.data.owner`):
 
 - ``propose``: gather every fired rule's reads from the resident payload (the plan's gather tables),
   dispatch all models (and their scores) to the backend before collecting any, build each value's

@@ -1,12 +1,16 @@
-"""W partitioned workers behind the one-worker interface the engine talks to.
+"""W partitioned workers behind the one port the engine talks to (:mod:`lmpm.runtime.port`).
 
-A :class:`WorkerGroup` holds W :class:`~lmpm.runtime.data.dataplane.DataPlane` workers in this process,
-each owning the cells the topology (:func:`lmpm.resolve.topology.partition`) gives it. It splits a
-:class:`ProposeRequest` by owner, merges the workers' replies into one :class:`Candidates` per value
-with the column layout one worker would produce (a worker where a rule did not fire contributes
-invalid columns), splits the :class:`ApplyRequest` back, and after every worker applied, moves the
-*changed* cells of each route from its sender to its receiver (the in-process transport: a
-two-phase exchange, all apply, then all exchange). The control plane sees metadata only.
+A :class:`WorkerGroup` holds W :class:`~lmpm.runtime.data.dataplane.DataPlane` workers in this
+process, each holding the payload of the cells the topology
+(:func:`lmpm.resolve.topology.partition`) gives it, and one
+:class:`~lmpm.runtime.data.owner.Owner` that decides every cell over the merged candidates (in this
+process for now: docs/distributed.md, "Where cells are decided"). For its owner it splits a
+:class:`ProposeRequest` by worker, merges the workers' replies into one :class:`Candidates` per
+value with the column layout one worker would produce (a worker where a rule did not fire
+contributes invalid columns), splits the :class:`ApplyRequest` back, and after every worker
+applied, moves the *changed* cells of each route from its sender to its receiver (the in-process
+transport: a two-phase exchange, all apply, then all exchange). The engine sees the epoch's
+report only.
 
 How the workers are reached is the subclass's part: here they are objects in this process;
 :class:`lmpm.runtime.data.raygroup.RayGroup` runs each as a Ray actor in its own process, the halo moving
@@ -154,7 +158,7 @@ class InProcessTransport:
 
 
 class WorkerGroup:
-    """W in-process partitioned workers presenting the DataPlane interface to the engine."""
+    """W in-process partitioned workers and the owner of their cells, behind the port."""
 
     def __init__(
         self,

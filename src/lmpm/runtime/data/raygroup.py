@@ -2,8 +2,8 @@
 
 :class:`RayGroup` is a :class:`~lmpm.runtime.data.group.WorkerGroup` whose workers are Ray actors
 (:class:`WorkerActor`), each holding one :class:`~lmpm.runtime.data.dataplane.DataPlane` with the cells
-the topology gives it. The control plane (the engine, in the driver process) sends each phase's
-messages to every worker at once and waits for all of them (one parallel round trip per phase:
+the topology gives it. The group's owner of the cells (in the driver process, beside the engine)
+sends each phase's messages to every worker at once and waits for all of them (one parallel round trip per phase:
 propose, then apply); after applying, the workers send their changed routed cells to each other
 over a gloo process group (:class:`~lmpm.runtime.data.transport.GlooTransport`), never through the
 driver. Only metadata crosses Ray's channels in the epoch loop; payload crosses them only at the
