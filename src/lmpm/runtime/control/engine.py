@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -110,7 +110,7 @@ class Engine:
                 self._until = max(self._until, until)
                 self._cycle = math.lcm(self._cycle, cycle)
         self.quiet = 0  # counted epochs without a commit since the last commit (see _count_quiet)
-        self._unset: dict[str, int] | None = None  # per value, after the last epoch (report)
+        self._unset: Mapping[str, int] | None = None  # per value, after the last epoch (report)
         self.stop: StopReason | None = None
         self._started = False
         self.compiled: Any = None  # the fused data plane's CompiledEpoch (see compile())
@@ -188,7 +188,7 @@ class Engine:
         return [cp.name for cp in self.plan.constraints if cp.name in self.ruleset]
 
     # ---- the loop --------------------------------------------------------------------------------
-    def _unset_now(self) -> dict[str, int]:
+    def _unset_now(self) -> Mapping[str, int]:
         if self._unset is None:
             self._unset = self.dataplane.owner.unset()
         return self._unset
@@ -350,7 +350,7 @@ class Engine:
             check_message(req, "epoch request")
             check_message(report, "epoch report")
         self.maskplan.add(("open", e, report.opened))
-        self._unset = dict(report.unset)
+        self._unset = report.unset  # the owner hands over a fresh mapping
         self.epoch = e + 1
         self._count_quiet(e, report.commits)
         rec = self._record(report, time.perf_counter() - t0, time.process_time() - cpu0)
