@@ -66,6 +66,8 @@ def test_each_step_is_captured_once_per_bucket_and_replayed() -> None:
     assert stats.steps == 12 and stats.captures == 1
     mirror = run.dataplane._mirror
     assert mirror is not None and mirror.uploads == 1  # nothing but the steps changed it
+    summary = run.engine.compiled.summary()  # type: ignore[union-attr]
+    assert "12 compiled steps, replayed as 1 CUDA graph)" in summary
 
 
 def test_eager_epochs_between_captured_ones_refresh_the_device_mirror() -> None:
