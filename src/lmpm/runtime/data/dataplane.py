@@ -432,7 +432,10 @@ class DataPlane:
         if not self._host:
             owner.settle(name, e, rp.id, ve)
         if n_commits and (self.store is not None or checksums):
-            rows = cells if n_commits == cells.numel() else cells[self._here(changed)]
+            if self._host:
+                rows = cells if n_commits == cells.numel() else cells[changed]
+            else:  # the committed rows picked on the host (no device-side mask and its wait)
+                rows = self._here(ve.cells if n_commits == cells.numel() else ve.cells[changed])
             new = self.payload[name].index_select(0, rows)
             if self.store is not None:
                 self.store.append_commits(e, name, rows, new)
