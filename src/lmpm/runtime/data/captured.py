@@ -36,6 +36,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -45,10 +46,12 @@ from lmpm.workers import graphs
 # The step's arguments that change per epoch (lmpm.runtime.data.compiled: _HEAD's layout): the
 # epoch, the open cells, the proposals, their scores and the RuleSet mask. The others stay.
 PER_EPOCH = (0, 1, 2, 3, 13)
+ACTIVE = 13
 # The step's writes in place: payload, data-plane flags, input flags, committed, clock, rule,
 # epoch, kept score, why (what a simulated capture must put back).
 WRITTEN = (4, 5, 6, 7, 8, 9, 10, 11, 12)
 _FIELDS = ("committed", "clock", "rule", "epoch", "score")
+_NUMPY = {torch.int64: np.int64, torch.float64: np.float64, torch.bool: np.bool_}
 
 
 class Mirror:
@@ -112,6 +115,8 @@ class _Step:
             math.prod(shape) * torch.empty((), dtype=dt).element_size()
             for dt, shape, _ in self.layout
         ]
+        self._unsort = [k for _, k in sorted((j, k) for k, (_, _, j) in enumerate(self.layout))]
+        self._active: Tensor | None = None  # the RuleSet mask last copied in
 
     def holds(self, args: Sequence[Tensor]) -> bool:
         """Whether the graph's fixed inputs are still these tensors."""
@@ -120,14 +125,24 @@ class _Step:
     def run(self, args: Sequence[Tensor]) -> list[Tensor]:
         """Copy in this epoch's inputs, replay, bring the records to the host (one copy)."""
         for i in PER_EPOCH:
-            if args[i] is not self.args[i]:
-                self.args[i].copy_(args[i])
+            a = args[i]
+            if a is self.args[i]:
+                continue
+            if i == ACTIVE:  # the RuleSet's mask: the owner makes a new one when the RuleSet
+                if self._active is a:  # changes and never writes one (Owner.active_mask)
+                    continue
+                self._active = a
+            self.args[i].copy_(a)
         self.replay()
-        flat = self.packed.cpu()  # the step's one wait for the device
-        out: list[Tensor] = [flat] * len(self.layout)
-        for (dt, shape, j), part in zip(self.layout, flat.split(self.sizes)):
-            out[j] = part.view(dt).view(shape)
-        return out
+        # the step's one wait for the device; the records are numpy views of the copy (no
+        # tensor operation per record on the host)
+        flat = self.packed.cpu().numpy()
+        out: list[Tensor] = []
+        at = 0
+        for (dt, shape, _), size in zip(self.layout, self.sizes):
+            out.append(torch.from_numpy(flat[at : at + size].view(_NUMPY[dt]).reshape(shape)))
+            at += size
+        return [out[k] for k in self._unsort]
 
 
 class CapturedSteps:
