@@ -80,11 +80,9 @@ class Mirror:
             self.state[name] = CellState(*(getattr(host, f).to(self.device) for f in _FIELDS))
             if why is not None:
                 self.why[name] = why.to(self.device)
-        else:
-            for f in _FIELDS:
+        else:  # (the device's why-codes are the step's scratch, never read back: the owner
+            for f in _FIELDS:  # finds them from the step's records, Owner.settle)
                 getattr(dev, f).copy_(getattr(host, f))
-            if why is not None:
-                self.why[name].copy_(why)
         self._seen[name] = version
         self.uploads += 1
         return self.state[name], self.why.get(name)
