@@ -87,11 +87,9 @@ def alternate(
     return out
 
 
-def text(repeats: int) -> dict[str, Any]:
-    front = compile_file(EX / "text.lmpm")
-    prompt = {"Txt": str(EX / "text" / "prompt.txt")}
-    runs = alternate(lambda c: Run(front, inputs=prompt, seed=0, compile=c), None, repeats)
-    row: dict[str, Any] = {"benchmark": "compile", "case": "text"}
+def outside_model(runs: dict[bool, list[tuple[Run, RunResult]]], row: dict[str, Any]) -> None:
+    """Per mode, the 10th percentile over every epoch but the first of the time outside the model
+    (µs), of the whole epoch (µs), and the share of the first in the second, into ``row``."""
     for compiled, label in ((False, "eager"), (True, "compiled")):
         outside, whole = [], []
         for _, res in runs[compiled]:
@@ -101,6 +99,14 @@ def text(repeats: int) -> dict[str, Any]:
         row[f"{label}_outside_us_p10"] = round(pct(outside, 0.1), 1)
         row[f"{label}_epoch_us_p10"] = round(pct(whole, 0.1), 1)
         row[f"{label}_outside_share"] = round(pct(outside, 0.1) / pct(whole, 0.1), 4)
+
+
+def text(repeats: int) -> dict[str, Any]:
+    front = compile_file(EX / "text.lmpm")
+    prompt = {"Txt": str(EX / "text" / "prompt.txt")}
+    runs = alternate(lambda c: Run(front, inputs=prompt, seed=0, compile=c), None, repeats)
+    row: dict[str, Any] = {"benchmark": "compile", "case": "text"}
+    outside_model(runs, row)
     row["outside_ratio"] = round(row["eager_outside_us_p10"] / row["compiled_outside_us_p10"], 2)
     row["epochs"] = runs[True][0][1].epochs
     row["repeats"] = repeats
@@ -269,14 +275,7 @@ def on_device(device: str, epochs: int, repeats: int, long_epochs: int) -> list[
 
             runs = alternate(make, n, repeats)
             row: dict[str, Any] = {"benchmark": "compile", "case": f"{name}_{device}"}
-            for compiled, label in ((False, "eager"), (True, "compiled")):
-                outside, whole = [], []
-                for _, res in runs[compiled]:
-                    for rec in res.records[1:]:
-                        outside.append((rec.seconds - rec.model_seconds) * 1e6)
-                        whole.append(rec.seconds * 1e6)
-                row[f"{label}_outside_us_p10"] = round(pct(outside, 0.1), 1)
-                row[f"{label}_outside_share"] = round(pct(outside, 0.1) / pct(whole, 0.1), 4)
+            outside_model(runs, row)
             stats = runs[True][-1][0].engine.compiled.stats  # type: ignore[union-attr]
             row["captures_per_run"] = stats.captures
             row["outside_ratio"] = round(
