@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 
-from lmpm.ir import compile_file
+from lmpm.ir import compile_file, compile_source
 from lmpm.runtime.data.compiled import _flat, value_step
 from lmpm.runtime.session import Run, resume
 from lmpm.workers import graphs
@@ -26,6 +27,7 @@ from lmpm.workers.simcuda import SimTensor, simulated_cuda
 sys.path.insert(0, str(Path(__file__).parent))
 from test_compiled import EX, _video, same_runs, step_only
 from test_runtime_dataplane import ENGINE_EXAMPLES, _examples
+from test_runtime_differential import BINDINGS, programs, used
 
 # the examples with a value whose step compiles (latent's values run eagerly: lmpm show --compiled)
 CAPTURED = {"gpt", "text", "text_free", "video", "video_free", "sudoku"}
@@ -198,3 +200,23 @@ def test_captured_on_the_gpu_commits_as_eager_on_the_cpu(
     got = gpu.run(epochs)
     same_runs(cpu, want, gpu, got)
     assert gpu.engine.compiled.stats.captures >= 1  # type: ignore[union-attr]
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(programs())
+def test_random_programs_captured_commit_as_eager_on_the_cpu(
+    case: tuple[str, dict[str, Any]],
+) -> None:
+    """Random programs (several values reading each other's clocks, eager and compiled values
+    mixed): captured on the simulated GPU, as the eager CPU epoch."""
+    src, kw = case
+    front = compile_source(src, raise_errors=False)
+    assert not front.errors
+    bindings = used(front, BINDINGS)
+    cpu = Run(front, bindings=bindings, seed=kw["seed"])
+    want = cpu.run(kw["epochs"])
+    with simulated_cuda() as sim:
+        gpu = Run(front, bindings=bindings, seed=kw["seed"], backend="simcuda", compile=True)
+        got = gpu.run(kw["epochs"])
+        same_runs(cpu, want, gpu, got)
+    assert not sim.errors

@@ -35,7 +35,7 @@ def echo(
         if name.endswith("_mask"):
             base = name.removesuffix("_mask")
             total = total + torch.where(t, inputs[base], 0).sum(dim=1)
-    j = torch.arange(int(k))
+    j = torch.arange(int(k), device=cells.device)  # (device-clean: runs on a GPU as is)
     prop = (total[:, None] + j[None, :]) % vocab
     score = -((total[:, None] * 7 + j[None, :] * 3) % 5).to(torch.float64)
     return {"proposal": prop, "score": score}
@@ -52,7 +52,7 @@ def fecho(inputs: dict[str, torch.Tensor], *, k: int = 1, **_: Any) -> dict[str,
             data = inputs[name.removesuffix("_mask")].to(torch.float64)
             top = torch.maximum(top, torch.where(t, data, 0.0).amax(dim=1))  # payloads are >= 0
             count = count + t.sum(dim=1)
-    j = torch.arange(int(k), dtype=torch.float64)
+    j = torch.arange(int(k), dtype=torch.float64, device=cells.device)
     raw = (torch.floor(4 * top) / 4 * 0.5 + count * 0.25 + cells * 0.5)[:, None] + j[None, :]
     prop = torch.remainder(raw, 6.0)
     score = -((cells[:, None] * 7 + j[None, :] * 3 + count[:, None]) % 5)
