@@ -232,12 +232,16 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
         ),
         bench(
             "compile",
-            "the examples' epochs on the device (eager; --compile refuses CUDA: U103)",
+            "the examples' epochs on the device, eager and compiled (each step a CUDA graph)",
             0.10,
             "benchmarks/compile.py",
             "--quick",
-            # the dry run: the CPU's compiled epoch (its cold/warm compile processes: bench.sh)
-            *(("--no-compile-time",) if dry else ("--device", "cuda")),
+            # the dry run: the same path on the simulated device (its times are the simulation's)
+            *(
+                ("--device", "simcuda", "--long-epochs", "200")
+                if dry
+                else ("--device", "cuda", "--long-epochs", "10000")
+            ),
         ),
         Step(
             "tests",

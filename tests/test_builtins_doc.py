@@ -61,7 +61,7 @@ def test_an_example_line_passes_check_in_a_program() -> None:
 
 # Phrases that put a feature off to an unnamed later time ("numeric payloads for later issues",
 # "Tensor[D] values, which it cannot run yet"): what is missing is said with the error that
-# refuses it (U103: "on CUDA the step is not built yet"), never as a vague promise.
+# refuses it (U101: "--compile runs one worker in this process"), never as a vague promise.
 STALE = re.compile(
     r"later issues?|future issues?|cannot (yet )?run (it |them )?yet|which it cannot run|"
     r"\bTODO\b|\bTBD\b",

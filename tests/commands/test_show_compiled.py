@@ -49,6 +49,9 @@ def test_text_compiles_with_its_spec_and_graph() -> None:
     assert 'Plain  require Txt[t] in Set(97..122, " ,.")  priority 10, on every cell' in out
     assert "Txt (its own clocks): per cell" in out
     assert "reads        context: a compiled gather per open-cell bucket" in out
+    # what --backend cuda captures as a CUDA graph, and what it leaves out
+    assert "on cuda      captured: the step, one CUDA graph per bucket" in out
+    assert "not captured: the model ByteLM" in out
     # epoch 0 opens one cell; the rule's k=8 proposals are unrolled into the graph
     assert "traced at 1 open cell (what epoch 0 opens)" in out
     assert "8 proposals per cell" in out
@@ -72,6 +75,7 @@ def test_sudoku_grid_eager_cand_compiled() -> None:
     assert "1 of 2 proposed values compiles" in out
     assert "Cand: compiled" in out
     assert "Grid: eager: constraint `Row` is a bound Python predicate" in out
+    assert "on cuda nothing of it is captured as a CUDA graph" in out
     assert "winner_takes_all" in out and "constraints  none checked at run time" in out
     # Cand's clock reads Grid's clocks: Grid's clock array is an input of Cand's graph
     assert "clock_src[Grid]" in out

@@ -120,12 +120,12 @@ def test_text_example(monkeypatch: pytest.MonkeyPatch) -> None:
 VIDEO = {"Model": random_tokens, "CoarseGen": random_tokens, "ModelScore": zero_score}
 
 
-def _video(t: int, w: int, h: int, seed: int) -> Any:
+def _video(t: int, w: int, h: int, seed: int, backend: str = "cpu") -> Any:
     p = {"T": t, "W": w, "H": h, "N": 16, "x1": 0, "x2": 1, "y1": 0, "y2": 1}
     front = compile_file(EX / "video.lmpm", overrides=p)
 
     def make(compile: bool) -> Run:
-        run = Run(front, params=p, bindings=VIDEO, seed=seed, compile=compile)
+        run = Run(front, params=p, bindings=VIDEO, seed=seed, compile=compile, backend=backend)
         text = torch.tensor(list(b"a red square under a blue sky"[:16]))
         run.set_input("Txt", text, torch.ones(16, dtype=torch.bool))
         return run

@@ -95,7 +95,8 @@ def _report(run: Run, graph: bool) -> str:
     for name, why in ce.reasons.items():
         if why is not None:
             out.append(f"{name}: eager: {why}")
-            out.append("  (each epoch runs the ordinary propose, check, agree and apply steps)")
+            out.append("  (each epoch runs the ordinary propose, check, agree and apply steps;")
+            out.append("  on cuda nothing of it is captured as a CUDA graph)")
             out.append("")
             continue
         spec = ce.specs[name]
@@ -103,6 +104,7 @@ def _report(run: Run, graph: bool) -> str:
         cps = live.get(name, [])
         out.append(f"{name}: compiled (one graph per bucket of open cells, a power of two)")
         out.extend(_spec_lines(run, spec, rp, cps))
+        out.extend(_cuda_lines(rp))
         traced = trace_value(run, name, open0.get(name))
         out.extend(_graph_lines(traced))
         if graph:
@@ -192,6 +194,18 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
             own = " (its own clocks)" if src == spec.value else ""
             lines.append(f"    {src}{own}: {how}")
     return lines
+
+
+def _cuda_lines(rp: RulePlan) -> list[str]:
+    """What runs captured as a CUDA graph under ``--backend cuda`` (lmpm.runtime.data.captured),
+    and what does not, and why."""
+    model = rp.ir.proposal.func
+    return [
+        "  on cuda      captured: the step, one CUDA graph per bucket, replayed each epoch",
+        f"               (records to the host in one copy); not captured: the model {model}",
+        "               and the read gathers, run before it (a model may read values on the",
+        "               host or make data-dependent shapes)",
+    ]
 
 
 def _read_lines(run: Run, rp: RulePlan) -> list[str]:

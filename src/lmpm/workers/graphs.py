@@ -16,7 +16,10 @@ decode step is. Two things make a step capturable, and the callers keep to them:
 On the simulated device (:mod:`lmpm.workers.simcuda`) there is no graph to capture: :func:`capture`
 runs the body once and each replay runs it again, writing into the first run's outputs, so the
 callers' buffer discipline is exercised on a CPU (the body runs on static buffers and its outputs
-stay where the first run put them).
+stay where the first run put them). A real capture runs nothing, so the simulated one puts back
+what its first run wrote (``keep``), and it refuses what a real capture refuses: a body that reads
+a value on the host, makes a data-dependent size or copies to or from the host (a real capture
+fails on it, or records a graph that replays stale values).
 """
 
 from __future__ import annotations
@@ -31,17 +34,38 @@ from lmpm.workers import simcuda
 Body = Callable[[], Sequence[Tensor]]
 
 
+class NotCapturable(RuntimeError):
+    """The body waits for the device or makes a data-dependent size (the simulated capture's
+    verdict; a real capture fails on the same body)."""
+
+
 def capture(
-    body: Body, *, warmup: Callable[[], object] | None = None
+    body: Body,
+    *,
+    warmup: Callable[[], object] | None = None,
+    keep: Sequence[Tensor] = (),
 ) -> tuple[Sequence[Tensor], Callable[[], None]]:
     """Capture ``body`` (a function of static buffers returning tensors) as one CUDA graph.
 
     ``warmup`` runs first, on a side stream, so that lazy initialisation (cuBLAS handles, Triton
     autotuning, the allocator's first blocks) does not land in the graph; it must not touch the
-    state the body reads (run it on copies). Returns the body's outputs — the graph's static
-    output buffers — and ``replay()``, which reruns the whole body with one launch."""
-    if simcuda.active() is not None:
+    state the body reads (run it on copies). ``keep``: tensors the body writes in place that must
+    not change by capturing (a real capture runs nothing; the simulated one runs the body and puts
+    them back). Returns the body's outputs — the graph's static output buffers — and
+    ``replay()``, which reruns the whole body with one launch."""
+    sim = simcuda.active()
+    if sim is not None:
+        saved = [t.clone() for t in keep]
+        before = len(sim.warnings)
         outs = list(body())
+        waits = sim.warnings[before:]
+        if waits:
+            raise NotCapturable(
+                "the step cannot be captured as a CUDA graph: "
+                + "; ".join(f"{w.op} at {w.where()}" for w in waits[:3])
+            )
+        for t, old in zip(keep, saved):
+            t.copy_(old)
 
         def replay_simulated() -> None:
             for static, new in zip(outs, body()):

@@ -351,7 +351,14 @@ def _dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not isinstance(t, Tensor) or isinstance(t, SimTensor):
             return t
         same = inputs.get(id(t))
-        return same if same is not None else SimTensor(t)
+        if same is not None:
+            return same
+        if torch.is_inference_mode_enabled() and not t.is_inference():
+            # a view of a tensor made outside inference mode: its wrapper must not be an
+            # inference tensor either (PyTorch gives the view its base's version counter)
+            with torch.inference_mode(False):
+                return SimTensor(t)
+        return SimTensor(t)
 
     return pytree.tree_map(wrap_one, out)
 

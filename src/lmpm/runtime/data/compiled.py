@@ -33,8 +33,10 @@ the candidate tables, or a fault is injected. Compiled and eager runs commit the
 same clocks and provenance and the same epoch records (tests/runtime/test_compiled.py).
 
 The steps run in a fused data plane (:meth:`lmpm.runtime.data.dataplane.DataPlane.compile`): one worker
-on the CPU that owns its cells, so the payload and the cells' metadata share a host; a worker group
-or a CUDA backend is refused (U101, U103).
+that owns its cells (a worker group is refused, U101). On the CPU the step writes the owner's
+metadata itself. On CUDA (:mod:`lmpm.runtime.data.captured`) inductor compiles it to Triton
+kernels, each (value, bucket) step is captured as one CUDA graph and replayed, over a mirror of
+the owner's metadata on the device, and the epoch's records reach the host in one copy.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from lmpm.resolve import policies
 from lmpm.resolve.plan import Plan
 from lmpm.runtime.data.clocks import clock_reads
 from lmpm.runtime.records import NO_WINNER
+from lmpm.workers import simcuda
 
 # The compiled steps' inductor cache (kept across runs: a warm cache skips code generation).
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -398,14 +401,17 @@ class CompileStats:
     compile_seconds: float = 0.0  # tracing and code generation (a warm cache skips most)
     steps: int = 0  # compiled steps run
     eager_epochs: int = 0  # epochs run eagerly (tracing candidates, taps, faults)
+    captures: int = 0  # CUDA graphs captured (per value and bucket; again if its tensors moved)
     buckets: dict[str, set[int]] = field(default_factory=dict)  # value -> open-cell buckets
 
     def record(self, how: str, seconds: float) -> None:
-        """One graph obtained by :func:`compile_graph` (``how``) in ``seconds``."""
+        """One graph obtained by :func:`compile_graph` (``how``: built, cached, reused, or
+        simulated: the step's own function on the simulated device) in ``seconds``."""
         if how != "reused":
             self.compiles += 1
             self.cache_hits += how == "cached"
-            freeze_compiled()
+            if how != "simulated":  # inductor loaded nothing
+                freeze_compiled()
         self.compile_seconds += seconds
 
     def to_json(self) -> dict[str, Any]:
@@ -415,6 +421,7 @@ class CompileStats:
             "compile_seconds": round(self.compile_seconds, 3),
             "steps": self.steps,
             "eager_epochs": self.eager_epochs,
+            "captures": self.captures,
         }
 
 
@@ -483,6 +490,24 @@ def compile_step(
     return compile_graph(key, lambda: _flat(value_step(spec), lens), args)
 
 
+_SIMULATED: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+
+def simulated(
+    key: tuple[Any, ...], make: Callable[[], Callable[..., Any]]
+) -> tuple[Callable[..., Any], str] | None:
+    """On the simulated CUDA device (:mod:`lmpm.workers.simcuda`), which has no inductor backend,
+    a graph is its step's own function (what a capture then replays and what the device check
+    proves): (it, "simulated"), or "reused" when this process made it before; None elsewhere."""
+    if simcuda.active() is None:
+        return None
+    hit = _SIMULATED.get(key)
+    if hit is not None:
+        return hit, "reused"
+    fn = _SIMULATED[key] = make()
+    return fn, "simulated"
+
+
 def compile_graph(
     key: tuple[Any, ...],
     make: Callable[[], Callable[..., Any]],
@@ -520,6 +545,8 @@ def compile_graph(
         from torch._dynamo.utils import counters
 
         hits = counters["inductor"]["fxgraph_cache_hit"]
+        if not all(t.device.type == "cpu" for t in args):
+            options = {"realize_opcount_threshold": 4}  # Triton kernels, a Python wrapper
         with config.patch(options):
             fn: Callable[..., Any] = compile_fx(gm, [t.clone() for t in args])  # type: ignore[assignment]
         cached = counters["inductor"]["fxgraph_cache_hit"] > hits
@@ -548,6 +575,8 @@ class CompiledEpoch:
         self._fns: dict[tuple[str, int, int, torch.dtype], Callable[..., Any]] = {}
         self._cols: dict[tuple[int, int], Tensor] = {}
         self._e = torch.zeros((), dtype=torch.int64, device=device)
+        # off the CPU: the steps captured as CUDA graphs (lmpm.runtime.data.captured)
+        self.captured: Any = None
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))
         # called before a step is compiled: (value, open-cell bucket); the CLI shows a note
         self.on_compile: Callable[[str, int], None] | None = None
@@ -562,7 +591,12 @@ class CompiledEpoch:
             f"compiled {len(self.specs)} of {len(self.reasons)} values "
             f"({st.compiles} graph{'s' if st.compiles != 1 else ''}"
             + (f", {st.cache_hits} from the cache" if st.cache_hits else "")
-            + f", {st.compile_seconds:.1f} s; {st.steps} compiled steps)"
+            + f", {st.compile_seconds:.1f} s; {st.steps} compiled steps"
+            + (
+                f", replayed as {st.captures} CUDA graph{'s' if st.captures != 1 else ''})"
+                if self.captured is not None
+                else ")"
+            )
         ]
         eager = [name for name, why in self.reasons.items() if why is not None]
         if eager:
@@ -652,7 +686,10 @@ class CompiledEpoch:
         if fn is None:
             fn = self._fns[key] = self._compile(value, spec, args, e)
             self.stats.buckets.setdefault(value, set()).add(b)
-        out = fn(*args)
+        if self.captured is not None:  # on CUDA: replay the captured graph, records on the host
+            out = self.captured.run(key, fn, args)
+        else:
+            out = fn(*args)
         self.stats.steps += 1
         if b == n:
             return tuple(out)
@@ -677,7 +714,11 @@ class CompiledEpoch:
             self.on_compile(value, int(args[1].numel()))
         t0 = time.perf_counter()
         try:
-            fn, _, how = compile_step(spec, args, lens)
+            sim = simulated((spec, _signature(args), lens), lambda: _flat(value_step(spec), lens))
+            if sim is not None:
+                fn, how = sim
+            else:
+                fn, _, how = compile_step(spec, args, lens)
         except Exception as exc:  # tracing and code generation run before anything is written
             raise RuntimeFault(
                 f"--compile could not compile the epoch step of `{value}`: "
@@ -759,9 +800,12 @@ class ReadGathers:
         if fn is None:
             cdims = tuple(dp.payload[rp.reads[j].source].dim() - 1 for j in reads)
             t0 = time.perf_counter()
-            fn, _, how = compile_graph(
-                ("gather", cdims, _signature(args)), lambda: _gather_fn(cdims), args
-            )
+            key = ("gather", cdims, _signature(args))
+            sim = simulated(key, lambda: _gather_fn(cdims))
+            if sim is not None:
+                fn, how = sim
+            else:
+                fn, _, how = compile_graph(key, lambda: _gather_fn(cdims), args)
             self.stats.record(how, time.perf_counter() - t0)
             self._fns[(rp.id, b)] = fn
         out = fn(*args)

@@ -52,6 +52,7 @@ from lmpm.resolve.plan import (
     ValuePlan,
 )
 from lmpm.resolve.policies import aggregates
+from lmpm.runtime.data.captured import CapturedSteps, Mirror
 from lmpm.runtime.data.compiled import CompiledEpoch, ReadGathers
 from lmpm.runtime.data.owner import Owner, pick
 from lmpm.runtime.data.store import PayloadStore
@@ -67,7 +68,7 @@ from lmpm.runtime.protocol import (
     Traffic,
 )
 from lmpm.runtime.records import ValueEpoch
-from lmpm.workers import Results, WorkItem, get_backend
+from lmpm.workers import Results, WorkItem, get_backend, simcuda
 
 # splitmix64's multipliers as signed int64 (torch has no uint64 arithmetic); products wrap.
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -317,6 +318,8 @@ class DataPlane:
         # owner is the group's)
         self._owner = Owner(plan, self.seed) if decides else None
         self.compiled: CompiledEpoch | None = None  # a fused data plane's steps (compile)
+        self._mirror: Mirror | None = None  # off the CPU: the metadata the captured steps read
+        self._work_cells: dict[int, Tensor] = {}  # rule id -> this epoch's cells, on the host
 
     def trusts(self, rp: RulePlan) -> bool:
         """The rule's model and score are LMPM's own: they get views of the payload, not copies
@@ -347,20 +350,23 @@ class DataPlane:
         """Become a fused data plane: each eligible value's epoch after its model runs as one
         compiled step from now on (``--compile``; :mod:`lmpm.runtime.data.compiled`)."""
         if self.compiled is None:
-            if self.device.type != "cpu":
-                # The step writes the payload and the cells' metadata together; on CUDA the
-                # metadata would have to live on the device too (not built yet).
+            if self.device.type not in ("cpu", "cuda"):
                 raise UsageError(
-                    f"--compile runs with the cpu backend; this run's payload is on {self.device}",
+                    f"--compile runs with the cpu and cuda backends; this run's payload is on "
+                    f"{self.device}",
                     code="U103",
-                    hint="drop --compile, or run with --backend cpu",
+                    hint="drop --compile, or run with --backend cpu or cuda",
                 )
             owner = self.owner
             self.compiled = CompiledEpoch(self.plan, self.device, quota=owner.schedule.has_quota)
+            if not self._host:  # each step a CUDA graph over a device mirror of the metadata
+                self.compiled.captured = CapturedSteps(self.compiled.stats)
+                self._mirror = Mirror(owner, self.device)
             self.compiled.prepare(self)
             self.compile_reads(self.compiled.stats)
             owner.compiled = self.compiled
-            self.compile_models()  # the models that opted in (lmpm_compile)
+            if simcuda.active() is None:  # (inductor has no simulated device: models run eager)
+                self.compile_models()  # the models that opted in (lmpm_compile)
         return self.compiled
 
     def propose_fused(
@@ -395,15 +401,23 @@ class DataPlane:
         rp, cells, _, prop, sc = part
         static = owner.static[name]
         active = owner.active_mask(name, self.device)
-        clocks = {s: st.clock for s, st in owner.state.items()}
-        out = self.compiled.step(
-            name, e, cells, prop, sc, self, owner.state[name], owner.why[name], active, clocks
-        )
+        if self._host:  # the step writes the owner's metadata itself
+            state, why = owner.state[name], owner.why[name]
+            clocks = {s: st.clock for s, st in owner.state.items()}
+        else:  # a captured step: the device's mirror of it (its records come back to the host)
+            mirror = self._mirror
+            assert mirror is not None
+            state, got = mirror.get(name)
+            assert got is not None  # (a proposed value has why-codes)
+            why = got
+            spec = self.compiled.specs[name]
+            clocks = {s: mirror.get(s)[0].clock for s in spec.clock_sources if s != name}
+        out = self.compiled.step(name, e, cells, prop, sc, self, state, why, active, clocks)
         winner, changed, score, valid, violated, applies, new_clock, was, counts = out
         n_commits, n_viol = counts.tolist()
         ve = ValueEpoch(
             name,
-            cells,
+            cells if self._host else self._work_cells[rp.id],
             valid,
             score,
             self.compiled.columns(rp.id, prop.shape[1]),
@@ -415,8 +429,13 @@ class DataPlane:
             was,
             applies,
         )
+        if not self._host:
+            owner.settle(name, e, rp.id, ve)
         if n_commits and (self.store is not None or checksums):
-            rows = cells if n_commits == cells.numel() else cells[changed]
+            if self._host:
+                rows = cells if n_commits == cells.numel() else cells[changed]
+            else:  # the committed rows picked on the host (no device-side mask and its wait)
+                rows = self._here(ve.cells if n_commits == cells.numel() else ve.cells[changed])
             new = self.payload[name].index_select(0, rows)
             if self.store is not None:
                 self.store.append_commits(e, name, rows, new)
@@ -634,6 +653,7 @@ class DataPlane:
             model, score = models.get(rp.id) or self._placed.get(rp.id) or (rp.model, rp.score)
             vp = self.plan.values[rp.target]
             cells = self._here(rw.cells)
+            self._work_cells[rp.id] = rw.cells  # (on the host)
             inputs = inputs_of[rp.id] = self._inputs(rp, cells)
             kwargs = self._kwargs(rp, vp, e)
             own = inputs["cells"]

@@ -227,6 +227,9 @@ class Owner:
             name: torch.full((plan.values[name].ncells,), NEVER_OPENED) for name in by_target
         }
         self.compiled: Any = None  # the CompiledEpoch of a fused data plane (--compile)
+        # per value: bumped when its state changes other than by a fused step on a device
+        # (settle), so that the device's mirror of it (lmpm.runtime.data.captured) copies it again
+        self.version = dict.fromkeys(self.state, 0)
         # per value, its unset cells: kept up to date by every commit (the report's summary)
         self._unset = {name: self._count_unset(name) for name in self.state}
         self._active: frozenset[int] | None = None
@@ -242,11 +245,13 @@ class Owner:
         st.rule[cells] = INPUT_RULE
         st.score[cells] = 0.0
         self._unset[value] = self._count_unset(value)
+        self.version[value] += 1
 
     def restore(self, value: str, state: CellState) -> None:
         """Load a checkpointed value's metadata (resume)."""
         self.state[value] = state
         self._unset[value] = self._count_unset(value)
+        self.version[value] += 1
         if value in self.why:
             self.why[value] = torch.where(state.committed, NEVER_OPENED, UNKNOWN)
 
@@ -493,6 +498,7 @@ class Owner:
                 st.rule.index_fill_(0, idx, static.rules[0].id)
             st.epoch.index_fill_(0, idx, e)
             st.score.index_put_((idx,), won)
+            self.version[name] += 1
         ve = ValueEpoch(
             name,
             cells,
@@ -512,6 +518,21 @@ class Owner:
             sums[changed] = got.checksum
             ve.checksum = sums
         return ve, commits
+
+    def settle(self, name: str, e: int, rule: int, ve: ValueEpoch) -> None:
+        """Apply a step that ran on the device (the captured step on CUDA, which wrote the
+        device's mirror of this state) to the host state: its commits, and why the cells it
+        left unset stay unset."""
+        st = self.state[name]
+        changed = ve.changed
+        idx = ve.cells[changed]
+        if idx.numel():
+            st.committed.index_fill_(0, idx, True)
+            st.clock.index_put_((idx,), ve.new_clock[changed])
+            st.rule.index_fill_(0, idx, rule)
+            st.epoch.index_fill_(0, idx, e)
+            st.score.index_put_((idx,), pick(ve.score, ve.winner)[changed])
+        self._blocked(name, ve, self.static[name], (~changed & ~ve.was_committed).nonzero()[:, 0])
 
     def _const(self, kind: str, n: int, dtype: torch.dtype, fill: Any) -> Tensor:
         """A filled (n,) tensor made once: the metadata of unset cells. Only ever read (records
