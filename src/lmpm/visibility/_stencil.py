@@ -180,7 +180,8 @@ def binder_combos(
 ) -> list[Combo]:
     """Every binder combination. A range binder `d in lo..hi` whose bounds vary per cell is
     enumerated over the union of its ranges with a per-cell existence condition — a union read
-    from the bounds' values, or bounded from ``spans`` (no tensor read) when given."""
+    from the bounds' values, or bounded from ``spans`` (no tensor read) when given and the bounds
+    have host bounds (not when a divisor may be 0: then the values are read after all)."""
     per: list[list[tuple[dict[str, int], Val]]] = []
     for b in binders:
         opts: list[tuple[dict[str, int], Val]] = []
