@@ -70,6 +70,11 @@ class BoxesOf(Protocol):
     def __call__(self, target: str, rows: slice | Tensor) -> list[Clause]: ...
 
 
+# Position parts shared by the boxes of one target's cells, by their linear form's coefficients:
+# (n, 1) int64 tensors.
+Shared = dict[tuple[tuple[str, int], ...], Tensor]
+
+
 class Runs(NamedTuple):
     """Runs of sequence positions, per query cell: (n, R) each, ``R`` known on the host."""
 
@@ -114,9 +119,7 @@ def _extent(box: Box, a: int) -> Val:
     return e.clamp(min=1) if isinstance(e, Tensor) else max(e, 1)
 
 
-def _linear_start(
-    cl: Clause, box: Box, ls: list[int], base: int, cache: dict[tuple[tuple[str, int], ...], Tensor]
-) -> Val | None:
+def _linear_start(cl: Clause, box: Box, ls: list[int], base: int, cache: Shared) -> Val | None:
     """``base + sum(lo[a] * ls[a])`` over the first ``len(ls)`` axes, from the boxes' linear
     forms (None where one has none): a constant plus a combination of the target's variables
     that ``cache`` keeps, so boxes differing by constants (``x + dx``) share it (one add each)."""
@@ -145,7 +148,7 @@ def _raster_runs(
     lead: int,
     vol: int,
     base: int,
-    cache: dict[tuple[tuple[str, int], ...], Tensor],
+    cache: Shared,
 ) -> Runs:
     """Mode A of :func:`box_runs`: raster runs over the leading axes, the spatial grid (``vol``
     cells, covered entirely) as one trailing axis. ``j``, the last leading axis not statically
@@ -202,7 +205,7 @@ def box_runs(
     cl: Clause,
     box: Box,
     layout: Layout,
-    cache: dict[tuple[tuple[str, int], ...], Tensor] | None = None,
+    cache: Shared | None = None,
 ) -> list[Runs]:
     """The runs of one box of ``cl`` (a static expansion: ``Box.most`` set) at each of its cells,
     absolute positions, without reading a tensor on the host: (n, slots) tensors, ``slots``
@@ -212,6 +215,7 @@ def box_runs(
     otherwise each covered cell is a run (mode B). Which one is decided from the clause where it
     can be (``*`` axes, single indices), and per cell otherwise (both, with complementary
     ``valid``). ``cache``: position parts shared by the boxes of one target's cells."""
+    assert len(box.most) == len(cl.sdims), "box_runs sizes by Box.most: a static expansion"
     cache = {} if cache is None else cache
     dims = cl.sdims
     g = layout.spatial(cl.source)
@@ -284,16 +288,16 @@ def _count(
     touches (``touch``) and those it covers entirely (``cover``), as +1 at the first block and
     −1 past the last, per q block row (``rowbase`` (n, 1): the row's offset)."""
     s, e, w = merged
-    some = torch.ones(1, dtype=torch.int32).expand(s.numel()) if w is None else w.view(-1)
-    one = some.to(torch.int32)
+    exists = torch.ones(1, dtype=torch.int32).expand(s.numel()) if w is None else w.view(-1)
+    one = exists.to(torch.int32)  # absent runs count 0
     touch.index_add_(0, (rowbase + s // kv_block).view(-1), one)
     touch.index_add_(0, (rowbase + e // kv_block + 1).view(-1), one, alpha=-1)
-    c0 = rowbase + (s + (kv_block - 1)) // kv_block
-    c1 = rowbase + ((e + 1) // kv_block).clamp(max=complete_kv)
-    full = c0 < c1 if w is None else w & (c0 < c1)  # covers at least one complete kv block
-    ht = full.view(-1).to(torch.int32)
-    cover.index_add_(0, c0.view(-1), ht)
-    cover.index_add_(0, c1.view(-1), ht, alpha=-1)
+    c0 = rowbase + (s + (kv_block - 1)) // kv_block  # the first complete kv block inside
+    c1 = rowbase + ((e + 1) // kv_block).clamp(max=complete_kv)  # past the last one
+    covers = c0 < c1 if w is None else w & (c0 < c1)  # at least one complete kv block
+    some = covers.view(-1).to(torch.int32)
+    cover.index_add_(0, c0.view(-1), some)
+    cover.index_add_(0, c1.view(-1), some, alpha=-1)
 
 
 def _groups(
@@ -329,7 +333,7 @@ def _groups(
                 rows = slice(lo_p - b0, hi_p - b0)
             else:
                 rows = layout.to_canon[lo_p:hi_p] - b0
-            shared: dict[tuple[tuple[str, int], ...], Tensor] = {}
+            shared: Shared = {}
             parts = [
                 r
                 for cl in boxes_of(target, rows)
