@@ -6,6 +6,9 @@ CPU build's tensors exactly."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -44,6 +47,19 @@ visible Vid[t,x,y] <- Coarse[t, x/8, y/8]
 visible Vid[t,x,y] <- Vid[0..t-1, x-2..x+2, *]
 """
 CASES = {"window": WINDOW, "prefix_lm": PREFIX, "n4": N4, "video_n8": VIDEO}
+
+
+def _earlier_build() -> ModuleType:
+    """benchmarks/blockmask_v1.py: the build before the static rewrite, frozen."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "blockmask_v1.py"
+    spec = importlib.util.spec_from_file_location("blockmask_v1", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+V1 = _earlier_build()
 
 
 def _tensors(bm: BlockMask) -> dict[str, torch.Tensor]:
@@ -146,3 +162,15 @@ def test_groups_and_order_chunks_give_the_whole_build(
     for name, t in whole.items():
         assert torch.equal(chunked[name], t), (name, render(spec))
     assert_dense_layout(chunked_mask, render(spec))
+
+
+@SETTINGS
+@given(programs(), st.sampled_from(["raster", "tiled", "morton"]), st.data())
+def test_the_build_is_the_earlier_build(spec: dict[str, Any], layout: str, data: Any) -> None:
+    """The static build against the one it replaced (benchmarks/blockmask_v1.py, which sized
+    its tensors from their values), tensor by tensor."""
+    m = build(spec, layout, tile=(2, 3))
+    block = data.draw(st.sampled_from([1, 2, 3, 5, 8, 128]))
+    ours = _tensors(m.block_mask(block, cache=False))
+    for name, t in _tensors(V1.build(m, block)).items():
+        assert torch.equal(ours[name], t), (name, render(spec))
