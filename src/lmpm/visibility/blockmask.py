@@ -57,7 +57,7 @@ from lmpm.visibility.maskmod import MaskMod
 # are large so that their number, and the kernels, stay small up to ~1M cells).
 ROW_CHUNK = 1 << 21  # query cells processed at once: a group holds ~ROW_CHUNK × runs per cell
 DIFF_CAP = 1 << 27  # entries of one group's two int32 difference arrays (2 × 512 MiB at most)
-ORDER_CHUNK = 1 << 24  # flag entries ordered at once (an int64 argsort of 128 MiB at most)
+ORDER_CHUNK = 1 << 24  # flag entries ordered at once (an int64 index of 128 MiB at most)
 
 
 class BoxesOf(Protocol):
@@ -378,24 +378,40 @@ def _ordered(flags: Tensor) -> list[tuple[Tensor, Tensor]]:
     """Per (rows, cols) bool flag array of ``flags`` (k, rows, cols): (num_blocks (1, 1, rows)
     int32, indices (1, 1, rows, cols) int32, contiguous, its own storage), on their device: each
     row the non-empty columns ascending, then the empty ones ascending — exactly
-    ``create_block_mask``'s stable descending argsort, ``ORDER_CHUNK`` entries at a time.
+    ``create_block_mask``'s stable descending argsort. Up to ``ORDER_CHUNK`` entries in all, that
+    argsort, once for the k arrays (few kernels: small masks are launch-bound); past it, a prefix
+    sum and a scatter per chunk of rows (linear work, reused buffers: large masks are
+    bandwidth-bound, and a sort of 8k-long rows is not).
 
     Contiguous on purpose: the compiled CUDA kernel misread rows that overlap (an earlier layout
     gave row ``r`` stride = the most blocks in any row, so a row's undefined tail aliased the next
     rows: max error 0.84 against SDPA on an H200, docs/visibility.md). The cost is the dense
     layout's: ``rows × cols × 4`` bytes per side, four sides."""
     k, rows, cols = flags.shape
-    num = flags.sum(2, dtype=torch.int32).view(k, 1, 1, rows)
-    step = max(1, min(rows, ORDER_CHUNK // max(k * cols, 1)))
-    if step >= rows:  # one chunk: each side's indices a fresh tensor by one conversion
+    num = flags.sum(2, dtype=torch.int32)  # (k, rows)
+    sides = num.view(k, 1, 1, rows)
+    if k * rows * cols <= ORDER_CHUNK:  # each side's indices a fresh tensor by one conversion
         order = torch.argsort(flags, dim=2, descending=True, stable=True).view(k, 1, 1, rows, cols)
-        return [(num[i], order[i].to(torch.int32)) for i in range(k)]
+        return [(sides[i], order[i].to(torch.int32)) for i in range(k)]
     idx = [torch.empty((1, 1, rows, cols), dtype=torch.int32) for _ in range(k)]
-    for r0 in range(0, rows, step):  # rows × cols / ORDER_CHUNK steps, no host sync
-        order = torch.argsort(flags[:, r0 : r0 + step], dim=2, descending=True, stable=True)
-        for i in range(k):
-            idx[i][0, 0, r0 : r0 + step] = order[i]
-    return [(num[i], idx[i]) for i in range(k)]
+    col = torch.arange(cols, dtype=torch.int32)
+    step = max(1, min(rows, ORDER_CHUNK // max(cols, 1)))
+    cs_buf = torch.empty((step, cols), dtype=torch.int32)
+    place_buf = torch.empty((step, cols), dtype=torch.int32)
+    pos_buf = torch.empty((step, cols), dtype=torch.long)
+    for i in range(k):
+        for r0 in range(0, rows, step):  # rows × cols / ORDER_CHUNK steps, no host sync
+            f = flags[i, r0 : r0 + step]
+            n = f.shape[0]
+            cs, place, pos = cs_buf[:n], place_buf[:n], pos_buf[:n]
+            torch.cumsum(f, 1, dtype=torch.int32, out=cs)  # non-empty columns up to here
+            torch.sub(col, cs, out=place)
+            place += num[i, r0 : r0 + n].unsqueeze(1)  # an empty column: after every non-empty
+            cs -= 1  # a non-empty column's place
+            torch.where(f, cs, place, out=place)
+            pos.copy_(place)
+            idx[i][0, 0, r0 : r0 + n].scatter_(1, pos, col.expand(n, cols))
+    return [(sides[i], idx[i]) for i in range(k)]
 
 
 def _sides(
