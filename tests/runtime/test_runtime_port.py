@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import pickle
+import sqlite3
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmpm.errors import RuntimeFault
 from lmpm.ir import compile_file, compile_source
 from lmpm.resolve.topology import partition
 from lmpm.runtime.control import engine as engine_module
@@ -25,7 +29,7 @@ from lmpm.runtime.data.raygroup import RayGroup
 from lmpm.runtime.port import DataPlanePort
 from lmpm.runtime.protocol import EpochReport, EpochRequest, to_wire
 from lmpm.runtime.records import CHECKSUM_POLICIES
-from lmpm.runtime.session import Run
+from lmpm.runtime.session import Run, resume
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_runtime_differential import BINDINGS, rich_programs, used
@@ -137,3 +141,34 @@ def test_the_reports_summary_is_the_owners_state(case: tuple[str, dict], workers
         recount = {v: int((~s.committed).count_nonzero()) for v, s in run.engine.state.items()}
         assert dict(report.unset) == recount
         assert report.commits == sum(int(ve.changed.count_nonzero()) for ve in report.values)
+
+
+@pytest.mark.parametrize("how", ["eager", "compiled", "group"])
+def test_an_epoch_is_logged_only_once_its_commits_are_acknowledged_durable(
+    how: str, tmp_path: Path
+) -> None:
+    """The report carries the workers' acknowledgement that an epoch's commits are in their
+    payload stores; the log writes the epoch (its "durable" mark) only on it. A worker that lost
+    its store stops the run with R090 before the epoch is logged, and a resume redoes it."""
+    program = EX / "text.lmpm"
+    prompt = {"Txt": str(EX / "text" / "prompt.txt")}
+    kw: dict[str, Any] = {"compile": how == "compiled"}
+    if how == "group":
+        kw.update(workers=2, driver="process")
+    with pytest.raises(RuntimeFault) as err, Run(compile_file(program), inputs=prompt, **kw) as run:
+        run.log_to(tmp_path / "r", source=program.read_text())
+        assert [r.durable for r in run.run(3).records] == [True] * 3
+        worker = run.dataplane.workers[0] if how == "group" else run.dataplane
+        worker.store = None  # the worker lost its store: it can no longer keep what it commits
+        run.run(6)
+    assert err.value.code == "R090"
+    conn = sqlite3.connect(tmp_path / "r" / "lmpm.db")
+    logged = [e for (e,) in conn.execute("SELECT epoch FROM epochs ORDER BY epoch")]
+    status = json.loads(conn.execute("SELECT value FROM meta WHERE key = 'status'").fetchone()[0])
+    conn.close()
+    assert logged == [0, 1, 2] and status == "failed"
+    again = resume(tmp_path / "r", **kw)
+    again.run(until_stable=True)
+    again.finish()
+    want = Run(compile_file(program), inputs=prompt).run()
+    assert again.engine.epoch == want.epochs

@@ -162,6 +162,10 @@ class EpochReport:
     # serialised, and their tensor data (one in-process worker: counted on request)
     control_bytes: int = 0
     message_bytes: int = 0
+    # the workers' acknowledgement: every commit of the epoch is in their payload stores (written
+    # and synced; True for an epoch without commits). The control plane marks an epoch durable
+    # in its log only on it.
+    durable: bool = True
 
 
 def nbytes(message: Any) -> int:

@@ -122,6 +122,8 @@ class EpochRecord:
     faults: tuple[Any, ...] = ()
     # quorum replicas outvoted in this epoch's commits, per value and replica
     dissent: tuple[Dissent, ...] = ()
+    # the workers acknowledged this epoch's commits as durable (EpochReport.durable)
+    durable: bool = True
 
 
 @dataclass(frozen=True, slots=True)

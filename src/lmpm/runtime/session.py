@@ -29,7 +29,15 @@ from typing import Any
 from torch import Tensor
 
 from lmpm.bindings import Bindings
-from lmpm.errors import BindError, CheckError, DiagnosticSink, InputError, RunDirError, UsageError
+from lmpm.errors import (
+    BindError,
+    CheckError,
+    DiagnosticSink,
+    InputError,
+    LmpmError,
+    RunDirError,
+    UsageError,
+)
 from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
 from lmpm.resolve.policies import POLICIES
@@ -290,8 +298,14 @@ class Run:
         return files
 
     def close(self) -> None:
-        """Release the worker processes of a multi-worker run (a no-op for one worker). The
-        payload lives in them: read the outputs first."""
+        """Release the worker processes of a multi-worker run (the payload lives in them: read
+        the outputs first) and, for a run with a directory that did not :meth:`finish`, its log
+        and the directory's lock: every logged epoch stays, and `lmpm resume` goes on from it."""
+        if self.log is not None:
+            self.log.close()
+            lock = getattr(self, "_lock", None)
+            if lock is not None:
+                lock.release()
         close = getattr(self.dataplane, "close", None)
         if close is not None:
             close()
@@ -299,7 +313,10 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, exc: object, tb: object) -> None:
+        if exc is not None and self.log is not None:  # the log says how the run ended
+            err = exc.render() if isinstance(exc, LmpmError) else f"{type(exc).__name__}: {exc}"
+            self.log.mark("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", err)
         self.close()
 
     def outputs(self) -> dict[str, Any]:

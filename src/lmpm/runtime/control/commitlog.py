@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lmpm.errors import RunDirError, UsageError
+from lmpm.errors import RunDirError, RuntimeFault, UsageError
 from lmpm.ir.nodes import PredKind, Status
 from lmpm.ir.serialize import to_dict, to_json
 from lmpm.runtime.control.crdt import ORSet
@@ -617,6 +617,16 @@ class CommitLog:
 
     def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
         assert self.conn is not None
+        if record.commits and not record.durable:
+            # the epoch row is the "epoch durable" mark: never written before the workers say
+            # their payload stores hold the epoch's commits
+            raise RuntimeFault(
+                f"epoch {record.epoch}: the workers did not acknowledge its {record.commits} "
+                "commits as durable in their payload stores, so the epoch is not logged",
+                where={"epoch": record.epoch},
+                code="R090",
+                hint="`lmpm resume` redoes it from the last logged epoch",
+            )
         t0 = time.perf_counter()
         rows = commit_rows(record)
         trace = self.tracer.record(engine, record) if self.tracer is not None else None

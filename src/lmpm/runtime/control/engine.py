@@ -375,4 +375,5 @@ class Engine:
             driver_cpu_s=cpu_s,
             faults=report.faults,
             dissent=report.dissent,
+            durable=report.durable,
         )

@@ -445,10 +445,13 @@ class DataPlane:
                 ve.checksum = sums
         return ve, n_commits, n_viol
 
-    def sync(self, epoch: int) -> None:
-        """Make the fused steps' commits of ``epoch`` durable."""
-        if self.store is not None:
-            self.store.sync(epoch)
+    def sync(self, epoch: int) -> bool:
+        """Make the fused steps' commits of ``epoch`` durable (False: this worker keeps no
+        store)."""
+        if self.store is None:
+            return False
+        self.store.sync(epoch)
+        return True
 
     def compile_reads(self, stats: Any = None) -> None:
         """Gather the reads of LMPM's own models with compiled graphs from now on (``--compile``;

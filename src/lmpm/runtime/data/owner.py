@@ -88,8 +88,8 @@ class Fused(Protocol):
         """One fused value's epoch: its record, commits and violations."""
         ...
 
-    def sync(self, epoch: int) -> None:
-        """Make the fused values' commits of ``epoch`` durable."""
+    def sync(self, epoch: int) -> bool:
+        """Make the fused values' commits of ``epoch`` durable (False: no store to keep them)."""
         ...
 
 
@@ -366,8 +366,9 @@ class Owner:
             commits += n_commits
             attempts += int(ve.cells.numel())
             violations += n_viol
+        durable = not pending or applied.durable
         if parts and fused is not None:
-            fused.sync(e)
+            durable = fused.sync(e) and durable
         return EpochReport(
             e,
             workers.worker,
@@ -379,6 +380,7 @@ class Owner:
             self.unset(),
             tuple(dissents),
             values,
+            durable=durable or not commits,
         )
 
     def _not_fired(
