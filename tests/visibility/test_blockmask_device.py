@@ -45,6 +45,7 @@ visible Vid[t,x,y] <- Txt[*]
 value Coarse : Token[Byte] shape Grid3D(T, W/8, H/8)
 visible Vid[t,x,y] <- Coarse[t, x/8, y/8]
 visible Vid[t,x,y] <- Vid[0..t-1, x-2..x+2, *]
+visible Vid[t,x,y] <- Vid[t-2, 0..W-1, 0..H-1] when t > 1
 """
 CASES = {"window": WINDOW, "prefix_lm": PREFIX, "n4": N4, "video_n8": VIDEO}
 

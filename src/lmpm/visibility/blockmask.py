@@ -159,7 +159,7 @@ def _raster_runs(
     if lead == 0:
         return _runs(base, base + vol - 1, _cell(valid), n, 1)
     ls = [s * vol for s in strides(cl.sdims[:lead])]
-    j = max((a for a in range(lead) if not cl.whole[a]), default=0)
+    j = max((a for a in range(lead) if not _whole(cl, box, a)), default=0)
     slots = math.prod(box.most[:j])
     if slots == 1:  # every axis before j is one index where the box exists
         start = _linear_start(cl, box, ls[: j + 1], base, cache)
@@ -223,17 +223,23 @@ def box_runs(
     vol = math.prod(dims[lead:])  # cells of one spatial grid (1 when g == 0)
     base = layout.space.base[cl.source]
     spatial = range(lead, len(dims))
-    if all(cl.whole[a] for a in spatial):
+    if all(_whole(cl, box, a) for a in spatial):
         return [_raster_runs(cl, box, box.ok, lead, vol, base, cache)]
     if any(box.point[a] and dims[a] > 1 for a in spatial):
         return [_cell_runs(cl, box, box.ok, layout)]
     covered: Val = box.ok
     for a in spatial:
         covered = and_(covered, and_(box.lo[a] == 0, box.hi[a] == dims[a] - 1))
-    return [
-        _raster_runs(cl, box, covered, lead, vol, base, cache),
-        _cell_runs(cl, box, and_(box.ok, not_(covered)), layout),
-    ]
+    rest = and_(box.ok, not_(covered))
+    runs = [] if covered is False else [_raster_runs(cl, box, covered, lead, vol, base, cache)]
+    return runs + ([] if rest is False else [_cell_runs(cl, box, rest, layout)])
+
+
+def _whole(cl: Clause, box: Box, a: int) -> bool:
+    """Axis ``a`` of ``box`` statically the whole axis: ``*``, or ``0..n-1`` in constants."""
+    lo, hi = box.lo[a], box.hi[a]
+    whole_range = isinstance(lo, int) and isinstance(hi, int) and (lo, hi) == (0, cl.sdims[a] - 1)
+    return cl.whole[a] or whole_range
 
 
 def _joined(parts: list[Runs]) -> Runs:
