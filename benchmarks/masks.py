@@ -23,6 +23,9 @@ How it measures (honestly, on CPU):
 - ``--ops``: the mask_mod op counts against hand-written mask_mods (:func:`count_ops`);
 - ``--gpu --device cuda`` (or ``--device cpu --small``, a dry run): build, attention and
   exactness per case on one device (:func:`gpu_cases`);
+- ``--build-counts`` (and within ``--gpu``): the aten ops, host syncs and time of one cold build
+  now and before the static rewrite (``blockmask_v1``), and the build's host syncs on the
+  simulated CUDA device (:func:`build_counts`);
 - attention: the best of 5 calls after a warm-up (of 3 for calls over a second), at the default
   128-blocks and at the block size with the least block work (``pick_block``, chosen from the
   block structure before anything is timed); video at 8k, 17k and 33k cells shows how the ratio
@@ -41,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 # The seed's video program (its values and four `visible` clauses, as in the seed and the first
@@ -545,14 +548,26 @@ def _best_ms(fn: Any, device: str, reps: int = GPU_REPS) -> float:
 SYNC_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item")
 
 
-def count_syncs(fn: Any) -> tuple[int, Any]:
-    """(host syncs, result) of ``fn()``: the ``SYNC_OPS`` it dispatches, plus indexing with a
-    boolean mask (a nonzero inside ``index``). Counted on any device, CPU included."""
+class Dispatched(NamedTuple):
+    """What :func:`count_dispatch` saw of one call."""
+
+    ops: int  # aten ops dispatched
+    kernels: int  # of them, those that compute (not views, not an uninitialised allocation)
+    syncs: int  # of them, host syncs: SYNC_OPS, and indexing with a boolean mask
+    out: Any  # the call's result
+
+
+def count_dispatch(fn: Any) -> Dispatched:
+    """The aten ops of ``fn()``, the kernels among them, and the host syncs: the ``SYNC_OPS``
+    it dispatches plus indexing with a boolean mask (a nonzero inside ``index``). Counted on any
+    device, CPU included."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        n = 0
+        ops = 0
+        kernels = 0
+        syncs = 0
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):  # type: ignore[no-untyped-def]
             name = func.__name__.split(".")[0]
@@ -560,13 +575,94 @@ def count_syncs(fn: Any) -> tuple[int, Any]:
             masked = name in ("index", "index_put_", "index_put") and any(
                 isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index
             )
+            self.ops += 1
+            if not func.is_view and name not in ("empty", "empty_strided", "unbind"):
+                self.kernels += 1
             if name in SYNC_OPS or masked:
-                self.n += 1
+                self.syncs += 1
             return func(*args, **(kwargs or {}))
 
     with Count() as c:
         out = fn()
-    return c.n, out
+    return Dispatched(c.ops, c.kernels, c.syncs, out)
+
+
+def count_syncs(fn: Any) -> tuple[int, Any]:
+    """(host syncs, result) of ``fn()`` (:func:`count_dispatch`)."""
+    seen = count_dispatch(fn)
+    return seen.syncs, seen.out
+
+
+# The cold builds whose operations are counted (issue 31, item 3: a cold build is launch-bound).
+COUNT_CASES: tuple[tuple[str, dict[str, int]], ...] = (
+    ("window", {"N": 8192, "Wnd": 512}),
+    ("video", {"T": 8, "W": 64, "H": 64, "N": 77}),
+    ("video", {"T": 16, "W": 256, "H": 256, "N": 77}),  # 1,065,037 cells
+)
+COUNT_REPS = 3  # build times: best of 3 (each a whole build, after the counted one)...
+COUNT_REPS_MAX_CELLS = (
+    1 << 20
+)  # ...and the counted one alone from here (1M cells: seconds on a CPU)
+
+
+def _label(case: str, params: dict[str, int]) -> str:
+    if case == "video":
+        return "video_" + "x".join(str(params[k]) for k in ("T", "W", "H"))
+    return case
+
+
+def build_counts(case: str, params: dict[str, int], device: str) -> dict[str, Any]:
+    """One cold build (``cache=False``; the mask_mod and the layout on the device made before)
+    of the BlockMask now and before (``blockmask_v1``, the frozen earlier build), on ``device``:
+    aten ops, kernels, host syncs (:func:`count_dispatch`) and time (best of ``COUNT_REPS``); and
+    the build now on the simulated CUDA device, which records every host sync and data-dependent
+    op (``sim_*``; the earlier build cannot run there, see blockmask_v1)."""
+    import torch
+
+    import blockmask_v1
+    from lmpm.visibility import compile_masks
+    from lmpm.visibility.blockmask import SIDES
+    from lmpm.workers.simcuda import simulated_cuda
+
+    m = compile_masks(SOURCES[case], layout="raster", **params)
+    builds = {
+        "v1": lambda: blockmask_v1.build(m, BLOCK, device),
+        "lmpm": lambda: m.block_mask(BLOCK, device=device, cache=False),
+    }
+    out: dict[str, Any] = {"cells": m.cells, "block": BLOCK}
+    m.mask_mod_on(device)  # with the layout on the device: made once, not part of a build
+    big = m.cells >= COUNT_REPS_MAX_CELLS
+    masks = {}
+    for name, build in builds.items():
+        _sync(device)
+        t0 = time.perf_counter()
+        seen = count_dispatch(build)  # the first build: lazy kernels warm up here
+        _sync(device)
+        counted = time.perf_counter() - t0
+        out[f"{name}_ops"], out[f"{name}_kernels"] = seen.ops, seen.kernels
+        out[f"{name}_host_syncs"], masks[name] = seen.syncs, seen.out
+        # The counting mode costs ~20 µs per op: time small builds apart (it is noise on seconds).
+        ms = round(counted * 1e3, 3) if big else _best_ms(build, device, COUNT_REPS)
+        out[f"{name}_build_ms"] = ms
+    out["identical"] = all(
+        torch.equal(getattr(masks["v1"], f"{s}_{t}"), getattr(masks["lmpm"], f"{s}_{t}"))
+        for s in SIDES
+        for t in ("num_blocks", "indices")
+    )
+    sim_masks = compile_masks(SOURCES[case], layout="raster", **params)
+    with simulated_cuda() as sim:
+        sim_masks.mask_mod_on("cuda")
+        before, seen = sim.ops, len(sim.warnings)
+        sim_masks.block_mask(BLOCK, device="cuda", cache=False)
+        out["sim_ops"] = sim.ops - before
+        events = sim.warnings[seen:]
+    out["sim_host_syncs"] = len(events)
+    out["sim_events"] = sorted({f"{e.kind} {e.op} at {e.where()}" for e in events})[:5]
+    out["ratio_ops"] = round(out["lmpm_ops"] / out["v1_ops"], 3)
+    out["ratio_kernels"] = round(out["lmpm_kernels"] / out["v1_kernels"], 3)
+    out["ratio_build"] = round(out["lmpm_build_ms"] / out["v1_build_ms"], 3)
+    out["goal"] = "sim_host_syncs == 0; ~10x fewer ops than v1 (window: ~20-40 kernels)"
+    return out
 
 
 def _gpu_build(case: str, params: dict[str, int], device: str, compile_ok: bool) -> dict[str, Any]:
@@ -769,6 +865,10 @@ def gpu_cases(
             continue
         exact = functools.partial(_gpu_exact, case, params, device, flex)
         part(f"gpu/exact/{label}", params, exact, "max_abs_err_vs_sdpa_fp32 <= 1e-4")
+    # Last: no compile, and seconds for the 1M-cell video on a CPU (the budget is for compiles).
+    for case, params in COUNT_CASES:
+        count = functools.partial(build_counts, case, params, device)
+        part(f"gpu/build_counts/{_label(case, params)}", params, count)
 
 
 def _cells(case: str, params: dict[str, int]) -> int:
@@ -789,6 +889,11 @@ def main() -> None:
         help="only the mask_mod op counts (CPU, seconds; exit 1 if a case misses its goal)",
     )
     ap.add_argument("--gpu", action="store_true", help="the GPU cases on --device (see gpu_cases)")
+    ap.add_argument(
+        "--build-counts",
+        action="store_true",
+        help="only the cold build's ops and host syncs, now and before, on --device",
+    )
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--small", action="store_true", help="--gpu at tiny sizes (a dry run)")
     ap.add_argument("--budget-s", type=float, help="--gpu: start no compile after this many s")
@@ -809,6 +914,11 @@ def main() -> None:
         for row in rows:
             emit(**row)
         sys.exit(0 if all(r["ratio"] <= r["goal"] for r in rows) else 1)
+    if args.build_counts:
+        for case, params in COUNT_CASES:
+            fields = build_counts(case, params, args.device)
+            emit(case=f"build_counts/{_label(case, params)}", params=params, **fields)
+        return
     if args.gpu:
         only = tuple(c for c in (args.cases or "").split(",") if c)
         gpu_cases(

@@ -40,6 +40,7 @@ from lmpm.ir.nodes import Program
 from lmpm.visibility._stencil import (
     Clause,
     Space,
+    cell_coords,
     cell_stencils,
     expand,
     expand_stencil,
@@ -117,6 +118,7 @@ class Masks:
         self._stencils = cell_stencils(program, self.space)
         self._clauses: list[Clause] | None = None
         self._layouts: dict[str, Layout] = {}
+        self._on_device: dict[torch.device, Layout] = {}  # the chosen layout, tables moved
         self._counts: dict[tuple[str, int, int], BlockCounts] = {}
         self._mask_mods: dict[torch.device, MaskMod] = {}  # per device of its layout table
         # per (block sizes, device): a BlockMask is a constant of the program and its sizes
@@ -137,6 +139,12 @@ class Masks:
         if kind not in self._layouts:
             self._layouts[kind] = make_layout(self.space, kind, (self.tile[0], self.tile[1]))
         return self._layouts[kind]
+
+    def _layout_on(self, device: torch.device) -> Layout:
+        """The chosen layout with its tables on ``device`` (moved once)."""
+        if device not in self._on_device:
+            self._on_device[device] = self.layout_of().to(device)
+        return self._on_device[device]
 
     @property
     def _boxes(self) -> list[Clause]:
@@ -182,7 +190,7 @@ class Masks:
         kernel reads the table where the indices are."""
         dev = _device_key(device)
         if dev not in self._mask_mods:
-            lay = self.layout_of().to(dev)
+            lay = self._layout_on(dev)
             self._mask_mods[dev] = build_mask_mod(self.program, self.env, self.space, lay)
         return self._mask_mods[dev]
 
@@ -210,7 +218,7 @@ class Masks:
             return self._block_masks[key]
         bm = build_block_mask(
             self.space,
-            self.layout_of(),
+            self._layout_on(dev),
             _Streamed(self),
             self.mask_mod_on(dev),
             key[0],
@@ -286,8 +294,8 @@ class Masks:
 
 
 class _Streamed:
-    """The boxes of a :class:`Masks` for :func:`block_flags`, expanded a group of rows at a
-    time."""
+    """The boxes of a :class:`Masks` for :func:`block_flags`, expanded statically (sizes known on
+    the host) a group of rows at a time."""
 
     def __init__(self, m: Masks) -> None:
         self.m = m
@@ -297,8 +305,9 @@ class _Streamed:
 
     def __call__(self, target: str, rows: slice | Tensor) -> list[Clause]:
         m = self.m
+        coords = cell_coords(m.space.dims[target], rows)  # shared by the target's clauses
         return [
-            expand_stencil(m.program, m.env, s, m.space, rows)
+            expand_stencil(m.program, m.env, s, m.space, rows, static=True, coords=coords)
             for s in m._stencils
             if s.target == target
         ]

@@ -51,6 +51,11 @@ def and_(a: Val, b: Val) -> Val:
     return a & b
 
 
+def not_(a: Val) -> Val:
+    a = _bool(a)
+    return ~a if isinstance(a, Tensor) else not a
+
+
 def or_(a: Val, b: Val) -> Val:
     a, b = _bool(a), _bool(b)
     if not isinstance(a, Tensor):
@@ -123,3 +128,135 @@ def all_defined(defined: list[Val]) -> Val:
     for d in defined:
         out = and_(out, d)
     return out
+
+
+# ---- host bounds: what an expression can be, known without reading a tensor -----------------
+Span = tuple[int, int]  # inclusive [min, max]
+# An affine form: a constant plus integer multiples of atoms. An atom is a variable (by name) or a
+# non-affine subexpression (by its Expr), with a span. Equal atoms cancel: (x+2) - (x-2) is 4.
+Form = tuple[int, dict[object, int]]
+
+
+def bounds(e: Expr, spans: Mapping[str, Span]) -> Span | None:
+    """The inclusive span of ``e`` over every assignment of its names within ``spans``
+    (target variables: their axis; params and binder values: one point), or None when unknown.
+
+    Sound, not always tight: a builder sizes its tensors with it, so no tensor is read on the host
+    (a GPU would wait for it).
+
+    >>> from lmpm.ir.nodes import Expr, Op
+    >>> x = Expr.var("x")
+    >>> bounds(Expr(Op.SUB, (Expr(Op.ADD, (x, Expr.const(2))), x)), {"x": (0, 63)})
+    (2, 2)
+    """
+    return difference(e, None, spans)
+
+
+def difference(hi: Expr, lo: Expr | None, spans: Mapping[str, Span]) -> Span | None:
+    """The span of ``hi - lo`` (of ``hi`` when ``lo`` is None); shared names cancel."""
+    atoms: dict[object, Span] = {}
+    a = _affine(hi, spans, atoms)
+    if a is None:
+        return None
+    if lo is not None:
+        b = _affine(lo, spans, atoms)
+        if b is None:
+            return None
+        a = _add(a, b, -1)
+    return _span(a, atoms)
+
+
+# ``e`` as ``const + sum(coef * variable)`` over plain variables (python ints elsewhere).
+Linear = tuple[int, tuple[tuple[str, int], ...]]
+
+
+def linear(e: Expr, spans: Mapping[str, Span]) -> Linear | None:
+    """``e`` as a constant plus integer multiples of the variables that ``spans`` does not fix
+    (None when it is not of that form): ``x + dx - 1`` with ``dx = 1`` is ``(0, (("x", 1),))``.
+    Boxes of one clause differ in such constants only, so their positions share one tensor.
+
+    >>> from lmpm.ir.nodes import Expr, Op
+    >>> linear(Expr(Op.ADD, (Expr.var("x"), Expr.var("d"))), {"x": (0, 9), "d": (-1, -1)})
+    (-1, (('x', 1),))
+    """
+    atoms: dict[object, Span] = {}
+    form = _affine(e, spans, atoms)
+    if form is None:
+        return None
+    terms: list[tuple[str, int]] = []
+    for k, c in form[1].items():
+        if not (isinstance(k, Expr) and k.op == Op.VAR):
+            return None  # a non-affine part (x / 8)
+        terms.append((str(k.value), c))
+    return form[0], tuple(sorted(terms))
+
+
+def _add(a: Form, b: Form, sign: int = 1) -> Form:
+    terms = dict(a[1])
+    for k, c in b[1].items():
+        terms[k] = terms.get(k, 0) + sign * c
+    return a[0] + sign * b[0], {k: c for k, c in terms.items() if c}
+
+
+def _span(f: Form, atoms: Mapping[object, Span]) -> Span:
+    lo = hi = f[0]
+    for k, c in f[1].items():
+        a, b = atoms[k]
+        lo += min(c * a, c * b)
+        hi += max(c * a, c * b)
+    return lo, hi
+
+
+def _atom(e: Expr, span: Span | None, atoms: dict[object, Span]) -> Form | None:
+    if span is None:
+        return None
+    if span[0] == span[1]:
+        return span[0], {}
+    atoms[e] = span
+    return 0, {e: 1}
+
+
+def _affine(e: Expr, spans: Mapping[str, Span], atoms: dict[object, Span]) -> Form | None:
+    op = e.op
+    if op == Op.CONST:
+        assert isinstance(e.value, int)
+        return e.value, {}
+    if op in (Op.VAR, Op.PARAM):
+        span = spans.get(str(e.value))
+        return None if span is None else _atom(e, span, atoms)
+    if op == Op.NEG:
+        a = _affine(e.args[0], spans, atoms)
+        return None if a is None else _add((0, {}), a, -1)
+    if op in (Op.NOT, Op.AND, Op.OR):
+        return _atom(e, (0, 1), atoms)  # a boolean: 0 or 1
+    a = _affine(e.args[0], spans, atoms)
+    b = _affine(e.args[1], spans, atoms)
+    if a is None or b is None:
+        return None
+    if not a[1] and not b[1]:  # two constants: the value itself
+        if op in (Op.DIV, Op.MOD) and b[0] == 0:
+            return None
+        value = evaluate(Expr(op, (Expr.const(a[0]), Expr.const(b[0]))), {})
+        assert not isinstance(value, Tensor)
+        return int(value), {}
+    if op in (Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE):
+        return _atom(e, (0, 1), atoms)  # a boolean: 0 or 1
+    if op in (Op.ADD, Op.SUB):
+        return _add(a, b, 1 if op == Op.ADD else -1)
+    if op == Op.MUL and (not a[1] or not b[1]):
+        k, f = (a[0], b) if not a[1] else (b[0], a)
+        return k * f[0], {n: k * c for n, c in f[1].items() if k * c}
+    sa, sb = _span(a, atoms), _span(b, atoms)
+    if op == Op.MUL:
+        corners = [x * y for x in sa for y in sb]
+        return _atom(e, (min(corners), max(corners)), atoms)
+    if sb[0] <= 0 <= sb[1]:
+        return None  # a divisor that may be 0 (the cell is then undefined)
+    if op == Op.DIV:
+        corners = [x // y for x in sa for y in sb]
+        return _atom(e, (min(corners), max(corners)), atoms)
+    # MOD by a divisor of one sign: within [0, |d|-1] (or [-(|d|-1), 0]); itself when already so.
+    m = max(abs(sb[0]), abs(sb[1]))
+    if sb[0] > 0:
+        return a if sb[0] == sb[1] and sa[0] >= 0 and sa[1] < sb[0] else _atom(e, (0, m - 1), atoms)
+    return _atom(e, (-(m - 1), 0), atoms)

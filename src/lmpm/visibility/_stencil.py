@@ -14,8 +14,8 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -32,7 +32,17 @@ from lmpm.ir.nodes import (
     ShapeKind,
     Stencil,
 )
-from lmpm.visibility._expr import Val, all_defined, and_, evaluate
+from lmpm.visibility._expr import (
+    Linear,
+    Span,
+    Val,
+    all_defined,
+    and_,
+    bounds,
+    difference,
+    evaluate,
+    linear,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -108,7 +118,8 @@ def cell_coords(dims: tuple[int, ...], rows: slice | Tensor | None = None) -> li
     out: list[Tensor] = []
     for k in range(len(dims)):
         stride = math.prod(dims[k + 1 :])
-        out.append((flat // max(stride, 1)) % max(dims[k], 1))
+        c = flat // stride if stride > 1 else flat
+        out.append(c % max(dims[k], 1) if k > 0 else c)  # (axis 0: flat < cells already)
     return out
 
 
@@ -164,9 +175,13 @@ def _extreme(x: Val, which: object) -> int:
     return int(x.min()) if which is min else int(x.max())
 
 
-def binder_combos(binders: tuple[Binder, ...], env: Mapping[str, Val]) -> list[Combo]:
+def binder_combos(
+    binders: tuple[Binder, ...], env: Mapping[str, Val], spans: Mapping[str, Span] | None = None
+) -> list[Combo]:
     """Every binder combination. A range binder `d in lo..hi` whose bounds vary per cell is
-    enumerated over the union of its ranges with a per-cell existence condition."""
+    enumerated over the union of its ranges with a per-cell existence condition — a union read
+    from the bounds' values, or bounded from ``spans`` (no tensor read) when given and the bounds
+    have host bounds (not when a divisor may be 0: then the values are read after all)."""
     per: list[list[tuple[dict[str, int], Val]]] = []
     for b in binders:
         opts: list[tuple[dict[str, int], Val]] = []
@@ -177,7 +192,12 @@ def binder_combos(binders: tuple[Binder, ...], env: Mapping[str, Val]) -> list[C
             assert b.lo is not None and b.hi is not None
             lo, hi = evaluate(b.lo, env), evaluate(b.hi, env)
             # The union of every cell's range; cells outside their own range drop the combo.
-            lo_min, hi_max = _extreme(lo, min), _extreme(hi, max)
+            lo_span = bounds(b.lo, spans) if spans is not None else None
+            hi_span = bounds(b.hi, spans) if spans is not None else None
+            if lo_span is not None and hi_span is not None:
+                lo_min, hi_max = lo_span[0], hi_span[1]
+            else:
+                lo_min, hi_max = _extreme(lo, min), _extreme(hi, max)
             for d in range(lo_min, hi_max + 1):
                 opts.append(({b.vars[0]: d}, and_(lo <= d, hi >= d)))
         per.append(opts)
@@ -261,7 +281,7 @@ def vec(x: Val, n: int, dtype: torch.dtype = torch.long) -> Tensor:
     if isinstance(x, Tensor):
         x = x.to(dtype)
         return x.expand(n) if x.dim() == 0 else x
-    return torch.tensor(x, dtype=dtype).expand(n)
+    return torch.full((), x, dtype=dtype).expand(n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,12 +292,18 @@ class Box:
     ``ok``: the box exists (guard, binder range, definedness, non-empty after clipping).
     ``lo``/``hi``: per source axis, the interval, clipped to the source's bounds where ``ok``
     (meaningless elsewhere). ``point``: per axis, statically a single index (``AT``: lo is hi).
+    ``most``: per axis, at most this many cells along it where ``ok``, known on the host (a
+    static expansion sets it; empty: not known). ``lo_linear``: per axis, ``lo`` as a linear
+    form in the target's variables (:func:`~lmpm.visibility._expr.linear`; None: not one, or
+    clipped), so positions of boxes that differ by constants share one tensor.
     """
 
     ok: Val
     lo: tuple[Val, ...]
     hi: tuple[Val, ...]
     point: tuple[bool, ...]
+    most: tuple[int, ...] = ()
+    lo_linear: tuple[Linear | None, ...] = ()
 
     def extent(self, a: int) -> Val:
         """Cells along axis ``a`` where ``ok`` (anything elsewhere)."""
@@ -290,7 +316,8 @@ class Box:
 class Clause:
     """The compact boxes of one clause (or rule read) from ``source`` into ``target``; boxes that
     are statically absent are dropped. ``n``: target cells; ``whole``: per source axis, statically
-    the whole axis (``*`` or a region call)."""
+    the whole axis (``*`` or a region call). ``coords``: the target's variables at its cells
+    (what ``Box.lo_linear`` is written in)."""
 
     target: str
     source: str
@@ -298,6 +325,7 @@ class Clause:
     sdims: tuple[int, ...]
     boxes: tuple[Box, ...]
     whole: tuple[bool, ...]
+    coords: Mapping[str, Tensor] = field(default_factory=dict)
 
     def sees(self) -> Tensor:
         """(n,) bool: the cells with at least one box."""
@@ -372,9 +400,18 @@ def expand_clause(
     target_vars: tuple[str, ...],
     sp: Space | None = None,
     rows: slice | Tensor | None = None,
+    static: bool = False,
+    coords: Sequence[Tensor] | None = None,
 ) -> Clause:
     """The compact boxes of one clause (or rule read) at every cell of ``target`` — or at the
-    canonical ``rows`` of ``target`` only (a slice or an index tensor), for streaming."""
+    canonical ``rows`` of ``target`` only (a slice or an index tensor), for streaming.
+    ``coords``: ``cell_coords(target dims, rows)``, when the caller has them (several clauses
+    into one target share them).
+
+    ``static``: decide what can be decided from the program and its sizes alone (bounds of the
+    expressions, :func:`~lmpm.visibility._expr.bounds`) and never read a tensor's value: no
+    host sync on a GPU, and the same boxes for any ``rows`` (none dropped for being empty there);
+    each box carries ``most``, the host bound of its extents."""
     sp = sp if sp is not None else space(program, env)
     if target not in sp.dims or source not in sp.dims:
         missing = target if target not in sp.dims else source
@@ -386,14 +423,18 @@ def expand_clause(
             code="B013",
         )
     specs = dim_specs(axes, len(sdims), source)
-    coords = cell_coords(tdims, rows)
+    coords = list(coords) if coords is not None else cell_coords(tdims, rows)
     n = int(coords[0].numel()) if coords else math.prod(tdims)
     base_env: dict[str, Val] = dict(env)
     base_env.update(zip(target_vars, coords))
     whole = tuple(s.kind == AxisKind.ALL for s in specs)
     point = tuple(s.kind == AxisKind.AT for s in specs)
+    spans: dict[str, Span] | None = None
+    if static:  # host bounds of every name: params are points, target variables span their axis
+        spans = {k: (v, v) for k, v in env.items()}
+        spans.update((v, (0, max(d - 1, 0))) for v, d in zip(target_vars, tdims))
     boxes: list[Box] = []
-    for combo in binder_combos(binders, base_env):
+    for combo in binder_combos(binders, base_env, spans):
         local = dict(base_env)
         local.update(combo.values)
         defined: list[Val] = []
@@ -402,6 +443,9 @@ def expand_clause(
             ok = and_(ok, _scalar(evaluate(guard, local, defined)))
         lo_k: list[Val] = []
         hi_k: list[Val] = []
+        most: list[int] = []
+        forms: list[Linear | None] = []
+        local_spans = None if spans is None else {**spans, **_points(combo.values)}
         for spec, size in zip(specs, sdims):
             if ok is False:
                 break
@@ -409,6 +453,14 @@ def expand_clause(
                 lo_v: Val = 0
                 hi_v: Val = size - 1
                 ok = and_(ok, size > 0)
+                most.append(size)
+                forms.append((0, ()))
+            elif local_spans is not None:
+                axis = _static_axis(spec, size, local, local_spans, defined)
+                lo_v, hi_v = axis.lo, axis.hi
+                ok = and_(ok, axis.fits)
+                most.append(axis.most)
+                forms.append(axis.lo_linear)
             elif spec.kind == AxisKind.AT:
                 assert spec.lo is not None
                 lo_v = hi_v = _scalar(_int_val(evaluate(spec.lo, local, defined)))
@@ -424,6 +476,12 @@ def expand_clause(
         if ok is False:
             continue
         ok = and_(ok, _scalar(all_defined(defined)))
+        if static:
+            if isinstance(ok, Tensor) and ok.shape != (n,):
+                ok = ok.expand(n)
+            if ok is not False:
+                boxes.append(Box(ok, tuple(lo_k), tuple(hi_k), point, tuple(most), tuple(forms)))
+            continue
         if isinstance(ok, Tensor):
             if ok.shape != (n,):
                 ok = ok.expand(n)
@@ -434,7 +492,78 @@ def expand_clause(
         if ok is False:
             continue
         boxes.append(Box(ok, tuple(lo_k), tuple(hi_k), point))
-    return Clause(target, source, n, sdims, tuple(boxes), whole)
+    return Clause(target, source, n, sdims, tuple(boxes), whole, dict(zip(target_vars, coords)))
+
+
+def _points(values: Mapping[str, int]) -> dict[str, Span]:
+    return {k: (v, v) for k, v in values.items()}
+
+
+class StaticAxis(NamedTuple):
+    """One AT or RANGE axis of a box, expanded with host bounds only."""
+
+    lo: Val  # clipped where the bounds say it may leave the axis
+    hi: Val
+    fits: Val  # inside and non-empty (a python bool where the bounds decide it)
+    most: int  # at most this many cells
+    lo_linear: Linear | None  # ``lo`` as a linear form (None: not one, or clipped)
+
+
+def _static_axis(
+    spec: DimSpec, size: int, env: Mapping[str, Val], spans: Mapping[str, Span], defined: list[Val]
+) -> StaticAxis:
+    """One AT or RANGE axis of a static expansion. Tests and clips that the bounds prove
+    needless are left out: they would be kernels on a GPU."""
+    assert spec.lo is not None
+    lo_e, hi_e = spec.lo, spec.hi if spec.kind == AxisKind.RANGE else None
+    lo_v = _linear_value(lo_e, env, spans, defined)
+    lo_s = bounds(lo_e, spans) or (-(2**62), 2**62)
+    if not isinstance(lo_v, Tensor):
+        lo_s = (lo_v, lo_v)
+    form = linear(lo_e, spans) if lo_s[0] >= 0 or hi_e is None else None  # (unclipped)
+    if hi_e is None:  # AT: one index, inside [0, size)
+        if lo_s[0] >= 0 and lo_s[1] < size:
+            return StaticAxis(lo_v, lo_v, True, 1, form)
+        if lo_s[1] < 0 or lo_s[0] >= size:
+            return StaticAxis(lo_v, lo_v, False, 1, form)
+        assert isinstance(lo_v, Tensor)
+        # Only the side the bounds leave open (x + 1 can only pass the end).
+        below: Val = True if lo_s[0] >= 0 else lo_v >= 0
+        return StaticAxis(lo_v, lo_v, and_(below, True if lo_s[1] < size else lo_v < size), 1, form)
+    hi_v = _linear_value(hi_e, env, spans, defined)
+    hi_s = bounds(hi_e, spans) or (-(2**62), 2**62)
+    if not isinstance(hi_v, Tensor):
+        hi_s = (hi_v, hi_v)
+    if lo_s[0] < 0:
+        lo_v = lo_v.clamp(min=0) if isinstance(lo_v, Tensor) else max(lo_v, 0)
+    if hi_s[1] > size - 1:
+        hi_v = hi_v.clamp(max=size - 1) if isinstance(hi_v, Tensor) else min(hi_v, size - 1)
+    lo_c = (max(lo_s[0], 0), max(lo_s[1], 0))  # the clipped bounds
+    hi_c = (min(hi_s[0], size - 1), min(hi_s[1], size - 1))
+    width = difference(hi_e, lo_e, spans)  # hi - lo, shared names cancelled
+    most = max(0, min(size, hi_c[1] - lo_c[0] + 1, size if width is None else width[1] + 1))
+    # Non-empty after clipping: max(lo, 0) <= min(hi, size - 1).
+    always = lo_c[1] <= hi_c[0] or (
+        width is not None and width[0] >= 0 and lo_s[1] < size and hi_s[0] >= 0 and size > 0
+    )
+    never = lo_c[0] > hi_c[1] or (width is not None and width[1] < 0)
+    fits: Val = True if always else False if never else lo_v <= hi_v
+    return StaticAxis(lo_v, hi_v, fits, most, form)
+
+
+def _linear_value(
+    e: Expr, env: Mapping[str, Val], spans: Mapping[str, Span], defined: list[Val]
+) -> Val:
+    """``e`` evaluated, from its linear form where it has one (``t - Wnd + 1`` is one add:
+    constants folded first)."""
+    form = linear(e, spans)
+    if form is None:
+        return _int_val(evaluate(e, env, defined))
+    out: Val = form[0]
+    for var, coef in form[1]:
+        term = env[var] if coef == 1 else env[var] * coef
+        out = term if isinstance(out, int) and out == 0 else out + term
+    return _int_val(out)
 
 
 def _int_val(x: Val) -> Val:
@@ -472,10 +601,23 @@ def expand_stencil(
     s: Stencil,
     sp: Space,
     rows: slice | Tensor | None = None,
+    static: bool = False,
+    coords: Sequence[Tensor] | None = None,
 ) -> Clause:
     """:func:`expand_clause` of a ``visible`` clause."""
     return expand_clause(
-        program, env, s.target, s.source, s.axes, s.binders, s.guard, s.vars, sp, rows
+        program,
+        env,
+        s.target,
+        s.source,
+        s.axes,
+        s.binders,
+        s.guard,
+        s.vars,
+        sp,
+        rows,
+        static,
+        coords,
     )
 
 

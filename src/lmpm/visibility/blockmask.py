@@ -1,18 +1,18 @@
 """The analytic BlockMask: FlexAttention's block structure computed from the stencils.
 
 ``create_block_mask`` evaluates the mask at all N² (q, kv) pairs and sums each block. We know each
-cell's visible set as a union of boxes, so we work with *runs* (maximal intervals of sequence
-positions) instead:
+cell's visible set as a union of boxes, so we work with *runs* (intervals of sequence positions)
+instead:
 
-1. **Runs per box.** A box in a value laid out raster is a set of contiguous runs: enumerate the
-   leading axes up to the last axis ``j`` the box does not cover entirely; every run spans
-   ``[lo_j, hi_j]`` × the (whole) later axes. ``Txt[0..t-1]`` and ``Txt[*]`` are one run per cell,
-   whatever N. In a tiled/morton value the permuted spatial axes are one run when the box covers
-   them entirely (a frame is contiguous in every layout); otherwise each covered cell is a run of
-   length 1 (stencil boxes are small). Cost: O(cells × runs per cell).
-2. **Merge per cell.** Sort a cell's runs by start and merge overlapping or touching runs
-   (``cummax`` of the ends): the merged runs are disjoint, so a kv block is fully visible to a cell
-   iff it lies inside exactly one of them.
+1. **Runs per box** (:func:`box_runs`). A box in a value laid out raster is a set of contiguous
+   runs: enumerate the leading axes up to the last axis ``j`` that is not ``*``; every run spans
+   ``[lo_j, hi_j]`` × the (whole) later axes. ``Txt[0..t-1]`` and ``Txt[*]`` are one run per
+   cell, whatever N. In a tiled/morton value the permuted spatial axes are one run when the box
+   covers them entirely (a frame is contiguous in every layout); otherwise each covered cell is a
+   run of length 1 (stencil boxes are small). Cost: O(cells × runs per cell).
+2. **Merge per cell** (:func:`merge_runs`). Sort a cell's runs by start and merge overlapping or
+   touching runs (``cummax`` of the ends): the merged runs are disjoint, so a kv block is fully
+   visible to a cell iff it lies inside exactly one of them.
 3. **Count per block pair with difference arrays.** Each merged run ``[s, e]`` of a cell in q block
    ``qb`` *touches* kv blocks ``s//B .. e//B`` and *covers* the complete blocks inside it; both are
    ranges, added as +1/−1 to two (q blocks, kv blocks + 1) arrays and prefix-summed. A block is
@@ -23,166 +23,300 @@ positions) instead:
    contiguous (the compiled CUDA kernel misreads overlapping rows); the q side, for the backward
    pass, from the transposed flags.
 
+**Static shapes, no host sync.** Every tensor's size is known on the host from the program and its
+sizes, never read from a tensor: the clauses are expanded statically (``expand_clause(...,
+static=True)``: host bounds of the index expressions decide clips and tests, and bound each box's
+extent, ``Box.most``), a cell's runs are a fixed number of slots (absent ones masked by ``valid``,
+with weight 0 in the counts), and no step compacts with a boolean mask. On a GPU the build is a
+fixed sequence of kernels that the host queues without waiting (the simulated CUDA device of
+``lmpm.workers.simcuda`` checks it: tests/visibility/test_blockmask_device.py), and it traces
+into one static graph. The price: a cell's slots that a box leaves empty are still computed
+(``Box.most`` is a bound, not the count).
+
 Edge blocks (a partial last block) are never full, as in ``create_block_mask`` (it pads with
-False). Everything runs on the target device with a number of host syncs set by the program
-(clauses, boxes), not by the number of cells: the groups are large (``ROW_CHUNK`` query cells,
-``DIFF_CAP`` difference-array entries), so a 1M-cell video is one group.
-:func:`block_sets` compares block sets whatever the layout.
+False). Groups are large (``ROW_CHUNK`` query cells, ``DIFF_CAP`` difference-array entries), so a
+1M-cell video is one group. :func:`block_sets` compares block sets whatever the layout.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpm.visibility._stencil import Box, Clause, Space, serial, strides, vec
+from lmpm.visibility._expr import Val, and_, not_
+from lmpm.visibility._stencil import Box, Clause, Space, serial, strides
 from lmpm.visibility.layout import Layout
 from lmpm.visibility.maskmod import MaskMod
 
-# Each group costs a few host syncs per box (sizes of its run tensors): groups are large so that
-# their number, and the syncs, stay small up to ~1M cells; memory per group is bounded instead.
+# Groups bound the memory of one step (every op of a group is a kernel, whatever its size: groups
+# are large so that their number, and the kernels, stay small up to ~1M cells).
 ROW_CHUNK = 1 << 21  # query cells processed at once: a group holds ~ROW_CHUNK × runs per cell
 DIFF_CAP = 1 << 27  # entries of one group's two int32 difference arrays (2 × 512 MiB at most)
-ORDER_CHUNK = 1 << 24  # flag entries ordered at once (an int64 scatter index of 128 MiB at most)
+ORDER_CHUNK = 1 << 24  # flag entries ordered at once (an int64 index of 128 MiB at most)
 
 
 class BoxesOf(Protocol):
-    """Where the block structure gets its boxes: the clauses into a target, expanded at some of
-    its canonical rows (so only one group of query cells is ever expanded at once)."""
+    """Where the block structure gets its boxes: the clauses into a target, expanded statically
+    (``Box.most`` set, nothing read from a tensor) at some of its canonical rows (so only one
+    group of query cells is ever expanded at once)."""
 
     def has(self, target: str) -> bool: ...
 
     def __call__(self, target: str, rows: slice | Tensor) -> list[Clause]: ...
 
 
-def _decode(slot: Tensor, ext: Tensor) -> Tensor:
-    """Mixed-radix decode of ``slot`` (K,) with per-row extents ``ext`` (n, r), last axis
-    fastest → (n, K, r) offsets."""
-    n, r = ext.shape
-    out = torch.zeros((n, slot.numel(), r), dtype=torch.long)
-    inner = torch.ones(n, dtype=torch.long)
-    for a in reversed(range(r)):
-        e = ext[:, a].clamp(min=1)
-        out[:, :, a] = (slot.unsqueeze(0) // inner.unsqueeze(1)) % e.unsqueeze(1)
+# Position parts shared by the boxes of one target's cells, by their linear form's coefficients:
+# (n, 1) int64 tensors.
+Shared = dict[tuple[tuple[str, int], ...], Tensor]
+
+
+class Runs(NamedTuple):
+    """Runs of sequence positions, per query cell: (n, R) each, ``R`` known on the host."""
+
+    start: Tensor  # (n, R) int64, first position (absolute, in layout order)
+    end: Tensor  # (n, R) int64, last position
+    valid: Tensor | None  # (n, R) bool: the run exists (others hold anything); None: all do
+
+
+def _cell(x: Val) -> Val:
+    """A per-cell value as an (n, 1) column (a constant stays one), to broadcast against slots."""
+    return x.unsqueeze(1) if isinstance(x, Tensor) else x
+
+
+def _plus(x: Val, y: Val) -> Val:
+    """``x + y``, no op where one is the constant 0."""
+    if isinstance(y, int) and y == 0:
+        return x
+    if isinstance(x, int) and x == 0:
+        return y
+    return x + y
+
+
+def _times(x: Val, k: int) -> Val:
+    """``x * k``, no op where ``k`` is 1."""
+    return x if k == 1 else x * k
+
+
+def _runs(start: Val, end: Val, valid: Val, n: int, width: int) -> Runs:
+    """Runs from values that broadcast to (n, width) (python constants included)."""
+
+    def full(x: Val, dtype: torch.dtype) -> Tensor:
+        t = x if isinstance(x, Tensor) else torch.full((1, 1), x, dtype=dtype)
+        return t.expand(n, width)
+
+    mask = None if valid is True else full(valid, torch.bool)
+    return Runs(full(start, torch.long), full(end, torch.long), mask)
+
+
+def _extent(box: Box, a: int) -> Val:
+    """Cells of ``box`` along axis ``a``, at least 1 (slots of absent boxes are decoded too)."""
+    e = box.extent(a)
+    return e.clamp(min=1) if isinstance(e, Tensor) else max(e, 1)
+
+
+def _linear_start(cl: Clause, box: Box, ls: list[int], base: int, cache: Shared) -> Val | None:
+    """``base + sum(lo[a] * ls[a])`` over the first ``len(ls)`` axes, from the boxes' linear
+    forms (None where one has none): a constant plus a combination of the target's variables
+    that ``cache`` keeps, so boxes differing by constants (``x + dx``) share it (one add each)."""
+    if len(box.lo_linear) < len(ls) or any(f is None for f in box.lo_linear[: len(ls)]):
+        return None
+    const, coef = base, dict[str, int]()
+    for form, stride in zip(box.lo_linear, ls):
+        assert form is not None
+        const += form[0] * stride
+        for var, c in form[1]:
+            coef[var] = coef.get(var, 0) + c * stride
+    key = tuple(sorted((v, c) for v, c in coef.items() if c))
+    if key and key not in cache:
+        acc: Val = 0
+        for var, c in key:
+            acc = _plus(acc, _times(cl.coords[var], c))
+        assert isinstance(acc, Tensor)
+        cache[key] = acc.unsqueeze(1)
+    return _plus(cache[key], const) if key else const
+
+
+def _raster_runs(
+    cl: Clause,
+    box: Box,
+    valid: Val,
+    lead: int,
+    vol: int,
+    base: int,
+    cache: Shared,
+) -> Runs:
+    """Mode A of :func:`box_runs`: raster runs over the leading axes, the spatial grid (``vol``
+    cells, covered entirely) as one trailing axis. ``j``, the last leading axis not statically
+    whole, spans each run; every axis before it is enumerated (``Box.most`` bounds the slots).
+    A ``j`` past the last axis not covered at some cell only splits a run into touching ones,
+    which :func:`merge_runs` joins again."""
+    n = cl.n
+    if lead == 0:
+        return _runs(base, base + vol - 1, _cell(valid), n, 1)
+    ls = [s * vol for s in strides(cl.sdims[:lead])]
+    j = max((a for a in range(lead) if not _whole(cl, box, a)), default=0)
+    slots = math.prod(box.most[:j])
+    if slots == 1:  # every axis before j is one index where the box exists
+        start = _linear_start(cl, box, ls[: j + 1], base, cache)
+        if start is not None:  # shared with the target's other boxes: the end from the extent
+            span = 0 if box.point[j] else _times(_cell(box.hi[j] - box.lo[j]), ls[j])
+            return _runs(start, _plus(start, _plus(span, ls[j] - 1)), _cell(valid), n, 1)
+    head: Val = base  # the position of a run's first cell, less axis j's part
+    if slots == 1:
+        for a in range(j):
+            head = _plus(head, _times(_cell(box.lo[a]), ls[a]))
+        mask = _cell(valid)
+    else:
+        slot = torch.arange(slots)
+        inner: Val = 1
+        for a in reversed(range(j)):  # mixed radix, last axis fastest
+            e = _cell(_extent(box, a))
+            head = _plus(head, (_cell(box.lo[a]) + (slot // inner) % e) * ls[a])
+            inner = inner * e
+        mask = and_(_cell(valid), slot < inner)
+    start = _plus(head, _times(_cell(box.lo[j]), ls[j]))
+    last = start if box.point[j] else _plus(head, _times(_cell(box.hi[j]), ls[j]))
+    return _runs(start, _plus(last, ls[j] - 1), mask, n, slots)
+
+
+def _cell_runs(cl: Clause, box: Box, valid: Val, layout: Layout) -> Runs:
+    """Mode B of :func:`box_runs`: the spatial grid partly covered, every covered cell its own
+    run (stencil boxes are small: ``Box.most`` bounds them)."""
+    slots = math.prod(box.most)
+    slot = torch.arange(slots)
+    coords: list[Tensor] = []
+    inner: Val = 1
+    for a in reversed(range(len(cl.sdims))):
+        e = _cell(_extent(box, a))
+        c = _cell(box.lo[a]) + (slot // inner) % e
+        # Slots of absent boxes hold anything; keep them in bounds for the table lookup.
+        coords.append(c.clamp(0, cl.sdims[a] - 1))
         inner = inner * e
-    return out
+    pos = layout.encode(cl.source, coords[::-1])
+    return _runs(pos, pos, and_(_cell(valid), slot < inner), cl.n, slots)
 
 
 def box_runs(
-    ok: Tensor, lo: Tensor, hi: Tensor, dims: tuple[int, ...], layout: Layout, source: str
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Runs of one box at each of n cells: (start, end, valid), each (n, R), positions int32 and
-    local to the source value (add its base). ``ok`` (n,), ``lo``/``hi`` (n, r) clipped."""
-    n, r = lo.shape
-    g = layout.spatial(source)
-    lead = r - g
+    cl: Clause,
+    box: Box,
+    layout: Layout,
+    cache: Shared | None = None,
+) -> list[Runs]:
+    """The runs of one box of ``cl`` (a static expansion: ``Box.most`` set) at each of its cells,
+    absolute positions, without reading a tensor on the host: (n, slots) tensors, ``slots``
+    bounded from the program.
+
+    A box whose spatial grid (tiled/morton layouts) is entirely covered is raster runs (mode A);
+    otherwise each covered cell is a run (mode B). Which one is decided from the clause where it
+    can be (``*`` axes, single indices), and per cell otherwise (both, with complementary
+    ``valid``). ``cache``: position parts shared by the boxes of one target's cells."""
+    assert len(box.most) == len(cl.sdims), "box_runs sizes by Box.most: a static expansion"
+    cache = {} if cache is None else cache
+    dims = cl.sdims
+    g = layout.spatial(cl.source)
+    lead = len(dims) - g
     vol = math.prod(dims[lead:])  # cells of one spatial grid (1 when g == 0)
-    ext = (hi - lo + 1).clamp(min=0)  # (n, r)
-    whole = (lo == 0) & (hi == torch.tensor(dims) - 1)  # (n, r)
-    mode_a = ok & whole[:, lead:].all(1)  # spatial part entirely covered (or none)
-    starts: list[Tensor] = []
-    ends: list[Tensor] = []
-    valids: list[Tensor] = []
-
-    # Mode A: raster runs over the leading axes with the spatial grid as one trailing axis.
-    if bool(mode_a.any()):
-        if lead == 0:
-            starts.append(torch.zeros((n, 1), dtype=torch.long))
-            ends.append(torch.full((n, 1), vol - 1, dtype=torch.long))
-            valids.append(mode_a.unsqueeze(1))
-        else:
-            ls = torch.tensor(strides(dims[:lead]), dtype=torch.long) * vol  # (lead,)
-            lead_whole = whole[:, :lead]
-            axis = torch.arange(lead)
-            # j: the last leading axis not entirely covered (0 when all are).
-            j = torch.where(lead_whole, -1, axis).amax(1).clamp(min=0)  # (n,)
-            ext_eff = torch.where(axis < j.unsqueeze(1), ext[:, :lead], 1)  # (n, lead)
-            count = torch.where(mode_a, ext_eff.prod(1), 0)  # (n,)
-            width = int(count.max())
-            slot = torch.arange(width)
-            off = _decode(slot, ext_eff)  # (n, K, lead)
-            start = ((lo[:, :lead].unsqueeze(1) + off) * ls).sum(-1)  # (n, K)
-            lo_j = lo.gather(1, j.unsqueeze(1))
-            hi_j = hi.gather(1, j.unsqueeze(1))
-            span = (hi_j - lo_j + 1) * ls[j].unsqueeze(1)  # (n, 1)
-            starts.append(start)
-            ends.append(start + span - 1)
-            valids.append(slot.unsqueeze(0) < count.unsqueeze(1))
-
-    # Mode B: the spatial grid is partly covered — every covered cell is its own run.
-    mode_b = ok & ~mode_a
-    if bool(mode_b.any()):
-        count = torch.where(mode_b, ext.prod(1), 0)
-        width = int(count.max())
-        slot = torch.arange(width)
-        coords = lo.unsqueeze(1) + _decode(slot, ext)  # (n, K, r)
-        # Slots of absent boxes hold garbage; keep them in bounds for the table lookup.
-        coords = torch.minimum(coords.clamp(min=0), torch.tensor(dims) - 1)
-        flat = [coords[:, :, a].reshape(-1) for a in range(r)]
-        pos = layout.encode(source, flat).view(n, width) - layout.space.base[source]
-        starts.append(pos)
-        ends.append(pos)
-        valids.append(slot.unsqueeze(0) < count.unsqueeze(1))
-
-    if not starts:
-        z = torch.zeros((n, 0), dtype=torch.int32)
-        return z, z, torch.zeros((n, 0), dtype=torch.bool)
-    # int32 from here on: positions are < cells, and the group's runs are its largest tensors.
-    return (
-        torch.cat(starts, 1).to(torch.int32),
-        torch.cat(ends, 1).to(torch.int32),
-        torch.cat(valids, 1),
-    )
+    base = layout.space.base[cl.source]
+    spatial = range(lead, len(dims))
+    if all(_whole(cl, box, a) for a in spatial):
+        return [_raster_runs(cl, box, box.ok, lead, vol, base, cache)]
+    if any(box.point[a] and dims[a] > 1 for a in spatial):
+        return [_cell_runs(cl, box, box.ok, layout)]
+    covered: Val = box.ok
+    for a in spatial:
+        covered = and_(covered, and_(box.lo[a] == 0, box.hi[a] == dims[a] - 1))
+    rest = and_(box.ok, not_(covered))
+    runs = [] if covered is False else [_raster_runs(cl, box, covered, lead, vol, base, cache)]
+    return runs + ([] if rest is False else [_cell_runs(cl, box, rest, layout)])
 
 
-def merge_runs(start: Tensor, end: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Merge each row's runs into disjoint maximal runs (touching runs merge too).
-
-    Returns (row, start, end), each (M,) — every merged run, row-major."""
-    n, width = start.shape
-    s, order = torch.where(valid, start, torch.iinfo(start.dtype).max).sort(1)
-    e = end.gather(1, order)
-    v = valid.gather(1, order)  # valid runs first in each row
-    del order
-    reach = torch.where(v, e, -2).cummax(1).values  # furthest end so far, (n, R)
-    del e
-    first = v.clone()  # a run that starts a new merged run: past everything before it
-    first[:, 1:] &= s[:, 1:] > reach[:, :-1] + 1
-    last = v.clone()  # the last run of a merged run: the next one starts anew (or is absent)
-    last[:, :-1] &= first[:, 1:] | ~v[:, 1:]
-    rows = torch.arange(n).unsqueeze(1).expand(n, width)
-    return rows[first], s[first], reach[last]
+def _whole(cl: Clause, box: Box, a: int) -> bool:
+    """Axis ``a`` of ``box`` statically the whole axis: ``*``, or ``0..n-1`` in constants."""
+    lo, hi = box.lo[a], box.hi[a]
+    whole_range = isinstance(lo, int) and isinstance(hi, int) and (lo, hi) == (0, cl.sdims[a] - 1)
+    return cl.whole[a] or whole_range
 
 
-def _one_box(cl: Clause, box: Box) -> tuple[Tensor, Tensor, Tensor]:
-    """One box of ``cl`` as (ok (n,), lo (n, r), hi (n, r)), clipped — ``Clause.materialize``
-    for a single box, so a group never holds every box of a clause at once."""
-    n = cl.n
-    lo = [vec(x, n).clamp(min=0) for x in box.lo]
-    hi = [vec(x, n).clamp(max=size - 1) for x, size in zip(box.hi, cl.sdims)]
-    empty = torch.zeros((n, 0), dtype=torch.long)
-    return (
-        vec(box.ok, n, torch.bool),
-        torch.stack(lo, -1) if lo else empty,
-        torch.stack(hi, -1) if hi else empty,
-    )
+def _joined(parts: list[Runs]) -> Runs:
+    """The runs of several boxes side by side, (n, R) with R the sum of their widths."""
+    if len(parts) == 1:
+        return parts[0]
+    masks = [p.valid for p in parts]
+    valid = None
+    if any(m is not None for m in masks):
+        valid = torch.cat(
+            [
+                m if m is not None else torch.ones(p.start.shape, dtype=torch.bool)
+                for m, p in zip(masks, parts)
+            ],
+            1,
+        )
+    return Runs(torch.cat([p.start for p in parts], 1), torch.cat([p.end for p in parts], 1), valid)
+
+
+def merge_runs(runs: Runs) -> Runs:
+    """Each row's runs merged into disjoint maximal runs (touching runs merge too), same shape:
+    a merged run sits at the entry of its last part (``valid``), from ``start`` to ``end``; the
+    other entries hold positions of the sequence (0 or a valid run's), so that any block number
+    made from them is in range."""
+    n, width = runs.start.shape
+    if runs.valid is None:
+        if width == 1:
+            return runs
+        v = torch.ones((n, width), dtype=torch.bool)
+        runs = Runs(runs.start, runs.end, v)
+    assert runs.valid is not None
+    if width == 1:
+        return Runs(
+            torch.where(runs.valid, runs.start, 0), torch.where(runs.valid, runs.end, 0), runs.valid
+        )
+    s, order = torch.where(runs.valid, runs.start, torch.iinfo(torch.long).max).sort(1)
+    v = runs.valid.gather(1, order)  # valid runs first in each row
+    reach = torch.where(v, runs.end.gather(1, order), 0).cummax(1).values  # furthest end so far
+    yes = torch.ones((n, 1), dtype=torch.bool)
+    # A run that starts a merged run: past everything before it.
+    first = v & torch.cat([yes, s[:, 1:] > reach[:, :-1] + 1], 1)
+    # The last part of a merged run: the next run starts anew (or is absent).
+    last = v & torch.cat([first[:, 1:] | ~v[:, 1:], yes], 1)
+    begin = torch.where(first, s, 0).cummax(1).values  # the start of the merged run so far
+    return Runs(begin, reach, last)
+
+
+def _count(
+    touch: Tensor, cover: Tensor, merged: Runs, rowbase: Tensor, kv_block: int, complete_kv: int
+) -> None:
+    """Add one target's merged runs to a group's int32 difference arrays: the kv blocks each run
+    touches (``touch``) and those it covers entirely (``cover``), as +1 at the first block and
+    −1 past the last, per q block row (``rowbase`` (n, 1): the row's offset)."""
+    s, e, w = merged
+    exists = torch.ones(1, dtype=torch.int32).expand(s.numel()) if w is None else w.view(-1)
+    one = exists.to(torch.int32)  # absent runs count 0
+    touch.index_add_(0, (rowbase + s // kv_block).view(-1), one)
+    touch.index_add_(0, (rowbase + e // kv_block + 1).view(-1), one, alpha=-1)
+    c0 = rowbase + (s + (kv_block - 1)) // kv_block  # the first complete kv block inside
+    c1 = rowbase + ((e + 1) // kv_block).clamp(max=complete_kv)  # past the last one
+    covers = c0 < c1 if w is None else w & (c0 < c1)  # at least one complete kv block
+    some = covers.view(-1).to(torch.int32)
+    cover.index_add_(0, c0.view(-1), some)
+    cover.index_add_(0, c1.view(-1), some, alpha=-1)
 
 
 def _groups(
-    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
-) -> Iterator[tuple[int, Tensor, Tensor]]:
-    """(first q block, partial, full) per group of q blocks (about ``ROW_CHUNK`` query cells, in
-    layout order), each flag array (q blocks of the group, kv blocks) bool, exactly as
-    ``create_block_mask`` finds them.
+    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int, out: Tensor
+) -> None:
+    """Write (partial, full) into ``out`` (2, q blocks, kv blocks) bool, exactly as
+    ``create_block_mask`` finds them, a group of q blocks at a time (about ``ROW_CHUNK`` query
+    cells, in layout order).
 
-    ``boxes_of(target, rows)``: the clauses into ``target`` expanded at its canonical ``rows``.
-    Only the group's boxes are expanded, turned into runs and counted into small int32 difference
-    arrays, so the work never holds more than one group."""
+    ``boxes_of(target, rows)``: the clauses into ``target`` statically expanded at its canonical
+    ``rows``. Only the group's boxes are expanded, turned into runs and counted into small int32
+    difference arrays, so the work never holds more than one group. Every size is known on the
+    host: nothing here reads a tensor."""
     cells = sp.cells
     nq, nkv = -(-cells // q_block), -(-cells // kv_block)
     complete_kv = cells // kv_block  # kv blocks with no padding; only these can be full
@@ -192,8 +326,8 @@ def _groups(
         qb1 = min(nq, qb0 + group)
         p0, p1 = qb0 * q_block, min(cells, qb1 * q_block)
         g = qb1 - qb0
-        touch = torch.zeros(g * (nkv + 1), dtype=torch.int32)
-        cover = torch.zeros(g * (nkv + 1), dtype=torch.int32)
+        buf = torch.zeros((2, g * (nkv + 1)), dtype=torch.int32)
+        touch, cover = buf  # the difference arrays of touched and of covered blocks
         for target in targets:
             b0, n = sp.base[target], sp.size(target)
             lo_p, hi_p = max(p0, b0), min(p1, b0 + n)
@@ -205,35 +339,26 @@ def _groups(
                 rows = slice(lo_p - b0, hi_p - b0)
             else:
                 rows = layout.to_canon[lo_p:hi_p] - b0
-            parts_s: list[Tensor] = []
-            parts_e: list[Tensor] = []
-            parts_v: list[Tensor] = []
-            for cl in boxes_of(target, rows):
-                base = sp.base[cl.source]
-                for box in cl.boxes:
-                    s, e, v = box_runs(*_one_box(cl, box), cl.sdims, layout, cl.source)
-                    parts_s.append(s + base)
-                    parts_e.append(e + base)
-                    parts_v.append(v)
-            if not parts_s:
+            shared: Shared = {}
+            parts = [
+                r
+                for cl in boxes_of(target, rows)
+                for box in cl.boxes
+                for r in box_runs(cl, box, layout, shared)
+            ]
+            if not parts:
                 continue
-            start, end, valid = (torch.cat(p, 1) for p in (parts_s, parts_e, parts_v))
-            del parts_s, parts_e, parts_v
-            row, s, e = merge_runs(start, end, valid)
-            del start, end, valid
+            runs = _joined(parts)
+            del parts
             # Row i sits at layout position lo_p + i.
-            rowbase = ((row + lo_p) // q_block - qb0) * (nkv + 1)
-            ones = torch.ones(s.shape, dtype=torch.int32)
-            touch.index_add_(0, rowbase + s // kv_block, ones)
-            touch.index_add_(0, rowbase + e // kv_block + 1, -ones)
-            f_lo = (s + kv_block - 1) // kv_block
-            f_hi = torch.clamp((e + 1) // kv_block - 1, max=complete_kv - 1)
-            has = f_lo <= f_hi
-            cover.index_add_(0, (rowbase + f_lo)[has], ones[has])
-            cover.index_add_(0, (rowbase + f_hi + 1)[has], -ones[has])
-        touched = touch.view(g, nkv + 1).cumsum_(1)[:, :nkv] > 0
-        covered = cover.view(g, nkv + 1).cumsum_(1)[:, :nkv] == q_block
-        yield qb0, touched & ~covered, covered
+            q_row = torch.arange(lo_p, hi_p) // q_block
+            rowbase = (q_row - qb0 if qb0 else q_row) * (nkv + 1)
+            _count(touch, cover, merge_runs(runs), rowbase.unsqueeze(1), kv_block, complete_kv)
+        counts = buf.view(2, g, nkv + 1).cumsum_(2)[:, :, :nkv]
+        partial, full = out[:2, qb0:qb1]
+        torch.gt(counts[0], 0, out=partial)  # touched...
+        torch.eq(counts[1], q_block, out=full)
+        partial ^= full  # ...and not covered (a covered block is touched)
 
 
 @serial
@@ -241,47 +366,73 @@ def block_flags(
     sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
 ) -> tuple[Tensor, Tensor]:
     """(partial, full): (q blocks, kv blocks) bool, exactly as ``create_block_mask`` finds them."""
+    out = _flags(sp, layout, boxes_of, q_block, kv_block, 2)
+    return out[0], out[1]
+
+
+def _flags(
+    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int, k: int
+) -> Tensor:
+    """(k, q blocks, kv blocks) bool, (partial, full) in the first two."""
     nq, nkv = -(-sp.cells // q_block), -(-sp.cells // kv_block)
-    partial = torch.zeros((nq, nkv), dtype=torch.bool)
-    full = torch.zeros((nq, nkv), dtype=torch.bool)
-    for qb0, p, f in _groups(sp, layout, boxes_of, q_block, kv_block):
-        partial[qb0 : qb0 + p.shape[0]] = p
-        full[qb0 : qb0 + f.shape[0]] = f
-    return partial, full
+    out = torch.empty((k, nq, nkv), dtype=torch.bool)
+    _groups(sp, layout, boxes_of, q_block, kv_block, out)
+    return out
 
 
-def _ordered(flags: Tensor) -> tuple[Tensor, Tensor]:
-    """(num_blocks (1, 1, rows) int32, indices (1, 1, rows, cols) int32, contiguous) from dense
-    (rows, cols) bool flags, on their device: each row the non-empty columns ascending, then the
-    empty ones ascending — exactly ``create_block_mask``'s stable descending argsort, computed by
-    a prefix sum and a scatter (no sort), ``ORDER_CHUNK`` entries at a time into reused buffers.
+def _ordered(flags: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per (rows, cols) bool flag array of ``flags`` (k, rows, cols): (num_blocks (1, 1, rows)
+    int32, indices (1, 1, rows, cols) int32, contiguous, its own storage), on their device: each
+    row the non-empty columns ascending, then the empty ones ascending — exactly
+    ``create_block_mask``'s stable descending argsort. Up to ``ORDER_CHUNK`` entries in all, that
+    argsort, once for the k arrays (few kernels: small masks are launch-bound); past it, a prefix
+    sum and a scatter per chunk of rows (linear work, reused buffers: large masks are
+    bandwidth-bound, and a sort of 8k-long rows is not).
 
     Contiguous on purpose: the compiled CUDA kernel misread rows that overlap (an earlier layout
     gave row ``r`` stride = the most blocks in any row, so a row's undefined tail aliased the next
     rows: max error 0.84 against SDPA on an H200, docs/visibility.md). The cost is the dense
     layout's: ``rows × cols × 4`` bytes per side, four sides."""
-    flags = flags.contiguous()
-    rows, cols = flags.shape
-    dev = flags.device
-    num = flags.sum(1, dtype=torch.int32)
-    idx = torch.empty((rows, cols), dtype=torch.int32, device=dev)
-    col = torch.arange(cols, dtype=torch.int32, device=dev)
+    k, rows, cols = flags.shape
+    num = flags.sum(2, dtype=torch.int32)  # (k, rows)
+    sides = num.view(k, 1, 1, rows)
+    if k * rows * cols <= ORDER_CHUNK:  # each side's indices a fresh tensor by one conversion
+        order = torch.argsort(flags, dim=2, descending=True, stable=True).view(k, 1, 1, rows, cols)
+        return [(sides[i], order[i].to(torch.int32)) for i in range(k)]
+    idx = [torch.empty((1, 1, rows, cols), dtype=torch.int32) for _ in range(k)]
+    col = torch.arange(cols, dtype=torch.int32)
     step = max(1, min(rows, ORDER_CHUNK // max(cols, 1)))
-    cs_buf = torch.empty((step, cols), dtype=torch.int32, device=dev)
-    zero_buf = torch.empty((step, cols), dtype=torch.int32, device=dev)
-    pos_buf = torch.empty((step, cols), dtype=torch.long, device=dev)
-    for r0 in range(0, rows, step):  # rows × cols / ORDER_CHUNK steps, no host sync
-        f = flags[r0 : r0 + step]
-        k = f.shape[0]
-        cs, zero, pos = cs_buf[:k], zero_buf[:k], pos_buf[:k]
-        torch.cumsum(f, 1, dtype=torch.int32, out=cs)  # non-empty columns up to here
-        torch.sub(col, cs, out=zero)
-        zero += num[r0 : r0 + k].unsqueeze(1)  # an empty column's place: after every non-empty
-        cs -= 1  # a non-empty column's place
-        torch.where(f, cs, zero, out=zero)
-        pos.copy_(zero)
-        idx[r0 : r0 + k].scatter_(1, pos, col.expand(k, cols))
-    return num[None, None], idx[None, None]
+    cs_buf = torch.empty((step, cols), dtype=torch.int32)
+    place_buf = torch.empty((step, cols), dtype=torch.int32)
+    pos_buf = torch.empty((step, cols), dtype=torch.long)
+    for i in range(k):
+        for r0 in range(0, rows, step):  # rows × cols / ORDER_CHUNK steps, no host sync
+            f = flags[i, r0 : r0 + step]
+            n = f.shape[0]
+            cs, place, pos = cs_buf[:n], place_buf[:n], pos_buf[:n]
+            torch.cumsum(f, 1, dtype=torch.int32, out=cs)  # non-empty columns up to here
+            torch.sub(col, cs, out=place)
+            place += num[i, r0 : r0 + n].unsqueeze(1)  # an empty column: after every non-empty
+            cs -= 1  # a non-empty column's place
+            torch.where(f, cs, place, out=place)
+            pos.copy_(place)
+            idx[i][0, 0, r0 : r0 + n].scatter_(1, pos, col.expand(n, cols))
+    return [(sides[i], idx[i]) for i in range(k)]
+
+
+def _sides(
+    sp: Space, layout: Layout, boxes_of: BoxesOf, q_block: int, kv_block: int
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """The four (num_blocks, indices) pairs of ``SIDES``; the q sides (for the backward pass)
+    from the transposed flags, in the same ordering when the shapes agree (square)."""
+    nq, nkv = -(-sp.cells // q_block), -(-sp.cells // kv_block)
+    flags = _flags(sp, layout, boxes_of, q_block, kv_block, 4 if nq == nkv else 2)
+    if nq == nkv:
+        flags[2:].copy_(flags[:2].transpose(1, 2))
+        pairs = _ordered(flags)
+    else:
+        pairs = _ordered(flags) + _ordered(flags.transpose(1, 2).contiguous())
+    return dict(zip(SIDES, pairs))
 
 
 @serial
@@ -301,18 +452,12 @@ def build_block_mask(
     the non-empty blocks ascending, then the empty ones). The q-side tensors (``q_num_blocks``,
     ``q_indices``, …, read by the backward pass) come from the transposed flags — what
     ``BlockMask.from_kv_blocks`` derives. Every step runs on ``device`` (a ``torch.device``
-    context makes the builders' factory calls allocate there), with a number of host syncs that
-    depends on the program, not on the number of cells."""
+    context makes the builders' factory calls allocate there) with sizes known on the host: no
+    host sync (nothing reads a tensor's value, no output's size depends on the data)."""
     qbs, kvbs = (block_size, block_size) if isinstance(block_size, int) else block_size
     dev = torch.device(device)
     with dev:
-        partial, full = block_flags(sp, layout.to(dev), boxes_of, qbs, kvbs)
-        sides = {
-            "kv": _ordered(partial),
-            "full_kv": _ordered(full),
-            "q": _ordered(partial.t()),
-            "full_q": _ordered(full.t()),
-        }
+        sides = _sides(sp, layout.to(dev), boxes_of, qbs, kvbs)
     return _assemble(sides, (sp.cells, sp.cells), (qbs, kvbs), mask_mod)
 
 
@@ -363,7 +508,7 @@ def with_dense_indices(bm: BlockMask) -> BlockMask:
     dev = bm.kv_indices.device
     dense: dict[str, tuple[Tensor | None, Tensor | None]] = dict.fromkeys(SIDES, (None, None))
     for side, flags in block_sets(bm).items():
-        num, idx = _ordered(flags)
+        [(num, idx)] = _ordered(flags[None])
         dense[side] = num.to(dev), idx.to(dev)
     assert dense["kv"][0] is not None and dense["kv"][1] is not None
     return _assemble(dense, bm.seq_lengths, bm.BLOCK_SIZE, bm.mask_mod)

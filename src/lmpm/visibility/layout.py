@@ -103,7 +103,10 @@ class Layout:
             return self
 
         def move(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(dev)
+            if t is None or dev.type != "cuda":
+                return None if t is None else t.to(dev)
+            # From pinned memory without waiting: a pageable copy waits for the device.
+            return t.pin_memory().to(dev, non_blocking=True)
 
         inner = {v: move(t) for v, t in self.inner.items()}
         return Layout(
