@@ -220,3 +220,20 @@ def test_random_programs_captured_commit_as_eager_on_the_cpu(
         got = gpu.run(kw["epochs"])
         same_runs(cpu, want, gpu, got)
     assert not sim.errors
+
+
+def test_a_captured_text_epoch_waits_for_the_device_once_outside_the_model() -> None:
+    """Per epoch of causal text, outside the model (which reads its context on the host), the
+    runtime waits for the device only for the records' one copy to the host and the request's
+    open cell going up (a copy from pageable memory); it reads nothing else back."""
+    front = compile_file(EX / "text.lmpm")
+    with simulated_cuda() as sim:
+        prompt = {"Txt": str(EX / "text" / "prompt.txt")}
+        run = Run(front, inputs=prompt, backend="simcuda", compile=True)
+        run.run(3)
+        before = len(sim.warnings)
+        run.run(13)
+        ours = [w for w in sim.warnings[before:] if "/lmpm/runtime/" in w.file]
+    where = sorted({(w.file.split("/lmpm/")[1], w.func) for w in ours})
+    assert where == [("runtime/data/captured.py", "run"), ("runtime/data/dataplane.py", "_here")]
+    assert len(ours) == 2 * 10

@@ -657,7 +657,7 @@ class DataPlane:
             vp = self.plan.values[rp.target]
             cells = self._here(rw.cells)
             self._work_cells[rp.id] = rw.cells  # (on the host)
-            inputs = inputs_of[rp.id] = self._inputs(rp, cells)
+            inputs = inputs_of[rp.id] = self._inputs(rp, cells, rw.cells)
             kwargs = self._kwargs(rp, vp, e)
             own = inputs["cells"]
             global_cells = own + vp.offset if vp.offset else own
@@ -766,18 +766,21 @@ class DataPlane:
             hit = self._row_cache[key] = self._dev(table).index_select(0, cells)
         return hit
 
-    def _inputs(self, rp: RulePlan, cells: Tensor) -> dict[str, Tensor]:
+    def _inputs(
+        self, rp: RulePlan, cells: Tensor, on_host: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """The model's inputs for ``cells``: per read, payload / mask / index, each (n, K[, *cell]).
         A user's model and score get their own tensors: writing into one changes nothing outside
         their call. LMPM's own models (``lmpm.*``, which never write into their inputs) get the
-        worker's kept rows without copies."""
+        worker's kept rows without copies. ``on_host``: the same cells on the host, where the
+        request brought them (read there, not on the device, which would wait for it)."""
         vp = self.plan.values[rp.target]
         n = cells.numel()
         phase = self._phase.get(rp.target)
         key = None if phase is None else (rp.id, phase)
         copy = rp.id not in self._trusted  # copies of anything the worker keeps
         if n == 1 and not copy:  # one open cell (causal generation): views of its rows
-            c = int(cells.item())
+            c = int((cells if on_host is None else on_host).item())
             key = None
             rows = lambda t, *_: self._dev(t).narrow(0, c, 1)  # noqa: E731
         else:
