@@ -237,3 +237,27 @@ def test_a_captured_text_epoch_waits_for_the_device_once_outside_the_model() -> 
     where = sorted({(w.file.split("/lmpm/")[1], w.func) for w in ours})
     assert where == [("runtime/data/captured.py", "run"), ("runtime/data/dataplane.py", "_here")]
     assert len(ours) == 2 * 10
+
+
+def test_a_ruleset_change_reaches_the_captured_step() -> None:
+    """The RuleSet is an input of the graph: disabling and enabling a constraint between epochs
+    changes what the captured step commits exactly as it changes the eager CPU epoch."""
+    from test_runtime_ruleset import PROG
+
+    import lmpm
+
+    def drive(run: Run) -> list[int]:
+        got = [r.commits for r in run.run(3).records]
+        run.disable("Never")
+        got += [r.commits for r in run.run(5).records]
+        run.enable("Never")
+        got += [r.commits for r in run.run(7).records]
+        return got
+
+    program = lmpm.compile(text=PROG)
+    want = drive(program.runner(seed=3))
+    with simulated_cuda() as sim:
+        run = program.runner(seed=3, backend="simcuda", compile=True)
+        assert drive(run) == want and sum(want) > 0 and want[:3] == [0, 0, 0]
+        assert run.engine.compiled.stats.captures == 1  # type: ignore[union-attr]
+    assert not sim.errors
