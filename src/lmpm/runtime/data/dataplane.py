@@ -505,8 +505,12 @@ class DataPlane:
         return hit
 
     def _here(self, t: Tensor) -> Tensor:
-        """A request's tensor on this worker's device."""
-        return t if self._host else t.to(self.device)
+        """A request's tensor on this worker's device, without waiting for the device: copied
+        from pinned memory (PyTorch's caching host allocator keeps the block until the copy is
+        done), since a copy from pageable memory may wait for the work queued before it."""
+        if self._host or t.device.type != "cpu":
+            return t if self._host else t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _meta(self, t: Tensor) -> Tensor:
         """A reply's metadata tensor on the host."""
