@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from test_runtime_dataplane import ENGINE_EXAMPLES, _examples
 
 from lmpm.runtime.session import Run
@@ -64,3 +66,48 @@ commit Z[*] using satisfy(max_constraints_then_score)
         run.run(1)
         assert bool(run.engine.state["Z"].committed.all())
     assert net.lin.weight.device.type == "cuda" and not sim.errors
+
+
+def test_an_eager_text_epoch_on_the_gpu_waits_once_outside_the_model() -> None:
+    """The candidates reach the owner on the host in one copy (Candidates.to_host packs them),
+    the request's cells go up from pinned memory and the one-cell read takes its cell from the
+    request on the host: outside the model, one wait for the device per epoch."""
+    from lmpm.ir import compile_file
+
+    ex = Path(__file__).resolve().parents[2] / "examples"
+    with simulated_cuda() as sim:
+        run = Run(
+            compile_file(ex / "text.lmpm"),
+            inputs={"Txt": str(ex / "text" / "prompt.txt")},
+            backend="simcuda",
+        )
+        run.run(3)
+        before = len(sim.warnings)
+        run.run(13)
+        ours = [w for w in sim.warnings[before:] if "/lmpm/runtime/" in w.file]
+    assert sorted({(w.file.split("/lmpm/")[1], w.func) for w in ours}) == [
+        ("runtime/protocol.py", "to_host")
+    ]
+    assert len(ours) == 10
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([torch.int64, torch.float64, torch.int32, torch.float32, torch.bool]),
+            st.lists(st.integers(0, 4), min_size=0, max_size=3),
+        ),
+        max_size=6,
+    )
+)
+def test_pack_and_unpack_give_back_every_tensor(specs: list[tuple[torch.dtype, list[int]]]) -> None:
+    from lmpm.runtime.protocol import pack, unpack
+
+    gen = torch.Generator().manual_seed(len(specs))
+    tensors = [(torch.randn(shape, generator=gen) * 100).to(dtype) for dtype, shape in specs]
+    flat, layout = pack(tensors)
+    assert flat.dtype == torch.uint8 and flat.dim() == 1
+    back = unpack(flat, layout)
+    assert len(back) == len(tensors)
+    for a, b in zip(tensors, back, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -79,12 +79,55 @@ class Candidates:
     checksum: Tensor | None  # (n, C) int64 payload checksums, when the policy compares payloads
 
     def to_host(self) -> Candidates:
-        """The same candidates with every tensor on the host (a worker on an accelerator)."""
+        """The same candidates with every tensor on the host (a worker on an accelerator): one
+        copy of them all (:func:`pack`), one wait for the device."""
         moved: dict[str, Any] = {}
+        on_device = []
         for f in dataclasses.fields(self)[1:]:
-            t = getattr(self, f.name)
-            moved[f.name] = None if t is None else t.cpu()
+            t = moved[f.name] = getattr(self, f.name)
+            if t is not None and t.device.type != "cpu":
+                on_device.append(f.name)
+        if on_device:
+            flat, layout = pack([moved[n] for n in on_device])
+            moved.update(zip(on_device, unpack(flat.cpu(), layout)))
         return Candidates(self.value, **moved)
+
+
+# how :func:`unpack` reads a packed tensor back: per tensor, its dtype, shape and position
+Layout = list[tuple[torch.dtype, tuple[int, ...], int]]
+_NUMPY = {
+    torch.int64: np.int64,
+    torch.float64: np.float64,
+    torch.int32: np.int32,
+    torch.float32: np.float32,
+    torch.bool: np.bool_,
+    torch.uint8: np.uint8,
+}
+
+
+def pack(tensors: list[Tensor]) -> tuple[Tensor, Layout]:
+    """Every tensor's bytes in one uint8 tensor on their device (widest elements first, so each
+    starts at a multiple of its size), and how to read them back: a device's results reach the
+    host in one copy (one wait) instead of one per tensor."""
+    order = sorted(range(len(tensors)), key=lambda j: -tensors[j].element_size())
+    layout = [(tensors[j].dtype, tuple(tensors[j].shape), j) for j in order]
+    if not tensors:
+        return torch.zeros(0, dtype=torch.uint8), layout
+    parts = [tensors[j].contiguous().reshape(-1).view(torch.uint8) for j in order]
+    return torch.cat(parts), layout
+
+
+def unpack(flat: Tensor, layout: Layout) -> list[Tensor]:
+    """The tensors :func:`pack` packed, from its packed tensor on the host, in their order: views
+    of it (numpy's, no tensor operation per tensor)."""
+    data = flat.numpy()
+    out: list[Tensor] = [flat] * len(layout)
+    at = 0
+    for dt, shape, j in layout:
+        size = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        out[j] = torch.from_numpy(data[at : at + size].view(_NUMPY[dt]).reshape(shape))
+        at += size
+    return out
 
 
 @dataclass(slots=True)

@@ -32,14 +32,13 @@ function and refuses one that would wait for the device, so all of this is exerc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
+from lmpm.runtime.protocol import Layout, pack, unpack
 from lmpm.runtime.records import CellState
 from lmpm.workers import graphs
 
@@ -51,7 +50,6 @@ ACTIVE = 13
 # epoch, kept score, why (what a simulated capture must put back).
 WRITTEN = (4, 5, 6, 7, 8, 9, 10, 11, 12)
 _FIELDS = ("committed", "clock", "rule", "epoch", "score")
-_NUMPY = {torch.int64: np.int64, torch.float64: np.float64, torch.bool: np.bool_}
 
 
 class Mirror:
@@ -95,25 +93,17 @@ class _Step:
         self.args = list(args)
         for i in PER_EPOCH:  # static buffers for what changes per epoch
             self.args[i] = args[i].clone()
-        self.layout: list[tuple[torch.dtype, tuple[int, ...], int]] = []
+        self.layout: Layout = []
 
         def body() -> list[Tensor]:
-            outs = fn(*self.args)
-            # 8-byte records first, so that every record starts at a multiple of its size
-            order = sorted(range(len(outs)), key=lambda j: -outs[j].element_size())
-            self.layout = [(outs[j].dtype, tuple(outs[j].shape), j) for j in order]
-            return [torch.cat([outs[j].reshape(-1).view(torch.uint8) for j in order])]
+            flat, self.layout = pack(list(fn(*self.args)))  # the records, in one buffer
+            return [flat]
 
         def warmup() -> None:  # on copies: the step writes the payload and metadata in place
             fn(*[a.clone() for a in self.args])
 
         written = [self.args[i] for i in WRITTEN]
         (self.packed,), self.replay = graphs.capture(body, warmup=warmup, keep=written)
-        self.sizes = [
-            math.prod(shape) * torch.empty((), dtype=dt).element_size()
-            for dt, shape, _ in self.layout
-        ]
-        self._unsort = [k for _, k in sorted((j, k) for k, (_, _, j) in enumerate(self.layout))]
         self._active: Tensor | None = None  # the RuleSet mask last copied in
 
     def holds(self, args: Sequence[Tensor]) -> bool:
@@ -132,15 +122,7 @@ class _Step:
                 self._active = a
             self.args[i].copy_(a)
         self.replay()
-        # the step's one wait for the device; the records are numpy views of the copy (no
-        # tensor operation per record on the host)
-        flat = self.packed.cpu().numpy()
-        out: list[Tensor] = []
-        at = 0
-        for (dt, shape, _), size in zip(self.layout, self.sizes):
-            out.append(torch.from_numpy(flat[at : at + size].view(_NUMPY[dt]).reshape(shape)))
-            at += size
-        return [out[k] for k in self._unsort]
+        return unpack(self.packed.cpu(), self.layout)  # the step's one wait for the device
 
 
 class CapturedSteps:
