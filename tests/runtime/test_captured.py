@@ -261,3 +261,15 @@ def test_a_ruleset_change_reaches_the_captured_step() -> None:
         assert drive(run) == want and sum(want) > 0 and want[:3] == [0, 0, 0]
         assert run.engine.compiled.stats.captures == 1  # type: ignore[union-attr]
     assert not sim.errors
+
+
+def test_the_step_head_names_the_steps_first_parameters() -> None:
+    """What the captured step copies in per epoch and puts back after a simulated capture is
+    found by name in STEP_HEAD: it must be the step's own parameter list."""
+    import inspect
+
+    from lmpm.runtime.data.compiled import STEP_HEAD, step_spec
+
+    run = Run(compile_file(EX / "text.lmpm"), compile=True)
+    params = list(inspect.signature(value_step(step_spec(run.plan, "Txt"))).parameters)
+    assert tuple(params[: len(STEP_HEAD)]) == STEP_HEAD

@@ -38,17 +38,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lmpm.runtime.data.compiled import STEP_HEAD
 from lmpm.runtime.protocol import Layout, pack, unpack
 from lmpm.runtime.records import CellState
 from lmpm.workers import graphs
 
-# The step's arguments that change per epoch (lmpm.runtime.data.compiled: _HEAD's layout): the
-# epoch, the open cells, the proposals, their scores and the RuleSet mask. The others stay.
-PER_EPOCH = (0, 1, 2, 3, 13)
-ACTIVE = 13
-# The step's writes in place: payload, data-plane flags, input flags, committed, clock, rule,
-# epoch, kept score, why (what a simulated capture must put back).
-WRITTEN = (4, 5, 6, 7, 8, 9, 10, 11, 12)
+# The step's arguments (lmpm.runtime.data.compiled.STEP_HEAD) that change per epoch: the epoch,
+# the open cells, the proposals, their scores and the RuleSet mask. The others stay.
+PER_EPOCH = tuple(STEP_HEAD.index(n) for n in ("e", "cells", "prop", "sc", "active"))
+ACTIVE = STEP_HEAD.index("active")
+# The arguments the step writes in place (what a simulated capture must put back).
+_WRITES = ("payload", "dp_committed", "from_input", "committed", "clock", "rule", "epoch")
+WRITTEN = tuple(STEP_HEAD.index(n) for n in (*_WRITES, "kept_score", "why"))
 _FIELDS = ("committed", "clock", "rule", "epoch", "score")
 
 

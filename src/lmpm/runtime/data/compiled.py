@@ -425,8 +425,25 @@ class CompileStats:
         }
 
 
-# Flat argument lists: the step's fixed tensor arguments, then its table lists (these lengths).
-_HEAD = 14
+# Flat argument lists: the step's fixed tensor arguments (its first parameters, by name), then
+# its table lists (of the lengths its compile is given).
+STEP_HEAD = (
+    "e",
+    "cells",
+    "prop",
+    "sc",
+    "payload",
+    "dp_committed",
+    "from_input",
+    "committed",
+    "clock",
+    "rule",
+    "epoch",
+    "kept_score",
+    "why",
+    "active",
+)
+_HEAD = len(STEP_HEAD)
 
 
 def _flat(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Callable[..., Any]:
