@@ -185,7 +185,9 @@ def _lens(ce: Any, spec: Any) -> tuple[int, ...]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["text", "video", "sudoku"])
+# text: one open cell per epoch; sudoku: a captured value reading an eager one's clocks (video's
+# captured steps run in the GPU check's bench:compile, which keeps this test's compiles few)
+@pytest.mark.parametrize("name", ["text", "sudoku"])
 def test_captured_on_the_gpu_commits_as_eager_on_the_cpu(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
