@@ -93,15 +93,20 @@ def _video(params: dict[str, int], workers: int, bindings: dict[str, Any] | None
     )
 
 
+def _run_epochs(run: Run, epochs: int) -> list[EpochRecord]:
+    """Run ``epochs`` more epochs as `lmpm run` runs them (``Engine.run``, keeping no records:
+    the per-cell records travel only where an observer, a run directory's log, writes them);
+    their epoch records (counts)."""
+    run.engine.keep_records = False
+    records: list[EpochRecord] = []
+    run.engine.run(epochs=run.engine.epoch + epochs, progress=records.append)
+    return records
+
+
 def _epochs(run: Run, epochs: int) -> tuple[list[float], list[torch.Tensor], list[EpochRecord]]:
     """Epoch wall times (after one warm-up epoch), the payload after the run and the records."""
-    run.engine.step()
-    times = []
-    records = []
-    for _ in range(epochs):
-        t0 = time.perf_counter()
-        records.append(run.engine.step())
-        times.append(time.perf_counter() - t0)
+    records = _run_epochs(run, epochs + 1)[1:]
+    times = [r.seconds for r in records]
     return times, [run.payload(v) for v in sorted(run.plan.values)], records
 
 
@@ -184,7 +189,7 @@ def _latent(epochs: int, workers: int, side: int, dim: int) -> dict[str, Any]:
         np.save(path, z)
         payload, mask = load_input(str(path), run.plan.values["Z"])
         run.set_input("Z", payload, mask)
-    recs = [run.engine.step() for _ in range(epochs)]
+    recs = _run_epochs(run, epochs)
     return {
         "layout": topo.layout,
         "open_cells_per_epoch": statistics.mean(r.open_cells for r in recs),

@@ -213,3 +213,121 @@ def test_a_group_on_cuda_is_refused_clearly() -> None:
     with pytest.raises(UsageError) as e:
         WorkerGroup(run.plan, 2, backend="cuda")
     assert e.value.code == "U089"
+
+
+# ---- the owners beside the workers (lmpm.runtime.data.shard) --------------------------------------
+MASKGIT = """
+param N = 24
+value A : Token[8] shape Seq(N)
+value MaskPlan : Event shape Set()
+visible A[t] <- A[*]
+rule R:
+  on A[t]
+  read {ctx = A[*]}
+  emit proposal A[t] := RandomTokens(ctx)
+commit A[*] using satisfy(max_constraints_then_score)
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="confidence", steps=6)
+"""
+
+
+def _maskgit(workers: int) -> tuple[list[Any], list[Any]]:
+    run = Run.from_source(MASKGIT, epochs=6, seed=5)
+    if workers > 1:
+        topo = partition(run.plan, workers, replicate_bytes=0)
+        group = WorkerGroup(run.plan, workers, topology=topo, seed=5)
+        run.engine.dataplane = run.dataplane = group
+    recs = [run.engine.step() for _ in range(6)]
+    return [snapshot(run), run.engine.why], recs
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_quota_over_the_whole_value_keeps_what_one_owner_keeps(workers: int) -> None:
+    """Confidence: each owner sees only its cells' candidates; the quota's most confident
+    commits are chosen over the whole value (a quota exchange), as one owner chooses them."""
+    (one, why1), recs1 = _maskgit(1)
+    (many, why2), recs2 = _maskgit(workers)
+    assert [r.commits for r in recs1] == [r.commits for r in recs2]
+    assert recs1[0].commits < recs1[0].attempts  # the quota held most proposals back
+    for v in one:
+        for x, y in zip(one[v], many[v], strict=True):
+            assert torch.equal(x, y), v
+    assert torch.equal(why1["A"], why2["A"])  # held back by the quota: the same cells
+
+
+@pytest.mark.parametrize("name", ["sudoku", "text", "video", "latent"])
+def test_the_owners_records_merge_into_what_one_owner_records(name: str, tmp_path: Path) -> None:
+    """Asked for the per-cell records (a run directory's log), the owners' records merge into
+    one owner's: the same commit-log rows every epoch, and the same candidate columns."""
+    from lmpm.runtime.rundir import commit_rows
+
+    def records(workers: int) -> list[Any]:
+        path, params, inputs, epochs = CASES[name]
+        run = Run.from_file(path, params=params, seed=3)
+        if workers > 1:
+            topo = partition(run.plan, workers, replicate_bytes=0)
+            group = WorkerGroup(
+                run.plan, workers, topology=topo, seed=3, checksum_policies=CHECKSUM_POLICIES
+            )
+            run.engine.dataplane = run.dataplane = group
+        run.engine.checksums = True
+        for value, file in inputs.items():
+            file = _latent_input(tmp_path) if name == "latent" else file
+            payload, mask = load_input(str(file), run.plan.values[value])
+            run.set_input(value, payload, mask)
+        return [run.engine.step() for _ in range(epochs)]
+
+    one, many = records(1), records(3)
+    for a, b in zip(one, many, strict=True):
+        assert commit_rows(a) == commit_rows(b)
+        for x, y in zip(a.values, b.values, strict=True):
+            assert x.value == y.value
+            for f in ("cells", "valid", "col_rule", "violated", "winner", "changed", "new_clock"):
+                assert torch.equal(getattr(x, f), getattr(y, f)), (name, a.epoch, x.value, f)
+
+
+def test_the_control_plane_gets_no_cell_data_from_a_group(tmp_path: Path) -> None:
+    """Without an observer that writes per-cell records, what crosses between the control plane
+    and the workers has no array data and a size that does not grow with the cells."""
+    sizes = []
+    for side in (6, 12):
+        run = Run.from_file(CASES["latent"][0], params={"W": side, "H": side, "D": 8}, seed=3)
+        group = WorkerGroup(run.plan, 2, seed=3)
+        run.engine.dataplane = run.dataplane = group
+        run.engine.keep_records = False
+        z = np.random.default_rng(0).normal(size=(side, side, 8)).astype(np.float32)
+        np.save(tmp_path / "z.npy", z)
+        payload, mask = load_input(str(tmp_path / "z.npy"), run.plan.values["Z"])
+        run.set_input("Z", payload, mask)
+        recs: list[Any] = []
+        run.engine.run(epochs=3, progress=recs.append)
+        assert all(r.values == [] and r.message_bytes == 0 for r in recs)
+        assert all(r.commits > 0 for r in recs)
+        sizes.append(max(r.control_bytes for r in recs))
+    assert sizes[1] <= sizes[0] + 16  # a few bytes more for larger counts, never per cell
+
+
+def test_an_owner_undoes_the_epoch_it_was_in_and_only_that() -> None:
+    """A worker fault in epoch e: every surviving owner goes back to the start of e (the group
+    redoes it); one that had finished e before the fault keeps it."""
+    from lmpm.runtime.data.shard import copy_state
+    from lmpm.runtime.protocol import EpochRequest
+
+    _, group = _run("sudoku", 3)  # four epochs
+    assert group is not None
+    before = [{n: copy_state(s) for n, s in o.state.items()} for o in group.owners]
+    unset = [o.unset() for o in group.owners]
+    group.epoch(EpochRequest(4, 0, 4))
+    changed = group.owners[0].state["Cand"].clock
+    assert not torch.equal(changed, before[0]["Cand"].clock)
+    for o in group.owners:
+        o.rollback(5)  # a fault after epoch 4 finished: nothing to undo
+    assert not torch.equal(group.owners[0].state["Cand"].clock, before[0]["Cand"].clock)
+    for o in group.owners:
+        o.rollback(4)
+    for o, was, left in zip(group.owners, before, unset, strict=True):
+        assert o.unset() == left
+        for name, st in o.state.items():
+            for f in ("committed", "clock", "rule", "epoch", "score"):
+                assert torch.equal(getattr(st, f), getattr(was[name], f)), (o.rank, name, f)

@@ -201,8 +201,10 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
     if rep.get("faults"):
         console.print("worker faults survived (each epoch redone from the durable state):")
         for f in rep["faults"]:
+            # "epoch": the worker's one call of the epoch (older logs name its phase)
+            where = "" if f["phase"] == "epoch" else f" in {f['phase']}"
             console.print(
-                f"  epoch {f['epoch']}: worker {f['worker']} {f['cause']} in {f['phase']} "
+                f"  epoch {f['epoch']}: worker {f['worker']} {f['cause']}{where} "
                 f"(pid {f['pid']}), {f['seconds']:.2f} s lost",
                 markup=False,
             )

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmpm.runtime.records import Dissent, ValueEpoch
+from lmpm.runtime.records import Compact, Dissent, ValueEpoch
 
 
 @dataclass(slots=True)
@@ -167,7 +167,7 @@ class ApplyReply:
 
 
 @dataclass(slots=True)
-class EpochRequest:
+class EpochRequest(Compact):
     """The control plane's only per-epoch message to the data plane (:class:`DataPlanePort`):
     run epoch ``epoch``. Its size does not depend on the number of cells."""
 
@@ -181,10 +181,13 @@ class EpochRequest:
     checksums: bool = False  # committed rows' checksums in the records (the commit log wants them)
     # per value: the cells whose candidate payloads the workers record (--trace cells; set once)
     record: Mapping[str, Tensor] | None = None
+    # the per-cell records (EpochReport.values) are wanted: an observer writes them, or the
+    # caller keeps them. A group's owners send them to the control plane only then.
+    records: bool = True
 
 
 @dataclass(slots=True)
-class EpochReport:
+class EpochReport(Compact):
     """What the data plane answers an :class:`EpochRequest` with: counts of fixed size for the
     control plane (the schedule's termination reads ``unset``), and the owner's per-cell records
     (``values``), handed to the observers that write them (commit log, trace) beside the owner."""
@@ -201,6 +204,8 @@ class EpochReport:
     values: list[ValueEpoch] = dataclasses.field(default_factory=list)  # per value, in order
     faults: tuple[Any, ...] = ()  # worker faults survived (the epoch was redone after each)
     halo_bytes: int = 0  # payload bytes moved worker to worker
+    # a group's worker: (value, rows) its payload store took in the epoch (restores check them)
+    stored: tuple[tuple[str, int], ...] = ()
     # the messages between the control plane's process and the workers (a :class:`Traffic`):
     # serialised, and their tensor data (one in-process worker: counted on request)
     control_bytes: int = 0

@@ -6,7 +6,7 @@ import this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch-free at import: `lmpm trace` and the run directory's reader use it
@@ -80,10 +80,24 @@ class ValueEpoch:
     was_committed: Tensor  # (n,) bool, before this epoch
     applies: Tensor  # (n, K) bool: the constraint speaks about the cell (its verdicts count)
     checksum: Tensor | None = None  # (n,) int64 committed payload checksum where changed
+    # (C,) the candidates' replica and proposal slot per column: set by a group's owners, whose
+    # records are merged into one owner's columns (lmpm.runtime.data.shard.merge_records)
+    col_replica: Tensor | None = None
+    col_slot: Tensor | None = None
+
+
+class Compact:
+    """A record pickled as its class and its field values in order, without the field names:
+    the messages that cross between the planes every epoch stay a few dozen bytes."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return type(self), tuple(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
-class Dissent:
+class Dissent(Compact):
     """A quorum replica outvoted in one epoch: in ``cells`` committed cells of ``value`` its
     proposal (the winning rule's, same proposal slot) differed from the payload committed."""
 

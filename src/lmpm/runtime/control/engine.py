@@ -252,7 +252,7 @@ class Engine:
             if stop_when_stable and self.is_stable():
                 res.stable = True  # a resumed run that had already become stable
                 break
-            rec = self._step()
+            rec = self._step(bool(self.observers) or self.keep_records)
             res.epochs += 1
             res.commits += rec.commits
             res.attempts += rec.attempts
@@ -289,11 +289,18 @@ class Engine:
         elif e >= self._until:  # before the horizon a guard may still switch a rule on
             self.quiet += 1
 
-    def _request(self, e: int) -> EpochRequest:
+    def _request(self, e: int, records: bool = True) -> EpochRequest:
         """Epoch ``e``'s request: the schedules that open a few unset cells pass over the cells
-        tried since the last commit."""
+        tried since the last commit. ``records``: the per-cell records are wanted (a group's
+        owners send them only then)."""
         return EpochRequest(
-            e, self.quiet // self._cycle, e - self.quiet, self._active, self.checksums, self.record
+            e,
+            self.quiet // self._cycle,
+            e - self.quiet,
+            self._active,
+            self.checksums,
+            self.record,
+            records,
         )
 
     def open_cells(self, e: int) -> dict[str, Tensor]:
@@ -332,19 +339,20 @@ class Engine:
         with torch.inference_mode():
             return self._step()
 
-    def _step(self) -> EpochRecord:
+    def _step(self, records: bool = True) -> EpochRecord:
+        """One epoch; ``records``: its record carries the per-cell records (``values``)."""
         if not self.guard:
-            return self._epoch()
+            return self._epoch(records)
         with guarding(self.dataplane):
-            rec = self._epoch()
+            rec = self._epoch(records)
             check_message(rec, "epoch record")
             check_message(self.state, "owner state")
             return rec
 
-    def _epoch(self) -> EpochRecord:
+    def _epoch(self, records: bool) -> EpochRecord:
         e = self.epoch
         t0, cpu0 = time.perf_counter(), time.process_time()
-        req = self._request(e)
+        req = self._request(e, records)
         report = self.dataplane.epoch(req)
         if self.guard:
             check_message(req, "epoch request")

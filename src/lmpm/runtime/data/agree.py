@@ -78,10 +78,16 @@ def agree(
     if quota is not None and int(changed.count_nonzero()) > quota:
         n = winner.numel()
         conf = torch.where(changed, score[torch.arange(n), winner], -torch.inf)
-        keep = torch.zeros(n, dtype=torch.bool)
-        keep[torch.sort(-conf, stable=True).indices[:quota]] = True  # stable: lower cell first
-        changed = changed & keep
+        changed = changed & keep_top(conf, quota)
     return Agreed(score, winner, changed, decision.weights)
+
+
+def keep_top(conf: Tensor, quota: int) -> Tensor:
+    """(n,) bool: the ``quota`` rows of highest confidence ``conf`` (rows in cell order; ties:
+    the lower cell first)."""
+    keep = torch.zeros(conf.numel(), dtype=torch.bool)
+    keep[torch.sort(-conf, stable=True).indices[:quota]] = True
+    return keep
 
 
 def _fields(a: Agree) -> tuple[object, ...]:

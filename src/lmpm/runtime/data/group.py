@@ -2,28 +2,26 @@
 
 A :class:`WorkerGroup` holds W :class:`~lmpm.runtime.data.dataplane.DataPlane` workers in this
 process, each holding the payload of the cells the topology
-(:func:`lmpm.resolve.topology.partition`) gives it, and one
-:class:`~lmpm.runtime.data.owner.Owner` that decides every cell over the merged candidates (in this
-process for now: docs/distributed.md, "Where cells are decided"). For its owner it splits a
-:class:`ProposeRequest` by worker, merges the workers' replies into one :class:`Candidates` per
-value with the column layout one worker would produce (a worker where a rule did not fire
-contributes invalid columns), splits the :class:`ApplyRequest` back, and after every worker
-applied, moves the *changed* cells of each route from its sender to its receiver (the in-process
-transport: a two-phase exchange, all apply, then all exchange). The engine sees the epoch's
-report only.
+(:func:`lmpm.resolve.topology.partition`) gives it, and beside each the
+:class:`~lmpm.runtime.data.shard.ShardOwner` that decides those cells. Per epoch the group sends
+every worker the control plane's :class:`EpochRequest`; the owners open, propose, agree, apply
+and commit their cells, exchanging metadata among themselves (:func:`lmpm.runtime.data.shard.lockstep`
+hands the parts around in this process); each answers with a report of fixed size, and the
+group merges them into one. Then the *changed* cells of each route move from their sender to
+their receiver (the in-process transport: all apply, then all exchange).
 
 How the workers are reached is the subclass's part: here they are objects in this process;
-:class:`lmpm.runtime.data.raygroup.RayGroup` runs each as a Ray actor in its own process, the halo moving
-over ``torch.distributed``. The split and merge of the messages, the metadata the group keeps for
-restores (committed and input flags, the cells committed since the newest checkpoint) and the
-restore itself are shared.
+:class:`lmpm.runtime.data.raygroup.RayGroup` runs each as a Ray actor in its own process, the
+owners' exchanges and the halo moving over ``torch.distributed``. The view of the owners the
+control plane reads (:class:`~lmpm.runtime.data.shard.OwnersView`), what the group keeps for
+restores (per epoch and value, the rows each worker's store holds since the newest checkpoint)
+and the restore itself are shared.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,47 +31,18 @@ from lmpm.errors import UsageError
 from lmpm.resolve.plan import Plan
 from lmpm.resolve.topology import Topology, partition
 from lmpm.runtime.data.dataplane import DataPlane
-from lmpm.runtime.data.owner import Owner
+from lmpm.runtime.data.shard import (
+    OwnersView,
+    ShardOwner,
+    commit_order,
+    lockstep,
+    merge_reports,
+)
 from lmpm.runtime.protocol import (
-    Applied,
-    ApplyReply,
-    ApplyRequest,
-    Candidates,
     EpochReport,
     EpochRequest,
-    ProposeReply,
-    ProposeRequest,
-    RuleWork,
     Traffic,
-    ValueDecision,
 )
-
-
-@dataclass(frozen=True, slots=True)
-class _Merged:
-    """How one value's merged rows and columns map onto each worker's own. The rows of several
-    workers may be the same cell (a `quorum(k of n)` value: each worker proposes every cell for
-    its replicas); their columns never overlap but for column 0 (keep current)."""
-
-    workers: tuple[int, ...]  # the workers that had candidates for the value
-    rows: tuple[Tensor, ...]  # per such worker: its rows' positions in the merged rows
-    cols: tuple[Tensor, ...]  # per such worker: its columns' positions in the merged columns
-    local_rows: Tensor  # (len(workers), n): the merged row's position in each worker's rows, -1
-    global_to_local: Tensor  # (len(workers), C): merged column -> the worker's own column, -1
-    cells: tuple[Tensor, ...]  # per such worker: its open cells
-
-    def writers(self, rows: Tensor, winner: Tensor) -> Tensor:
-        """(m,) index into ``workers``: the worker that applies each row, the one whose columns
-        hold the winner (else the first that has the row: keep current)."""
-        has = self.local_rows.index_select(1, rows) >= 0  # (S, m)
-        holds = self.global_to_local.index_select(1, winner) >= 0  # (S, m)
-        rank = has.to(torch.int64) + (has & holds).to(torch.int64)
-        return rank.argmax(dim=0)  # the first worker of the highest rank
-
-
-def _key(c: Candidates, j: int) -> tuple[int, int, int]:
-    return int(c.col_rule[j]), int(c.col_replica[j]), int(c.col_slot[j])
-
 
 CORRUPT = "corrupt"  # the fault that perturbs a worker's proposals (quorum drills)
 PHASES = ("propose", "apply", "halo")
@@ -158,7 +127,7 @@ class InProcessTransport:
 
 
 class WorkerGroup:
-    """W in-process partitioned workers and the owner of their cells, behind the port."""
+    """W in-process partitioned workers and the owners of their cells, behind the port."""
 
     def __init__(
         self,
@@ -197,27 +166,36 @@ class WorkerGroup:
         # the messages between the control plane and each worker in the last epoch (metadata
         # only): serialised as they cross (or, in this process, would cross) and tensor bytes
         self.traffic = Traffic()
-        self._merged: dict[str, _Merged] = {}
-        # Metadata the group keeps to restore its workers (never payload): committed and input
-        # flags per value, the newest checkpoint's shards and the cells committed since it.
-        self.committed = {
-            n: torch.zeros(vp.ncells, dtype=torch.bool) for n, vp in plan.values.items()
-        }
-        self.from_input = {
-            n: torch.zeros(vp.ncells, dtype=torch.bool) for n, vp in plan.values.items()
-        }
+        # What the group keeps to restore its workers (counts, never cells or payload): the
+        # newest checkpoint's shards and, per (epoch, value) since it, the rows each worker's
+        # store holds (its commits and the spread values' cells it received).
         self.checkpointed: tuple[int, dict[str, dict[str, Any]]] | None = None
-        self.since: dict[tuple[int, str], list[Tensor]] = {}
+        self.stored: dict[tuple[int, str], list[int]] = {}
+        self.changes = 0  # bumped whenever the owners' metadata changes (the view's cache)
+        # the proposed values in the order the owners commit them; each rule's rank
+        self.order = commit_order(plan)
+        self.rule_rank = {rp.id: k for k, rp in enumerate(plan.rules)}
         self.store: Any = None  # the workers hold the stores (one each)
-        # the owner of every cell's metadata and decisions, over the merged candidates (in the
-        # driver's process for now: docs/distributed.md, "Where cells are decided")
-        self.owner = Owner(plan, self.seed)
+        self.owner: Any = self._owners()
         self.workers: list[Any] = self._start()
         self.transport = InProcessTransport(self.workers, self.topology)
         for spec in filter(None, os.environ.get(INJECT_ENV, "").split(",")):
             self.inject(*parse_fault(spec, self.size))
 
     # ---- reaching the workers (the in-process driver; RayGroup overrides these) -----------------
+    def _owners(self) -> Any:
+        """The owners of the cells: one beside each worker (lmpm.runtime.data.shard), read by
+        the control plane through one view."""
+        self.owners = [ShardOwner(self.plan, self.topology, i, self.seed) for i in range(self.size)]
+        return OwnersView(self)
+
+    def _owner_calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+        """Call ``method`` on worker i's owner with ``args[i]`` (None: not called)."""
+        return [
+            None if a is None else getattr(o, method)(*a)
+            for o, a in zip(self.owners, args, strict=True)
+        ]
+
     def _start(self) -> list[Any]:
         return [
             DataPlane(
@@ -233,8 +211,10 @@ class WorkerGroup:
 
     # ---- the port (lmpm.runtime.port.DataPlanePort) -------------------------------------------
     def epoch(self, req: EpochRequest) -> EpochReport:
-        """Run one epoch: the owner opens and decides, the workers propose and apply."""
-        report = self.owner.epoch(self, req)
+        """Run one epoch: each worker's owner opens, decides and applies its cells, the owners
+        exchanging metadata among themselves; then the changed routed cells move."""
+        report = self._decide(req)
+        self.changes += 1
         report.halo_bytes = self.halo_bytes
         report.control_bytes = self.traffic.control_bytes
         report.message_bytes = self.traffic.message_bytes
@@ -248,6 +228,18 @@ class WorkerGroup:
             code="U101",
             hint="drop --compile, or run with one worker",
         )
+
+    def _decide(self, req: EpochRequest) -> EpochReport:
+        """The owners' epoch, side by side in this process (lmpm.runtime.data.shard.lockstep),
+        then the halo exchange. What crosses into and out of the control plane: the request to
+        each worker and its report."""
+        self.traffic = Traffic()
+        gens = [o.decide(w, req) for o, w in zip(self.owners, self.workers, strict=True)]
+        reports = lockstep(gens)
+        self.traffic.count(*([req] * self.size), *reports)
+        self.halo_bytes = self._exchange_written(req.epoch)
+        self.halo_bytes_total += self.halo_bytes
+        return merge_reports(reports, self.order, self.rule_rank, req.records)
 
     def take_faults(self) -> list[Any]:
         """The worker faults survived since the last call (in-process workers: none)."""
@@ -264,31 +256,31 @@ class WorkerGroup:
             for w, a in zip(self.workers, args, strict=True)
         ]
 
-    def _propose_all(self, subs: list[ProposeRequest | None]) -> list[ProposeReply | None]:
-        replies = self._calls("propose", [None if s is None else (s,) for s in subs])
-        self.traffic.count(*subs, *replies)
-        return replies
-
-    def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
-        """Apply on every worker, then move the cells each wrote along its routes: (replies,
-        payload bytes moved)."""
-        replies = self._calls("apply", [None if s is None else (s,) for s in subs])
-        self.traffic.count(*subs, *replies)
+    def _exchange_written(self, epoch: int) -> int:
+        """Move the cells every worker wrote this epoch along their routes; every store keeps
+        the spread quorum values whole. Payload bytes moved."""
         changed: dict[tuple[str, int], Tensor] = {}
-        for i, (w, rep) in enumerate(zip(self.workers, replies, strict=True)):
-            if rep is None:
-                continue
+        for i, w in enumerate(self.workers):
             for name, cells in w.written.items():
                 mask = torch.zeros(self.plan.values[name].ncells, dtype=torch.bool)
                 mask[cells] = True
                 changed[(name, i)] = mask
         moved = self.transport.exchange(changed)
-        epoch = next((s.epoch for s in subs if s is not None), -1)
-        for i, w in enumerate(self.workers):  # spread quorum values: every store keeps them whole
+        for i, w in enumerate(self.workers):
             got = received(self.topology, i, changed)
             if got:
                 w.keep_received(epoch, got)
-        return replies, moved
+            rows = {name: int(c.numel()) for name, c in w.written.items()}
+            for name, c in got.items():
+                rows[name] = rows.get(name, 0) + int(c.numel())
+            self._count_stored(epoch, i, rows)
+        return moved
+
+    def _count_stored(self, epoch: int, worker: int, rows: Mapping[str, int]) -> None:
+        """Worker ``worker``'s store holds ``rows[value]`` more rows of ``epoch``."""
+        for name, n in rows.items():
+            if n:
+                self.stored.setdefault((epoch, name), [0] * self.size)[worker] += n
 
     def _resync(self) -> int:
         """Send every routed cell to its receivers (after a restore): bytes moved."""
@@ -326,14 +318,10 @@ class WorkerGroup:
         """Every worker keeps the inputs (their cells are committed everywhere)."""
         idx = self._each("set_input", value, payload, mask)[0]
         self.owner.mark_input(value, idx)
-        self.committed[value][idx] = True
-        self.from_input[value][idx] = True
         return idx
 
     def load(self, value: str, payload: Tensor, committed: Tensor, from_input: Tensor) -> None:
         self._each("load", value, payload, committed, from_input)
-        self.committed[value] = committed.bool().clone()
-        self.from_input[value] = from_input.bool().clone()
 
     def read(self, value: str) -> tuple[Tensor, Tensor]:
         """(payload, committed) assembled from each cell's owner."""
@@ -359,7 +347,7 @@ class WorkerGroup:
         for got in self._each("checkpoint_shards", label):
             shards.update(got)
         self.checkpointed = (label, shards)
-        self.since = {k: v for k, v in self.since.items() if k[0] >= label}
+        self.stored = {k: v for k, v in self.stored.items() if k[0] >= label}
         return shards
 
     def restore_shards(
@@ -385,214 +373,11 @@ class WorkerGroup:
             per.append((label, shards, upto, mine, committed, from_input))
         self._calls("restore_shards", list(per))
         self._resync()
-        self.committed = {n: c.bool().clone() for n, c in committed.items()}
-        self.from_input = {n: c.bool().clone() for n, c in from_input.items()}
         self.checkpointed = (label, {k: dict(v) for k, v in shards.items()})
-        self.since = {k: [c] for k, c in commits.items()}
-
-    # ---- propose ---------------------------------------------------------------------------------
-    def _before(self, epoch: int) -> None:
-        """Called before each epoch's propose (RayGroup: the first checkpoint for recovery)."""
-
-    def propose(self, req: ProposeRequest) -> ProposeReply:
-        parts: list[list[RuleWork]] = [[] for _ in self.workers]
-        for rw in req.rules:
-            target = self.plan.rules[rw.rule].target
-            spread = self.topology.workers_of(target)
-            if spread > 1:  # quorum(k of n): replica p of every cell on worker p
-                for p in range(spread):
-                    parts[p].append(RuleWork(rw.rule, rw.cells, (p,)))
-                continue
-            owner = self.topology.owner[target].index_select(0, rw.cells)
-            for i in range(len(self.workers)):
-                cells = rw.cells[owner == i]
-                if cells.numel():
-                    parts[i].append(RuleWork(rw.rule, cells))
-        subs: list[ProposeRequest | None] = []
-        for i in range(self.size):
-            if not parts[i]:
-                subs.append(None)
-                continue
-            record = None
-            if req.record is not None:  # spread quorum values: recorded after the merge
-                record = {
-                    name: c[self.topology.owner[name].index_select(0, c) == i]
-                    for name, c in req.record.items()
-                    if self.topology.workers_of(name) == 1
-                }
-            subs.append(
-                ProposeRequest(
-                    req.epoch, tuple(parts[i]), req.fresh, record, req.phases, req.active
-                )
-            )
-        self._before(req.epoch)
-        self.traffic = Traffic()
-        replies = self._propose_all(subs)
-        seconds = sum(r.model_seconds for r in replies if r is not None)
-        order = [rw.rule for rw in req.rules]
-        values: dict[str, Candidates] = {}
-        self._merged = {}
-        # the values in the order one worker answers them (the order its rules fired): the
-        # engine agrees and advances clocks value by value in this order
-        targets = dict.fromkeys(self.plan.rules[rw.rule].target for rw in req.rules)
-        names = [n for n in targets if any(r and n in r.values for r in replies)]
-        for name in names:
-            got = [(i, r.values[name]) for i, r in enumerate(replies) if r and name in r.values]
-            values[name] = self._merge(name, got, order)
-        self._record_spread(req)
-        return ProposeReply(self.worker, values, seconds)
-
-    def _record_spread(self, req: ProposeRequest) -> None:
-        """``--trace cells`` of a spread quorum value: each replica worker records its candidates
-        under the merged columns (their payloads stay on it; the trace reads every store)."""
-        for name, which in (req.record or {}).items():
-            mg = self._merged.get(name)
-            if mg is None or self.topology.workers_of(name) == 1:
-                continue
-            args: list[tuple[Any, ...] | None] = [None] * self.size
-            for s, i in enumerate(mg.workers):
-                args[i] = (req.epoch, name, which, mg.cols[s].tolist())
-            self._calls("record_columns", args)
-
-    def _merge(self, name: str, got: list[tuple[int, Candidates]], order: list[int]) -> Candidates:
-        """One value's candidates: rows sorted by cell, columns in the request's rule order."""
-        width: dict[tuple[int, int], int] = {}
-        for _, c in got:
-            for j in range(1, c.col_rule.numel()):
-                rid, replica, s = _key(c, j)
-                width[(rid, replica)] = max(width.get((rid, replica), 0), s + 1)
-        rank = {r: k for k, r in enumerate(order)}
-        layout = sorted(width, key=lambda k: (rank[k[0]], k[1]))
-        col_of: dict[tuple[int, int, int], int] = {}
-        rule, rep, slot = [-1], [-1], [-1]
-        for r, p in layout:
-            for s in range(width[(r, p)]):
-                col_of[(r, p, s)] = len(rule)
-                rule.append(r)
-                rep.append(p)
-                slot.append(s)
-        ncol = len(rule)
-        cells = torch.cat([c.cells for _, c in got]).unique()  # sorted
-        n = cells.numel()
-        k = got[0][1].applies.shape[1]
-        valid = torch.zeros((n, ncol), dtype=torch.bool)
-        score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
-        violated = torch.zeros((n, ncol, k), dtype=torch.bool)
-        applies = torch.zeros((n, k), dtype=torch.bool)
-        refreshed = None
-        if any(c.refreshed is not None for _, c in got):
-            refreshed = torch.zeros(n, dtype=torch.bool)
-        checksum = None
-        if got[0][1].checksum is not None:
-            checksum = torch.zeros((n, ncol), dtype=torch.int64)
-        rows_of, cols_of, cells_of = [], [], []
-        local_rows = torch.full((len(got), n), -1, dtype=torch.int64)
-        g2l = torch.full((len(got), ncol), -1, dtype=torch.int64)
-        for slot_i, (_, c) in enumerate(got):
-            m = c.cells.numel()
-            rows = torch.searchsorted(cells, c.cells)
-            cols = torch.tensor(
-                [0] + [col_of[_key(c, j)] for j in range(1, c.col_rule.numel())],
-                dtype=torch.int64,
-            )
-            rr, cc = rows.unsqueeze(1), cols.unsqueeze(0)
-            # column 0 (keep current) comes from every worker holding the row: the same payload,
-            # verdicts and validity; its score is the best proposal folded into it anywhere
-            keep_score = torch.maximum(score[rows, 0], c.score[:, 0])
-            valid[rr, cc] = c.valid
-            score[rr, cc] = c.score
-            score[rows, 0] = keep_score
-            violated[rr, cc] = c.violated
-            applies[rows] = c.applies
-            if refreshed is not None and c.refreshed is not None:
-                refreshed[rows] |= c.refreshed
-            if checksum is not None and c.checksum is not None:
-                checksum[rr, cc] = c.checksum
-            g2l[slot_i, cols] = torch.arange(cols.numel())
-            local_rows[slot_i, rows] = torch.arange(m)
-            rows_of.append(rows)
-            cols_of.append(cols)
-            cells_of.append(c.cells)
-        self._merged[name] = _Merged(
-            tuple(i for i, _ in got),
-            tuple(rows_of),
-            tuple(cols_of),
-            local_rows,
-            g2l,
-            tuple(cells_of),
-        )
-        return Candidates(
-            name,
-            cells,
-            valid,
-            score,
-            violated,
-            applies,
-            torch.tensor(rule),
-            torch.tensor(rep),
-            torch.tensor(slot),
-            refreshed,
-            checksum,
-        )
-
-    # ---- apply -----------------------------------------------------------------------------------
-    def apply(self, req: ApplyRequest) -> ApplyReply:
-        split: list[dict[str, ValueDecision]] = [{} for _ in self.workers]
-        where: dict[str, list[tuple[int, Tensor, Tensor]]] = {}
-        for name, d in req.values.items():
-            mg = self._merged[name]
-            n = mg.local_rows.shape[1]
-            rows = torch.arange(n) if d.rows is None else d.rows
-            owner = mg.writers(rows, d.winner)
-            for s, i in enumerate(mg.workers):
-                sel = (owner == s).nonzero().squeeze(1)
-                mine = rows.index_select(0, sel)  # merged rows this worker applies, in order
-                local = mg.local_rows[s].index_select(0, mine)
-                winner = mg.global_to_local[s].index_select(0, d.winner.index_select(0, sel))
-                weights = None
-                if d.weights is not None:
-                    weights = d.weights.index_select(0, sel).index_select(1, mg.cols[s])
-                all_rows = d.rows is None and local.numel() == mg.rows[s].numel()
-                split[i][name] = ValueDecision(None if all_rows else local, winner, weights)
-                where.setdefault(name, []).append((i, sel, local))
-        subs = [
-            ApplyRequest(req.epoch, split[i], req.checksums) if split[i] else None
-            for i in range(self.size)
-        ]
-        replies, self.halo_bytes = self._apply_all(subs)
-        out: dict[str, Applied] = {}
-        for name, d in req.values.items():
-            mg = self._merged[name]
-            m = mg.local_rows.shape[1] if d.rows is None else d.rows.numel()
-            changed = torch.ones(m, dtype=torch.bool)
-            sums = torch.zeros(m, dtype=torch.int64) if req.checksums else None
-            partial = False
-            written: list[Tensor] = []
-            for i, sel, local in where[name]:
-                done = replies[i]
-                assert done is not None
-                got = done.values[name]
-                ch = torch.ones(sel.numel(), dtype=torch.bool)
-                if got.changed is not None:
-                    ch = got.changed.bool()
-                    partial = True
-                changed[sel] = ch
-                if sums is not None and got.checksum is not None:
-                    sums[sel[ch]] = got.checksum
-                s = mg.workers.index(i)
-                cells = mg.cells[s].index_select(0, local)[ch]
-                written.append(cells)
-            out[name] = Applied(
-                changed if partial else None,
-                None if sums is None else (sums[changed] if partial else sums),
-            )
-            cells = torch.cat(written) if written else torch.zeros(0, dtype=torch.int64)
-            self.committed[name][cells] = True
-            self.from_input[name][cells] = False
-            self.since.setdefault((req.epoch, name), []).append(cells)
-        self.halo_bytes_total += self.halo_bytes
-        durable = all(r.durable for r in replies if r is not None) and any(replies)
-        return ApplyReply(self.worker, out, durable)
+        self.stored = {}
+        for i, (*_, mine, _, _) in enumerate(per):
+            for (epoch, name), c in mine.items():
+                self._count_stored(epoch, i, {name: int(c.numel())})
 
 
 __all__ = ["INJECT_ENV", "InProcessTransport", "WorkerGroup", "parse_fault"]

@@ -33,8 +33,8 @@ from torch import Tensor
 from lmpm.ir.nodes import TRUE
 from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan
 from lmpm.resolve.policies import aggregates, quorum
-from lmpm.resolve.schedules import make_schedule
-from lmpm.runtime.data.agree import agree
+from lmpm.resolve.schedules import Schedule, make_schedule
+from lmpm.runtime.data.agree import Agreed, agree
 from lmpm.runtime.data.clocks import Clocks
 from lmpm.runtime.data.texpr import mask_of
 from lmpm.runtime.protocol import (
@@ -180,6 +180,33 @@ class _Pending:
         )
 
 
+def schedule_of(plan: Plan, seed: int) -> Schedule:
+    """The plan's schedule over its proposed values."""
+    return make_schedule(
+        plan.schedule,
+        {name: plan.values[name].coords for name in plan.rules_by_target},
+        plan.colors,
+        int(seed),
+    )
+
+
+def reasons(why: Mapping[str, Tensor], state: Mapping[str, CellState]) -> dict[str, dict[int, int]]:
+    """Per value with unset cells: their count by why-code, the most frequent first (a value no
+    rule proposes and no input gave: all its cells under NO_SOURCE)."""
+    out: dict[str, dict[int, int]] = {}
+    for name, codes_of in why.items():
+        left = codes_of[~state[name].committed]
+        if not left.numel():
+            continue
+        codes, counts = torch.unique(left, return_counts=True)
+        pairs = sorted(zip(codes.tolist(), counts.tolist()), key=lambda x: -x[1])
+        out[name] = {int(c): int(n) for c, n in pairs}
+    for name, st in state.items():
+        if name not in why and st.committed.numel() and not bool(st.committed.any()):
+            out[name] = {NO_SOURCE: st.committed.numel()}
+    return out
+
+
 class Owner:
     """The cells' metadata and the decisions on them (see the module doc).
 
@@ -204,12 +231,7 @@ class Owner:
             )
             for name, rules in by_target.items()
         }
-        self.schedule = make_schedule(
-            plan.schedule,
-            {name: plan.values[name].coords for name in by_target},
-            plan.colors,
-            int(seed),
-        )
+        self.schedule = schedule_of(plan, seed)
         self.fresh = {name: not self.schedule.opens_committed for name in by_target}
         self.triggered = {rp.id: rp.trigger != TRUE for rp in plan.rules}
         # values with a rule whose `when` guard picks cells: their open cells vary within a phase
@@ -264,20 +286,8 @@ class Owner:
         return int(committed.numel() - committed.count_nonzero())
 
     def reasons(self) -> dict[str, dict[int, int]]:
-        """Per value with unset cells: their count by why-code, the most frequent first (a value
-        no rule proposes and no input gave: all its cells under NO_SOURCE)."""
-        out: dict[str, dict[int, int]] = {}
-        for name, why in self.why.items():
-            left = why[~self.state[name].committed]
-            if not left.numel():
-                continue
-            codes, counts = torch.unique(left, return_counts=True)
-            pairs = sorted(zip(codes.tolist(), counts.tolist()), key=lambda x: -x[1])
-            out[name] = {int(c): int(n) for c, n in pairs}
-        for name, st in self.state.items():
-            if name not in self.why and st.committed.numel() and not bool(st.committed.any()):
-                out[name] = {NO_SOURCE: st.committed.numel()}
-        return out
+        """Per value with unset cells: their count by why-code, the most frequent first."""
+        return reasons(self.why, self.state)
 
     # ---- the epoch ---------------------------------------------------------------------------------
     def open_cells(self, e: int, skip: int, start: int) -> dict[str, Tensor]:
@@ -396,30 +406,50 @@ class Owner:
 
     def _agree(self, name: str, e: int, cand: Candidates) -> _Pending:
         """Agree on one value's candidates; record why the cells that stay unset do."""
+        quota = self._quota(name, e)
+        ag, was = self._policy(name, e, cand, quota)
+        return self._pending(name, cand, ag, was, quota)
+
+    def _quota(self, name: str, e: int) -> int | None:
+        """How many more cells of ``name`` may commit in epoch ``e`` (a schedule's quota: a share
+        of the cells to generate, inputs not counted), or None."""
+        if not self.schedule.has_quota:
+            return None
         vp = self.plan.values[name]
+        st = self.state[name]
+        given = int((st.rule == INPUT_RULE).count_nonzero())
+        return self.schedule.quota(e, vp.ncells - given, int(st.committed.count_nonzero()) - given)
+
+    def _policy(
+        self, name: str, e: int, cand: Candidates, quota: int | None
+    ) -> tuple[Agreed, Tensor]:
+        """The value's policy on its candidates (at most ``quota`` commits): the agreement and
+        which open cells were committed before."""
         st = self.state[name]
         static = self.static[name]
         cells = cand.cells
-        fresh = self.fresh[name]
         n = cells.numel()
-        if fresh:  # every open cell is unset (never written: see _const)
+        if self.fresh[name]:  # every open cell is unset (never written: see _const)
             kept = self._const("kept", n, torch.float64, -torch.inf)
             was = self._const("was", n, torch.bool, False)
         else:
             kept = st.score.index_select(0, cells)
             was = st.committed.index_select(0, cells)
-        quota = None
-        if self.schedule.has_quota:  # a share of the cells to generate: inputs do not count
-            given = int((st.rule == INPUT_RULE).count_nonzero())
-            quota = self.schedule.quota(
-                e, vp.ncells - given, int(st.committed.count_nonzero()) - given
-            )
-        ag = agree(vp, cand, kept, static.priority, quota, fresh, static.hard)
+        vp = self.plan.values[name]
+        ag = agree(vp, cand, kept, static.priority, quota, self.fresh[name], static.hard)
+        return ag, was
+
+    def _pending(
+        self, name: str, cand: Candidates, ag: Agreed, was: Tensor, quota: int | None
+    ) -> _Pending:
+        """The agreed value waiting for its apply; why the cells that stay unset do."""
+        n = cand.cells.numel()
         commits = int(ag.changed.count_nonzero())
         if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
-            self._blocked(name, cand, static, (~ag.changed & ~was).nonzero().squeeze(1))
+            self._blocked(name, cand, self.static[name], (~ag.changed & ~was).nonzero().squeeze(1))
             if quota is not None:  # winners the quota held back: not "no candidate"
                 held = (ag.winner != 0) & ~ag.changed & ~was
+                cells = cand.cells
                 self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
         rows = None if commits == n else ag.changed.nonzero().squeeze(1)
         return _Pending(cand, ag.score, ag.winner, ag.changed, ag.weights, rows, was, commits)

@@ -43,6 +43,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lmpm.bindings import Bindings
@@ -61,17 +62,13 @@ from lmpm.runtime.data.group import (
     received,
 )
 from lmpm.runtime.data.raylog import quiet_worker_deaths
+from lmpm.runtime.data.shard import OwnersView, ShardOwner, merge_reports
 from lmpm.runtime.data.transport import GlooTransport
-from lmpm.runtime.protocol import (
-    ApplyReply,
-    ApplyRequest,
-    ProposeReply,
-    ProposeRequest,
-    from_wire,
-    to_wire,
-)
+from lmpm.runtime.protocol import EpochReport, EpochRequest, Traffic, from_wire, to_wire
+from lmpm.runtime.records import INPUT_RULE
 
 DEFAULT_TIMEOUT = 120.0  # seconds a worker may take for one phase before it is declared hung
+EPOCH_TIMEOUTS = 2  # a worker's epoch call may take this many timeouts (propose, then apply)
 MAX_RETRIES = 3  # consecutive faults in one epoch before the run gives up
 BLOCKED_GRACE = 2.0  # seconds the other workers get to answer once one has died
 RESTART_LIMIT = 120.0  # seconds the workers get to come back after a fault
@@ -153,8 +150,6 @@ def rendezvous() -> tuple[str, int]:
 def join_gloo(addr: str, port: int, rank: int, world: int, timeout: float) -> None:
     """Join a new gloo process group (a new membership generation; the old group is dropped: a
     gloo group cannot survive a dead peer)."""
-    import torch.distributed as dist
-
     if addr.startswith("127."):  # one machine: the gloo pairs listen on loopback only
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     if dist.is_initialized():
@@ -203,6 +198,8 @@ class WorkerActor:
             checksum_policies=checksum_policies,
             decides=False,
         )
+        # the owner of this worker's cells, with a replica of every cell's metadata
+        self.owner = ShardOwner(plan, topology, index, seed)
         if store_dir is not None:
             self.dp.open_store(store_dir)
         self.transport: Any = None
@@ -235,27 +232,39 @@ class WorkerActor:
         if self.dp.store is None:
             self.dp.open_store(run_dir)
 
-    def propose(self, req: ProposeRequest) -> ProposeReply:
-        """(Messages cross in their wire form: :func:`lmpm.runtime.protocol.to_wire`.)"""
-        req = from_wire(req)
-        self._maybe_fail("propose", req.epoch)
-        return to_wire(self.dp.propose(req))  # type: ignore[no-any-return]
+    def own(self, method: str, *args: Any) -> Any:
+        """A method of this worker's owner outside the epoch loop (its metadata: checkpoints,
+        the stop reason, inputs, restores)."""
+        return getattr(self.owner, method)(*args)
 
-    def apply(self, req: ApplyRequest | None, epoch: int) -> tuple[ApplyReply | None, int]:
-        """Apply (when this worker has rows that commit), then exchange the halo with every
-        peer (every worker takes part): (reply, payload bytes received)."""
-        req = from_wire(req)
-        self._maybe_fail("apply", epoch)
-        reply = None
+    def epoch(self, wired: EpochRequest) -> EpochReport:
+        """One epoch of this worker: its owner opens, proposes, agrees, applies and commits its
+        cells, exchanging metadata with the other owners over the process group
+        (``all_gather_object``); then the changed routed cells go to the peers that read them.
+        The report has a size independent of the cells (and the per-cell records only when the
+        control plane asks for them). Messages cross in their wire form
+        (:func:`lmpm.runtime.protocol.to_wire`)."""
+        req: EpochRequest = from_wire(wired)
+        e = req.epoch
+        self._maybe_fail("propose", e)
+        world = dist.get_world_size()
+        run = self.owner.decide(self.dp, req)
+        try:
+            ask = next(run)
+            while True:
+                parts: list[Any] = [None] * world
+                dist.all_gather_object(parts, ask.part)
+                ask = run.send(parts)
+        except StopIteration as stop:
+            report: EpochReport = stop.value
+        self._maybe_fail("apply", e)
         changed: dict[str, Tensor] = {}
-        if req is not None:
-            reply = self.dp.apply(req)
-            for name, cells in self.dp.written.items():
-                mask = torch.zeros(self.dp.plan.values[name].ncells, dtype=torch.bool)
-                mask[cells.cpu()] = True
-                changed[name] = mask
-        self._maybe_fail("halo", epoch)
-        moved = self.transport.exchange(changed)
+        for name, cells in self.dp.written.items():
+            mask = torch.zeros(self.dp.plan.values[name].ncells, dtype=torch.bool)
+            mask[cells.cpu()] = True
+            changed[name] = mask
+        self._maybe_fail("halo", e)
+        report.halo_bytes = self.transport.exchange(changed)
         # a spread quorum value's cells written elsewhere: this worker's store keeps them too
         got = received(
             self.topology,
@@ -263,8 +272,27 @@ class WorkerActor:
             {(v, q): m for (v, q), m in self.transport.received.items()},
         )
         if got:
-            self.dp.keep_received(epoch, got)
-        return to_wire(reply), moved
+            self.dp.keep_received(e, got)
+        rows = {name: int(c.numel()) for name, c in self.dp.written.items()}
+        for name, c in got.items():
+            rows[name] = rows.get(name, 0) + int(c.numel())
+        report.stored = tuple(sorted((k, n) for k, n in rows.items() if n))
+        return to_wire(report)  # type: ignore[no-any-return]
+
+    def restore_owned(
+        self, label: int, shards: Mapping[str, Mapping[str, Any]], upto: int, counts: Any
+    ) -> None:
+        """Restore this worker's payload to the start of epoch ``upto`` after a fault: its
+        checkpoint shard plus its store's rows since (``counts[(epoch, value)]``: how many the
+        group saw it store), with the committed and input flags of its owner's metadata (rolled
+        back, or copied from a surviving worker)."""
+        st = self.owner.state
+        committed = {name: s.committed for name, s in st.items()}
+        from_input = {name: s.rule == INPUT_RULE for name, s in st.items()}
+        shard = shards[self.dp.worker]
+        self.dp.restore(
+            label, str(shard["file"]), str(shard["sha256"]), upto, counts, committed, from_input
+        )
 
     def resync(self) -> int:
         """Send every routed cell (after a restore)."""
@@ -425,7 +453,6 @@ class RayGroup(WorkerGroup):
         self._owns_ray = False
         self._tmp: str | None = None  # the stores' directory when the run has none
         self._store_dir: str | None = None
-        self._subs: list[ProposeRequest | None] = []  # the epoch's propose, to redo it
         self.generation = 0
         self.running = -1  # the epoch running
         self.done = 0  # the epochs the workers' durable state holds (a restore goes back here)
@@ -441,6 +468,10 @@ class RayGroup(WorkerGroup):
             seed=seed,
             checksum_policies=checksum_policies,
         )
+
+    def _owners(self) -> Any:
+        """The owners live in the workers' processes (WorkerActor.owner): only a view here."""
+        return OwnersView(self)
 
     # ---- starting and stopping -------------------------------------------------------------------
     def _start(self) -> list[Any]:
@@ -562,13 +593,16 @@ class RayGroup(WorkerGroup):
     def _each(self, method: str, *args: Any) -> list[Any]:
         return self._calls(method, [args] * self.size)
 
-    def _calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+    def _calls(
+        self, method: str, args: list[tuple[Any, ...] | None], via: str = "call"
+    ) -> list[Any]:
         """Between epochs (inputs, outputs, stores, checkpoints): a worker lost here is replaced
-        and restored like one lost in an epoch, then the call is made again."""
+        and restored like one lost in an epoch, then the call is made again. ``via``: the
+        actor's ``call`` (its data plane) or ``own`` (its owner)."""
 
         def once() -> list[Any]:
             refs = [
-                None if a is None else w.call.remote(method, *a)
+                None if a is None else getattr(w, via).remote(method, *a)
                 for w, a in zip(self.workers, args, strict=True)
             ]
             return self._get(refs, method, -1, RESTART_LIMIT)
@@ -587,7 +621,37 @@ class RayGroup(WorkerGroup):
                 ) from None
         return self._retry(self.done, method, once)
 
+    def _owner_calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+        return self._calls(method, args, via="own")
+
     # ---- the epoch, with recovery ----------------------------------------------------------------
+    def _decide(self, req: EpochRequest) -> EpochReport:
+        """One parallel call per worker (WorkerActor.epoch): the owners decide their cells and
+        exchange metadata and halo among themselves; the reports (fixed size) come back here. A
+        worker fault anywhere in the epoch: recover and redo it."""
+        e = req.epoch
+        self._before(e)
+        self.traffic = Traffic()
+        wired = to_wire(req)
+
+        def once() -> list[EpochReport]:
+            self.traffic = Traffic()  # what crossed in the attempt that counted
+            # a worker's epoch is its two phases (each up to `timeout`); its exchanges with a
+            # peer that stopped answering time out within one (join: the group's timeout), so
+            # the others answer (blocked) before it is declared hung
+            refs = [w.epoch.remote(wired) for w in self.workers]
+            got = self._get(refs, "epoch", e, EPOCH_TIMEOUTS * self.timeout)
+            self.traffic.count(*([wired] * self.size), *got, wired=True)
+            return [from_wire(g) for g in got]
+
+        reports: list[EpochReport] = self._retry(e, "epoch", once)
+        self.done = e + 1
+        self.halo_bytes = sum(r.halo_bytes for r in reports)
+        self.halo_bytes_total += self.halo_bytes
+        for i, r in enumerate(reports):
+            self._count_stored(e, i, dict(r.stored))
+        return merge_reports(reports, self.order, self.rule_rank, req.records)
+
     def _before(self, epoch: int) -> None:
         self.running = self.done = epoch
         if self.checkpointed is None:
@@ -610,39 +674,6 @@ class RayGroup(WorkerGroup):
         super().close_store()
         self._store_dir = None
 
-    def _propose_all(self, subs: list[ProposeRequest | None]) -> list[ProposeReply | None]:
-        self._subs = subs
-        epoch = self.running
-        if all(s is None for s in subs):  # no rule fired
-            return [None] * self.size
-        return self._retry(epoch, "propose", lambda: self._propose_once(subs, epoch))
-
-    def _propose_once(
-        self, subs: list[ProposeRequest | None], epoch: int
-    ) -> list[ProposeReply | None]:
-        wired = [None if s is None else to_wire(s) for s in subs]
-        refs = [None if s is None else w.propose.remote(s) for w, s in zip(self.workers, wired)]
-        got = self._get(refs, "propose", epoch)
-        self.traffic.count(*wired, *got, wired=True)  # what crossed (again after a fault)
-        return [from_wire(r) for r in got]
-
-    def _apply_all(self, subs: list[ApplyRequest | None]) -> tuple[list[ApplyReply | None], int]:
-        epoch = self.running
-        if all(s is None for s in subs):  # nothing commits: nothing to write or send
-            self.done = epoch + 1
-            return [None] * self.size, 0
-
-        def once() -> tuple[list[ApplyReply | None], int]:
-            wired = [to_wire(s) for s in subs]
-            refs = [w.apply.remote(s, epoch) for w, s in zip(self.workers, wired)]
-            got = self._get(refs, "apply", epoch)
-            self.traffic.count(*wired, *got, wired=True)
-            return [from_wire(g[0]) for g in got], sum(g[1] for g in got)
-
-        out = self._retry(epoch, "apply", once)
-        self.done = epoch + 1
-        return out
-
     def _retry(self, epoch: int, phase: str, call: Any) -> Any:
         """``call()``; after a worker fault, recover and call again (a fault while recovering
         counts as one more)."""
@@ -652,8 +683,6 @@ class RayGroup(WorkerGroup):
             try:
                 if failed:
                     self._recover(failed, epoch, phase)
-                    if phase == "apply":  # the staged candidates died with the epoch
-                        self._propose_once(self._subs, epoch)
                 return call()
             except _Failed as f:
                 tries += 1
@@ -688,6 +717,7 @@ class RayGroup(WorkerGroup):
         # a survivor that does not answer now (blocked in the old generation's exchange) is
         # replaced too; then every worker, new ones included, must answer
         replaced = {i for i, cause in failed if cause != "blocked"}
+        new = set(replaced)
         try:
             self._get(
                 [None if i in replaced else w.ping.remote() for i, w in enumerate(self.workers)],
@@ -698,6 +728,7 @@ class RayGroup(WorkerGroup):
         except _Failed as f:
             for i, _ in f.failed:
                 self._replace(i)
+                new.add(i)
                 failed = [(j, c) for j, c in failed if j != i] + [(i, "blocked")]
         try:
             pids = self._get([w.ping.remote() for w in self.workers], "ping", epoch, RESTART_LIMIT)
@@ -711,18 +742,62 @@ class RayGroup(WorkerGroup):
         old = dict(enumerate(self._pids))
         self._pids = list(pids)
         self._join()
+        self._restore_owners(new, epoch)
         assert self.checkpointed is not None
         label, shards = self.checkpointed
-        commits = {
-            k: torch.cat(v) for k, v in self.since.items() if label <= k[0] < epoch and len(v)
-        }
         self._reopen()
-        self.restore_shards(label, shards, epoch, commits, self.committed, self.from_input)
+        args: list[tuple[Any, ...]] = []
+        for i in range(self.size):
+            counts = {k: n[i] for k, n in self.stored.items() if label <= k[0] < epoch and n[i]}
+            args.append((label, shards, epoch, counts))
+        self._get(
+            [w.restore_owned.remote(*a) for w, a in zip(self.workers, args, strict=True)],
+            "restore",
+            epoch,
+            RESTART_LIMIT,
+        )
+        self.stored = {k: n for k, n in self.stored.items() if k[0] < epoch}
+        self._resync()
+        self.done = epoch
         seconds = time.perf_counter() - t0
         for i, cause in failed:
             fault = Fault(f"w{i}", epoch, phase, cause, seconds, old.get(i, -1))
             self.faults.append(fault)
             self._new_faults.append(fault)
+
+    def _restore_owners(self, new: set[int], epoch: int) -> None:
+        """The owners back at the start of ``epoch``: the surviving ones undo what they did in
+        it; the new ones copy a survivor's metadata (every owner keeps all of it)."""
+        kept = [i for i in range(self.size) if i not in new]
+        if not kept:
+            raise WorkerLost(
+                f"every worker was lost in epoch {epoch}, and with them the cells' metadata "
+                "(each worker's owner keeps it; none survived to hand it on)",
+                where={"epoch": epoch},
+                code="R063",
+                hint="the run directory holds every epoch before this one: continue with "
+                "`lmpm run --resume`",
+            )
+        self._get(
+            [
+                w.own.remote("rollback", epoch) if i in kept else None
+                for i, w in enumerate(self.workers)
+            ],
+            "restore",
+            epoch,
+            RESTART_LIMIT,
+        )
+        if not new:
+            return
+        state = self._get([self.workers[kept[0]].own.remote("get_state")], "restore", epoch)[0]
+        for value, st in state.items():
+            self._get(
+                [self.workers[i].own.remote("restore", value, st) for i in sorted(new)],
+                "restore",
+                epoch,
+                RESTART_LIMIT,
+            )
+        self.changes += 1
 
     def _reopen(self) -> None:
         """A restarted worker reopened its store in its constructor only if the store's directory

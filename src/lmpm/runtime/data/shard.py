@@ -1,0 +1,703 @@
+"""The owner of one worker's cells in a group: it decides them where their candidates are.
+
+In a group of W workers (:mod:`lmpm.runtime.data.group`, :mod:`lmpm.runtime.data.raygroup`)
+every worker holds a :class:`ShardOwner` beside its :class:`~lmpm.runtime.data.dataplane.DataPlane`.
+It keeps a replica of every cell's metadata (committed flags, clocks, provenance, scores: the
+plan's size, never payload) and decides the cells the topology gives its worker: it opens them
+(the schedule reads the replicated committed flags, so the schedules that open a few unset cells
+of the whole value open the same ones as one owner would), has its data plane propose and check
+them, agrees (the same pure policy functions), applies, advances the clocks and records
+provenance. The control plane gets one :class:`~lmpm.runtime.protocol.EpochReport` per worker per
+epoch, of a size independent of the cells (the per-cell records only when an observer asks for
+them: ``EpochRequest.records``).
+
+Inside an epoch the owners exchange metadata worker to worker, never through the control plane:
+:meth:`ShardOwner.decide` is a generator that yields a :class:`Gather` (its part of one exchange)
+and receives every worker's part, in worker order. Every worker yields the same sequence of
+gathers (it depends on the plan only), so the driver of the group runs them in lockstep: the
+in-process group hands the parts around, a Ray worker all-gathers them over gloo. The exchanges:
+
+- ``spread:V``: a ``quorum(k of n)`` value spread over the workers (replica p on worker p) sends
+  every replica's candidates (metadata) to every worker; each merges them into the columns one
+  worker would produce and decides every cell (the value is replicated), and writes the rows whose
+  winning column it holds; ``applied:V`` then tells every worker what each writer wrote;
+- ``quota:V``: a schedule with a quota (confidence) keeps the most confident commits of the
+  whole value: the would-be commits' cells and confidences;
+- ``meta:V``: after a value commits (values in commit order: a value's clocks read those of the
+  values committed before it in the epoch), the committed cells' clocks, rules and scores, so
+  every replica of the metadata stays whole.
+
+With these, a group commits exactly what one worker commits: payload, committed flags, clocks,
+provenance, why-codes of the cells each owner decides (``tests/runtime/test_group.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.resolve.plan import Plan
+from lmpm.resolve.topology import Topology
+from lmpm.runtime.data.agree import Agreed, keep_top
+from lmpm.runtime.data.owner import (
+    Owner,
+    _Pending,
+    _violations,
+    dissent,
+    reasons,
+    schedule_of,
+)
+from lmpm.runtime.protocol import (
+    Applied,
+    ApplyRequest,
+    Candidates,
+    EpochReport,
+    EpochRequest,
+    ProposeReply,
+    ProposeRequest,
+    RuleWork,
+    ValueDecision,
+)
+from lmpm.runtime.records import CellState, Dissent, ValueEpoch
+
+Part = dict[str, Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Gather:
+    """One exchange between the owners of a group inside an epoch: every worker sends ``part``
+    (metadata tensors) and gets every worker's part back, in worker order. ``key`` names the
+    exchange; every worker yields the same keys in the same order."""
+
+    key: str
+    part: Part
+
+
+# what a ShardOwner's epoch is: it yields gathers, receives every worker's parts, returns its report
+Decide = Generator[Gather, list[Part], EpochReport]
+
+
+# ---- merging candidates and records of several workers into the columns of one --------------------
+@dataclass(frozen=True, slots=True)
+class Merged:
+    """How one value's merged rows and columns map onto each worker's own. The rows of several
+    workers may be the same cell (a spread `quorum(k of n)` value: each worker proposes every cell
+    for its replicas); their columns never overlap but for column 0 (keep current)."""
+
+    workers: tuple[int, ...]  # the workers that had candidates for the value
+    rows: tuple[Tensor, ...]  # per such worker: its rows' positions in the merged rows
+    cols: tuple[Tensor, ...]  # per such worker: its columns' positions in the merged columns
+    local_rows: Tensor  # (len(workers), n): the merged row's position in each worker's rows, -1
+    global_to_local: Tensor  # (len(workers), C): merged column -> the worker's own column, -1
+    cells: tuple[Tensor, ...]  # per such worker: its open cells
+
+    def writers(self, rows: Tensor, winner: Tensor) -> Tensor:
+        """(m,) index into ``workers``: the worker that applies each row, the one whose columns
+        hold the winner (else the first that has the row: keep current)."""
+        has = self.local_rows.index_select(1, rows) >= 0  # (S, m)
+        holds = self.global_to_local.index_select(1, winner) >= 0  # (S, m)
+        rank = has.to(torch.int64) + (has & holds).to(torch.int64)
+        return rank.argmax(dim=0)  # the first worker of the highest rank
+
+
+def _key(rule: Tensor, replica: Tensor, slot: Tensor, j: int) -> tuple[int, int, int]:
+    return int(rule[j]), int(replica[j]), int(slot[j])
+
+
+def merge_candidates(
+    name: str, got: Sequence[tuple[int, Candidates]], rank: Mapping[int, int]
+) -> tuple[Candidates, Merged]:
+    """One value's candidates from several workers: rows sorted by cell, columns laid out as one
+    worker would lay them out (keep, then per fired rule in ``rank`` order and per replica its
+    proposal slots); a worker where a rule did not fire contributes invalid columns."""
+    width: dict[tuple[int, int], int] = {}
+    for _, c in got:
+        for j in range(1, c.col_rule.numel()):
+            rid, replica, s = _key(c.col_rule, c.col_replica, c.col_slot, j)
+            width[(rid, replica)] = max(width.get((rid, replica), 0), s + 1)
+    layout = sorted(width, key=lambda k: (rank[k[0]], k[1]))
+    col_of: dict[tuple[int, int, int], int] = {}
+    rule, rep, slot = [-1], [-1], [-1]
+    for r, p in layout:
+        for s in range(width[(r, p)]):
+            col_of[(r, p, s)] = len(rule)
+            rule.append(r)
+            rep.append(p)
+            slot.append(s)
+    ncol = len(rule)
+    cells = torch.cat([c.cells for _, c in got]).unique()  # sorted
+    n = cells.numel()
+    k = got[0][1].applies.shape[1]
+    valid = torch.zeros((n, ncol), dtype=torch.bool)
+    score = torch.full((n, ncol), -torch.inf, dtype=torch.float64)
+    violated = torch.zeros((n, ncol, k), dtype=torch.bool)
+    applies = torch.zeros((n, k), dtype=torch.bool)
+    refreshed = None
+    if any(c.refreshed is not None for _, c in got):
+        refreshed = torch.zeros(n, dtype=torch.bool)
+    checksum = None
+    if got[0][1].checksum is not None:
+        checksum = torch.zeros((n, ncol), dtype=torch.int64)
+    rows_of, cols_of, cells_of = [], [], []
+    local_rows = torch.full((len(got), n), -1, dtype=torch.int64)
+    g2l = torch.full((len(got), ncol), -1, dtype=torch.int64)
+    for slot_i, (_, c) in enumerate(got):
+        m = c.cells.numel()
+        rows = torch.searchsorted(cells, c.cells)
+        cols = torch.tensor(
+            [0]
+            + [
+                col_of[_key(c.col_rule, c.col_replica, c.col_slot, j)]
+                for j in range(1, c.col_rule.numel())
+            ],
+            dtype=torch.int64,
+        )
+        rr, cc = rows.unsqueeze(1), cols.unsqueeze(0)
+        # column 0 (keep current) comes from every worker holding the row: the same payload,
+        # verdicts and validity; its score is the best proposal folded into it anywhere
+        keep_score = torch.maximum(score[rows, 0], c.score[:, 0])
+        valid[rr, cc] = c.valid
+        score[rr, cc] = c.score
+        score[rows, 0] = keep_score
+        violated[rr, cc] = c.violated
+        applies[rows] = c.applies
+        if refreshed is not None and c.refreshed is not None:
+            refreshed[rows] |= c.refreshed
+        if checksum is not None and c.checksum is not None:
+            checksum[rr, cc] = c.checksum
+        g2l[slot_i, cols] = torch.arange(cols.numel())
+        local_rows[slot_i, rows] = torch.arange(m)
+        rows_of.append(rows)
+        cols_of.append(cols)
+        cells_of.append(c.cells)
+    merged = Merged(
+        tuple(i for i, _ in got),
+        tuple(rows_of),
+        tuple(cols_of),
+        local_rows,
+        g2l,
+        tuple(cells_of),
+    )
+    cand = Candidates(
+        name,
+        cells,
+        valid,
+        score,
+        violated,
+        applies,
+        torch.tensor(rule),
+        torch.tensor(rep),
+        torch.tensor(slot),
+        refreshed,
+        checksum,
+    )
+    return cand, merged
+
+
+def merge_records(parts: Sequence[ValueEpoch], rank: Mapping[int, int]) -> ValueEpoch:
+    """One value's epoch records from several owners (disjoint cells) as one owner records it:
+    rows sorted by cell, the columns of :func:`merge_candidates`."""
+    if len(parts) == 1:
+        return parts[0]
+    as_cand = []
+    for i, ve in enumerate(parts):
+        assert ve.col_replica is not None and ve.col_slot is not None
+        c = Candidates(
+            ve.value,
+            ve.cells,
+            ve.valid,
+            ve.score,
+            ve.violated,
+            ve.applies,
+            ve.col_rule,
+            ve.col_replica,
+            ve.col_slot,
+            None,
+            None,
+        )
+        as_cand.append((i, c))
+    cand, mg = merge_candidates(parts[0].value, as_cand, rank)
+    n = cand.cells.numel()
+    winner = torch.zeros(n, dtype=torch.int64)
+    changed = torch.zeros(n, dtype=torch.bool)
+    new_clock = torch.zeros(n, dtype=torch.int64)
+    was = torch.zeros(n, dtype=torch.bool)
+    sums = None if parts[0].checksum is None else torch.zeros(n, dtype=torch.int64)
+    for s, ve in enumerate(parts):
+        rows = mg.rows[s]
+        winner[rows] = mg.cols[s].index_select(0, ve.winner)
+        changed[rows] = ve.changed
+        new_clock[rows] = ve.new_clock
+        was[rows] = ve.was_committed
+        if sums is not None and ve.checksum is not None:
+            sums[rows] = ve.checksum
+    return ValueEpoch(
+        cand.value,
+        cand.cells,
+        cand.valid,
+        cand.score,
+        cand.col_rule,
+        cand.violated,
+        parts[0].constraint_ids,
+        winner,
+        changed,
+        new_clock,
+        was,
+        cand.applies,
+        sums,
+        cand.col_replica,
+        cand.col_slot,
+    )
+
+
+_CAND_FIELDS = tuple(f.name for f in fields(Candidates))[1:]
+
+
+def _cand_part(c: Candidates | None) -> Part:
+    """A value's candidates as a gather part (empty: none on this worker)."""
+    if c is None:
+        return {}
+    return {f: getattr(c, f) for f in _CAND_FIELDS if getattr(c, f) is not None}
+
+
+def _cand_of(name: str, part: Part) -> Candidates:
+    return Candidates(name, **{f: part.get(f) for f in _CAND_FIELDS})  # type: ignore[arg-type]
+
+
+def merge_dissent(reports: Sequence[EpochReport], order: Sequence[str]) -> tuple[Dissent, ...]:
+    """The workers' outvoted replicas as one owner reports them: per value (in commit order) and
+    replica, the cells summed over the workers."""
+    total: dict[tuple[str, int, str], int] = {}
+    for r in reports:
+        for d in r.dissent:
+            key = (d.value, d.replica, d.worker)
+            total[key] = total.get(key, 0) + d.cells
+    pos = {name: k for k, name in enumerate(order)}
+    keys = sorted(total, key=lambda k: (pos.get(k[0], len(pos)), k[1]))
+    return tuple(Dissent(v, p, w, total[(v, p, w)]) for v, p, w in keys)
+
+
+def commit_order(plan: Plan) -> list[str]:
+    """The proposed values in the order one owner commits them: the order of their first rule."""
+    proposed = plan.rules_by_target
+    return list(dict.fromkeys(rp.target for rp in plan.rules if rp.target in proposed))
+
+
+class ShardOwner(Owner):
+    """The owner of worker ``rank``'s cells, with a replica of every cell's metadata (see the
+    module doc)."""
+
+    def __init__(self, plan: Plan, topology: Topology, rank: int, seed: int = 0) -> None:
+        super().__init__(plan, seed)
+        self.topology = topology
+        self.rank = rank
+        self.worker = f"w{rank}"
+        self.order = commit_order(plan)
+        self.rule_rank = {rp.id: k for k, rp in enumerate(plan.rules)}
+        self.spread = {name: topology.workers_of(name) > 1 for name in self.static}
+        self.mine = {name: topology.owner[name] == rank for name in self.static}
+        # what the current epoch wrote, to undo it (rollback)
+        self._undo: list[tuple[str, Tensor, CellState]] = []
+        self._undo_epoch = -1
+        self._unset_at: dict[str, int] = {}
+
+    # ---- the metadata, read and restored from outside the epoch ------------------------------------
+    def get_state(self) -> dict[str, CellState]:
+        return self.state
+
+    def get_why(self) -> dict[str, Tensor]:
+        return self.why
+
+    def restore(self, value: str, state: CellState) -> None:
+        super().restore(value, copy_state(state))  # each owner writes its own copy
+
+    def rollback(self, epoch: int) -> None:
+        """Go back to the start of ``epoch``: undo it if this owner was in it (a worker failed
+        in it, and the group redoes it); an owner that finished the epoch before (a fault
+        between epochs) keeps its metadata."""
+        if self._undo_epoch < epoch:
+            return
+        for name, idx, old in reversed(self._undo):
+            st = self.state[name]
+            for f in fields(CellState):
+                getattr(st, f.name).index_copy_(0, idx, getattr(old, f.name))
+            self.version[name] += 1
+        self._undo = []
+        self._unset = dict(self._unset_at)
+
+    def _journal(self, name: str, idx: Tensor) -> None:
+        """Keep the metadata of ``idx`` as it is before the epoch writes it (rollback)."""
+        st = self.state[name]
+        old = CellState(*(getattr(st, f.name).index_select(0, idx) for f in fields(CellState)))
+        self._undo.append((name, idx, old))
+
+    def replica_worker(self, value: str, replica: int) -> str:
+        """The worker that ran ``replica`` of ``value``'s rules (as WorkerGroup.replica_worker)."""
+        if self.spread.get(value, False):
+            return f"w{replica}"
+        if self.topology.workers == 1 or self.topology.replicated[value]:
+            return "w0"
+        return "owners"
+
+    # ---- the epoch -------------------------------------------------------------------------------
+    def decide(self, dp: Any, req: EpochRequest) -> Decide:
+        """Epoch ``req.epoch`` on this worker's cells, with data plane ``dp`` (its propose and
+        apply): a generator of :class:`Gather` (see the module doc) returning this worker's
+        report. Only worker 0 reports the spread values (every worker decides all their cells)."""
+        e = req.epoch
+        self._undo, self._undo_epoch, self._unset_at = [], e, dict(self._unset)
+        self.set_active(req.active)
+        everywhere = self.open_cells(e, req.skip, req.start)
+        opened = tuple(sorted((k, int(v.numel())) for k, v in everywhere.items()))
+        open_ = {
+            name: c if self.spread[name] else c[self.mine[name].index_select(0, c)]
+            for name, c in everywhere.items()
+        }
+        phases = {
+            name: None if self.guarded[name] else self.schedule.phase(name, e) for name in open_
+        }
+        work = tuple(
+            RuleWork(rw.rule, rw.cells, (self.rank,))
+            if self.spread[self.plan.rules[rw.rule].target]
+            else rw
+            for rw in self.work(e, open_)
+        )
+        record = None
+        if req.record is not None:  # spread values: recorded under the merged columns below
+            record = {
+                name: c[self.mine[name].index_select(0, c)]
+                for name, c in req.record.items()
+                if name in self.mine and not self.spread[name]
+            }
+        if work:
+            preq = ProposeRequest(e, work, self.fresh, record, phases, req.active)
+            reply = dp.propose(preq)
+        else:
+            reply = ProposeReply(self.worker, {}, 0.0)
+        self._not_fired(open_, reply, {})
+        cands: dict[str, Candidates] = dict(reply.values)
+        merged: dict[str, Merged] = {}
+        for name in self.order:  # spread values: every replica's candidates to every worker
+            if not self.spread[name]:
+                continue
+            got = yield Gather(f"spread:{name}", _cand_part(cands.get(name)))
+            have = [(i, _cand_of(name, p)) for i, p in enumerate(got) if p]
+            if not have:
+                cands.pop(name, None)
+                continue
+            cands[name], merged[name] = merge_candidates(name, have, self.rule_rank)
+            if req.record is not None and name in req.record and self.rank in merged[name].workers:
+                s = merged[name].workers.index(self.rank)
+                dp.record_columns(e, name, req.record[name], merged[name].cols[s].tolist())
+        pending: dict[str, _Pending] = {}
+        for name in self.order:
+            cand = cands.get(name)
+            if self.schedule.has_quota and not self.spread[name]:
+                agreed = None if cand is None else self._policy(name, e, cand, None)
+                got = yield Gather(f"quota:{name}", _would_commit(cand, agreed))
+                if cand is not None and agreed is not None:
+                    pending[name] = self._agree_shared(name, e, cand, agreed, got)
+            elif cand is not None:
+                pending[name] = self._agree(name, e, cand)
+        decisions: dict[str, ValueDecision] = {}
+        sel_of: dict[str, Tensor] = {}  # spread values: the decision rows written here
+        for name, p in pending.items():
+            if name not in merged:
+                decisions[name] = p.decision()
+                continue
+            mine = self._my_rows(merged[name], p)
+            if mine is not None:
+                decisions[name], sel_of[name] = mine
+        applied = dp.apply(ApplyRequest(e, decisions, req.checksums))
+        wrote = bool(decisions)
+        commits = violations = attempts = 0
+        values: list[ValueEpoch] = []
+        dissents: list[Dissent] = []
+        for name in self.order:  # the order one owner commits in
+            p_or_none = pending.get(name)
+            got_applied = applied.values.get(name)
+            if name in merged:
+                here = applied.values.get(name)
+                parts = yield Gather(f"applied:{name}", _applied_part(sel_of.get(name), here))
+                got_applied = self._applied_all(p_or_none, parts)
+            if p_or_none is None:
+                if not self.spread[name]:  # the others' commits still reach this replica
+                    self._take_meta(name, e, (yield Gather(f"meta:{name}", {})))
+                continue
+            p = p_or_none
+            assert got_applied is not None
+            self._journal(name, p.cand.cells)
+            ve, n_commits = self._commit(name, e, p, got_applied, phases[name])
+            ve.col_replica, ve.col_slot = p.cand.col_replica, p.cand.col_slot
+            if n_commits:
+                self._unset[name] -= n_commits if self.fresh[name] else _newly(ve)
+            if not self.spread[name]:
+                got = yield Gather(f"meta:{name}", self._meta_part(name, ve))
+                self._take_meta(name, e, got)
+            if self.spread[name] and self.rank != 0:
+                continue  # worker 0 reports the cells every worker decided
+            if self.quorum[name]:
+                for rep, n in dissent(p.cand, p.winner, ve.changed):
+                    dissents.append(Dissent(name, rep, self.replica_worker(name, rep), n))
+            values.append(ve)
+            commits += n_commits
+            attempts += int(ve.cells.numel())
+            violations += _violations(p.cand.violated)
+        first = self.rank == 0  # the replicated counts: worker 0 reports them for all
+        return EpochReport(
+            e,
+            self.worker,
+            opened if first else (),
+            commits,
+            attempts,
+            violations,
+            reply.model_seconds,
+            self.unset() if first else {},
+            tuple(dissents),
+            values if req.records else [],
+            durable=applied.durable or not wrote,
+        )
+
+    # ---- agreement over the whole value (a schedule's quota) ---------------------------------------
+    def _agree_shared(
+        self,
+        name: str,
+        e: int,
+        cand: Candidates,
+        agreed: tuple[Agreed, Tensor],
+        got: list[Part],
+    ) -> _Pending:
+        """Agree with the quota kept over every worker's would-be commits: the most confident
+        ``quota`` cells of the whole value (ties: lower cell), as one owner keeps them."""
+        quota = self._quota(name, e)
+        ag, was = agreed
+        cells = torch.cat([p["cells"] for p in got if p] or [torch.zeros(0, dtype=torch.int64)])
+        if quota is not None and cells.numel() > quota:
+            conf = torch.cat([p["conf"] for p in got if p])
+            order = torch.argsort(cells)  # one owner's rows are in cell order
+            kept = cells.index_select(0, order)[keep_top(conf.index_select(0, order), quota)]
+            ag.changed = ag.changed & torch.isin(cand.cells, kept)
+        return self._pending(name, cand, ag, was, quota)
+
+    # ---- spread values: every worker decides, the winning replica's worker writes ----------------
+    def _my_rows(self, mg: Merged, p: _Pending) -> tuple[ValueDecision, Tensor] | None:
+        """The decision of a spread value for the rows this worker writes, in its own rows and
+        columns, and those rows' positions in the decision."""
+        if self.rank not in mg.workers:
+            return None
+        s = mg.workers.index(self.rank)
+        d = p.decision()
+        n = mg.local_rows.shape[1]
+        rows = torch.arange(n) if d.rows is None else d.rows
+        sel = (mg.writers(rows, d.winner) == s).nonzero().squeeze(1)
+        if not sel.numel():
+            return None
+        mine = rows.index_select(0, sel)
+        local = mg.local_rows[s].index_select(0, mine)
+        winner = mg.global_to_local[s].index_select(0, d.winner.index_select(0, sel))
+        weights = None
+        if d.weights is not None:
+            weights = d.weights.index_select(0, sel).index_select(1, mg.cols[s])
+        every = d.rows is None and local.numel() == mg.rows[s].numel()
+        return ValueDecision(None if every else local, winner, weights), sel
+
+    def _applied_all(self, p: _Pending | None, parts: list[Part]) -> Applied | None:
+        """Every writer's part of a spread value as one Applied over the decision rows."""
+        if p is None:
+            return None
+        m = p.commits if p.rows is not None else p.winner.numel()
+        changed = torch.ones(m, dtype=torch.bool)
+        sums = torch.zeros(m, dtype=torch.int64)
+        partial = has_sums = False
+        for part in parts:
+            if not part:
+                continue
+            sel = part["rows"]
+            if "changed" in part:
+                changed[sel] = part["changed"]
+                partial = True
+            if "sums" in part:
+                ch = part.get("changed", torch.ones(sel.numel(), dtype=torch.bool))
+                sums[sel[ch]] = part["sums"]
+                has_sums = True
+        out_sums = (sums[changed] if partial else sums) if has_sums else None
+        return Applied(changed if partial else None, out_sums)
+
+    # ---- the replicated metadata -----------------------------------------------------------------
+    def _meta_part(self, name: str, ve: ValueEpoch) -> Part:
+        """The cells this worker committed of ``name`` and their new metadata."""
+        idx = ve.cells[ve.changed]
+        if not idx.numel():
+            return {}
+        st = self.state[name]
+        return {
+            "cells": idx,
+            "clock": st.clock.index_select(0, idx),
+            "rule": st.rule.index_select(0, idx),
+            "score": st.score.index_select(0, idx),
+        }
+
+    def _take_meta(self, name: str, e: int, got: list[Part]) -> None:
+        """Write the other workers' commits of ``name`` into this replica of the metadata."""
+        st = self.state[name]
+        for i, part in enumerate(got):
+            if i == self.rank or not part:
+                continue
+            idx = part["cells"]
+            self._journal(name, idx)
+            self._unset[name] -= int(
+                idx.numel() - st.committed.index_select(0, idx).count_nonzero()
+            )
+            st.committed.index_fill_(0, idx, True)
+            st.clock.index_put_((idx,), part["clock"])
+            st.rule.index_put_((idx,), part["rule"])
+            st.epoch.index_fill_(0, idx, e)
+            st.score.index_put_((idx,), part["score"])
+            self.version[name] += 1
+
+
+def _would_commit(cand: Candidates | None, agreed: tuple[Agreed, Tensor] | None) -> Part:
+    """The cells this worker's policy would commit and their confidence (the winner's score),
+    before the quota: its part of a ``quota:V`` exchange."""
+    if cand is None or agreed is None:
+        return {}
+    ag = agreed[0]
+    rows = ag.changed.nonzero().squeeze(1)
+    conf = ag.score.gather(1, ag.winner.unsqueeze(1)).squeeze(1)
+    return {"cells": cand.cells.index_select(0, rows), "conf": conf.index_select(0, rows)}
+
+
+def _applied_part(sel: Tensor | None, got: Applied | None) -> Part:
+    """What this worker wrote of a spread value: its decision rows, changed flags, checksums."""
+    if sel is None or got is None:
+        return {}
+    part = {"rows": sel}
+    if got.changed is not None:
+        part["changed"] = got.changed.bool()
+    if got.checksum is not None:
+        part["sums"] = got.checksum
+    return part
+
+
+def _newly(ve: ValueEpoch) -> int:
+    return int((ve.changed & ~ve.was_committed).count_nonzero())
+
+
+def lockstep(gens: Sequence[Decide]) -> list[EpochReport]:
+    """Run the owners' epochs of one process side by side: at each gather every owner gets every
+    owner's part (in-process, nothing is copied). Their reports, in worker order."""
+    out: list[EpochReport | None] = [None] * len(gens)
+    sent: list[Part] | None = None
+    while True:
+        asks: list[Gather] = []
+        for i, g in enumerate(gens):
+            try:
+                asks.append(g.send(sent) if sent is not None else next(g))
+            except StopIteration as stop:
+                out[i] = stop.value
+        if len(asks) not in (0, len(gens)):
+            raise RuntimeError("a group's owners left the epoch at different exchanges")
+        if not asks:
+            return [r for r in out if r is not None]
+        keys = {a.key for a in asks}
+        if len(keys) != 1:
+            raise RuntimeError(f"a group's owners are at different exchanges: {sorted(keys)}")
+        sent = [a.part for a in asks]
+
+
+def merge_reports(
+    reports: Sequence[EpochReport], order: Sequence[str], rank: Mapping[int, int], records: bool
+) -> EpochReport:
+    """The owners' reports of one epoch as one report to the control plane: counts summed, the
+    replicated ones (open cells, unset cells) from worker 0, the records (when wanted) merged
+    into one owner's."""
+    first = reports[0]
+    values: list[ValueEpoch] = []
+    if records:
+        for name in order:
+            parts = [ve for r in reports for ve in r.values if ve.value == name]
+            if parts:
+                values.append(merge_records(parts, rank))
+    commits = sum(r.commits for r in reports)
+    return EpochReport(
+        first.epoch,
+        "group",
+        first.opened,
+        commits,
+        sum(r.attempts for r in reports),
+        sum(r.violations for r in reports),
+        sum(r.model_seconds for r in reports),
+        first.unset,
+        merge_dissent(reports, order),
+        values,
+        durable=all(r.durable for r in reports) or not commits,
+    )
+
+
+class OwnersView:
+    """A group's owners as the control plane reads the cells' metadata (checkpoints, the stop
+    reason, resume; never inside an epoch): every owner keeps all of it but the why-codes, which
+    each keeps for the cells it decides. ``group``: a WorkerGroup or RayGroup (its
+    ``_owner_calls`` reaches the owners, in this process or in the workers')."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.plan = group.plan
+        self.topology = group.topology
+        self.schedule = schedule_of(self.plan, group.seed)
+        self._state: tuple[int, dict[str, CellState]] | None = None
+
+    def _first(self, method: str, *args: Any) -> Any:
+        return self.group._owner_calls(method, [args] + [None] * (self.group.size - 1))[0]
+
+    def _every(self, method: str, *args: Any) -> list[Any]:
+        out: list[Any] = self.group._owner_calls(method, [args] * self.group.size)
+        self.group.changes += 1
+        return out
+
+    @property
+    def state(self) -> dict[str, CellState]:
+        """Per value, its cells' metadata (worker 0's replica, the same as every owner's)."""
+        if self._state is None or self._state[0] != self.group.changes:
+            self._state = (self.group.changes, self._first("get_state"))
+        return self._state[1]
+
+    @property
+    def why(self) -> dict[str, Tensor]:
+        """Per proposed value, each cell's why-code from the owner that decides it."""
+        whys = self.group._owner_calls("get_why", [()] * self.group.size)
+        out: dict[str, Tensor] = {}
+        for name, why in whys[0].items():
+            if self.topology.workers_of(name) > 1 or len(whys) == 1:
+                out[name] = why
+                continue
+            owner_of = self.topology.owner[name]
+            out[name] = why.clone()
+            for rank, other in enumerate(whys[1:], start=1):
+                mine = owner_of == rank
+                out[name][mine] = other[name][mine]
+        return out
+
+    def reasons(self) -> dict[str, dict[int, int]]:
+        return reasons(self.why, self.state)
+
+    def unset(self) -> dict[str, int]:
+        return dict(self._first("unset"))
+
+    def open_cells(self, e: int, skip: int, start: int) -> dict[str, Tensor]:
+        return dict(self._first("open_cells", e, skip, start))
+
+    def restore(self, value: str, state: CellState) -> None:
+        self._every("restore", value, state)
+
+    def mark_input(self, value: str, cells: Tensor) -> None:
+        self._every("mark_input", value, cells)
+
+
+def copy_state(st: CellState) -> CellState:
+    """A copy of one value's metadata (each owner writes its own)."""
+    return CellState(*(getattr(st, f.name).clone() for f in fields(CellState)))
