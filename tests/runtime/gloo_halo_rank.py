@@ -22,7 +22,7 @@ from lmpm.ir import compile_file
 from lmpm.resolve.plan import resolve
 from lmpm.resolve.topology import partition
 from lmpm.runtime.data.dataplane import DataPlane
-from lmpm.runtime.data.transport import GlooTransport
+from lmpm.runtime.data.transport import GlooTransport, exchange_objects
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,6 +55,9 @@ def main() -> None:
         changed[write] = True
         moved.append(transport.exchange({"Txt": changed}))
     halo = topo.halo_cells("Txt", rank)
+    # the owners' metadata exchange: every rank's part (of its own size; rank 1's is empty)
+    mine = {} if rank == 1 else {"cells": torch.arange(rank * 5), "score": torch.full((2,), rank)}
+    parts = exchange_objects(mine)
     Path(out).write_text(
         json.dumps(
             {
@@ -62,6 +65,7 @@ def main() -> None:
                 "payload": dp.payload["Txt"][halo].tolist(),
                 "committed": dp.committed["Txt"][halo].tolist(),
                 "moved": moved,
+                "parts": [{k: v.tolist() for k, v in p.items()} for p in parts],
             }
         )
     )

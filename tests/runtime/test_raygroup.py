@@ -19,7 +19,7 @@ from lmpm.cli import main  # noqa: E402
 from lmpm.errors import UsageError  # noqa: E402
 from lmpm.resolve.topology import partition  # noqa: E402
 from lmpm.runtime.data.group import WorkerGroup  # noqa: E402
-from lmpm.runtime.data.raygroup import RayGroup, parse_fault  # noqa: E402
+from lmpm.runtime.data.raygroup import RayGroup, WorkerLost, parse_fault  # noqa: E402
 from lmpm.runtime.io import load_input  # noqa: E402
 from lmpm.runtime.records import CHECKSUM_POLICIES  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
@@ -152,6 +152,15 @@ def test_two_faults_in_one_run(tmp_path: Path) -> None:
     many, faults = _run("text", 2, tmp_path, [(0, "apply", 0, "kill"), (1, "apply", 2, "kill")])
     _same(one, many, "text W=2, two kills")
     assert {(f.worker, f.epoch) for f in faults if f.cause == "died"} == {("w0", 0), ("w1", 2)}
+
+
+def test_losing_every_worker_at_once_says_the_metadata_went_with_them(tmp_path: Path) -> None:
+    """The owners keep the cells' metadata in the workers: a fault that takes every worker in one
+    epoch leaves none to hand it on, and the run stops with R063 (resume from the run
+    directory), not with an internal error or wrong commits."""
+    with pytest.raises(WorkerLost) as err:
+        _run("text", 2, tmp_path, [(0, "propose", 1, "kill"), (1, "propose", 1, "kill")])
+    assert err.value.code == "R063" and "--resume" in (err.value.hint or "")
 
 
 def test_cli_workers_log_is_the_one_worker_log(

@@ -267,6 +267,13 @@ class Traffic:
                 self.control_bytes += head + data
                 self.message_bytes += data
 
+    def times(self, message: Any, n: int, *, wired: bool = False) -> None:
+        """Add ``n`` more copies of ``message`` (sent to several workers), serialised once."""
+        if n > 0:
+            head, data = _wire_sizes(message if wired else to_wire(message))
+            self.control_bytes += n * (head + data)
+            self.message_bytes += n * data
+
 
 def tensors(message: Any) -> list[Tensor]:
     """Every tensor in a message (recursively)."""

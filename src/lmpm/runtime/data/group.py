@@ -236,7 +236,8 @@ class WorkerGroup:
         self.traffic = Traffic()
         gens = [o.decide(w, req) for o, w in zip(self.owners, self.workers, strict=True)]
         reports = lockstep(gens)
-        self.traffic.count(*([req] * self.size), *reports)
+        self.traffic.count(req, *reports)
+        self.traffic.times(req, self.size - 1)  # the same request to every worker
         self.halo_bytes = self._exchange_written(req.epoch)
         self.halo_bytes_total += self.halo_bytes
         return merge_reports(reports, self.order, self.rule_rank, req.records)

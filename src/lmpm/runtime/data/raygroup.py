@@ -63,7 +63,7 @@ from lmpm.runtime.data.group import (
 )
 from lmpm.runtime.data.raylog import quiet_worker_deaths
 from lmpm.runtime.data.shard import OwnersView, ShardOwner, merge_reports
-from lmpm.runtime.data.transport import GlooTransport
+from lmpm.runtime.data.transport import GlooTransport, exchange_objects
 from lmpm.runtime.protocol import EpochReport, EpochRequest, Traffic, from_wire, to_wire
 from lmpm.runtime.records import INPUT_RULE
 
@@ -240,21 +240,18 @@ class WorkerActor:
     def epoch(self, wired: EpochRequest) -> EpochReport:
         """One epoch of this worker: its owner opens, proposes, agrees, applies and commits its
         cells, exchanging metadata with the other owners over the process group
-        (``all_gather_object``); then the changed routed cells go to the peers that read them.
+        (:func:`~lmpm.runtime.data.transport.exchange_objects`); then the changed routed cells go to the peers that read them.
         The report has a size independent of the cells (and the per-cell records only when the
         control plane asks for them). Messages cross in their wire form
         (:func:`lmpm.runtime.protocol.to_wire`)."""
         req: EpochRequest = from_wire(wired)
         e = req.epoch
         self._maybe_fail("propose", e)
-        world = dist.get_world_size()
         run = self.owner.decide(self.dp, req)
         try:
             ask = next(run)
             while True:
-                parts: list[Any] = [None] * world
-                dist.all_gather_object(parts, ask.part)
-                ask = run.send(parts)
+                ask = run.send(exchange_objects(ask.part))
         except StopIteration as stop:
             report: EpochReport = stop.value
         self._maybe_fail("apply", e)
@@ -641,7 +638,8 @@ class RayGroup(WorkerGroup):
             # the others answer (blocked) before it is declared hung
             refs = [w.epoch.remote(wired) for w in self.workers]
             got = self._get(refs, "epoch", e, EPOCH_TIMEOUTS * self.timeout)
-            self.traffic.count(*([wired] * self.size), *got, wired=True)
+            self.traffic.count(wired, *got, wired=True)
+            self.traffic.times(wired, self.size - 1, wired=True)  # the same to every worker
             return [from_wire(g) for g in got]
 
         reports: list[EpochReport] = self._retry(e, "epoch", once)

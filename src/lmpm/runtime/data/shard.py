@@ -300,6 +300,16 @@ class ShardOwner(Owner):
         self.rule_rank = {rp.id: k for k, rp in enumerate(plan.rules)}
         self.spread = {name: topology.workers_of(name) > 1 for name in self.static}
         self.mine = {name: topology.owner[name] == rank for name in self.static}
+        # a value whose commits a value committed after it in the epoch reads (its clocks): the
+        # owners exchange them at once; the others' commits travel in one exchange at the end
+        read_by_later: set[str] = set()
+        for k, name in enumerate(self.order):
+            for rp in plan.rules_by_target[name]:
+                read_by_later |= {cr.source for cr in self.clocks.reads[rp.id]} & set(
+                    self.order[:k]
+                )
+        self.urgent = {n: n in read_by_later and not self.spread[n] for n in self.order}
+        self.deferred = [n for n in self.order if not self.urgent[n] and not self.spread[n]]
         # what the current epoch wrote, to undo it (rollback)
         self._undo: list[tuple[str, Tensor, CellState]] = []
         self._undo_epoch = -1
@@ -417,6 +427,7 @@ class ShardOwner(Owner):
         commits = violations = attempts = 0
         values: list[ValueEpoch] = []
         dissents: list[Dissent] = []
+        later: Part = {}  # the commits the other owners need by the next epoch only
         for name in self.order:  # the order one owner commits in
             p_or_none = pending.get(name)
             got_applied = applied.values.get(name)
@@ -425,7 +436,7 @@ class ShardOwner(Owner):
                 parts = yield Gather(f"applied:{name}", _applied_part(sel_of.get(name), here))
                 got_applied = self._applied_all(p_or_none, parts)
             if p_or_none is None:
-                if not self.spread[name]:  # the others' commits still reach this replica
+                if self.urgent[name]:  # the others' commits still reach this replica
                     self._take_meta(name, e, (yield Gather(f"meta:{name}", {})))
                 continue
             p = p_or_none
@@ -435,9 +446,11 @@ class ShardOwner(Owner):
             ve.col_replica, ve.col_slot = p.cand.col_replica, p.cand.col_slot
             if n_commits:
                 self._unset[name] -= n_commits if self.fresh[name] else _newly(ve)
-            if not self.spread[name]:
+            if self.urgent[name]:  # a value committed later in the epoch reads its clocks
                 got = yield Gather(f"meta:{name}", self._meta_part(name, ve))
                 self._take_meta(name, e, got)
+            elif not self.spread[name]:
+                later.update({f"{name}/{k}": t for k, t in self._meta_part(name, ve).items()})
             if self.spread[name] and self.rank != 0:
                 continue  # worker 0 reports the cells every worker decided
             if self.quorum[name]:
@@ -447,6 +460,14 @@ class ShardOwner(Owner):
             commits += n_commits
             attempts += int(ve.cells.numel())
             violations += _violations(p.cand.violated)
+        if self.deferred:  # one exchange for every value no later value of the epoch reads
+            got = yield Gather("meta", later)
+            for name in self.deferred:
+                parts = [
+                    {k.split("/", 1)[1]: t for k, t in p.items() if k.startswith(f"{name}/")}
+                    for p in got
+                ]
+                self._take_meta(name, e, parts)
         first = self.rank == 0  # the replicated counts: worker 0 reports them for all
         return EpochReport(
             e,

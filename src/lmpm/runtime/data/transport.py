@@ -10,6 +10,7 @@ their count, then their ids, payload rows, committed and input flags, point to p
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import torch
@@ -18,12 +19,42 @@ from torch import Tensor
 
 from lmpm.resolve.topology import Topology
 from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.protocol import from_wire, to_wire
+
+# tags of exchange_objects' two rounds (the halo's tags are the routes' indices, far below)
+_SIZE_TAG = 1 << 24
+_DATA_TAG = _SIZE_TAG + 1
 
 
 def _wait(ops: list[Any]) -> None:
     for op in ops:
         if op is not None:
             op.wait()
+
+
+def exchange_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (metadata: tensors, numbers, dicts), in rank order: each rank sends
+    its pickle to every other rank point to point, one round for the sizes and one for the bytes.
+    On one machine that is about 0.4 ms a round for 4 ranks, where ``all_gather_object`` (two
+    ring collectives) takes about 9 ms."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = torch.frombuffer(bytearray(pickle.dumps(to_wire(obj), protocol=5)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    peers = [r for r in range(world) if r != rank]
+    sizes = {r: torch.zeros(1, dtype=torch.int64) for r in peers}
+    _wait(
+        [dist.isend(size, r, tag=_SIZE_TAG) for r in peers]
+        + [dist.irecv(sizes[r], r, tag=_SIZE_TAG) for r in peers]
+    )
+    bufs = {r: torch.empty(int(sizes[r]), dtype=torch.uint8) for r in peers}
+    _wait(
+        [dist.isend(data, r, tag=_DATA_TAG) for r in peers]
+        + [dist.irecv(bufs[r], r, tag=_DATA_TAG) for r in peers]
+    )
+    return [
+        obj if r == rank else from_wire(pickle.loads(bufs[r].numpy().tobytes()))
+        for r in range(world)
+    ]
 
 
 class GlooTransport:
