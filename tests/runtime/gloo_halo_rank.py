@@ -56,7 +56,8 @@ def main() -> None:
         moved.append(transport.exchange({"Txt": changed}))
     halo = topo.halo_cells("Txt", rank)
     # the owners' metadata exchange: every rank's part (of its own size; rank 1's is empty)
-    mine = {} if rank == 1 else {"cells": torch.arange(rank * 5), "score": torch.full((2,), rank)}
+    # (rank 2's is larger than what travels with its size: a second round)
+    mine = {} if rank == 1 else {"cells": torch.arange(rank * 700), "score": torch.full((2,), rank)}
     parts = exchange_objects(mine)
     Path(out).write_text(
         json.dumps(

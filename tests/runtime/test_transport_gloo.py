@@ -76,6 +76,6 @@ def test_ranks_exchange_their_changed_halo_cells(world: int, tmp_path: Path) -> 
         assert got["moved"] == moved
         # exchange_objects: every rank's part, in rank order, on every rank
         assert got["parts"] == [
-            {} if q == 1 else {"cells": list(range(q * 5)), "score": [float(q)] * 2}
+            {} if q == 1 else {"cells": list(range(q * 700)), "score": [float(q)] * 2}
             for q in range(world)
         ]

@@ -24,6 +24,7 @@ from lmpm.runtime.protocol import from_wire, to_wire
 # tags of exchange_objects' two rounds (the halo's tags are the routes' indices, far below)
 _SIZE_TAG = 1 << 24
 _DATA_TAG = _SIZE_TAG + 1
+INLINE = 4096  # bytes of a pickle sent with its size in exchange_objects' first round
 
 
 def _wait(ops: list[Any]) -> None:
@@ -34,27 +35,42 @@ def _wait(ops: list[Any]) -> None:
 
 def exchange_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (metadata: tensors, numbers, dicts), in rank order: each rank sends
-    its pickle to every other rank point to point, one round for the sizes and one for the bytes.
-    On one machine that is about 0.4 ms a round for 4 ranks, where ``all_gather_object`` (two
-    ring collectives) takes about 9 ms."""
+    its pickle to every other rank point to point. One round when every pickle fits in
+    ``INLINE`` bytes (the size travels in front of it), a second for the rest of those that do
+    not. On one machine a round takes about 0.4 ms for 4 ranks, where ``all_gather_object``
+    (two ring collectives) takes about 9 ms."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = torch.frombuffer(bytearray(pickle.dumps(to_wire(obj), protocol=5)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
+    data = pickle.dumps(to_wire(obj), protocol=5)
+    head = torch.zeros(8 + INLINE, dtype=torch.uint8)
+    head[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    first = data[:INLINE]
+    if first:
+        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
     peers = [r for r in range(world) if r != rank]
-    sizes = {r: torch.zeros(1, dtype=torch.int64) for r in peers}
+    heads = {r: torch.empty(8 + INLINE, dtype=torch.uint8) for r in peers}
     _wait(
-        [dist.isend(size, r, tag=_SIZE_TAG) for r in peers]
-        + [dist.irecv(sizes[r], r, tag=_SIZE_TAG) for r in peers]
+        [dist.isend(head, r, tag=_SIZE_TAG) for r in peers]
+        + [dist.irecv(heads[r], r, tag=_SIZE_TAG) for r in peers]
     )
-    bufs = {r: torch.empty(int(sizes[r]), dtype=torch.uint8) for r in peers}
-    _wait(
-        [dist.isend(data, r, tag=_DATA_TAG) for r in peers]
-        + [dist.irecv(bufs[r], r, tag=_DATA_TAG) for r in peers]
-    )
-    return [
-        obj if r == rank else from_wire(pickle.loads(bufs[r].numpy().tobytes()))
-        for r in range(world)
-    ]
+    sizes = {r: int.from_bytes(heads[r][:8].numpy().tobytes(), "little") for r in peers}
+    rest = {
+        r: torch.empty(sizes[r] - INLINE, dtype=torch.uint8) for r in peers if sizes[r] > INLINE
+    }
+    ops = [dist.irecv(buf, r, tag=_DATA_TAG) for r, buf in rest.items()]
+    if len(data) > INLINE:
+        tail = torch.frombuffer(bytearray(data[INLINE:]), dtype=torch.uint8)
+        ops += [dist.isend(tail, r, tag=_DATA_TAG) for r in peers]
+    _wait(ops)
+    out = []
+    for r in range(world):
+        if r == rank:
+            out.append(obj)
+            continue
+        got = heads[r][8 : 8 + min(sizes[r], INLINE)].numpy().tobytes()
+        if r in rest:
+            got += rest[r].numpy().tobytes()
+        out.append(from_wire(pickle.loads(got)))
+    return out
 
 
 class GlooTransport:
