@@ -34,7 +34,7 @@ provenance, why-codes of the cells each owner decides (``tests/runtime/test_grou
 from __future__ import annotations
 
 from collections.abc import Generator, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -53,6 +53,7 @@ from lmpm.runtime.data.owner import (
 )
 from lmpm.runtime.protocol import (
     Applied,
+    ApplyReply,
     ApplyRequest,
     Candidates,
     EpochReport,
@@ -287,6 +288,23 @@ def commit_order(plan: Plan) -> list[str]:
     return list(dict.fromkeys(rp.target for rp in plan.rules if rp.target in proposed))
 
 
+@dataclass(slots=True)
+class _Tally:
+    """What an owner counts of its epoch for its report."""
+
+    commits: int = 0
+    attempts: int = 0
+    violations: int = 0
+    values: list[ValueEpoch] = field(default_factory=list)
+    dissents: list[Dissent] = field(default_factory=list)
+
+    def add(self, ve: ValueEpoch, commits: int, violations: int) -> None:
+        self.values.append(ve)
+        self.commits += commits
+        self.attempts += int(ve.cells.numel())
+        self.violations += violations
+
+
 class ShardOwner(Owner):
     """The owner of worker ``rank``'s cells, with a replica of every cell's metadata (see the
     module doc)."""
@@ -357,12 +375,12 @@ class ShardOwner(Owner):
     def decide(self, dp: Any, req: EpochRequest) -> Decide:
         """Epoch ``req.epoch`` on this worker's cells, with data plane ``dp`` (its propose and
         apply): a generator of :class:`Gather` (see the module doc) returning this worker's
-        report. Only worker 0 reports the spread values (every worker decides all their cells)."""
+        report. Only worker 0 reports the spread values (every worker decides all their cells)
+        and the replicated counts (open and unset cells)."""
         e = req.epoch
         self._undo, self._undo_epoch, self._unset_at = [], e, dict(self._unset)
         self.set_active(req.active)
         everywhere = self.open_cells(e, req.skip, req.start)
-        opened = tuple(sorted((k, int(v.numel())) for k, v in everywhere.items()))
         open_ = {
             name: c if self.spread[name] else c[self.mine[name].index_select(0, c)]
             for name, c in everywhere.items()
@@ -370,28 +388,70 @@ class ShardOwner(Owner):
         phases = {
             name: None if self.guarded[name] else self.schedule.phase(name, e) for name in open_
         }
+        reply = self._propose(dp, req, open_, phases)
+        self._not_fired(open_, reply, {})
+        cands, merged = yield from self._merge_spread(dp, req, dict(reply.values))
+        pending = yield from self._agree_all(e, cands)
+        decisions: dict[str, ValueDecision] = {}
+        sel_of: dict[str, Tensor] = {}  # spread values: the decision rows written here
+        for name, p in pending.items():
+            if name not in merged:
+                decisions[name] = p.decision()
+            elif (mine := self._my_rows(merged[name], p)) is not None:
+                decisions[name], sel_of[name] = mine
+        applied = dp.apply(ApplyRequest(e, decisions, req.checksums))
+        tally = yield from self._commit_all(e, pending, merged, applied, sel_of, phases)
+        first = self.rank == 0
+        return EpochReport(
+            e,
+            self.worker,
+            tuple(sorted((k, int(v.numel())) for k, v in everywhere.items())) if first else (),
+            tally.commits,
+            tally.attempts,
+            tally.violations,
+            reply.model_seconds,
+            self.unset() if first else {},
+            tuple(tally.dissents),
+            tally.values if req.records else [],
+            durable=applied.durable or not decisions,
+        )
+
+    def _propose(
+        self,
+        dp: Any,
+        req: EpochRequest,
+        open_: Mapping[str, Tensor],
+        phases: Mapping[str, int | None],
+    ) -> ProposeReply:
+        """The candidates of this worker's open cells (a spread value: its replica of every
+        cell), from its data plane."""
         work = tuple(
             RuleWork(rw.rule, rw.cells, (self.rank,))
             if self.spread[self.plan.rules[rw.rule].target]
             else rw
-            for rw in self.work(e, open_)
+            for rw in self.work(req.epoch, open_)
         )
+        if not work:
+            return ProposeReply(self.worker, {}, 0.0)
         record = None
-        if req.record is not None:  # spread values: recorded under the merged columns below
+        if req.record is not None:  # spread values: recorded under the merged columns
             record = {
                 name: c[self.mine[name].index_select(0, c)]
                 for name, c in req.record.items()
                 if name in self.mine and not self.spread[name]
             }
-        if work:
-            preq = ProposeRequest(e, work, self.fresh, record, phases, req.active)
-            reply = dp.propose(preq)
-        else:
-            reply = ProposeReply(self.worker, {}, 0.0)
-        self._not_fired(open_, reply, {})
-        cands: dict[str, Candidates] = dict(reply.values)
+        reply: ProposeReply = dp.propose(
+            ProposeRequest(req.epoch, work, self.fresh, record, phases, req.active)
+        )
+        return reply
+
+    def _merge_spread(
+        self, dp: Any, req: EpochRequest, cands: dict[str, Candidates]
+    ) -> Generator[Gather, list[Part], tuple[dict[str, Candidates], dict[str, Merged]]]:
+        """Spread values: every replica's candidates to every worker, merged into one owner's
+        columns (``spread:V``)."""
         merged: dict[str, Merged] = {}
-        for name in self.order:  # spread values: every replica's candidates to every worker
+        for name in self.order:
             if not self.spread[name]:
                 continue
             got = yield Gather(f"spread:{name}", _cand_part(cands.get(name)))
@@ -399,10 +459,18 @@ class ShardOwner(Owner):
             if not have:
                 cands.pop(name, None)
                 continue
-            cands[name], merged[name] = merge_candidates(name, have, self.rule_rank)
-            if req.record is not None and name in req.record and self.rank in merged[name].workers:
-                s = merged[name].workers.index(self.rank)
-                dp.record_columns(e, name, req.record[name], merged[name].cols[s].tolist())
+            cands[name], mg = merge_candidates(name, have, self.rule_rank)
+            merged[name] = mg
+            if req.record is not None and name in req.record and self.rank in mg.workers:
+                cols = mg.cols[mg.workers.index(self.rank)].tolist()
+                dp.record_columns(req.epoch, name, req.record[name], cols)
+        return cands, merged
+
+    def _agree_all(
+        self, e: int, cands: Mapping[str, Candidates]
+    ) -> Generator[Gather, list[Part], dict[str, _Pending]]:
+        """Agree on every value this worker has candidates for; a quota over the whole value
+        (``quota:V``: every worker takes part, candidates or not)."""
         pending: dict[str, _Pending] = {}
         for name in self.order:
             cand = cands.get(name)
@@ -413,40 +481,39 @@ class ShardOwner(Owner):
                     pending[name] = self._agree_shared(name, e, cand, agreed, got)
             elif cand is not None:
                 pending[name] = self._agree(name, e, cand)
-        decisions: dict[str, ValueDecision] = {}
-        sel_of: dict[str, Tensor] = {}  # spread values: the decision rows written here
-        for name, p in pending.items():
-            if name not in merged:
-                decisions[name] = p.decision()
-                continue
-            mine = self._my_rows(merged[name], p)
-            if mine is not None:
-                decisions[name], sel_of[name] = mine
-        applied = dp.apply(ApplyRequest(e, decisions, req.checksums))
-        wrote = bool(decisions)
-        commits = violations = attempts = 0
-        values: list[ValueEpoch] = []
-        dissents: list[Dissent] = []
+        return pending
+
+    def _commit_all(
+        self,
+        e: int,
+        pending: Mapping[str, _Pending],
+        merged: Mapping[str, Merged],
+        applied: ApplyReply,
+        sel_of: Mapping[str, Tensor],
+        phases: Mapping[str, int | None],
+    ) -> Generator[Gather, list[Part], _Tally]:
+        """Clocks and provenance of the committing cells, value by value in commit order; the
+        commits reach the other owners' replicas (``meta:V`` at once where a value committed
+        later in the epoch reads them, else one ``meta`` exchange at the end)."""
+        tally = _Tally()
         later: Part = {}  # the commits the other owners need by the next epoch only
-        for name in self.order:  # the order one owner commits in
-            p_or_none = pending.get(name)
+        for name in self.order:
+            p = pending.get(name)
             got_applied = applied.values.get(name)
-            if name in merged:
-                here = applied.values.get(name)
-                parts = yield Gather(f"applied:{name}", _applied_part(sel_of.get(name), here))
-                got_applied = self._applied_all(p_or_none, parts)
-            if p_or_none is None:
+            if name in merged:  # what every writer of the spread value wrote
+                part = _applied_part(sel_of.get(name), got_applied)
+                got_applied = self._applied_all(p, (yield Gather(f"applied:{name}", part)))
+            if p is None:
                 if self.urgent[name]:  # the others' commits still reach this replica
                     self._take_meta(name, e, (yield Gather(f"meta:{name}", {})))
                 continue
-            p = p_or_none
             assert got_applied is not None
             self._journal(name, p.cand.cells)
             ve, n_commits = self._commit(name, e, p, got_applied, phases[name])
             ve.col_replica, ve.col_slot = p.cand.col_replica, p.cand.col_slot
             if n_commits:
                 self._unset[name] -= n_commits if self.fresh[name] else _newly(ve)
-            if self.urgent[name]:  # a value committed later in the epoch reads its clocks
+            if self.urgent[name]:
                 got = yield Gather(f"meta:{name}", self._meta_part(name, ve))
                 self._take_meta(name, e, got)
             elif not self.spread[name]:
@@ -455,33 +522,18 @@ class ShardOwner(Owner):
                 continue  # worker 0 reports the cells every worker decided
             if self.quorum[name]:
                 for rep, n in dissent(p.cand, p.winner, ve.changed):
-                    dissents.append(Dissent(name, rep, self.replica_worker(name, rep), n))
-            values.append(ve)
-            commits += n_commits
-            attempts += int(ve.cells.numel())
-            violations += _violations(p.cand.violated)
+                    tally.dissents.append(Dissent(name, rep, self.replica_worker(name, rep), n))
+            tally.add(ve, n_commits, _violations(p.cand.violated))
         if self.deferred:  # one exchange for every value no later value of the epoch reads
             got = yield Gather("meta", later)
             for name in self.deferred:
+                prefix = f"{name}/"
                 parts = [
-                    {k.split("/", 1)[1]: t for k, t in p.items() if k.startswith(f"{name}/")}
-                    for p in got
+                    {k[len(prefix) :]: t for k, t in part.items() if k.startswith(prefix)}
+                    for part in got
                 ]
                 self._take_meta(name, e, parts)
-        first = self.rank == 0  # the replicated counts: worker 0 reports them for all
-        return EpochReport(
-            e,
-            self.worker,
-            opened if first else (),
-            commits,
-            attempts,
-            violations,
-            reply.model_seconds,
-            self.unset() if first else {},
-            tuple(dissents),
-            values if req.records else [],
-            durable=applied.durable or not wrote,
-        )
+        return tally
 
     # ---- agreement over the whole value (a schedule's quota) ---------------------------------------
     def _agree_shared(
