@@ -100,6 +100,15 @@ def received(
     return {v: c for v, c in out.items() if c.numel()}
 
 
+def stored_rows(written: Mapping[str, Tensor], got: Mapping[str, Tensor]) -> dict[str, int]:
+    """Per value, the rows a worker's store took in an epoch: the cells it wrote and the spread
+    quorum values' cells it received (``received``)."""
+    rows = {name: int(c.numel()) for name, c in written.items()}
+    for name, c in got.items():
+        rows[name] = rows.get(name, 0) + int(c.numel())
+    return rows
+
+
 class InProcessTransport:
     """Moves the changed cells of every route between workers of one process."""
 
@@ -271,10 +280,7 @@ class WorkerGroup:
             got = received(self.topology, i, changed)
             if got:
                 w.keep_received(epoch, got)
-            rows = {name: int(c.numel()) for name, c in w.written.items()}
-            for name, c in got.items():
-                rows[name] = rows.get(name, 0) + int(c.numel())
-            self._count_stored(epoch, i, rows)
+            self._count_stored(epoch, i, stored_rows(w.written, got))
         return moved
 
     def _count_stored(self, epoch: int, worker: int, rows: Mapping[str, int]) -> None:

@@ -1,27 +1,30 @@
 """Partitioned workers as Ray actors: one process per worker, the halo over ``torch.distributed``.
 
 :class:`RayGroup` is a :class:`~lmpm.runtime.data.group.WorkerGroup` whose workers are Ray actors
-(:class:`WorkerActor`), each holding one :class:`~lmpm.runtime.data.dataplane.DataPlane` with the cells
-the topology gives it. The group's owner of the cells (in the driver process, beside the engine)
-sends each phase's messages to every worker at once and waits for all of them (one parallel round trip per phase:
-propose, then apply); after applying, the workers send their changed routed cells to each other
-over a gloo process group (:class:`~lmpm.runtime.data.transport.GlooTransport`), never through the
-driver. Only metadata crosses Ray's channels in the epoch loop; payload crosses them only at the
-API edge (inputs in, outputs out).
+(:class:`WorkerActor`), each holding one :class:`~lmpm.runtime.data.dataplane.DataPlane` with the
+cells the topology gives it and the :class:`~lmpm.runtime.data.shard.ShardOwner` that decides
+them. Per epoch the group makes one call per worker, all at once (``WorkerActor.epoch``), and waits
+for the reports (fixed size). Inside it the owners exchange metadata point to point
+(:func:`~lmpm.runtime.data.transport.exchange_objects`) and, after applying, the workers send
+their changed routed cells to each other (:class:`~lmpm.runtime.data.transport.GlooTransport`),
+over a gloo process group, never through the driver. Only metadata crosses Ray's channels in the
+epoch loop; payload crosses them only at the API edge (inputs in, outputs out).
 
 Elasticity. Each worker appends its committed rows to its own payload store (the run directory's
 ``payload/w<i>.db``, or a temporary directory when the run has none) before the control plane
 counts the epoch as done. When a worker dies (its process is killed, its node is lost) or does not
-answer within ``timeout`` seconds (then it is killed), in any phase of an epoch, the group:
+answer its epoch call within ``EPOCH_TIMEOUTS * timeout`` seconds (then it is killed), anywhere in
+an epoch or between epochs, the group:
 
 1. kills the failed actor (if its process still runs) and starts a new one in its place, whose
-   constructor reopens the worker's store; a worker that does not answer then (blocked in the halo
-   exchange on the dead peer) is replaced too;
+   constructor reopens the worker's store; a worker that does not answer then (blocked in an
+   exchange with the dead peer) is replaced too;
 2. rebuilds the gloo process group for a new *generation* (a gloo group cannot survive a dead
    peer; every worker, the survivors too, joins the new one);
-3. restores every worker to the start of the epoch: the newest checkpoint shard plus the rows
-   committed since (the cells the control plane saw commit), then moves every routed cell so each
-   worker's halo holds its owners' payload;
+3. restores every worker to the start of the epoch: the surviving owners undo the epoch, a new
+   worker's owner copies a survivor's metadata (R063 when none survived); each worker loads its
+   newest checkpoint shard plus the rows its store took since (the counts the reports gave),
+   then every routed cell moves so each worker's halo holds its owners' payload;
 4. redoes the epoch (counter-based randomness: the same proposals, the same commits).
 
 The fault (worker, epoch, phase, cause, seconds lost) is kept in :attr:`RayGroup.faults` and goes
@@ -60,6 +63,7 @@ from lmpm.runtime.data.group import (
     check_fault,
     parse_fault,
     received,
+    stored_rows,
 )
 from lmpm.runtime.data.raylog import quiet_worker_deaths
 from lmpm.runtime.data.shard import OwnersView, ShardOwner, merge_reports
@@ -240,10 +244,10 @@ class WorkerActor:
     def epoch(self, wired: EpochRequest) -> EpochReport:
         """One epoch of this worker: its owner opens, proposes, agrees, applies and commits its
         cells, exchanging metadata with the other owners over the process group
-        (:func:`~lmpm.runtime.data.transport.exchange_objects`); then the changed routed cells go to the peers that read them.
-        The report has a size independent of the cells (and the per-cell records only when the
-        control plane asks for them). Messages cross in their wire form
-        (:func:`lmpm.runtime.protocol.to_wire`)."""
+        (:func:`~lmpm.runtime.data.transport.exchange_objects`); then the changed routed cells
+        go to the peers that read them. The report has a size independent of the cells (and
+        the per-cell records only when the control plane asks for them). Messages cross in
+        their wire form (:func:`lmpm.runtime.protocol.to_wire`)."""
         req: EpochRequest = from_wire(wired)
         e = req.epoch
         self._maybe_fail("propose", e)
@@ -270,9 +274,7 @@ class WorkerActor:
         )
         if got:
             self.dp.keep_received(e, got)
-        rows = {name: int(c.numel()) for name, c in self.dp.written.items()}
-        for name, c in got.items():
-            rows[name] = rows.get(name, 0) + int(c.numel())
+        rows = stored_rows(self.dp.written, got)
         report.stored = tuple(sorted((k, n) for k, n in rows.items() if n))
         return to_wire(report)  # type: ignore[no-any-return]
 
