@@ -331,3 +331,46 @@ def test_an_owner_undoes_the_epoch_it_was_in_and_only_that() -> None:
         for name, st in o.state.items():
             for f in ("committed", "clock", "rule", "epoch", "score"):
                 assert torch.equal(getattr(st, f), getattr(was[name], f)), (o.rank, name, f)
+
+
+def test_the_owners_write_the_per_cell_log_rows_into_their_stores(tmp_path: Path) -> None:
+    """With a run directory, each owner writes the commit rows (and trace rows) of its cells
+    into its worker's store; the control plane's log keeps the per-epoch rows, the same as a
+    one-worker run's, and nothing per cell."""
+    import sqlite3
+
+    from lmpm.cli import main
+
+    args = [
+        "run",
+        str(EX / "latent.lmpm"),
+        "--input",
+        f"Z={EX / 'latent' / 'z0.npy'}",
+        "--epochs",
+        "4",
+        "--seed",
+        "2",
+        "--quiet",
+    ]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    two = tmp_path / "two"
+    assert main([*args, "--workers", "2", "--driver", "process", "--out", str(two)]) == 0
+
+    def rows(db: Path, q: str) -> list[tuple[Any, ...]]:
+        conn = sqlite3.connect(db)
+        try:
+            return conn.execute(q).fetchall()
+        finally:
+            conn.close()
+
+    epochs = (
+        "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided FROM epochs"
+    )
+    summary = "SELECT * FROM trace_summary ORDER BY epoch, constraint_id, rule"
+    for q in (epochs, summary):
+        assert rows(two / "lmpm.db", q) == rows(tmp_path / "one" / "lmpm.db", q)
+    assert rows(two / "lmpm.db", "SELECT count(*) FROM commits") == [(0,)]
+    total = "SELECT coalesce(sum(count), 0) FROM commits"
+    per_worker = [rows(two / "payload" / f"w{i}.db", total)[0][0] for i in range(2)]
+    assert all(n > 0 for n in per_worker)
+    assert sum(per_worker) == rows(tmp_path / "one" / "lmpm.db", total)[0][0]

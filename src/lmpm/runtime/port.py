@@ -41,6 +41,12 @@ class DataPlanePort(Protocol):
         """Run one epoch: open, propose, check, agree, apply, commit; durable when it has a store."""
         ...
 
+    def log_cells(self, tracer: Any) -> bool:
+        """Write the run directory's per-cell log rows (commits, and ``tracer``'s trace rows)
+        beside the cells, into the workers' stores, from now on: True if this data plane does
+        (a worker group), False if the control plane's log writes them from the records."""
+        ...
+
     def compile(self) -> Any:
         """Run the eligible values' epoch as one fused step from now on (``--compile``); the
         step's statistics (:class:`lmpm.runtime.data.compiled.CompiledEpoch`). A data plane that cannot

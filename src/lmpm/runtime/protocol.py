@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmpm.runtime.records import Compact, Dissent, ValueEpoch
+from lmpm.runtime.records import Compact, Dissent, LogShare, ValueEpoch
 
 
 @dataclass(slots=True)
@@ -151,6 +151,7 @@ class ApplyRequest:
     epoch: int
     values: Mapping[str, ValueDecision]
     checksums: bool  # return the committed rows' payload checksums (the commit log wants them)
+    sync: bool = True  # make the rows durable now (False: the caller syncs the store later)
 
 
 @dataclass(slots=True)
@@ -206,6 +207,8 @@ class EpochReport(Compact):
     halo_bytes: int = 0  # payload bytes moved worker to worker
     # a group's worker: (value, rows) its payload store took in the epoch (restores check them)
     stored: tuple[tuple[str, int], ...] = ()
+    # the owners wrote the per-cell log rows into their stores: what is left for the log
+    log: LogShare | None = None
     # the messages between the control plane's process and the workers (a :class:`Traffic`):
     # serialised, and their tensor data (one in-process worker: counted on request)
     control_bytes: int = 0

@@ -6,6 +6,7 @@ import this module.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,67 @@ class Compact:
         return type(self), tuple(getattr(self, f.name) for f in fields(self))  # type: ignore[arg-type]
 
 
+def box_text(value: str, lo: Sequence[int], hi: Sequence[int]) -> str:
+    """``Vid[0..3, 5, 2..9]``: the box of cells from ``lo`` to ``hi`` (inclusive) per axis."""
+    return f"{value}[" + ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in zip(lo, hi)) + "]"
+
+
+@dataclass(frozen=True, slots=True)
+class Box(Compact):
+    """A box of a value's cells (a trace summary's ``blocked_where``), kept as numbers until it
+    is written, so that the boxes of several owners merge."""
+
+    value: str
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+
+    def union(self, other: Box | None) -> Box:
+        if other is None:
+            return self
+        return Box(
+            self.value,
+            tuple(map(min, self.lo, other.lo)),
+            tuple(map(max, self.hi, other.hi)),
+        )
+
+    def text(self) -> str:
+        return box_text(self.value, self.lo, self.hi)
+
+
+@dataclass(frozen=True, slots=True)
+class LogShare(Compact):
+    """What a group's owners leave to the control plane's log of one epoch when they write the
+    per-cell rows (commits, trace cells and candidates) into their own stores: the counts the
+    ``epochs`` row needs and the ``trace_summary`` rows (``(epoch, constraint, rule, checked,
+    violations, won, lost, where)``, ``where`` a :class:`Box` or None)."""
+
+    candidates: int = 0
+    decided: int = 0
+    summary: tuple[tuple[Any, ...], ...] = ()
+
+
+def merge_logs(shares: Sequence[LogShare]) -> LogShare:
+    """Several owners' shares of one epoch as one owner's: counts summed, summary rows of the
+    same (epoch, constraint, rule) summed, their boxes united."""
+    rows: dict[tuple[int, int, int], list[Any]] = {}
+    for share in shares:
+        for e, cid, rule, checked, viol, won, lost, where in share.summary:
+            got = rows.get((e, cid, rule))
+            if got is None:
+                rows[(e, cid, rule)] = [checked, viol, won, lost, where]
+                continue
+            got[0] += checked
+            got[1] += viol
+            got[2] += won
+            got[3] += lost
+            got[4] = where.union(got[4]) if where is not None else got[4]
+    return LogShare(
+        sum(s.candidates for s in shares),
+        sum(s.decided for s in shares),
+        tuple((*k, *v) for k, v in sorted(rows.items())),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Dissent(Compact):
     """A quorum replica outvoted in one epoch: in ``cells`` committed cells of ``value`` its
@@ -138,6 +200,9 @@ class EpochRecord:
     dissent: tuple[Dissent, ...] = ()
     # the workers acknowledged this epoch's commits as durable (EpochReport.durable)
     durable: bool = True
+    # the owners wrote this epoch's per-cell log rows into their stores; what is left for the
+    # control plane's log (None: the control plane writes the rows from ``values``)
+    log: LogShare | None = None
 
 
 @dataclass(frozen=True, slots=True)

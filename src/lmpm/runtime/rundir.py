@@ -156,6 +156,26 @@ CREATE VIEW trace_named AS
   LEFT JOIN rule_defs r ON r.id = s.rule;
 """
 
+# A group worker's store also holds its owner's per-cell log rows (the log's tables of the same
+# names and columns: docs/trace.md), made in its first logged epoch's transaction
+STORE_LOG_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS commits ("
+    " epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,"
+    " step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,"
+    " clock_min INTEGER NOT NULL, clock_max INTEGER NOT NULL, score_min REAL, score_max REAL,"
+    " crc INTEGER NOT NULL, sums BLOB, clocks BLOB, scores BLOB)",
+    "CREATE INDEX IF NOT EXISTS commits_by_epoch ON commits (epoch)",
+    "CREATE TABLE IF NOT EXISTS trace_cells ("
+    " epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, coord TEXT NOT NULL,"
+    " candidates INTEGER NOT NULL, winner INTEGER NOT NULL, winner_rule INTEGER NOT NULL,"
+    " favourite INTEGER NOT NULL, committed INTEGER NOT NULL, payload, clock INTEGER NOT NULL,"
+    " covered INTEGER NOT NULL, decided_by TEXT, PRIMARY KEY (value, cell, epoch))",
+    "CREATE TABLE IF NOT EXISTS trace_candidates ("
+    " epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,"
+    " rule INTEGER NOT NULL, payload, score REAL, violated INTEGER NOT NULL,"
+    " PRIMARY KEY (value, cell, epoch, col))",
+)
+
 # A worker's store: committed payload, one row per arithmetic run of cells (crc: CRC-32 of the
 # payload bytes after the type tag), and the candidate payloads `--trace cells` asks for
 STORE_SCHEMA = """

@@ -57,6 +57,7 @@ from lmpm.errors import RunDirError, RuntimeFault, UsageError
 from lmpm.ir.nodes import PredKind, Status
 from lmpm.ir.serialize import to_dict, to_json
 from lmpm.runtime.control.crdt import ORSet
+from lmpm.runtime.control.trace import TraceRows
 from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
 from lmpm.runtime.records import INPUT_RULE, CellState
 from lmpm.runtime.rundir import (
@@ -501,6 +502,9 @@ class CommitLog:
     def on_start(self, engine: Engine) -> None:
         self._dataplane = engine.dataplane  # its store is closed with the log
         engine.checksums = True  # the committed rows' checksums go into the log
+        # a worker group's owners write the per-cell rows into their stores (log shards): the
+        # epoch records then carry counts only
+        self.wants_records = not engine.dataplane.log_cells(self.tracer)
         if self.tracer is not None and self.tracer.level == "cells":
             engine.record = self.tracer.recorded_cells()  # the worker stores their candidates
         if self.conn is not None:
@@ -628,14 +632,21 @@ class CommitLog:
                 hint="`lmpm resume` redoes it from the last logged epoch",
             )
         t0 = time.perf_counter()
-        rows = commit_rows(record)
-        trace = self.tracer.record(engine, record) if self.tracer is not None else None
+        if record.log is None:  # the per-cell rows come from the records
+            rows = commit_rows(record)
+            trace = self.tracer.record(engine, record) if self.tracer is not None else None
+            candidates = sum(int(ve.valid.sum()) for ve in record.values)
+        else:  # the owners wrote them into their stores; the summary is theirs, merged
+            rows = []
+            trace = None
+            if self.tracer is not None:
+                trace = TraceRows(summary=list(record.log.summary), decided=record.log.decided)
+            candidates = record.log.candidates
         label = record.epoch + 1
         ckpt = None
         if label % self.info.checkpoint_every == 0:
             ckpt = write_checkpoint(self.run_dir, engine, label, self.info.program_hash)
         maskplan = json.dumps(next(reversed(engine.maskplan.adds)), separators=(",", ":"))
-        candidates = sum(int(ve.valid.sum()) for ve in record.values)
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         try:

@@ -252,7 +252,8 @@ class Engine:
             if stop_when_stable and self.is_stable():
                 res.stable = True  # a resumed run that had already become stable
                 break
-            rec = self._step(bool(self.observers) or self.keep_records)
+            wanted = any(getattr(o, "wants_records", True) for o in self.observers)
+            rec = self._step(wanted or self.keep_records)
             res.epochs += 1
             res.commits += rec.commits
             res.attempts += rec.attempts
@@ -384,4 +385,5 @@ class Engine:
             faults=report.faults,
             dissent=report.dissent,
             durable=report.durable,
+            log=report.log,
         )

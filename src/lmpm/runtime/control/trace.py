@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import UsageError
+from lmpm.runtime.records import Box, box_text  # torch-free, as the run directory format
 from lmpm.runtime.rundir import (  # the torch-free run directory format: `lmpm trace` stays fast
     EPOCH_COLUMNS,
     checkpoint_shards,
@@ -155,10 +156,6 @@ def parse_region(text: str, dims: Mapping[str, Sequence[int]]) -> Region:
     return Region(name, tuple(box))
 
 
-def box_text(value: str, lo: Sequence[int], hi: Sequence[int]) -> str:
-    return f"{value}[" + ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in zip(lo, hi)) + "]"
-
-
 def epoch_ranges(epochs: Sequence[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` → ``'0..2, 5, 7..8'``."""
     out: list[str] = []
@@ -183,9 +180,15 @@ class TraceRows:
     candidates: list[tuple[Any, ...]] = field(default_factory=list)
     decided: int = 0  # decisions decided by a constraint
 
+    def summary_rows(self) -> list[tuple[Any, ...]]:
+        """The ``trace_summary`` rows as written (``blocked_where`` as text)."""
+        return [(*r[:7], r[7].text() if isinstance(r[7], Box) else r[7]) for r in self.summary]
+
     def insert(self, conn: sqlite3.Connection) -> None:
         if self.summary:
-            conn.executemany("INSERT INTO trace_summary VALUES (?,?,?,?,?,?,?,?)", self.summary)
+            conn.executemany(
+                "INSERT INTO trace_summary VALUES (?,?,?,?,?,?,?,?)", self.summary_rows()
+            )
         if self.cells:
             conn.executemany(
                 "INSERT INTO trace_cells VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", self.cells
@@ -315,10 +318,14 @@ class Tracer:
         return {name: torch.arange(vp.ncells) for name, vp in self.plan.values.items()}
 
     def record(self, engine: Engine, record: EpochRecord) -> TraceRows:
+        return self.rows(record.epoch, record.values)
+
+    def rows(self, epoch: int, values: Sequence[ValueEpoch]) -> TraceRows:
+        """The trace rows of one epoch's records (one owner's, or every owner's merged)."""
         t0 = time.perf_counter()
         out = TraceRows()
-        for ve in record.values:
-            self._value(ve, record.epoch, out)
+        for ve in values:
+            self._value(ve, epoch, out)
         self.seconds += time.perf_counter() - t0
         return out
 
@@ -409,7 +416,8 @@ class Tracer:
                 where = None
                 if lost[k][r]:
                     sel = coords[:, cells[sub[resp[:, k] & (fr == r)]]]  # (rank, cells)
-                    where = box_text(ve.value, sel.min(axis=1).tolist(), sel.max(axis=1).tolist())
+                    lo, hi = sel.min(axis=1).tolist(), sel.max(axis=1).tolist()
+                    where = Box(ve.value, tuple(lo), tuple(hi))
                 out.summary.append(
                     (e, cid, rule, checked[r][k], viol[r][k], won[k][r], lost[k][r], where)
                 )

@@ -1134,6 +1134,10 @@ class DataPlane:
             )
         return out.clone()
 
+    def log_cells(self, tracer: Any) -> bool:
+        """One worker: the control plane's log writes the per-cell rows itself (False)."""
+        return False
+
     # ---- apply -----------------------------------------------------------------------------------
     def apply(self, req: ApplyRequest) -> ApplyReply:
         """Write the winners of every value, make them durable, report what changed."""
@@ -1180,7 +1184,7 @@ class DataPlane:
                 None if sums is None else self._meta(sums),
             )
         durable = self.store is not None
-        if durable:
+        if durable and req.sync:
             self.store.sync(req.epoch)
         self._staged = {}
         reply = ApplyReply(self.worker, out, durable)

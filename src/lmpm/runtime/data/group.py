@@ -181,6 +181,7 @@ class WorkerGroup:
         self.checkpointed: tuple[int, dict[str, dict[str, Any]]] | None = None
         self.stored: dict[tuple[int, str], list[int]] = {}
         self.changes = 0  # bumped whenever the owners' metadata changes (the view's cache)
+        self._log_args: tuple[Any, ...] | None = None  # the owners write log rows (log_cells)
         # the proposed values in the order the owners commit them; each rule's rank
         self.order = commit_order(plan)
         self.rule_rank = {rp.id: k for k, rp in enumerate(plan.rules)}
@@ -229,6 +230,15 @@ class WorkerGroup:
         report.message_bytes = self.traffic.message_bytes
         report.faults = tuple(self.take_faults())
         return report
+
+    def log_cells(self, tracer: Any) -> bool:
+        """Have the owners write the per-cell log rows (commits; the trace rows of ``tracer``,
+        None: no trace) into their workers' stores from now on: the control plane's log keeps
+        the per-epoch rows. True (a group always can, once its stores are open)."""
+        args = (None, "", None) if tracer is None else (type(tracer), tracer.level, tracer.region)
+        self._log_args = args
+        self._owner_calls("set_log", [args] * self.size)
+        return True
 
     def compile(self) -> Any:
         raise UsageError(

@@ -541,6 +541,8 @@ class RayGroup(WorkerGroup):
         except Exception:
             pass  # already gone
         self.workers[i] = self._spawn(i)
+        if self._log_args is not None:  # its predecessor's owner wrote the log rows
+            self.workers[i].own.remote("set_log", *self._log_args)
         # the faults still to come for this worker (its predecessor held them)
         for w, phase, epoch, how in self._injected:
             due = epoch >= self.done and (w, phase, epoch) not in self._fired

@@ -63,7 +63,15 @@ from lmpm.runtime.protocol import (
     RuleWork,
     ValueDecision,
 )
-from lmpm.runtime.records import CellState, Dissent, ValueEpoch
+from lmpm.runtime.records import (
+    CellState,
+    Dissent,
+    EpochRecord,
+    LogShare,
+    ValueEpoch,
+    merge_logs,
+)
+from lmpm.runtime.rundir import commit_rows
 
 Part = dict[str, Tensor]
 
@@ -328,6 +336,10 @@ class ShardOwner(Owner):
                 )
         self.urgent = {n: n in read_by_later and not self.spread[n] for n in self.order}
         self.deferred = [n for n in self.order if not self.urgent[n] and not self.spread[n]]
+        # the run directory's per-cell log rows, written by this owner into its worker's store
+        # (set_log): whether it writes them, and its tracer (None: `--trace off`)
+        self.logging = False
+        self.tracer: Any = None
         # what the current epoch wrote, to undo it (rollback)
         self._undo: list[tuple[str, Tensor, CellState]] = []
         self._undo_epoch = -1
@@ -399,10 +411,12 @@ class ShardOwner(Owner):
                 decisions[name] = p.decision()
             elif (mine := self._my_rows(merged[name], p)) is not None:
                 decisions[name], sel_of[name] = mine
-        applied = dp.apply(ApplyRequest(e, decisions, req.checksums))
+        logs = self.logging and dp.store is not None  # the rows go in with the payload's
+        applied = dp.apply(ApplyRequest(e, decisions, req.checksums, sync=not logs))
         tally = yield from self._commit_all(e, pending, merged, applied, sel_of, phases)
+        share = self._log(dp, e, tally.values) if logs else None
         first = self.rank == 0
-        return EpochReport(
+        report = EpochReport(
             e,
             self.worker,
             tuple(sorted((k, int(v.numel())) for k, v in everywhere.items())) if first else (),
@@ -414,6 +428,31 @@ class ShardOwner(Owner):
             tuple(tally.dissents),
             tally.values if req.records else [],
             durable=applied.durable or not decisions,
+        )
+        report.log = share
+        return report
+
+    def set_log(self, tracer: Any, level: str = "", region: Any = None) -> None:
+        """Write the run directory's per-cell log rows of this owner's cells into its worker's
+        store from now on (commits; with ``tracer``, a Tracer class from the control plane,
+        the trace rows of ``level`` and ``region`` too)."""
+        self.logging = True
+        self.tracer = None if tracer is None else tracer(self.plan, level, region)
+
+    def _log(self, dp: Any, e: int, values: list[ValueEpoch]) -> LogShare:
+        """Write this owner's per-cell log rows of epoch ``e`` into its store, then make the
+        epoch durable there (payload and rows together); what is left for the control plane's
+        log."""
+        rows = commit_rows(EpochRecord(e, values, 0, 0, 0, 0, 0.0, 0.0))
+        trace = None if self.tracer is None else self.tracer.rows(e, values)
+        dp.store.append_log(
+            rows, [] if trace is None else trace.cells, [] if trace is None else trace.candidates
+        )
+        dp.store.sync(e)
+        return LogShare(
+            sum(int(ve.valid.count_nonzero()) for ve in values),
+            0 if trace is None else trace.decided,
+            () if trace is None else tuple(trace.summary),
         )
 
     def _propose(
@@ -696,7 +735,8 @@ def merge_reports(
             if parts:
                 values.append(merge_records(parts, rank))
     commits = sum(r.commits for r in reports)
-    return EpochReport(
+    logs = [r.log for r in reports]
+    report = EpochReport(
         first.epoch,
         "group",
         first.opened,
@@ -709,6 +749,9 @@ def merge_reports(
         values,
         durable=all(r.durable for r in reports) or not commits,
     )
+    if all(log is not None for log in logs):
+        report.log = merge_logs([log for log in logs if log is not None])
+    return report
 
 
 class OwnersView:

@@ -24,13 +24,14 @@ from __future__ import annotations
 import sqlite3
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from lmpm.errors import RunDirError
 from lmpm.runtime.lock import sqlite_error
 from lmpm.runtime.rundir import (
+    STORE_LOG_SCHEMA,
     STORE_SCHEMA,
     TAGS,
     cell_runs,
@@ -73,6 +74,7 @@ class PayloadStore:
                 f"cannot open the payload store {self.path}: {e}", code="D012"
             ) from None
         self._open = False
+        self._log_tables = False  # the owner's log tables exist here (append_log makes them)
 
     def _begin(self) -> None:
         if not self._open:
@@ -100,6 +102,38 @@ class PayloadStore:
             self.conn.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", rows)
         except sqlite3.Error as e:
             raise sqlite_error(e, "write the payload store", self.path) from None
+
+    def append_log(
+        self,
+        commits: list[tuple[Any, ...]],
+        cells: list[tuple[Any, ...]],
+        candidates: list[tuple[Any, ...]],
+    ) -> None:
+        """Stage an owner's per-cell log rows of one epoch (the log's ``commits``, ``trace_cells``
+        and ``trace_candidates`` rows of its cells), written with its payload at :meth:`sync`;
+        `lmpm trace` reads them beside the control plane's log (rundir.attach_shards)."""
+        if not (commits or cells or candidates):
+            return
+        try:
+            self._begin()
+            if not self._log_tables:  # the first logged epoch makes them, in its transaction
+                for stmt in STORE_LOG_SCHEMA:
+                    self.conn.execute(stmt)
+                self._log_tables = True
+            if commits:
+                self.conn.executemany(
+                    "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", commits
+                )
+            if cells:
+                self.conn.executemany(
+                    "INSERT INTO trace_cells VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", cells
+                )
+            if candidates:
+                self.conn.executemany(
+                    "INSERT INTO trace_candidates VALUES (?,?,?,?,?,?,?,?)", candidates
+                )
+        except sqlite3.Error as e:
+            raise sqlite_error(e, "write the owner's log rows", self.path) from None
 
     def record_candidates(
         self,
