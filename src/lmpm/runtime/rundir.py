@@ -261,7 +261,8 @@ def connect(
 ) -> sqlite3.Connection:
     """Open RUN_DIR's log and validate it: an LMPM database of a schema this version reads.
 
-    ``readonly`` never modifies the database (SQLite may rebuild its ``-shm`` index); ``check``
+    ``readonly`` never modifies the database (SQLite may rebuild its ``-shm`` index) and reads a
+    multi-worker run's per-cell rows in its workers' stores too (:func:`attach_shards`); ``check``
     also runs ``PRAGMA quick_check``; ``durable`` (writing) fsyncs every transaction. Raises
     :class:`RunDirError` with what is wrong."""
     path = db_path(run_dir)
@@ -297,8 +298,10 @@ def connect(
         return conn
     try:
         attach_shards(conn, run_dir)
-    except BaseException:
+    except BaseException as e:
         conn.close()
+        if isinstance(e, sqlite3.Error):
+            raise sqlite_error(e, "read the workers' stores of", path) from None
         raise
     return conn
 
