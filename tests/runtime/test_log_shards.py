@@ -141,3 +141,14 @@ def test_resume_replays_the_commits_in_the_stores(tmp_path: Path) -> None:
     log = sqlite3.connect(run / "lmpm.db")
     assert {e for (e,) in log.execute("SELECT DISTINCT epoch FROM commits")} == {3, 4}
     log.close()
+
+
+def test_cells_log_is_the_same_for_any_worker_count(tmp_path: Path) -> None:
+    # a 2-worker run's stores are attached (their per-cell tables are empty or full, depending on
+    # the writer); each cell's story is the one-worker run's
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run(one)
+    args = ["--workers", "2", "--driver", "process", "--out", str(two), "--quiet"]
+    assert main(["run", *RUN, "--epochs", "3", *args]) == 0
+    assert sorted(p.name for p in (two / "payload").glob("w*.db")) == ["w0.db", "w1.db"]
+    assert _cells_log(two) == _cells_log(one)
