@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from lmpm.errors import UsageError
+from lmpm.runtime.rundir import attach_shards
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,13 @@ def _connect(run_dir: Path) -> sqlite3.Connection:
     db = run_dir / "lmpm.db"
     if not db.is_file():
         raise UsageError(f"{run_dir} holds no run (no lmpm.db)", code="U070")
-    return sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        attach_shards(conn, run_dir)  # a multi-worker run's commits are in its workers' stores
+    except BaseException:
+        conn.close()
+        raise
+    return conn
 
 
 def _output(run_dir: Path, value: str) -> np.ndarray:

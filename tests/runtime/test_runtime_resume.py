@@ -118,6 +118,33 @@ def _log(db: Path) -> list[list[tuple[object, ...]]]:
         conn.close()
 
 
+def _cells_log(run_dir: Path) -> dict[tuple[str, int], list[tuple[object, ...]]]:
+    """Per (value, cell), its commits in epoch order: (epoch, rule, clock, score, payload sum),
+    expanded from the ``commits`` rows (a row covers cells first, first + step, ... ``count`` of
+    them) and read through :func:`rundir.connect`, so a multi-worker run's rows in its workers'
+    stores count too. Comparable across worker counts, unlike :func:`_log`: how cells group into
+    rows, and so the rows' crc, depends on which worker committed them."""
+    from lmpm.runtime.rundir import connect, decode
+
+    conn = connect(run_dir)
+    try:
+        rows = conn.execute(
+            "SELECT epoch, value, first, step, count, rule, clock_min, clocks, score_min, scores, "
+            "sums FROM commits"
+        ).fetchall()
+    finally:
+        conn.close()
+    out: dict[tuple[str, int], list[tuple[object, ...]]] = {}
+    for epoch, value, first, step, count, rule, cmin, clocks, smin, scores, sums in rows:
+        clock = [cmin] * count if clocks is None else [cmin + c for c in decode(clocks).tolist()]
+        score = [smin] * count if scores is None else decode(scores).tolist()
+        for j, s in enumerate(decode(sums).tolist()):
+            out.setdefault((value, first + step * j), []).append(
+                (epoch, rule, clock[j], score[j], s)
+            )
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
 def _query(db: Path, q: str) -> list[tuple[object, ...]]:
     conn = sqlite3.connect(db)
     try:

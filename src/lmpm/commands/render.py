@@ -279,14 +279,18 @@ def _query(db: Path, sql: str) -> list[tuple[Any, ...]] | None:
     import sqlite3
     import urllib.parse
 
+    from lmpm.errors import RunDirError
+    from lmpm.runtime.rundir import attach_shards
+
     try:
         uri = f"file:{urllib.parse.quote(str(db.resolve()))}?mode=ro"
         con = sqlite3.connect(uri, uri=True)
     except sqlite3.Error:
         return None
     try:
+        attach_shards(con, db.parent)  # the per-cell tables of a multi-worker run
         return con.execute(sql).fetchall()
-    except sqlite3.Error:
+    except (sqlite3.Error, RunDirError):
         return None
     finally:
         con.close()

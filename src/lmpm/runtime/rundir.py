@@ -156,28 +156,9 @@ CREATE VIEW trace_named AS
   LEFT JOIN rule_defs r ON r.id = s.rule;
 """
 
-# A group worker's store also holds its owner's per-cell log rows (the log's tables of the same
-# names and columns: docs/trace.md), made in its first logged epoch's transaction
-STORE_LOG_SCHEMA = (
-    "CREATE TABLE IF NOT EXISTS commits ("
-    " epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,"
-    " step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,"
-    " clock_min INTEGER NOT NULL, clock_max INTEGER NOT NULL, score_min REAL, score_max REAL,"
-    " crc INTEGER NOT NULL, sums BLOB, clocks BLOB, scores BLOB)",
-    "CREATE INDEX IF NOT EXISTS commits_by_epoch ON commits (epoch)",
-    "CREATE TABLE IF NOT EXISTS trace_cells ("
-    " epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, coord TEXT NOT NULL,"
-    " candidates INTEGER NOT NULL, winner INTEGER NOT NULL, winner_rule INTEGER NOT NULL,"
-    " favourite INTEGER NOT NULL, committed INTEGER NOT NULL, payload, clock INTEGER NOT NULL,"
-    " covered INTEGER NOT NULL, decided_by TEXT, PRIMARY KEY (value, cell, epoch))",
-    "CREATE TABLE IF NOT EXISTS trace_candidates ("
-    " epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,"
-    " rule INTEGER NOT NULL, payload, score REAL, violated INTEGER NOT NULL,"
-    " PRIMARY KEY (value, cell, epoch, col))",
-)
-
 # A worker's store: committed payload, one row per arithmetic run of cells (crc: CRC-32 of the
-# payload bytes after the type tag), and the candidate payloads `--trace cells` asks for
+# payload bytes after the type tag), the candidate payloads `--trace cells` asks for and, in a
+# multi-worker run, the per-cell rows of the log's tables in :data:`SHARDED` for its cells
 STORE_SCHEMA = """
 CREATE TABLE IF NOT EXISTS rows (
   epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, step INTEGER NOT NULL,
@@ -186,7 +167,27 @@ CREATE INDEX IF NOT EXISTS rows_by_epoch ON rows (epoch);
 CREATE TABLE IF NOT EXISTS candidates (
   epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
   payload BLOB NOT NULL, PRIMARY KEY (value, cell, epoch, col));
+CREATE TABLE IF NOT EXISTS commits (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,
+  step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,
+  clock_min INTEGER NOT NULL, clock_max INTEGER NOT NULL, score_min REAL, score_max REAL,
+  crc INTEGER NOT NULL, sums BLOB, clocks BLOB, scores BLOB);
+CREATE INDEX IF NOT EXISTS commits_by_epoch ON commits (epoch);
+CREATE TABLE IF NOT EXISTS trace_cells (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, coord TEXT NOT NULL,
+  candidates INTEGER NOT NULL, winner INTEGER NOT NULL, winner_rule INTEGER NOT NULL,
+  favourite INTEGER NOT NULL, committed INTEGER NOT NULL, payload, clock INTEGER NOT NULL,
+  covered INTEGER NOT NULL, decided_by TEXT, PRIMARY KEY (value, cell, epoch));
+CREATE TABLE IF NOT EXISTS trace_candidates (
+  epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, col INTEGER NOT NULL,
+  rule INTEGER NOT NULL, payload, score REAL, violated INTEGER NOT NULL,
+  PRIMARY KEY (value, cell, epoch, col));
 """
+
+# The per-cell tables a multi-worker run's workers write into their own stores (same names and
+# columns as the log's); the log keeps the per-epoch rows. See :func:`attach_shards`.
+SHARDED = ("commits", "trace_cells", "trace_candidates")
+SHARD_FILE = re.compile(r"w(\d+)\.db")  # a group worker's store: payload/w<i>.db
 
 
 # ---- paths ------------------------------------------------------------------------------------------
@@ -260,7 +261,8 @@ def connect(
 ) -> sqlite3.Connection:
     """Open RUN_DIR's log and validate it: an LMPM database of a schema this version reads.
 
-    ``readonly`` never modifies the database (SQLite may rebuild its ``-shm`` index); ``check``
+    ``readonly`` never modifies the database (SQLite may rebuild its ``-shm`` index) and reads a
+    multi-worker run's per-cell rows in its workers' stores too (:func:`attach_shards`); ``check``
     also runs ``PRAGMA quick_check``; ``durable`` (writing) fsyncs every transaction. Raises
     :class:`RunDirError` with what is wrong."""
     path = db_path(run_dir)
@@ -293,7 +295,107 @@ def connect(
         except sqlite3.Error as e:
             conn.close()
             raise sqlite_error(e, "open for writing", path) from None
+        return conn
+    try:
+        attach_shards(conn, run_dir)
+    except BaseException as e:
+        conn.close()
+        if isinstance(e, sqlite3.Error):
+            raise sqlite_error(e, "read the workers' stores of", path) from None
+        raise
     return conn
+
+
+def shard_stores(run_dir: str | Path) -> list[Path]:
+    """The stores of a multi-worker run's workers (``RUN_DIR/payload/w<i>.db``), by index."""
+    folder = Path(run_dir) / STORE_DIR
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = SHARD_FILE.fullmatch(p.name)
+        if m is not None and p.is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def attach_shards(conn: sqlite3.Connection, run_dir: str | Path) -> int:
+    """Let ``conn`` read the log's per-cell tables (:data:`SHARDED`) across the workers' stores;
+    the number of stores read.
+
+    A multi-worker run's workers write those rows into their own stores, the log keeps none. Each
+    ``RUN_DIR/payload/w<i>.db`` is attached read-only as ``shard0``, ``shard1``, ... and a TEMP view
+    of each table's name unites ``main.<table>`` with the stores' rows of the epochs the log holds
+    (a worker may have committed an epoch the log never got: a crash between the two steps). An
+    unqualified name resolves to the temp schema first, so every query on those tables reads the
+    merged rows as it is. A store without a table (an older schema) is left out of its view; no
+    view is made for a table no store has, so the log's own rows are read (and written) as before.
+    Views have no rowid: order by columns. Past SQLite's limit on attached databases (10 in most
+    builds) the rows are copied into TEMP tables instead, one store at a time. Call it outside a
+    transaction; undone by :func:`detach_shards`."""
+    paths = shard_stores(run_dir)
+    if not paths:
+        return 0
+    tables = {t: _columns(conn, f"main.{t}") for t in SHARDED}
+    tables = {t: cols for t, cols in tables.items() if cols}
+    free = conn.getlimit(sqlite3.SQLITE_LIMIT_ATTACHED) - len(_attached(conn))
+    logged = "epoch IN (SELECT epoch FROM main.epochs)"
+    if len(paths) <= free:
+        parts: dict[str, list[str]] = {t: [f"SELECT * FROM main.{t}"] for t in tables}
+        for k, path in enumerate(paths):
+            for t in _attach_store(conn, f"shard{k}", path, tables):
+                cols = ", ".join(tables[t])
+                parts[t].append(f"SELECT {cols} FROM shard{k}.{t} WHERE {logged}")
+        for t, selects in parts.items():
+            if len(selects) > 1:
+                conn.execute(f"CREATE TEMP VIEW {t} AS {' UNION ALL '.join(selects)}")
+        return len(paths)
+    copied: set[str] = set()
+    for path in paths:
+        for t in _attach_store(conn, "shard0", path, tables):
+            if t not in copied:
+                conn.execute(f"CREATE TEMP TABLE {t} AS SELECT * FROM main.{t}")
+                copied.add(t)
+            cols = ", ".join(tables[t])
+            conn.execute(f"INSERT INTO temp.{t} SELECT {cols} FROM shard0.{t} WHERE {logged}")
+        if conn.in_transaction:  # the one Python's sqlite3 opened for the INSERT
+            conn.commit()
+        conn.execute("DETACH DATABASE shard0")
+    if "commits" in copied:
+        conn.execute("CREATE INDEX temp.commits_by_epoch ON commits (epoch)")
+    return len(paths)
+
+
+def _attach_store(
+    conn: sqlite3.Connection, name: str, path: Path, tables: Mapping[str, list[str]]
+) -> list[str]:
+    """Attach a worker's store read-only as schema ``name``: those of ``tables`` it holds with
+    (at least) the log's columns."""
+    try:
+        conn.execute(
+            "ATTACH DATABASE ? AS " + name,
+            (f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro",),
+        )
+        return [t for t, cols in tables.items() if set(cols) <= set(_columns(conn, f"{name}.{t}"))]
+    except sqlite3.Error as e:
+        if is_io_error(e):
+            raise sqlite_error(e, "read", path) from None
+        raise RunDirError(f"the payload store {path} is unreadable ({e})", code="D006") from None
+
+
+def _attached(conn: sqlite3.Connection) -> list[str]:
+    return [str(r[1]) for r in conn.execute("PRAGMA database_list") if r[1] not in ("main", "temp")]
+
+
+def detach_shards(conn: sqlite3.Connection) -> None:
+    """Undo :func:`attach_shards`: drop its TEMP views or tables and detach the stores, so the
+    log's tables are written as before (the commit log's connection reads the shards to resume)."""
+    for kind, name in conn.execute("SELECT type, name FROM temp.sqlite_master").fetchall():
+        if name in SHARDED and kind in ("view", "table"):
+            conn.execute(f"DROP {kind.upper()} temp.{name}")
+    for name in _attached(conn):
+        if re.fullmatch(r"shard\d+", name):
+            conn.execute(f"DETACH DATABASE {name}")
 
 
 def schema_version(conn: sqlite3.Connection) -> int:
@@ -357,7 +459,10 @@ def upgrade(conn: sqlite3.Connection) -> None:
 
 
 def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
-    return [str(r[1]) for r in conn.execute(f"PRAGMA table_info({table})")]
+    """``table``'s columns in order (none when it has none); ``schema.table`` reads that schema's."""
+    schema, _, name = table.rpartition(".")
+    pragma = f"PRAGMA {schema}.table_info({name})" if schema else f"PRAGMA table_info({name})"
+    return [str(r[1]) for r in conn.execute(pragma)]
 
 
 def _has_table(conn: sqlite3.Connection, name: str) -> bool:

@@ -68,6 +68,7 @@ from lmpm.runtime.rundir import (
     SCHEMA,
     SCHEMA_VERSION,
     STORE_DIR,
+    attach_shards,
     checkpoint_file,
     checkpoint_shards,
     commit_rows,
@@ -75,6 +76,7 @@ from lmpm.runtime.rundir import (
     connect,
     db_path,
     decode,
+    detach_shards,
     load_checkpoint,
     read_checkpoint,
     read_meta,
@@ -304,12 +306,18 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         sys.stderr.write(f"note: {msg.removesuffix('; nothing was changed')}; using an older one\n")
     replayed = 0
     commits: dict[tuple[int, str], list[np.ndarray]] = {}
-    cur = conn.execute(
-        "SELECT epoch, value, first, step, count, rule, clock_min, clocks, score_min, scores, "
-        "sums, crc FROM commits WHERE epoch >= ? AND epoch < ? ORDER BY epoch, rowid",
-        (label, nxt),
-    )
-    for epoch, value, first, step, count, rule, cmin, clocks, smin, scores, sums, crc in cur:
+    # a multi-worker run's commits are in the workers' stores: read them beside the log's, then
+    # detach them, so the epochs to come are logged into this connection's own tables
+    attach_shards(conn, d)
+    try:
+        replay = conn.execute(
+            "SELECT epoch, value, first, step, count, rule, clock_min, clocks, score_min, scores, "
+            "sums, crc FROM commits WHERE epoch >= ? AND epoch < ? ORDER BY epoch, value, first",
+            (label, nxt),
+        ).fetchall()
+    finally:
+        detach_shards(conn)
+    for epoch, value, first, step, count, rule, cmin, clocks, smin, scores, sums, crc in replay:
         into = state.get(value)
         if into is None or not isinstance(sums, bytes) or zlib.crc32(sums[1:]) != crc:
             raise RunDirError(

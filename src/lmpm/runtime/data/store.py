@@ -9,6 +9,9 @@ checksums. The payload itself is written by the worker that holds it, here:
                                                            the payload bytes after the type tag)
     candidates(epoch, value, cell, col, payload)            candidate payloads of the cells a
                                                            ``--trace cells`` region asks for
+    commits, trace_cells, trace_candidates                  a multi-worker run's per-cell log
+                                                           rows of its cells (the log's columns,
+                                                           read through ``rundir.attach_shards``)
 
 and, every ``checkpoint_every`` epochs, ``checkpoints/epoch-NNNNNNNN.<worker>.safetensors`` with each
 value's whole payload (the format: :mod:`lmpm.runtime.rundir`).
@@ -31,7 +34,7 @@ import numpy as np
 from lmpm.errors import RunDirError
 from lmpm.runtime.lock import sqlite_error
 from lmpm.runtime.rundir import (
-    STORE_LOG_SCHEMA,
+    SHARDED,
     STORE_SCHEMA,
     TAGS,
     cell_runs,
@@ -68,13 +71,12 @@ class PayloadStore:
             self.conn = sqlite3.connect(str(self.path), isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
-            self.conn.executescript(STORE_SCHEMA)
+            self.conn.executescript(f"BEGIN;{STORE_SCHEMA}COMMIT;")  # each page once in the WAL
         except (OSError, sqlite3.Error) as e:
             raise RunDirError(
                 f"cannot open the payload store {self.path}: {e}", code="D012"
             ) from None
         self._open = False
-        self._log_tables = False  # the owner's log tables exist here (append_log makes them)
 
     def _begin(self) -> None:
         if not self._open:
@@ -116,10 +118,6 @@ class PayloadStore:
             return
         try:
             self._begin()
-            if not self._log_tables:  # the first logged epoch makes them, in its transaction
-                for stmt in STORE_LOG_SCHEMA:
-                    self.conn.execute(stmt)
-                self._log_tables = True
             if commits:
                 self.conn.executemany(
                     "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", commits
@@ -194,7 +192,7 @@ class PayloadStore:
         ``label``) plus the committed rows of epochs ``label .. upto - 1``, each checked against
         its CRC and, per (epoch, value), against the cell ``counts`` the control plane logged.
         Rows of epochs the control plane never logged (a kill between the two commit steps) are
-        dropped."""
+        dropped, payload and per-cell log rows alike."""
         self.rollback()  # rows staged by an epoch that did not finish
         loaded = load_checkpoint(self.run_dir, rel, sha, "payload checkpoint")
         arrays = {k.removesuffix(".payload"): v.copy() for k, v in loaded.items()}
@@ -225,8 +223,8 @@ class PayloadStore:
                 code="D013",
             )
         self.conn.execute("BEGIN IMMEDIATE")
-        self.conn.execute("DELETE FROM rows WHERE epoch >= ?", (upto,))
-        self.conn.execute("DELETE FROM candidates WHERE epoch >= ?", (upto,))
+        for table in ("rows", "candidates", *SHARDED):  # the log never got these epochs
+            self.conn.execute(f"DELETE FROM {table} WHERE epoch >= ?", (upto,))
         self.conn.execute("COMMIT")
         return arrays
 
