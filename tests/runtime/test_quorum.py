@@ -264,7 +264,10 @@ COMMITS = (
 
 
 def _commits(run_dir: Path) -> list[tuple[object, ...]]:
-    conn = sqlite3.connect(run_dir / "lmpm.db")
+    """The log's commit rows, with those the owners wrote into the workers' stores."""
+    from lmpm.runtime.rundir import connect
+
+    conn = connect(run_dir)
     try:
         return conn.execute(COMMITS).fetchall()
     finally:
