@@ -124,3 +124,24 @@ def test_a_schema_2_run_directory_reads_and_resumes(
     assert [tuple(r) for r in _query(old, commits)] == [
         tuple(r) for r in _query(tmp_path / "ref", commits)
     ]
+
+
+def test_the_port_messages_pickle_in_a_few_dozen_bytes() -> None:
+    """What crosses between the planes every epoch: a request and, per worker, a report of fixed
+    size, pickled as their field values behind a two-byte class code (records.wire_code)."""
+    import pickle
+
+    from lmpm.runtime.protocol import EpochReport, EpochRequest, wire_bytes
+    from lmpm.runtime.records import Box, LogShare, merge_logs
+
+    req = EpochRequest(5, 0, 5, None, True, None, False)
+    rep = EpochReport(5, "w1", (), 2048, 2048, 0, 0.0123, {}, (), [])
+    rep.log = LogShare(9, 2, ((5, 0, 1, 4, 1, 1, 1, Box("Z", (0, 1), (2, 3))),))
+    for m in (req, rep):
+        assert pickle.loads(pickle.dumps(m, protocol=5)) == m
+    assert wire_bytes(req) < 40
+    assert wire_bytes(EpochReport(5, "w1", (), 2048, 2048, 0, 0.0123, {}, (), [])) < 80
+    # the owners' summaries merge: counts add, boxes unite
+    both = merge_logs([rep.log, LogShare(1, 0, ((5, 0, 1, 2, 0, 0, 1, Box("Z", (1, 0), (4, 1))),))])
+    assert both == LogShare(10, 2, ((5, 0, 1, 6, 1, 1, 2, Box("Z", (0, 0), (4, 3))),))
+    assert both.summary[0][7].text() == "Z[0..4, 0..3]"

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lmpm.runtime.records import Compact, Dissent, LogShare, ValueEpoch
+from lmpm.runtime.records import Compact, Dissent, LogShare, ValueEpoch, wire_code
 
 
 @dataclass(slots=True)
@@ -324,3 +324,7 @@ def from_wire(message: Any) -> Any:
     if isinstance(message, list):
         return [from_wire(v) for v in message]
     return message
+
+
+wire_code(EpochRequest, 243)  # the port's two messages: two bytes of class reference each
+wire_code(EpochReport, 244)

@@ -6,6 +6,7 @@ import this module.
 
 from __future__ import annotations
 
+import copyreg
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,14 @@ class ValueEpoch:
     # records are merged into one owner's columns (lmpm.runtime.data.shard.merge_records)
     col_replica: Tensor | None = None
     col_slot: Tensor | None = None
+
+
+def wire_code(cls: type, code: int) -> type:
+    """Pickle references to ``cls`` as a two-byte extension code (``copyreg``; codes 240-255 are
+    for private use) instead of its module and name. The messages between the planes are a few
+    dozen bytes each; their class's path would be a third of that."""
+    copyreg.add_extension(cls.__module__, cls.__qualname__, code)
+    return cls
 
 
 class Compact:
@@ -253,3 +262,9 @@ class RunResult:
     model_seconds: float
     records: list[EpochRecord] = field(default_factory=list)
     stop: StopReason | None = None
+
+
+# the records that cross between the planes every epoch (protocol.py registers its messages)
+wire_code(Box, 240)
+wire_code(LogShare, 241)
+wire_code(Dissent, 242)
