@@ -364,12 +364,15 @@ def test_the_owners_write_the_per_cell_log_rows_into_their_stores(tmp_path: Path
             conn.close()
 
     epochs = (
-        "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided FROM epochs"
+        "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, checksum "
+        "FROM epochs"
     )
     summary = "SELECT * FROM trace_summary ORDER BY epoch, constraint_id, rule"
     for q in (epochs, summary):
         assert rows(two / "lmpm.db", q) == rows(tmp_path / "one" / "lmpm.db", q)
     assert rows(two / "lmpm.db", "SELECT count(*) FROM commits") == [(0,)]
+    # the checksum of what the owners committed, summed over the workers: one worker's
+    assert all(c is not None for (c,) in rows(two / "lmpm.db", "SELECT checksum FROM epochs"))
     total = "SELECT coalesce(sum(count), 0) FROM commits"
     per_worker = [rows(two / "payload" / f"w{i}.db", total)[0][0] for i in range(2)]
     assert all(n > 0 for n in per_worker)

@@ -143,6 +143,7 @@ class LogShare(Compact):
     candidates: int = 0
     decided: int = 0
     summary: tuple[tuple[Any, ...], ...] = ()
+    checksum: int | None = None  # committed_sum of the owner's records (None: not asked for)
 
 
 def merge_logs(shares: Sequence[LogShare]) -> LogShare:
@@ -160,11 +161,29 @@ def merge_logs(shares: Sequence[LogShare]) -> LogShare:
             got[2] += won
             got[3] += lost
             got[4] = where.union(got[4]) if where is not None else got[4]
+    sums = [s.checksum for s in shares if s.checksum is not None]
     return LogShare(
         sum(s.candidates for s in shares),
         sum(s.decided for s in shares),
         tuple((*k, *v) for k, v in sorted(rows.items())),
+        wrap64(sum(sums)) if sums else None,
     )
+
+
+def wrap64(n: int) -> int:
+    """``n`` as a signed 64-bit integer (two's complement): sums of checksums wrap like int64."""
+    n &= (1 << 64) - 1
+    return n - (1 << 64) if n >= 1 << 63 else n
+
+
+def committed_sum(values: Sequence[ValueEpoch]) -> int | None:
+    """The sum (int64, wrapping) of the payload checksums of the cells committed in ``values``
+    (the epochs table's ``checksum``: the same for any number of workers); None when the records
+    carry no checksums."""
+    sums = [ve.checksum[ve.changed] for ve in values if ve.checksum is not None]
+    if not sums:
+        return None
+    return wrap64(sum(int(s.sum()) for s in sums))
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,8 +56,8 @@ CHECKPOINT_DIR = "checkpoints"
 SQLITE_HEADER = b"SQLite format 3\x00"
 KEEP_RULE = -1  # rule id of the keep-current candidate (column 0) in rule_defs
 
-# The epochs table's columns in insert order: schema 3 appended the last three (NULL in the rows a
-# schema-2 run wrote), so a table upgraded with ALTER TABLE has the same order as a new one.
+# The epochs table's columns in insert order: schema 3 appended the last four (NULL in the rows an
+# older run wrote), so a table upgraded with ALTER TABLE has the same order as a new one.
 EPOCH_COLUMNS = (
     "epoch",
     "open_cells",
@@ -74,8 +74,14 @@ EPOCH_COLUMNS = (
     "control_bytes",  # bytes into and out of the control plane, every message serialised
     "halo_bytes",  # payload bytes moved worker to worker
     "driver_cpu_s",  # the control plane's process CPU time
+    "checksum",  # the sum (int64, wrapping) of the committed payloads' checksums
 )
-COUNTED = {"control_bytes": "INTEGER", "halo_bytes": "INTEGER", "driver_cpu_s": "REAL"}
+COUNTED = {
+    "control_bytes": "INTEGER",
+    "halo_bytes": "INTEGER",
+    "driver_cpu_s": "REAL",
+    "checksum": "INTEGER",
+}
 INSERT_EPOCH = f"INSERT INTO epochs ({', '.join(EPOCH_COLUMNS)}) VALUES ({', '.join('?' * len(EPOCH_COLUMNS))})"
 
 # RuleSet events (enable/disable a constraint from an epoch on); logs written before it have none
@@ -115,7 +121,7 @@ CREATE TABLE epochs (
   candidates INTEGER NOT NULL, commits INTEGER NOT NULL, violations INTEGER NOT NULL,
   decided INTEGER, seconds REAL NOT NULL, model_seconds REAL NOT NULL, log_seconds REAL NOT NULL,
   maskplan TEXT NOT NULL, at REAL NOT NULL, control_bytes INTEGER, halo_bytes INTEGER,
-  driver_cpu_s REAL);
+  driver_cpu_s REAL, checksum INTEGER);
 CREATE TABLE commits (
   epoch INTEGER NOT NULL, value TEXT NOT NULL, first INTEGER NOT NULL, last INTEGER NOT NULL,
   step INTEGER NOT NULL, count INTEGER NOT NULL, rule INTEGER NOT NULL,

@@ -30,7 +30,7 @@ from lmpm.ir.nodes import Program
 from lmpm.runtime.control.commitlog import program_hash, refuse_existing
 from lmpm.runtime.control.trace import TraceRows
 from lmpm.runtime.data.dataplane import checksum
-from lmpm.runtime.records import INPUT_RULE
+from lmpm.runtime.records import INPUT_RULE, committed_sum
 from lmpm.runtime.rundir import (
     DB_NAME,
     INSERT_EPOCH,
@@ -274,6 +274,7 @@ class VMLog:
                     None,  # control_bytes, halo_bytes, driver_cpu_s: not counted (one process)
                     None,
                     None,
+                    committed_sum([ve]),  # type: ignore[list-item]
                 ),
             )
             conn.execute("COMMIT")

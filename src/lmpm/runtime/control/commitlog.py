@@ -59,7 +59,7 @@ from lmpm.ir.serialize import to_dict, to_json
 from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.control.trace import TraceRows
 from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
-from lmpm.runtime.records import INPUT_RULE, CellState
+from lmpm.runtime.records import INPUT_RULE, CellState, committed_sum
 from lmpm.runtime.rundir import (
     CHECKPOINT_DIR,
     DB_NAME,
@@ -644,12 +644,14 @@ class CommitLog:
             rows = commit_rows(record)
             trace = self.tracer.record(engine, record) if self.tracer is not None else None
             candidates = sum(int(ve.valid.sum()) for ve in record.values)
+            checksum = committed_sum(record.values)
         else:  # the owners wrote them into their stores; the summary is theirs, merged
             rows = []
             trace = None
             if self.tracer is not None:
                 trace = TraceRows(summary=list(record.log.summary), decided=record.log.decided)
             candidates = record.log.candidates
+            checksum = record.log.checksum
         label = record.epoch + 1
         ckpt = None
         if label % self.info.checkpoint_every == 0:
@@ -707,6 +709,7 @@ class CommitLog:
                     record.control_bytes,
                     record.halo_bytes,
                     record.driver_cpu_s,
+                    checksum,
                 ),
             )
             conn.execute("COMMIT")

@@ -69,6 +69,7 @@ from lmpm.runtime.records import (
     EpochRecord,
     LogShare,
     ValueEpoch,
+    committed_sum,
     merge_logs,
 )
 from lmpm.runtime.rundir import commit_rows
@@ -453,6 +454,7 @@ class ShardOwner(Owner):
             sum(int(ve.valid.count_nonzero()) for ve in values),
             0 if trace is None else trace.decided,
             () if trace is None else tuple(trace.summary),
+            committed_sum(values),
         )
 
     def _propose(
