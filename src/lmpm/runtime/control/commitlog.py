@@ -505,6 +505,7 @@ class CommitLog:
         self._checkpointed = -1  # label of the newest checkpoint
         self.log_seconds = 0.0  # time spent in on_epoch, the log's whole cost to the run
         self._ruleset_logged = 0  # engine.ruleset_events already in the log
+        self.wants_records = True  # the epoch records' per-cell part (not when the owners log)
 
     # Observer protocol
     def on_start(self, engine: Engine) -> None:

@@ -248,12 +248,16 @@ class Engine:
         stop_when_stable: bool,
         progress: Callable[[EpochRecord], None] | None,
     ) -> None:
+        # the per-cell records travel only where they are kept or an observer writes them (a
+        # group's owners write the commit log's rows themselves: CommitLog.wants_records)
+        records = self.keep_records or any(
+            getattr(o, "wants_records", True) for o in self.observers
+        )
         while self.epoch < limit:
             if stop_when_stable and self.is_stable():
                 res.stable = True  # a resumed run that had already become stable
                 break
-            wanted = any(getattr(o, "wants_records", True) for o in self.observers)
-            rec = self._step(wanted or self.keep_records)
+            rec = self._step(records)
             res.epochs += 1
             res.commits += rec.commits
             res.attempts += rec.attempts
