@@ -311,15 +311,6 @@ class WorkerGroup:
         """Release the workers (processes, process groups) of a driver that has any."""
 
     # ---- redundancy ------------------------------------------------------------------------------
-    def replica_worker(self, value: str, replica: int) -> str:
-        """The worker that ran ``replica`` of ``value``'s rules: worker p for replica p of a spread
-        quorum value; otherwise each cell's owner ("owners" when the value is split)."""
-        if self.topology.workers_of(value) > 1:
-            return f"w{replica}"
-        if self.size == 1 or self.topology.replicated[value]:
-            return "w0"
-        return "owners"
-
     def inject(self, worker: int, phase: str, epoch: int, how: str = "corrupt") -> None:
         """Make worker ``worker``'s proposals corrupt from ``epoch`` on (``how="corrupt"``, phase
         ``propose``). Killing or hanging a worker needs worker processes (RayGroup)."""

@@ -377,7 +377,8 @@ class ShardOwner(Owner):
         self._undo.append((name, idx, old))
 
     def replica_worker(self, value: str, replica: int) -> str:
-        """The worker that ran ``replica`` of ``value``'s rules (as WorkerGroup.replica_worker)."""
+        """The worker that ran ``replica`` of ``value``'s rules: worker p for replica p of a spread
+        quorum value; otherwise each cell's owner ("owners" when the value is split)."""
         if self.spread.get(value, False):
             return f"w{replica}"
         if self.topology.workers == 1 or self.topology.replicated[value]:
