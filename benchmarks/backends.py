@@ -63,6 +63,13 @@ CANDIDATES = MAX_NNEIGHBORS + 2  # nodes ranked by the matmul key, re-ranked exa
 # (cells x hypotheses x nmax) float64 keys per chunk of the torch search, per device type: 256 MiB
 # on the CPU, 2 GiB on a GPU (the whole 770k-hypothesis update in 2 chunks: fewer launches)
 KNN_CHUNK_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
+# How the torch search picks its CANDIDATES per hypothesis, per device type (``select=``):
+# "topk": torch.topk; "rounds": CANDIDATES min-reductions, each a bandwidth-bound pass over the
+# keys. On the H200, topk's radix selection (gatherTopK) on 770k rows of 400 keys was 55% of the
+# update's GPU time (8.3 ms per chunk); five passes over a chunk's 0.6 GB of float32 keys move
+# about 3 GB, under 1 ms at that GPU's bandwidth. On the CPU topk is ~4x faster than the rounds.
+# Not yet measured on a GPU: `--only cuda --device cuda` times both (docs/gpu.md).
+SELECT = {"cpu": "topk", "cuda": "rounds"}
 
 
 def best_of(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
@@ -217,9 +224,13 @@ class MontyUpdate:
         workers: int = 1,
         compile: bool = False,
         chunk: int | None = None,
+        select: str | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.chunk = chunk or KNN_CHUNK_ELEMENTS.get(self.device.type, 1 << 25)
+        self.select = select or SELECT.get(self.device.type, "topk")
+        if self.select not in ("topk", "rounds"):
+            raise ValueError(f"select={self.select!r}: 'topk' or 'rounds'")
         if knn not in ("torch", "tree") or (knn == "tree" and self.device.type != "cpu"):
             raise ValueError(f"knn={knn!r} on {self.device}: 'tree' runs on the cpu, else 'torch'")
         self.knn, self.workers = knn, workers
@@ -246,8 +257,10 @@ class MontyUpdate:
         # passes of 64-bit ones, and the matmul is an sgemm): it only picks CANDIDATES, which
         # are then re-ranked with exact float64 distances; check_monty compares every neighbour
         # with the KD-tree's. Key error ~1e-10 (|node|^2 ~ 2.5e-3 m^2) against gaps of ~1e-6.
+        # Pads rank last with the largest finite float32, not +inf: a selection by rounds marks
+        # what it picked +inf, so a row short of real nodes picks distinct pads, never a node twice.
         self.nodes32 = self.nodes.float()
-        self.node_sq32 = self.node_sq.float()
+        self.node_sq32 = self.node_sq.clamp_max(torch.finfo(torch.float32).max).float()
         self.tol = torch.from_numpy(TOLERANCES).to(self.device)
         self.weights = torch.from_numpy(FEATURE_WEIGHTS).to(self.device)
         self.circular = torch.from_numpy(CIRCULAR).to(self.device)
@@ -283,7 +296,10 @@ class MontyUpdate:
         key = torch.baddbmm(
             self.node_sq32[graph][:, None, :], search.float(), self.nodes32[graph].mT, alpha=-2.0
         )
-        cand = key.topk(CANDIDATES, dim=-1, largest=False, sorted=False).indices  # (c, H, C)
+        if self.select == "topk":
+            cand = key.topk(CANDIDATES, dim=-1, largest=False, sorted=False).indices  # (c, H, C)
+        else:
+            cand = smallest_by_rounds(key, CANDIDATES)
         cand = cand.sort(-1).values  # by node index: the stable sort below breaks ties by index
         rows = torch.arange(graph.shape[0], device=self.device)[:, None, None] * self.nmax + cand
         d = nodes.flatten(0, 1)[rows] - search[:, :, None, :]  # (c, H, C, 3)
@@ -331,6 +347,19 @@ class MontyUpdate:
         )
         # proposal (B, H): new evidence; score (B,): the best hypothesis of each object graph.
         return {"proposal": ev, "score": ev.amax(-1), "nearest": local, "location": search}
+
+
+def smallest_by_rounds(key: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` smallest keys along the last dimension (any order; ties: the lower
+    index first), by ``k`` min-reductions, each followed by setting the key it picked to +inf
+    (``key`` is overwritten). Each row needs at least ``k`` keys below +inf, else a key it
+    already picked is picked again."""
+    out = torch.empty((*key.shape[:-1], k), dtype=torch.long, device=key.device)
+    for r in range(k):
+        at = key.argmin(-1, keepdim=True)
+        out[..., r : r + 1] = at
+        key.scatter_(-1, at, torch.inf)
+    return out
 
 
 def hypothesis_evidence(
@@ -635,7 +664,11 @@ def bench_cuda(args: argparse.Namespace) -> dict[str, Any]:
         pool_threads = pool._max_workers
     lmpm_s, ours = best_of(lambda: monty_resident(data, model, resident), args.repeat)
     host_s, ours_host = best_of(lambda: monty_resident(data, model, to_host), args.repeat)
-    for out in (ours, ours_host):
+    # the other candidate selection, timed the same way (which one a device should use)
+    other = "topk" if model.select == "rounds" else "rounds"
+    alt = MontyUpdate(data.graphs, device=resident.device, knn="torch", select=other)
+    alt_s, ours_alt = best_of(lambda: monty_resident(data, alt, resident), args.repeat)
+    for out in (ours, ours_host, ours_alt):
         check_monty(base, out)
     return {
         "benchmark": "backends",
@@ -649,11 +682,16 @@ def bench_cuda(args: argparse.Namespace) -> dict[str, Any]:
         "goal": 20.0,
         "lmpm_to_host_s": round(host_s, 5),
         "ratio_to_host": round(base_s / host_s, 2),
+        "select": model.select,
+        f"lmpm_{other}_s": round(alt_s, 5),
+        f"ratio_{other}": round(base_s / alt_s, 2),
         **time_dispatch(resident, monty_item(data, model)),
         "params": {
             **_monty_params(modules, objects, hyps, pool_threads),
-            "knn": f"torch: float32 matmul key, top {CANDIDATES} re-ranked exactly (float64), "
-            f"chunks of {model.chunk} keys",
+            "knn": f"torch: float32 matmul key, {CANDIDATES} candidates re-ranked exactly "
+            f"(float64), chunks of {model.chunk} keys",
+            "select": "how the candidates are picked: topk (torch.topk) or rounds (one "
+            "min-reduction per candidate); lmpm_s uses the device's default (SELECT)",
             "baseline": "Monty's per-object loop on this machine's CPU (numpy + cKDTree)",
             "lmpm_s": "one work item over resident tensors, results left on the device",
             "lmpm_to_host_s": "the same, results copied to host memory",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +269,9 @@ def test_a_failing_model_on_a_worker_names_its_call_and_its_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """On a Ray worker as in-process: the program's call (file:line:col) and the module line that
-    raised; the bind file imports its sibling module in the worker too."""
+    raised; the bind file imports its sibling module in the worker too. The run ends without
+    waiting out the worker timeout: the failing worker leaves the process group, so its peer's
+    exchange fails at once and the calls that close the run are not queued behind it."""
     (tmp_path / "helper.py").write_text("def key():\n    return 'nope'\n")
     bind = tmp_path / "mine.py"
     bind.write_text(
@@ -284,7 +287,10 @@ def test_a_failing_model_on_a_worker_names_its_call_and_its_line(
     )
     capsys.readouterr()
     args = ["run", str(prog), "--bind", str(bind), "--epochs", "2", "--quiet", "--workers", "2"]
+    args += ["--worker-timeout", "40"]
+    t0 = time.monotonic()
     assert main([*args, "--out", str(tmp_path / "o")]) == 1
+    assert time.monotonic() - t0 < 40  # before: one timeout per blocked call (2 x 60 s)
     err = capsys.readouterr().err
     assert f"{prog}:5:25: error[R050]" in err and f"(at {bind}:6, in fours)" in err, err
 

@@ -84,15 +84,19 @@ def test_cuda_workload_dry_run_on_the_cpu_prints_the_gpu_line() -> None:
     assert line["syncs_in_dispatch"] is None
 
 
+@pytest.mark.parametrize("select", ["topk", "rounds"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_monty_model_equals_monty_loop_and_kdtree(device: str) -> None:
-    """The torch search (several chunks) and the KD-tree give the same K nodes in the same order,
-    and the whole update on ``device`` equals Monty's per-object numpy loop."""
+def test_torch_monty_model_equals_monty_loop_and_kdtree(device: str, select: str) -> None:
+    """The torch search (several chunks; either candidate selection) and the KD-tree give the same
+    K nodes in the same order, and the whole update on ``device`` equals Monty's per-object numpy
+    loop."""
     data = bench.make_monty(2, 3, 40, nodes=(20, 60), seed=3)
     trees = [bench.cKDTree(g.nodes) for g in data.graphs]
     with ThreadPoolExecutor(2) as pool:
         base = bench.monty_baseline(data, trees, pool)
-    torch_model = bench.MontyUpdate(data.graphs, device=device, knn="torch", chunk=40 * 60 * 2)
+    torch_model = bench.MontyUpdate(
+        data.graphs, device=device, knn="torch", chunk=40 * 60 * 2, select=select
+    )
     tree_model = bench.MontyUpdate(data.graphs, knn="tree")
     backend = get_backend(device)
     bench.put_monty(data, backend)
@@ -110,8 +114,9 @@ def test_torch_monty_model_equals_monty_loop_and_kdtree(device: str) -> None:
         assert timing["syncs_in_dispatch"] == 0, timing["sync_sites"]
 
 
+@pytest.mark.parametrize("select", ["topk", "rounds"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_search_breaks_ties_by_node_index(device: str) -> None:
+def test_torch_search_breaks_ties_by_node_index(device: str, select: str) -> None:
     """Four nodes at exactly distance 1 from the hypothesis: the three lowest indices win, nearest
     (then lowest index) first; a graph smaller than the padding never yields a pad row."""
     unit = np.array([[0, 0, 2], [1, 0, 0], [-1, 0, 0], [0, 0, 3], [0, 1, 0], [0, -1, 0]], float)
@@ -122,9 +127,49 @@ def test_torch_search_breaks_ties_by_node_index(device: str) -> None:
         k = nodes.shape[0]
         return bench.Graph(nodes, np.zeros((k, 9)), np.ones(k, bool), np.zeros((k, 5)))
 
-    model = bench.MontyUpdate([graph(unit), graph(small)], device=device, knn="torch")
+    model = bench.MontyUpdate(
+        [graph(unit), graph(small)], device=device, knn="torch", select=select
+    )
     search = torch.zeros(2, 1, 3, dtype=torch.float64, device=device)
     got = model.nearest(torch.tensor([0, 1], device=device), search).cpu()
     assert got[0, 0].tolist() == [1, 2, 4]  # distances 1, 1, 1 (node 5 ties too, and loses)
     assert got[1, 0].tolist() == [1, 2, 0]  # distances 1, 1, 2; pads (rows 4, 5) never picked
     assert model.nmax == n
+
+
+def test_selection_by_rounds_is_the_k_smallest() -> None:
+    """Against a stable sort: the k smallest of random rows with many ties (the lower index wins),
+    and a row of k pads (the largest finite key) among keys already picked (+inf)."""
+    gen = torch.Generator().manual_seed(5)
+    key = torch.randint(0, 40, (64, 30), generator=gen).float()
+    key[0, :] = torch.inf
+    key[0, 20:25] = torch.finfo(torch.float32).max
+    got = bench.smallest_by_rounds(key.clone(), 5).sort(-1).values
+    assert torch.equal(got, key.sort(dim=-1, stable=True).indices[:, :5].sort(-1).values)
+    assert got[0].tolist() == [20, 21, 22, 23, 24]
+
+
+def test_the_gpu_path_runs_on_the_simulated_device_without_waiting_for_it() -> None:
+    """The Monty update on ``cuda`` (the simulated device: the CUDA backend, its default candidate
+    selection): every tensor on the device, no device mixing, nothing in the model that makes the
+    host wait for the GPU, and the outputs of Monty's loop."""
+    from lmpm.workers.simcuda import SimCudaBackend, simulated_cuda
+
+    data = bench.make_monty(2, 3, 40, nodes=(20, 60), seed=4)
+    trees = [bench.cKDTree(g.nodes) for g in data.graphs]
+    with ThreadPoolExecutor(2) as pool:
+        base = bench.monty_baseline(data, trees, pool)
+    with simulated_cuda() as sim:
+        model = bench.MontyUpdate(data.graphs, device="cuda", knn="torch", chunk=40 * 60 * 2)
+        backend = SimCudaBackend(results_to_host=False)
+        bench.put_monty(data, backend)
+        item = bench.monty_item(data, model)
+        before = len(sim.warnings)  # the model's and the hypotheses' one-time copies are before
+        handle = backend.dispatch(item)
+        waits = sim.warnings[before:]
+        ours = backend.collect(handle).groups[0]
+        assert model.select == "rounds" and ours.proposal.device.type == "cuda"
+        outs = list(zip(ours.proposal, ours.aux["nearest"], ours.aux["location"]))
+        outs = [tuple(t.cpu() for t in o) for o in outs]
+    assert not sim.errors and not waits, [*sim.errors, *waits]
+    bench.check_monty(base, outs)

@@ -247,8 +247,20 @@ class WorkerActor:
         (:func:`~lmpm.runtime.data.transport.exchange_objects`); then the changed routed cells
         go to the peers that read them. The report has a size independent of the cells (and
         the per-cell records only when the control plane asks for them). Messages cross in
-        their wire form (:func:`lmpm.runtime.protocol.to_wire`)."""
-        req: EpochRequest = from_wire(wired)
+        their wire form (:func:`lmpm.runtime.protocol.to_wire`).
+
+        An error here ends the run (the group raises it, or a worker fault's recovery forms a
+        new process group), so the worker first leaves its process group: the peers waiting on
+        it in an exchange then fail at once (gloo: connection closed) instead of holding their
+        actors until the group's timeout, which the calls that close the run wait behind."""
+        try:
+            return self._epoch(from_wire(wired))
+        except Exception:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise
+
+    def _epoch(self, req: EpochRequest) -> EpochReport:
         e = req.epoch
         self._maybe_fail("propose", e)
         run = self.owner.decide(self.dp, req)
