@@ -292,9 +292,9 @@ def tests_argv(
 ) -> tuple[str, ...]:
     """pytest on the tests ``select`` picks (a -k expression; None: all), each result named in
     the log as it happens (-v: a step stopped at its limit still says which tests failed)."""
-    argv = [python, "-m", "pytest", "-p", "gpu_check", "-v", "-rfE"]
+    argv = [python, "-m", "pytest", "-p", "gpu_check", "-v", "-rfE", "--durations=25"]
     if plugins.xdist:
-        argv += ["-p", "xdist.plugin", "-n", str(min(16, os.cpu_count() or 1))]
+        argv += ["-p", "xdist.plugin", "-n", str(test_workers())]
     if plugins.hypothesis:
         argv += ["-p", plugins.hypothesis]
     if plugins.timeout:
@@ -303,6 +303,25 @@ def tests_argv(
     if select:
         argv += ["-k", select]
     return tuple(argv)
+
+
+def test_workers() -> int:
+    return min(16, os.cpu_count() or 1)
+
+
+def tests_env(env: dict[str, str], xdist: bool) -> dict[str, str]:
+    """The test step's environment. Foreign pytest plugins stay out (``Plugins``). With xdist,
+    each worker's torch gets an equal share of the cores (OMP/MKL threads, inductor's compile
+    workers: one each), where each would otherwise take every core: 16 workers x 16 threads on
+    the first GPU machine's 16 cores. A value the caller set is kept."""
+    out = {**env, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    out["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
+    if xdist:
+        share = str(max(1, (os.cpu_count() or 1) // test_workers()))
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            out.setdefault(name, share)
+        out.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    return out
 
 
 def limits(weights: Sequence[float], budget: float, spent: float, index: int) -> float:
@@ -707,8 +726,7 @@ def run_step(step: Step, limit: float, env: dict[str, str], log: IO[str], opts: 
     log.flush()
     step_env = {**env, "LMPM_GPU_CHECK_LIMIT": f"{limit:.0f}"}
     if step.kind == "tests":
-        step_env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-        step_env["PYTHONPATH"] = os.pathsep.join([str(SCRIPTS), env["PYTHONPATH"]])
+        step_env = tests_env(step_env, "xdist.plugin" in step.argv)
     echo = (lambda line: _echo(step.name, line)) if step.echo else None
     grace = min(GRACE_S, limit / 5)  # a short step keeps most of its time
     try:

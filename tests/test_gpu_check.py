@@ -62,6 +62,22 @@ def test_a_gpu_run_takes_the_gpu_tests_early_and_the_rest_of_the_suite_last() ->
     assert "-n" not in rest.argv and f"--timeout={gc.TEST_TIMEOUT_S}" in rest.argv
 
 
+def test_the_test_step_shares_the_cores_among_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """16 xdist workers on 16 cores: one torch thread and one inductor compile worker each (not
+    16 each); a value the caller set stays; without xdist nothing is capped."""
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: 16)
+    env = {"PYTHONPATH": "src", "MKL_NUM_THREADS": "3"}
+    got = gc.tests_env(env, xdist=True)
+    assert got["OMP_NUM_THREADS"] == "1" and got["TORCHINDUCTOR_COMPILE_THREADS"] == "1"
+    assert got["MKL_NUM_THREADS"] == "3" and got["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] == "1"
+    assert got["PYTHONPATH"].endswith("src") and got["PYTHONPATH"] != "src"
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: 64)
+    assert gc.tests_env(env, xdist=True)["OMP_NUM_THREADS"] == "4"  # 16 workers, 4 cores each
+    assert "OMP_NUM_THREADS" not in gc.tests_env({"PYTHONPATH": "src"}, xdist=False)
+
+
 def test_only_names_steps_and_a_zero_budget_is_refused() -> None:
     with pytest.raises(SystemExit):
         gc.parse_args(["--budget", "0"])
