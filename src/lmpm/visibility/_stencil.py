@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar, cast
 
@@ -69,6 +71,28 @@ def serial(fn: F) -> F:
     return cast(F, run)
 
 
+# The device the builders' factory calls allocate on (``on_device``); None: the CPU. A context
+# variable that each factory call reads (``device=dev()``), where torch's ``with device:`` mode
+# would send every torch call of a build through Python: a quarter of a small mask's build time
+# on the host, which is what a cold build on a GPU costs (docs/visibility.md).
+_DEVICE: ContextVar[torch.device | None] = ContextVar("lmpm_visibility_device", default=None)
+
+
+def dev() -> torch.device | None:
+    """The device the builders allocate on now."""
+    return _DEVICE.get()
+
+
+@contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """The builders called inside allocate on ``device``."""
+    token = _DEVICE.set(device)
+    try:
+        yield
+    finally:
+        _DEVICE.reset(token)
+
+
 @dataclass(frozen=True, slots=True)
 class Space:
     """The bound shapes of a program's cell-bearing values (Set values have no cells)."""
@@ -110,9 +134,9 @@ def cell_coords(dims: tuple[int, ...], rows: slice | Tensor | None = None) -> li
     int64 tensor per axis."""
     n = math.prod(dims)
     if rows is None:
-        flat = torch.arange(n, dtype=torch.long)
+        flat = torch.arange(n, dtype=torch.long, device=dev())
     elif isinstance(rows, slice):
-        flat = torch.arange(*rows.indices(n), dtype=torch.long)
+        flat = torch.arange(*rows.indices(n), dtype=torch.long, device=dev())
     else:
         flat = rows.long()
     out: list[Tensor] = []
@@ -236,8 +260,10 @@ class Boxes:
     @staticmethod
     def cat(parts: Sequence[Boxes], target: str, source: str, n: int, rank: int) -> Boxes:
         if not parts:
-            z = torch.zeros((0, n, rank), dtype=torch.long)
-            return Boxes(target, source, torch.zeros((0, n), dtype=torch.bool), z, z, ())
+            z = torch.zeros((0, n, rank), dtype=torch.long, device=dev())
+            return Boxes(
+                target, source, torch.zeros((0, n), dtype=torch.bool, device=dev()), z, z, ()
+            )
         return Boxes(
             target,
             source,
@@ -252,14 +278,14 @@ def _full(x: Val, n: int) -> Tensor:
     if isinstance(x, Tensor):
         x = x.long()
         return x.expand(n) if x.dim() == 0 else x
-    return torch.full((n,), int(x), dtype=torch.long)
+    return torch.full((n,), int(x), dtype=torch.long, device=dev())
 
 
 def _full_bool(x: Val, n: int) -> Tensor:
     if isinstance(x, Tensor):
         x = x if x.dtype == torch.bool else x != 0
         return x.expand(n) if x.dim() == 0 else x
-    return torch.full((n,), bool(x), dtype=torch.bool)
+    return torch.full((n,), bool(x), dtype=torch.bool, device=dev())
 
 
 def _scalar(x: Val) -> Val:
@@ -281,7 +307,7 @@ def vec(x: Val, n: int, dtype: torch.dtype = torch.long) -> Tensor:
     if isinstance(x, Tensor):
         x = x.to(dtype)
         return x.expand(n) if x.dim() == 0 else x
-    return torch.full((), x, dtype=dtype).expand(n)
+    return torch.full((), x, dtype=dtype, device=dev()).expand(n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,7 +355,7 @@ class Clause:
 
     def sees(self) -> Tensor:
         """(n,) bool: the cells with at least one box."""
-        out = torch.zeros(self.n, dtype=torch.bool)
+        out = torch.zeros(self.n, dtype=torch.bool, device=dev())
         for b in self.boxes:
             out |= vec(b.ok, self.n, torch.bool)
         return out
@@ -344,15 +370,26 @@ class Clause:
             m = int(rows.numel())
         r = len(self.sdims)
         if not self.boxes:
-            z = torch.zeros((0, m, r), dtype=torch.long)
-            return Boxes(self.target, self.source, torch.zeros((0, m), dtype=torch.bool), z, z, ())
+            z = torch.zeros((0, m, r), dtype=torch.long, device=dev())
+            return Boxes(
+                self.target,
+                self.source,
+                torch.zeros((0, m), dtype=torch.bool, device=dev()),
+                z,
+                z,
+                (),
+            )
         oks, los, his = [], [], []
         for b in self.boxes:
             oks.append(vec(pick(b.ok, rows), m, torch.bool))
             lo = [vec(pick(x, rows), m).clamp(min=0) for x in b.lo]
             hi = [vec(pick(x, rows), m).clamp(max=s - 1) for x, s in zip(b.hi, self.sdims)]
-            los.append(torch.stack(lo, -1) if lo else torch.zeros((m, 0), dtype=torch.long))
-            his.append(torch.stack(hi, -1) if hi else torch.zeros((m, 0), dtype=torch.long))
+            los.append(
+                torch.stack(lo, -1) if lo else torch.zeros((m, 0), dtype=torch.long, device=dev())
+            )
+            his.append(
+                torch.stack(hi, -1) if hi else torch.zeros((m, 0), dtype=torch.long, device=dev())
+            )
         return Boxes(
             self.target,
             self.source,

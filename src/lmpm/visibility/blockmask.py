@@ -49,7 +49,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from lmpm.visibility._expr import Val, and_, not_
-from lmpm.visibility._stencil import Box, Clause, Space, serial, strides
+from lmpm.visibility._stencil import Box, Clause, Space, dev, on_device, serial, strides
 from lmpm.visibility.layout import Layout
 from lmpm.visibility.maskmod import MaskMod
 
@@ -106,7 +106,7 @@ def _runs(start: Val, end: Val, valid: Val, n: int, width: int) -> Runs:
     """Runs from values that broadcast to (n, width) (python constants included)."""
 
     def full(x: Val, dtype: torch.dtype) -> Tensor:
-        t = x if isinstance(x, Tensor) else torch.full((1, 1), x, dtype=dtype)
+        t = x if isinstance(x, Tensor) else torch.full((1, 1), x, dtype=dtype, device=dev())
         return t.expand(n, width)
 
     mask = None if valid is True else full(valid, torch.bool)
@@ -172,7 +172,7 @@ def _raster_runs(
             head = _plus(head, _times(_cell(box.lo[a]), ls[a]))
         mask = _cell(valid)
     else:
-        slot = torch.arange(slots)
+        slot = torch.arange(slots, device=dev())
         inner: Val = 1
         for a in reversed(range(j)):  # mixed radix, last axis fastest
             e = _cell(_extent(box, a))
@@ -188,7 +188,7 @@ def _cell_runs(cl: Clause, box: Box, valid: Val, layout: Layout) -> Runs:
     """Mode B of :func:`box_runs`: the spatial grid partly covered, every covered cell its own
     run (stencil boxes are small: ``Box.most`` bounds them)."""
     slots = math.prod(box.most)
-    slot = torch.arange(slots)
+    slot = torch.arange(slots, device=dev())
     coords: list[Tensor] = []
     inner: Val = 1
     for a in reversed(range(len(cl.sdims))):
@@ -251,7 +251,7 @@ def _joined(parts: list[Runs]) -> Runs:
     if any(m is not None for m in masks):
         valid = torch.cat(
             [
-                m if m is not None else torch.ones(p.start.shape, dtype=torch.bool)
+                m if m is not None else torch.ones(p.start.shape, dtype=torch.bool, device=dev())
                 for m, p in zip(masks, parts)
             ],
             1,
@@ -268,7 +268,7 @@ def merge_runs(runs: Runs) -> Runs:
     if runs.valid is None:
         if width == 1:
             return runs
-        v = torch.ones((n, width), dtype=torch.bool)
+        v = torch.ones((n, width), dtype=torch.bool, device=dev())
         runs = Runs(runs.start, runs.end, v)
     assert runs.valid is not None
     if width == 1:
@@ -278,7 +278,7 @@ def merge_runs(runs: Runs) -> Runs:
     s, order = torch.where(runs.valid, runs.start, torch.iinfo(torch.long).max).sort(1)
     v = runs.valid.gather(1, order)  # valid runs first in each row
     reach = torch.where(v, runs.end.gather(1, order), 0).cummax(1).values  # furthest end so far
-    yes = torch.ones((n, 1), dtype=torch.bool)
+    yes = torch.ones((n, 1), dtype=torch.bool, device=dev())
     # A run that starts a merged run: past everything before it.
     first = v & torch.cat([yes, s[:, 1:] > reach[:, :-1] + 1], 1)
     # The last part of a merged run: the next run starts anew (or is absent).
@@ -294,7 +294,11 @@ def _count(
     touches (``touch``) and those it covers entirely (``cover``), as +1 at the first block and
     −1 past the last, per q block row (``rowbase`` (n, 1): the row's offset)."""
     s, e, w = merged
-    exists = torch.ones(1, dtype=torch.int32).expand(s.numel()) if w is None else w.view(-1)
+    exists = (
+        torch.ones(1, dtype=torch.int32, device=dev()).expand(s.numel())
+        if w is None
+        else w.view(-1)
+    )
     one = exists.to(torch.int32)  # absent runs count 0
     touch.index_add_(0, (rowbase + s // kv_block).view(-1), one)
     touch.index_add_(0, (rowbase + e // kv_block + 1).view(-1), one, alpha=-1)
@@ -326,7 +330,7 @@ def _groups(
         qb1 = min(nq, qb0 + group)
         p0, p1 = qb0 * q_block, min(cells, qb1 * q_block)
         g = qb1 - qb0
-        buf = torch.zeros((2, g * (nkv + 1)), dtype=torch.int32)
+        buf = torch.zeros((2, g * (nkv + 1)), dtype=torch.int32, device=dev())
         touch, cover = buf  # the difference arrays of touched and of covered blocks
         for target in targets:
             b0, n = sp.base[target], sp.size(target)
@@ -351,7 +355,7 @@ def _groups(
             runs = _joined(parts)
             del parts
             # Row i sits at layout position lo_p + i.
-            q_row = torch.arange(lo_p, hi_p) // q_block
+            q_row = torch.arange(lo_p, hi_p, device=dev()) // q_block
             rowbase = (q_row - qb0 if qb0 else q_row) * (nkv + 1)
             _count(touch, cover, merge_runs(runs), rowbase.unsqueeze(1), kv_block, complete_kv)
         counts = buf.view(2, g, nkv + 1).cumsum_(2)[:, :, :nkv]
@@ -375,7 +379,7 @@ def _flags(
 ) -> Tensor:
     """(k, q blocks, kv blocks) bool, (partial, full) in the first two."""
     nq, nkv = -(-sp.cells // q_block), -(-sp.cells // kv_block)
-    out = torch.empty((k, nq, nkv), dtype=torch.bool)
+    out = torch.empty((k, nq, nkv), dtype=torch.bool, device=dev())
     _groups(sp, layout, boxes_of, q_block, kv_block, out)
     return out
 
@@ -399,12 +403,12 @@ def _ordered(flags: Tensor) -> list[tuple[Tensor, Tensor]]:
     if k * rows * cols <= ORDER_CHUNK:  # each side's indices a fresh tensor by one conversion
         order = torch.argsort(flags, dim=2, descending=True, stable=True).view(k, 1, 1, rows, cols)
         return [(sides[i], order[i].to(torch.int32)) for i in range(k)]
-    idx = [torch.empty((1, 1, rows, cols), dtype=torch.int32) for _ in range(k)]
-    col = torch.arange(cols, dtype=torch.int32)
+    idx = [torch.empty((1, 1, rows, cols), dtype=torch.int32, device=dev()) for _ in range(k)]
+    col = torch.arange(cols, dtype=torch.int32, device=dev())
     step = max(1, min(rows, ORDER_CHUNK // max(cols, 1)))
-    cs_buf = torch.empty((step, cols), dtype=torch.int32)
-    place_buf = torch.empty((step, cols), dtype=torch.int32)
-    pos_buf = torch.empty((step, cols), dtype=torch.long)
+    cs_buf = torch.empty((step, cols), dtype=torch.int32, device=dev())
+    place_buf = torch.empty((step, cols), dtype=torch.int32, device=dev())
+    pos_buf = torch.empty((step, cols), dtype=torch.long, device=dev())
     for i in range(k):
         for r0 in range(0, rows, step):  # rows × cols / ORDER_CHUNK steps, no host sync
             f = flags[i, r0 : r0 + step]
@@ -451,13 +455,14 @@ def build_block_mask(
     exactly: ``*_num_blocks`` and contiguous ``(1, 1, rows, cols)`` int32 ``*_indices`` (each row
     the non-empty blocks ascending, then the empty ones). The q-side tensors (``q_num_blocks``,
     ``q_indices``, …, read by the backward pass) come from the transposed flags — what
-    ``BlockMask.from_kv_blocks`` derives. Every step runs on ``device`` (a ``torch.device``
-    context makes the builders' factory calls allocate there) with sizes known on the host: no
-    host sync (nothing reads a tensor's value, no output's size depends on the data)."""
+    ``BlockMask.from_kv_blocks`` derives. Every step runs on ``device`` (the builders' factory
+    calls allocate where :func:`~lmpm.visibility._stencil.on_device` says) with sizes known on
+    the host: no host sync (nothing reads a tensor's value, no output's size depends on the
+    data)."""
     qbs, kvbs = (block_size, block_size) if isinstance(block_size, int) else block_size
-    dev = torch.device(device)
-    with dev:
-        sides = _sides(sp, layout.to(dev), boxes_of, qbs, kvbs)
+    where = torch.device(device)
+    with on_device(where):
+        sides = _sides(sp, layout.to(where), boxes_of, qbs, kvbs)
     return _assemble(sides, (sp.cells, sp.cells), (qbs, kvbs), mask_mod)
 
 
