@@ -60,6 +60,9 @@ WHEELS = (
     "attrs==26.1.0",
 )
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
+# The GPU image's Python is not known in advance (the first one had 3.12): rpds-py is compiled per
+# version, so the wheels are downloaded for each of these and only the running one's installed.
+WHEEL_PYTHONS = ("3.11", "3.12", "3.13", "3.14")  # rpds-py 2026.9.1 has no 3.10 wheel
 REQUIRED_MODULES = ("lark", "numpy", "torch", "rich", "safetensors", "matplotlib", "pytest")
 
 REPORT_MD = "report.md"
@@ -826,13 +829,15 @@ def tests_interpreter(env: dict[str, str]) -> tuple[str, str]:
 
 def download_wheels(folder: Path) -> int:
     folder.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    argv += ["--python-version", "3.12", "--implementation", "cp"]
-    for p in WHEEL_PLATFORMS:
-        argv += ["--platform", p]
-    argv += ["-d", str(folder), *WHEELS]
-    print("gpu_check: " + " ".join(argv), flush=True)
-    rc = subprocess.run(argv, check=False).returncode
+    rc = 0
+    for version in WHEEL_PYTHONS:
+        argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        argv += ["--python-version", version, "--implementation", "cp"]
+        for p in WHEEL_PLATFORMS:
+            argv += ["--platform", p]
+        argv += ["-d", str(folder), *WHEELS]
+        print("gpu_check: " + " ".join(argv), flush=True)
+        rc = rc or subprocess.run(argv, check=False).returncode
     if rc == 0:
         print(
             f"gpu_check: wheels in {folder}; carry it to the GPU machine and run\n"
@@ -845,9 +850,14 @@ def download_wheels(folder: Path) -> int:
 def install_wheels(folder: Path) -> Path | None:
     """Install every wheel of ``folder`` into a fresh folder for PYTHONPATH (offline, no
     dependencies resolved): with pip where there is one, else by unpacking (a wheel is a zip)."""
-    wheels = sorted(folder.glob("*.whl"))
+    found = sorted(folder.glob("*.whl"))
+    wheels = [w for w in found if wheel_fits(w.name)]
     if not wheels:
-        print(f"gpu_check: no wheels in {folder} (make them with --download-wheels)", flush=True)
+        why = f"none of the {len(found)} for this Python" if found else "none"
+        print(
+            f"gpu_check: no wheels in {folder} ({why}; make them with --download-wheels)",
+            flush=True,
+        )
         return None
     site = Path(tempfile.mkdtemp(prefix="lmpm-gpu-check-site-"))
     argv = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet"]
@@ -861,6 +871,24 @@ def install_wheels(folder: Path) -> Path | None:
         how = "unpacked"
     print(f"gpu_check: {len(wheels)} wheels from {folder} {how} into {site}", flush=True)
     return site
+
+
+def wheel_fits(name: str, version: tuple[int, int] | None = None) -> bool:
+    """Whether the wheel file ``name`` installs on CPython ``version`` (this one by default):
+    pure Python (``py3``), built for that version (``cp312``), or the stable ABI from an
+    earlier one (``cp38-abi3``). Platforms are not checked: the downloads are Linux x86_64."""
+    major, minor = version or sys.version_info[:2]
+    parts = name.removesuffix(".whl").split("-")
+    if len(parts) < 5:
+        return False
+    tags, abi = parts[-3].split("."), parts[-2]
+    for tag in tags:
+        if tag in ("py3", f"py{major}{minor}", f"cp{major}{minor}"):
+            return True
+        if abi == "abi3" and tag.startswith(f"cp{major}") and tag[2:].isdigit():
+            if int(tag[3:] or 0) <= minor:
+                return True
+    return False
 
 
 def unpack_wheels(wheels: Iterable[Path], site: Path) -> None:

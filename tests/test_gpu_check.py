@@ -206,3 +206,18 @@ def test_wheels_unpack_into_an_importable_folder(tmp_path: Path) -> None:
     site = tmp_path / "site"
     gc.unpack_wheels([whl], site)
     assert (site / "tiny_gpu_check_mod" / "__init__.py").read_text() == "VALUE = 7\n"
+
+
+def test_only_the_wheels_of_this_python_are_installed() -> None:
+    """--download-wheels fetches rpds-py for several Pythons; --wheels installs the one that fits
+    (pip refuses a set with another version's wheel in it)."""
+    fits = gc.wheel_fits
+    assert fits("lark-1.3.1-py3-none-any.whl", (3, 11))
+    assert fits(
+        "rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.manylinux2014_x86_64.whl", (3, 12)
+    )
+    assert not fits("rpds_py-2026.9.1-cp312-cp312-manylinux_2_17_x86_64.whl", (3, 11))
+    assert fits("thing-1.0-cp38-abi3-manylinux_2_17_x86_64.whl", (3, 12))
+    assert not fits("thing-1.0-cp313-abi3-manylinux_2_17_x86_64.whl", (3, 12))
+    assert fits("attrs-26.1.0-py2.py3-none-any.whl", (3, 13))
+    assert not fits("not-a-wheel.whl", (3, 12))
