@@ -33,6 +33,7 @@ into the epoch's record, the commit log and ``lmpm trace``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -257,7 +258,8 @@ class WorkerActor:
             return self._epoch(from_wire(wired))
         except Exception:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                with contextlib.suppress(Exception):  # the error that ended the epoch is the one
+                    dist.destroy_process_group()
             raise
 
     def _epoch(self, req: EpochRequest) -> EpochReport:
