@@ -67,7 +67,7 @@ KNN_CHUNK_ELEMENTS = {"cpu": 1 << 25, "cuda": 1 << 28}
 # "topk": torch.topk; "rounds": CANDIDATES min-reductions, each a bandwidth-bound pass over the
 # keys. On the H200, topk's radix selection (gatherTopK) on 770k rows of 400 keys was 55% of the
 # update's GPU time (8.3 ms per chunk); five passes over a chunk's 0.6 GB of float32 keys move
-# about 3 GB, under 1 ms at that GPU's bandwidth. On the CPU topk is ~4x faster than the rounds.
+# about 3 GB, under 1 ms at that GPU's bandwidth. On the CPU topk is faster (1.2-1.6x here).
 # Not yet measured on a GPU: `--only cuda --device cuda` times both (docs/gpu.md).
 SELECT = {"cpu": "topk", "cuda": "rounds"}
 

@@ -71,10 +71,10 @@ def serial(fn: F) -> F:
     return cast(F, run)
 
 
-# The device the builders' factory calls allocate on (``on_device``); None: the CPU. A context
-# variable that each factory call reads (``device=dev()``), where torch's ``with device:`` mode
-# would send every torch call of a build through Python: a quarter of a small mask's build time
-# on the host, which is what a cold build on a GPU costs (docs/visibility.md).
+# The device the builders' factory calls allocate on (``on_device``); None: torch's default. A
+# context variable that each factory call reads (``device=dev()``), where torch's ``with device:``
+# mode would send every torch call of a build through Python: a quarter of a small mask's build
+# time on the host, which is what a cold build on a GPU costs (docs/visibility.md).
 _DEVICE: ContextVar[torch.device | None] = ContextVar("lmpm_visibility_device", default=None)
 
 
