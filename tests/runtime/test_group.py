@@ -4,6 +4,8 @@ changed halo cells move between workers."""
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +134,6 @@ def test_replicated_values_follow_worker_zero() -> None:
 def test_group_with_a_run_directory_resumes(tmp_path: Path) -> None:
     """The in-process group writes one payload store and one checkpoint shard per worker, and a
     run stopped after 5 epochs resumes to the uninterrupted run's log and outputs."""
-    import sqlite3
-
     from lmpm.cli import main
 
     args = ["run", str(EX / "latent.lmpm"), "--input", f"Z={EX / 'latent' / 'z0.npy'}"]
@@ -150,14 +150,10 @@ def test_group_with_a_run_directory_resumes(tmp_path: Path) -> None:
     assert "epoch-00000004.w2.safetensors" in shards  # control checkpoint + one shard per worker
     assert main(["run", "--resume", str(tmp_path / "r"), "--epochs", "10", "--quiet"]) == 0
 
-    def log(d: Path) -> list[tuple[object, ...]]:
-        conn = sqlite3.connect(d / "lmpm.db")
-        try:
-            return conn.execute("SELECT * FROM commits ORDER BY epoch, value, first").fetchall()
-        finally:
-            conn.close()
-
-    assert log(tmp_path / "r") == log(tmp_path / "ref")
+    commits = "SELECT * FROM commits ORDER BY epoch, value, first"
+    assert _rows(tmp_path / "r" / "lmpm.db", commits) == _rows(
+        tmp_path / "ref" / "lmpm.db", commits
+    )
     for out in ("Z.npy", "M.npy"):
         assert (tmp_path / "r" / out).read_bytes() == (tmp_path / "ref" / out).read_bytes()
 
@@ -213,6 +209,12 @@ def test_a_group_on_cuda_is_refused_clearly() -> None:
     with pytest.raises(UsageError) as e:
         WorkerGroup(run.plan, 2, backend="cuda")
     assert e.value.code == "U089"
+
+
+def _rows(db: Path, query: str) -> list[tuple[Any, ...]]:
+    """The rows ``query`` returns from the SQLite database ``db`` (a run's log or a store)."""
+    with closing(sqlite3.connect(db)) as conn:
+        return conn.execute(query).fetchall()
 
 
 # ---- the owners beside the workers (lmpm.runtime.data.shard) --------------------------------------
@@ -337,8 +339,6 @@ def test_the_owners_write_the_per_cell_log_rows_into_their_stores(tmp_path: Path
     """With a run directory, each owner writes the commit rows (and trace rows) of its cells
     into its worker's store; the control plane's log keeps the per-epoch rows, the same as a
     one-worker run's, and nothing per cell."""
-    import sqlite3
-
     from lmpm.cli import main
 
     args = [
@@ -356,24 +356,17 @@ def test_the_owners_write_the_per_cell_log_rows_into_their_stores(tmp_path: Path
     two = tmp_path / "two"
     assert main([*args, "--workers", "2", "--driver", "process", "--out", str(two)]) == 0
 
-    def rows(db: Path, q: str) -> list[tuple[Any, ...]]:
-        conn = sqlite3.connect(db)
-        try:
-            return conn.execute(q).fetchall()
-        finally:
-            conn.close()
-
     epochs = (
         "SELECT epoch, open_cells, attempts, candidates, commits, violations, decided, checksum "
         "FROM epochs"
     )
     summary = "SELECT * FROM trace_summary ORDER BY epoch, constraint_id, rule"
     for q in (epochs, summary):
-        assert rows(two / "lmpm.db", q) == rows(tmp_path / "one" / "lmpm.db", q)
-    assert rows(two / "lmpm.db", "SELECT count(*) FROM commits") == [(0,)]
+        assert _rows(two / "lmpm.db", q) == _rows(tmp_path / "one" / "lmpm.db", q)
+    assert _rows(two / "lmpm.db", "SELECT count(*) FROM commits") == [(0,)]
     # the checksum of what the owners committed, summed over the workers: one worker's
-    assert all(c is not None for (c,) in rows(two / "lmpm.db", "SELECT checksum FROM epochs"))
+    assert all(c is not None for (c,) in _rows(two / "lmpm.db", "SELECT checksum FROM epochs"))
     total = "SELECT coalesce(sum(count), 0) FROM commits"
-    per_worker = [rows(two / "payload" / f"w{i}.db", total)[0][0] for i in range(2)]
+    per_worker = [_rows(two / "payload" / f"w{i}.db", total)[0][0] for i in range(2)]
     assert all(n > 0 for n in per_worker)
-    assert sum(per_worker) == rows(tmp_path / "one" / "lmpm.db", total)[0][0]
+    assert sum(per_worker) == _rows(tmp_path / "one" / "lmpm.db", total)[0][0]
