@@ -10,4 +10,4 @@ fi
 if ! .venv/bin/python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
   .venv/bin/pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,ray]" 2>&1 | { grep -v "^WARNING: Location" || true; }
+.venv/bin/pip install --quiet --disable-pip-version-check -e ".[dev,ray,hf]" 2>&1 | { grep -v "^WARNING: Location" || true; }
