@@ -8,11 +8,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmpm.bindings import Bindings
 from lmpm.ir import Frontend, compile_file, compile_source
 from lmpm.ir.nodes import Program
 
@@ -23,10 +24,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A checked program with its parameter bindings (``--set``)."""
+    """A checked program with its parameter bindings (``--set``) and the names it was checked
+    against (``bind=``, ``bindings=``: its runs bind them)."""
 
     front: Frontend
     params: dict[str, int] = field(default_factory=dict)
+    bindings: Bindings = field(default_factory=Bindings, compare=False)
 
     @property
     def ir(self) -> Program:
@@ -49,13 +52,19 @@ class Compiled:
         **kw: Any,
     ) -> Run:
         """A :class:`lmpm.runtime.session.Run` (``bindings=``, ``inputs=``, ``seed=``, ``epochs=``,
-        ``backend=``, ``bind=``, ``compile=``...), checked as `lmpm run` checks before epoch 0. With
+        ``backend=``, ``bind=``, ``compile=``...), checked as `lmpm run` checks before epoch 0. It
+        binds what :func:`compile` was given, and ``bind=``/``bindings=`` given here on top. With
         ``run_dir=`` every epoch goes to RUN_DIR/lmpm.db, as `lmpm run --out RUN_DIR` writes it
         (``trace=`` off/summary/cells, ``trace_region=``), and the outputs are written there when
         the run ends; `lmpm trace RUN_DIR` and ``lmpm.resume(RUN_DIR)`` read it."""
         from lmpm.runtime.session import Run
 
-        run = Run(self.front, params=self.params, **kw)
+        loaded = self.bindings
+        if kw.get("bind") or kw.get("bindings"):
+            loaded = loaded.extended(kw.pop("bind", ()), dict(kw.pop("bindings", None) or {}))
+        kw.pop("bind", None)
+        kw.pop("bindings", None)
+        run = Run(self.front, params=self.params, bindings=loaded, **kw)
         if run_dir is not None:
             run.log_to(
                 run_dir,
@@ -84,16 +93,30 @@ def compile(
     *,
     text: str | None = None,
     file: str = "<input>",
+    bind: Sequence[str] = (),
+    bindings: Mapping[str, Any] | None = None,
     **params: int,
 ) -> Compiled:
     """Compile a program with parameters bound: ``compile("prog.lmpm", N=64)`` reads a file,
-    ``compile(text="value ...")`` compiles program text (``file=`` names it in diagnostics)."""
+    ``compile(text="value ...")`` compiles program text (``file=`` names it in diagnostics).
+
+    ``bind=[MODULE, ...]`` and ``bindings={"Name": obj}`` are the names its runs bind, as `lmpm run
+    --bind` takes them: the program is checked against them (a name bound here that a built-in
+    also has is held to its own Python signature, not the built-in's) and ``runner()`` binds
+    them::
+
+        prog = lmpm.compile("prog.lmpm", bindings={"Copy": my_copy})
+        run = prog.runner(run_dir="runs/mine")
+    """
     from lmpm.errors import UsageError
 
     if (path is None) == (text is None):
         raise UsageError("give lmpm.compile() a path or text=..., not both or neither", code="U044")
+    loaded = Bindings(bind, dict(bindings or {}))
+    bound = loaded.user_names()
     if text is not None:
-        return Compiled(compile_source(text, file, overrides=params), dict(params))
+        front = compile_source(text, file, overrides=params, bound_names=bound)
+        return Compiled(front, dict(params), loaded)
     p = Path(path)  # type: ignore[arg-type]  # not None here
     if "\n" in str(path) or not p.is_file():
         what = "looks like program text" if "\n" in str(path) else "is not a file"
@@ -102,7 +125,7 @@ def compile(
             code="U045",
             hint="pass program text as lmpm.compile(text=...)",
         )
-    return Compiled(compile_file(p, overrides=params), dict(params))
+    return Compiled(compile_file(p, overrides=params, bound_names=bound), dict(params), loaded)
 
 
 def resume(
@@ -112,18 +135,32 @@ def resume(
     backend: str | None = None,
     compile: bool = False,
     bind: Sequence[str] | None = None,
+    bindings: Mapping[str, Any] | None = None,
     trust_bind: bool = False,
 ) -> Run:
     """Continue the run in ``run_dir`` (written by `lmpm run --out` or ``runner(run_dir=...)``)
     from its last complete epoch, with the settings it was started with: what
     `lmpm run --resume RUN_DIR` does, by the same path (``compile=True``: the compiled epoch step,
     as `--compile`). A run started with bound modules needs ``bind=[...]`` naming them again (as
-    it was started), or ``trust_bind=True`` to import what the run directory names. Call
-    ``.run()`` on the result, then ``.finish()``."""
+    it was started), or ``trust_bind=True`` to import what the run directory names; a run started
+    with ``bindings={...}`` needs them again (the same names with the same Python signatures, as
+    the run recorded them; a ``bind=`` module binding them will do too). Call ``.run()`` on the
+    result, then ``.finish()``::
+
+        run = lmpm.resume("runs/mine", epochs=30, bindings={"Neighbours": neighbours})
+        run.run(run.epochs)
+        run.finish()
+    """
     from lmpm.runtime.session import resume as _resume
 
     return _resume(
-        run_dir, epochs=epochs, backend=backend, compile=compile, bind=bind, trust_bind=trust_bind
+        run_dir,
+        epochs=epochs,
+        backend=backend,
+        compile=compile,
+        bind=bind,
+        bindings=bindings,
+        trust_bind=trust_bind,
     )
 
 

@@ -2,7 +2,18 @@
 
 Three sources, later ones win: the built-in registry (lazy: a built-in is imported only when a
 program uses it), modules passed with ``--bind`` (a dotted module name or a ``.py`` path), and the
-``bindings=`` mapping of the Python API. A user module binds names either with the decorator::
+``bindings=`` mapping of the Python API.
+
+One rule for every entry point (``lmpm check --bind``, ``lmpm run``, its ``--resume``,
+``lmpm.compile``, ``runner()``, ``lmpm.resume``): a run's :class:`Bindings` are loaded first, and
+the program is checked against them, so a name the run binds itself (:meth:`Bindings.user_names`)
+is held to its own Python signature (the link step, B053), never to the built-in of the same name
+(E213). A run directory records each name the program calls that the run binds itself, with where
+it came from and its Python signature (:func:`bound_record`); a resumed run must bind the same
+names with the same signatures (:func:`bound_differences`), whether it gets them from ``--bind``
+modules or a ``bindings=`` mapping: module paths are compared only to decide what may be imported.
+
+A user module binds names either with the decorator::
 
     import lmpm
 
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -200,14 +212,34 @@ def resolve_builtin(name: str) -> Any:
     return getattr(importlib.import_module(mod), attr)
 
 
+MAPPING = "bindings="  # where a name bound by the Python API's mapping comes from
+
+
 class Bindings:
     """Name -> object for one run: user mappings over --bind modules over built-ins."""
 
     def __init__(self, modules: Iterable[str] = (), mapping: dict[str, Any] | None = None) -> None:
+        self.modules = tuple(modules)  # the --bind specs, as given
+        self.mapping = dict(mapping or {})  # the bindings= mapping
         self._user: dict[str, Any] = {}
-        for m in modules:
-            self._user.update(load_module(m))
-        self._user.update(mapping or {})
+        self._origin: dict[str, str] = {}  # user name -> its module spec, or MAPPING
+        for m in self.modules:
+            names = load_module(m)
+            self._user.update(names)
+            self._origin.update(dict.fromkeys(names, m))
+        self._user.update(self.mapping)
+        self._origin.update(dict.fromkeys(self.mapping, MAPPING))
+
+    def extended(
+        self, modules: Iterable[str] = (), mapping: dict[str, Any] | None = None
+    ) -> Bindings:
+        """These bindings with more modules and mapping entries (later ones win)."""
+        return Bindings((*self.modules, *modules), {**self.mapping, **(mapping or {})})
+
+    def origin(self, name: str) -> str | None:
+        """Where the run binds ``name`` itself: a ``--bind`` module spec, or :data:`MAPPING`
+        (None: a built-in, or unbound)."""
+        return self._origin.get(name)
 
     def names(self) -> set[str]:
         return set(BUILTINS) | set(self._user)
@@ -231,3 +263,72 @@ class Bindings:
             hint=f'bind it with --bind MODULE (decorate with @lmpm.bind("{name}")); '
             f"bound names: {known} (the built-ins: docs/builtins.md)",
         )
+
+
+class _Default:
+    """Shown for a parameter's default value: a signature records that there is one, not which."""
+
+    def __repr__(self) -> str:
+        return "..."
+
+
+def signature_text(obj: Any) -> str:
+    """``obj``'s Python signature as the run calls it (an ``nn.Module``'s ``forward``): its
+    parameters' names and kinds and which have defaults, without annotations (``(inputs, *,
+    src, k=..., **_)``), or ``?`` for an object whose signature Python cannot read."""
+    target = obj
+    if not inspect.isroutine(obj) and not inspect.isclass(obj):
+        target = getattr(obj, "forward", obj)  # a module instance is called through forward
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):
+        return "?"
+    default = _Default()
+    params = [
+        p.replace(
+            annotation=inspect.Parameter.empty,
+            default=inspect.Parameter.empty if p.default is inspect.Parameter.empty else default,
+        )
+        for p in sig.parameters.values()
+    ]
+    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+
+
+def bound_record(bindings: Bindings, used: Iterable[str]) -> dict[str, dict[str, str]]:
+    """What a run directory records of its bindings: each name of ``used`` (the program's call
+    names) that the run binds itself -> where from (``from``: a module spec or ``bindings=``) and
+    its Python signature (``signature``)."""
+    return {
+        name: {"from": bindings.origin(name) or "", "signature": signature_text(bindings.get(name))}
+        for name in sorted(set(used) & bindings.user_names())
+    }
+
+
+def bound_differences(
+    stored: dict[str, dict[str, str]], given: dict[str, dict[str, str]]
+) -> list[str]:
+    """How the names a resumed run binds itself differ from the ones its run recorded (empty:
+    the same names with the same signatures; modules and mappings are interchangeable)."""
+    out: list[str] = []
+    for name, was in stored.items():
+        now = given.get(name)
+        if now is None:
+            out.append(
+                f"`{name}` was bound by {_from(was)} as `{name}{was['signature']}`; "
+                "nothing binds it now (the built-in, or nothing, would run)"
+            )
+        elif now["signature"] != was["signature"]:
+            out.append(
+                f"`{name}` was bound as `{name}{was['signature']}`; now as "
+                f"`{name}{now['signature']}` ({_from(now)})"
+            )
+    for name, now in given.items():
+        if name not in stored:
+            out.append(f"`{name}` is now bound by {_from(now)}; the run used the built-in")
+    return out
+
+
+def _from(entry: dict[str, str]) -> str:
+    return (
+        "the bindings= mapping" if entry.get("from") == MAPPING else f"--bind {entry.get('from')}"
+    )

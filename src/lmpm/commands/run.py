@@ -170,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     if args.file is None:
         raise UsageError("give the .lmpm program to run, or --resume RUN_DIR", code="U023")
 
+    from lmpm.bindings import Bindings
     from lmpm.ir import compile_file
     from lmpm.runtime.control.commitlog import (
         CommitLog,
@@ -193,7 +194,12 @@ def run(args: argparse.Namespace) -> int:
         RunLock(out_dir, create_dir=False).acquire().release()  # a live run: say so, not "exists"
         if not failed_before_first_epoch(out_dir):
             refuse_existing(out_dir)
-    front = compile_file(path, overrides=params, raise_errors=False)
+    # the --bind modules are loaded once, first: the program is checked against the names they
+    # bind (one of them may override a built-in), as `lmpm check --bind` checks it
+    loaded = Bindings(args.bind)
+    front = compile_file(
+        path, overrides=params, raise_errors=False, bound_names=loaded.user_names()
+    )
     unknown_params(front)  # an unknown --set name is a usage error (exit 2), listing the params
     print_diagnostics([d for d in front.diagnostics if d.severity == "error"], False)
     if front.errors:
@@ -212,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     session = Run(
         front,
         params=params,
-        bind=args.bind,
+        bindings=loaded,
         inputs=inputs,
         seed=seed,
         backend=backend,
@@ -231,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         source=path.read_text(encoding="utf-8"),
         params=params,
         bind=bind_specs(args.bind),
+        bound=session.bound,
         seed=seed,
         backend=backend,
         epochs=args.epochs,

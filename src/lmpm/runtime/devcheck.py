@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lmpm.bindings import Bindings
 from lmpm.errors import Diagnostic, LmpmError, ModelError, RuntimeFault, Span
 from lmpm.workers import simcuda
 
@@ -257,14 +258,13 @@ def _check_workflow(
     front: Any,
     report: DeviceReport,
     params: Mapping[str, int] | None,
-    bind: Sequence[str],
+    loaded: Bindings,
     epochs: int,
     seed: int,
     diags: list[Diagnostic],
 ) -> DeviceReport:
     """A program with a workflow runs on the token-stream VM (`lmpm vm run`): its model and the
     VM's step on the device, a few streams for ``epochs`` × WORKFLOW_STEPS steps."""
-    from lmpm.bindings import Bindings
     from lmpm.vm import WorkflowRun
 
     rule = None
@@ -276,7 +276,7 @@ def _check_workflow(
             run = WorkflowRun(
                 front.ir,
                 overrides=params,
-                bindings=Bindings(bind),
+                bindings=loaded,
                 seed=seed,
                 streams=WORKFLOW_STREAMS,
                 device="cuda",
@@ -381,7 +381,8 @@ def check_device(
         raise UsageError(f"--device {device}: the device check knows cuda", code="U110")
     if simulate is None:
         simulate = not torch.cuda.is_available()
-    front = compile_file(program, overrides=dict(params or {}))
+    loaded = Bindings(bind)  # checked against the names the run binds, as `lmpm run` checks
+    front = compile_file(program, overrides=dict(params or {}), bound_names=loaded.user_names())
     diags: list[Diagnostic] = []  # (the program's own warnings are `lmpm check`'s)
     report = DeviceReport(
         "simulated on the CPU" if simulate else torch.cuda.get_device_name(),
@@ -389,12 +390,12 @@ def check_device(
         0,
     )
     if front.ir.workflows:
-        return _check_workflow(front, report, params, bind, epochs, seed, diags)
+        return _check_workflow(front, report, params, loaded, epochs, seed, diags)
     from lmpm.train.frontend import is_training
 
     if is_training(front.ir):
         return _check_training(front, report, params, inputs or {}, epochs, diags)
-    return _check_cells(front, report, params, bind, inputs, epochs, seed, diags)
+    return _check_cells(front, report, params, loaded, inputs, epochs, seed, diags)
 
 
 def _watch(simulated: bool) -> Any:
@@ -407,7 +408,7 @@ def _check_cells(
     front: Any,
     report: DeviceReport,
     params: Mapping[str, int] | None,
-    bind: Sequence[str],
+    loaded: Bindings,
     inputs: Mapping[str, str] | None,
     epochs: int,
     seed: int,
@@ -425,7 +426,7 @@ def _check_cells(
             run = Run(
                 front,
                 params=params,
-                bind=bind,
+                bindings=loaded,
                 inputs=inputs,
                 seed=seed,
                 backend="simcuda" if report.simulated else "cuda",

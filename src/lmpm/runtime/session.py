@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lmpm.bindings import Bindings
+from lmpm.bindings import MAPPING, Bindings, bound_differences, bound_record
 from lmpm.errors import (
     BindError,
     CheckError,
@@ -92,7 +92,7 @@ class Run:
         *,
         params: Mapping[str, int] | None = None,
         bind: Sequence[str] = (),
-        bindings: Mapping[str, Any] | None = None,
+        bindings: Mapping[str, Any] | Bindings | None = None,
         inputs: Mapping[str, str | Path] | None = None,
         seed: int = 0,
         backend: str = "cpu",
@@ -110,12 +110,20 @@ class Run:
         refuse_workflows(front)
         self.front = front
         self.params = dict(params or {})
-        self.bind = tuple(bind)
         self.seed = seed
         self.backend = backend
         self.epochs = epochs
-        self.bindings = Bindings(bind, dict(bindings or {}))
-        check_bindings(front, self.params, self.bindings, bindings)
+        # ``bindings``: a mapping, or the Bindings of ``bind`` and a mapping already loaded (the
+        # program was checked against them: `lmpm run`, lmpm.compile, resume)
+        if isinstance(bindings, Bindings):
+            self.bindings = bindings.extended(bind) if bind else bindings
+        else:
+            self.bindings = Bindings(bind, dict(bindings or {}))
+        self.bind = self.bindings.modules
+        mapping = self.bindings.mapping
+        check_bindings(front, self.params, self.bindings, mapping)
+        # what the run directory records of the names this run binds itself (resume checks it)
+        self.bound = bound_record(self.bindings, {c.func for c in front.ir.calls()})
         self.plan: Plan = resolve(front.ir, self.params, self.bindings, epochs=epochs)
         self.workers = workers
         self.driver = pick_driver(workers, driver, cluster)
@@ -136,7 +144,7 @@ class Run:
                 cluster=cluster,
                 timeout=worker_timeout,
                 topology=topology,
-                recipe=(front.ir, self.params, bind_specs(self.bind), dict(bindings or {}), epochs),
+                recipe=(front.ir, self.params, bind_specs(self.bind), mapping, epochs),
             )
         self.engine = Engine(
             self.plan,
@@ -175,11 +183,17 @@ class Run:
 
     @classmethod
     def from_source(cls, text: str, file: str = "<input>", **kw: Any) -> Run:
-        return cls(compile_source(text, file, overrides=kw.get("params")), **kw)
+        loaded = _loaded(kw)
+        front = compile_source(
+            text, file, overrides=kw.get("params"), bound_names=loaded.user_names()
+        )
+        return cls(front, bindings=loaded, **kw)
 
     @classmethod
     def from_file(cls, path: str | Path, **kw: Any) -> Run:
-        return cls(compile_file(path, overrides=kw.get("params")), **kw)
+        loaded = _loaded(kw)
+        front = compile_file(path, overrides=kw.get("params"), bound_names=loaded.user_names())
+        return cls(front, bindings=loaded, **kw)
 
     def run(self, epochs: int | None = None, *, until_stable: bool = False, **kw: Any) -> RunResult:
         """Run epochs; ``RunResult.records`` holds one EpochRecord per epoch (``keep_records``)."""
@@ -261,6 +275,7 @@ class Run:
             source=source,
             params=self.params,
             bind=bind_specs(self.bind),
+            bound=self.bound,
             seed=self.seed,
             backend=self.backend,
             epochs=self.epochs,
@@ -338,6 +353,16 @@ class Run:
             {n: r[0] for n, r in reads.items()},
             {n: r[1] for n, r in reads.items()},
         )
+
+
+def _loaded(kw: dict[str, Any]) -> Bindings:
+    """The Bindings of a Run's ``bind=`` and ``bindings=`` keywords (taken out of ``kw``), loaded
+    before the program is checked against them."""
+    bindings = kw.pop("bindings", None)
+    bind = kw.pop("bind", ())
+    if isinstance(bindings, Bindings):
+        return bindings.extended(bind) if bind else bindings
+    return Bindings(bind, dict(bindings or {}))
 
 
 DRIVERS = ("single", "process", "ray")
@@ -463,6 +488,7 @@ def resume(
     until: str | None = None,
     backend: str | None = None,
     bind: Sequence[str] | None = None,
+    bindings: Mapping[str, Any] | None = None,
     trust_bind: bool = False,
     settings: Mapping[str, tuple[str, Any]] | None = None,
     workers: int | None = None,
@@ -501,6 +527,7 @@ def resume(
             until=until,
             backend=backend,
             bind=bind,
+            bindings=bindings,
             trust_bind=trust_bind,
             settings=settings or {},
             workers=workers,
@@ -529,6 +556,7 @@ def _resume_locked(
     epochs: int | None,
     until: str | None,
     bind: Sequence[str] | None,
+    bindings: Mapping[str, Any] | None,
     trust_bind: bool,
     settings: Mapping[str, tuple[str, Any]],
     cli: bool,
@@ -542,34 +570,86 @@ def _resume_locked(
         conn.close()
     check_meta(meta, run_dir)
     params = dict(meta["params"])
-    if file is not None:
-        front = compile_file(file, overrides=params, raise_errors=False)
-    else:
-        front = compile_source(
-            meta["source"], meta["program_file"], overrides=params, raise_errors=False
-        )
+    front = _resumed_front(meta, file, params, ())
     given = program_hash(front.ir)  # the IR does not depend on --set: compare before checking
     if given != meta["program_hash"]:
         raise RunDirError(
             MSG_FOREIGN.format(dir=run_dir, stored=meta["program_hash"][:12], given=given[:12]),
             code="D010",
         )
-    if front.errors:
-        raise CheckError([d for d in front.diagnostics if d.severity == "error"])
-    asked = dict(settings)
-    if bind:
-        asked["bind"] = ("--bind" if cli else "bind=", list(bind_specs(bind)))
-    for key, (flag, value) in asked.items():
+    for key, (flag, value) in settings.items():
         stored = meta.get(key)
         if value is not None and value != stored:
             raise RunDirError(
                 f"{run_dir} was started with {flag} {stored!r}; this command gives {value!r}. "
                 "A resumed run keeps its settings; nothing was changed.",
                 code="D011",
-                hint=f"drop {flag}, or start a new run with another --out",
+                hint=f"drop {flag}, or {_new_run(cli)}",
             )
-    if meta["bind"] and not bind and not trust_bind:
-        mods = " --bind ".join(meta["bind"])
+    loaded = resume_bindings(meta, run_dir, bind, bindings, trust_bind=trust_bind, cli=cli)
+    if loaded.user_names():  # checked against what the run binds, as it was started
+        front = _resumed_front(meta, file, params, loaded.user_names())
+    check_bound(meta, run_dir, loaded, {c.func for c in front.ir.calls()}, cli=cli)
+    if front.errors:
+        raise CheckError([d for d in front.diagnostics if d.severity == "error"])
+    for spec, sha in dict(meta.get("bind_sha256", {})).items():
+        if Path(spec).is_file() and file_sha256(spec) != sha:
+            sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
+    epochs = epochs if epochs is not None else meta["epochs"]
+    until = until or meta["until"]
+    run, log, restored = open_resumed(
+        front, meta, run_dir, loaded, epochs=epochs, until=until, **opts
+    )
+    run.restored = restored
+    run.epochs, run.until = log.info.epochs, log.info.until
+    run._attach(log, run_dir)
+    return run
+
+
+def _resumed_front(
+    meta: Mapping[str, Any], file: str | Path | None, params: dict[str, int], bound: Any
+) -> Frontend:
+    """The resumed program (``file``, else the source the run stored), checked against the
+    names ``bound`` the resumed run binds itself."""
+    if file is not None:
+        return compile_file(file, overrides=params, raise_errors=False, bound_names=bound)
+    return compile_source(
+        meta["source"],
+        meta["program_file"],
+        overrides=params,
+        raise_errors=False,
+        bound_names=bound,
+    )
+
+
+def resume_bindings(
+    meta: Mapping[str, Any],
+    run_dir: Path,
+    bind: Sequence[str] | None,
+    mapping: Mapping[str, Any] | None,
+    *,
+    trust_bind: bool,
+    cli: bool,
+) -> Bindings:
+    """The Bindings a resumed run loads: the ``bind`` modules and the ``mapping`` it is given (or,
+    with ``trust_bind``, the modules the run directory names). A module is imported only when the
+    run was started with it, or when the run was started with a ``bindings=`` mapping (a module
+    named now may stand in for it; :func:`check_bound` then holds it to the recorded names)."""
+    stored = list(meta["bind"])
+    given = list(bind_specs(bind or ()))
+    mapped = [n for n, b in _stored_bound(meta).items() if b.get("from") == MAPPING]
+    flag = "--bind" if cli else "bind="
+    unnamed = set(stored) - set(given)  # a module the run was started with, not named now
+    foreign = set(given) - set(stored)  # one it was not started with: only for a mapping's names
+    if given and (unnamed or (foreign and not mapped)):
+        raise RunDirError(
+            f"{run_dir} was started with {flag} {stored!r}; this command gives {given!r}. "
+            "A resumed run keeps its settings; nothing was changed.",
+            code="D011",
+            hint=f"drop {flag}, or {_new_run(cli)}",
+        )
+    if stored and not given and not trust_bind:
+        mods = " --bind ".join(stored)
         if cli:
             raise UsageError(
                 MSG_BIND_RESUME.format(dir=run_dir, mods=mods),
@@ -577,27 +657,82 @@ def _resume_locked(
                 hint=f"give --bind {mods} again (or --trust-bind to import what {run_dir} names)",
             )
         raise UsageError(
-            f"{run_dir} was started with bound modules {meta['bind']}; resume imports them only "
+            f"{run_dir} was started with bound modules {stored}; resume imports them only "
             "when asked",
             code="U040",
             hint="pass bind=[...] naming them again, or trust_bind=True",
         )
-    for spec, sha in dict(meta.get("bind_sha256", {})).items():
-        if Path(spec).is_file() and file_sha256(spec) != sha:
-            sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
-    epochs = epochs if epochs is not None else meta["epochs"]
-    until = until or meta["until"]
-    run, log, restored = open_resumed(front, meta, run_dir, epochs=epochs, until=until, **opts)
-    run.restored = restored
-    run.epochs, run.until = log.info.epochs, log.info.until
-    run._attach(log, run_dir)
-    return run
+    return Bindings(given or stored, dict(mapping or {}))
+
+
+def _stored_bound(meta: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+    """The names a run recorded binding itself ({} for a run from before they were recorded)."""
+    bound = meta.get("bound")
+    if not isinstance(bound, dict):
+        return {}
+    return {
+        str(n): {"from": str(b.get("from", "")), "signature": str(b.get("signature", "?"))}
+        for n, b in bound.items()
+        if isinstance(b, dict)
+    }
+
+
+def check_bound(
+    meta: Mapping[str, Any], run_dir: Path, loaded: Bindings, used: set[str], *, cli: bool
+) -> None:
+    """A resumed run binds the names its run bound itself, with the same Python signatures (a
+    run from before they were recorded: not checked). Missing names are U040 (they are to be
+    given again), other differences D011; nothing was changed."""
+    if "bound" not in meta:
+        return
+    stored = _stored_bound(meta)
+    now = bound_record(loaded, used)
+    missing = sorted(set(stored) - set(now))
+    if missing:
+        names = ", ".join(f"`{n}`" for n in missing)
+        how = (
+            "give --bind MODULE binding them (a module whose @lmpm.bind or LMPM_BINDINGS binds "
+            "the same names with the same signatures)"
+            if cli
+            else "pass bindings={"
+            + ", ".join(f'"{n}": ...' for n in missing)
+            + "} (or bind=[MODULE]) with the same names and signatures"
+        )
+        raise UsageError(
+            f"{run_dir} was started binding {names} itself ("
+            + "; ".join(
+                f"`{n}{stored[n]['signature']}` from {_origin_words(stored[n])}" for n in missing
+            )
+            + "); this resume does not bind "
+            + ("it" if len(missing) == 1 else "them")
+            + "; nothing was changed",
+            code="U040",
+            hint=how,
+        )
+    differences = bound_differences(stored, now)
+    if differences:
+        raise RunDirError(
+            f"{run_dir} binds other names than its run did: "
+            + "; ".join(differences)
+            + ". A resumed run binds what it was started with; nothing was changed.",
+            code="D011",
+            hint="bind the same names with the same signatures, or " + _new_run(cli),
+        )
+
+
+def _new_run(cli: bool) -> str:
+    return "start a new run with another --out" if cli else "start a new run in another run_dir"
+
+
+def _origin_words(entry: Mapping[str, str]) -> str:
+    return "the bindings= mapping" if entry.get("from") == MAPPING else f"--bind {entry['from']}"
 
 
 def open_resumed(
     front: Frontend,
     meta: Mapping[str, Any],
     run_dir: Path,
+    loaded: Bindings,
     *,
     epochs: int | None = None,
     until: str | None = None,
@@ -622,7 +757,7 @@ def open_resumed(
     run = Run(
         front,
         params=dict(meta["params"]),
-        bind=meta["bind"],
+        bindings=loaded,
         seed=int(meta["seed"]),
         backend=backend,
         epochs=meta.get("plan_epochs", meta["epochs"]),
@@ -663,6 +798,7 @@ def open_resumed(
         source=meta["source"],
         params=dict(meta["params"]),
         bind=tuple(meta["bind"]),
+        bound=_stored_bound(meta) if "bound" in meta else run.bound,
         seed=int(meta["seed"]),
         backend=backend,
         epochs=epochs if epochs is not None else meta["epochs"],

@@ -108,7 +108,10 @@ def _unbound(f: Facts, known: set[str]) -> None:
             continue  # bound by the training runtime (lmpm.train)
         reported.add(call.func)
         msg = f"`{call.func}` ({call.role}) is not bound to anything"
-        hint = "bind it in a module passed with --bind, or use a built-in name"
+        hint = (
+            "bind it in a module passed with --bind (bind=[...] or a bindings= mapping in "
+            "Python), or use a built-in name"
+        )
         close = suggest(call.func, sorted(known))
         if close:
             hint = f"{close} ({hint})"

@@ -130,6 +130,9 @@ class RunInfo:
     inputs: dict[str, str] = field(default_factory=dict)  # --input NAME -> absolute path
     durable: bool = False  # --durable: synchronous=FULL (every epoch fsynced), see docs/trace.md
     workers: int = 1  # --workers: the partition's size (one payload shard per worker)
+    # the call names the run binds itself -> {"from": module spec or "bindings=", "signature"}
+    # (lmpm.bindings.bound_record; a resumed run must bind the same, however it gets them)
+    bound: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)
