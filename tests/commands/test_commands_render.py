@@ -114,3 +114,43 @@ def test_render_any_run_set_dims_unset_cells_every_value_type(tmp_path: Path) ->
         assert (render / name).is_file(), name
     with Image.open(render / "A.png") as im:
         assert im.size[0] > 0
+
+
+TENSORS = """\
+value Z : Tensor[4] shape Grid2D(6, 4)
+value Q : Tensor[3] shape Seq(4)
+value MaskPlan : Event shape Set()
+"""
+
+
+def test_a_tensor_value_renders_by_its_cells_not_its_payload_axis(tmp_path: Path) -> None:
+    """`Z : Tensor[4] shape Grid2D(6, 4)` is one 6×4 picture of its cells' norms (not six 4×4
+    frames), with a labelled sheet of its components; a Seq of Tensor[3] is one row of 4 cells."""
+    prog = tmp_path / "t.lmpm"
+    prog.write_text(TENSORS)
+    z = np.arange(6 * 4 * 4, dtype=np.float32).reshape(6, 4, 4)
+    q = np.ones((4, 3), dtype=np.float32)
+    q[2] = np.nan  # an unset cell
+    np.save(tmp_path / "z.npy", z)
+    np.save(tmp_path / "q.npy", q)
+    out = tmp_path / "run"
+    argv = ["run", str(prog), "--input", f"Z={tmp_path / 'z.npy'}"]
+    argv += ["--input", f"Q={tmp_path / 'q.npy'}", "--epochs", "1", "--out", str(out), "--quiet"]
+    with redirect_stderr(io.StringIO()):
+        assert main(argv) == 0
+    rc, _, err = cli("render", str(out))
+    assert rc == 0, err
+    render = out / "render"
+    assert not list(render.glob("Z_0*.png")) and not (render / "Z.gif").exists()
+    with Image.open(render / "Z.png") as im:
+        assert im.size == (6 * 8, 4 * 8)  # W × H cells, scale 8
+        rgb = np.asarray(im.convert("RGB"))
+    # the norm grows with the cell index: the last cell (x=5, y=3) is the brightest (viridis)
+    assert rgb[-1, -1].sum() > rgb[0, 0].sum()
+    with Image.open(render / "Q.png") as im:
+        assert im.size == (4 * 8, 8)
+        row = np.asarray(im.convert("RGB"))[0]
+    assert tuple(row[2 * 8]) == (48, 48, 48)  # the unset cell
+    for sheet in ("Z_components.png", "Q_components.png"):
+        with Image.open(render / sheet) as im:
+            assert im.size[0] > im.size[1] > 0

@@ -3,6 +3,10 @@
 - grid values (``Grid2D`` / ``Grid3D``): PNG frames and, over the first axis of a 3-D grid, an
   animated GIF and a contact sheet, in palette colours (16-token values use the world palette of
   ``lmpm.models.world``; other vocabularies a categorical colour map; unset cells are dark grey);
+- ``Tensor[D]`` values (one vector per cell): drawn by their cells, never with the payload axis
+  as an image axis: the per-cell Euclidean norm as a grid (``NAME.png``, frames and a GIF for a
+  3-D grid, as a numeric grid), and a labelled sheet ``NAME_components.png`` with the norm and
+  one small panel per component (the first 16), each with its colour scale;
 - ``Token[Byte]`` sequences: the text (``NAME.txt``; unset bytes shown as ``_``), also printed;
 - with a run database in RUN_DIR (``lmpm.db``, the commit log and trace): a plot of violations per constraint per epoch
   (``violations.png``);
@@ -53,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 @dataclass(frozen=True, slots=True)
 class Kind:
     name: str
-    kind: str  # "text" | "grid" | "skip"
+    kind: str  # "text" | "grid" | "tensor" | "skip"
     vocab: int | None
+    rank: int = 0  # "tensor": the cell axes (the array's trailing axes are each cell's payload)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         elif k.kind == "grid":
             grid = arr.reshape(-1, 1) if arr.ndim == 1 else arr  # a sequence: one row
             written.extend(render_grid(name, grid, k.vocab, out, args.scale, args.fps))
+        elif k.kind == "tensor":
+            written.extend(render_tensor(name, arr, k.rank, out, args.scale, args.fps))
     db = trace_db(run_dir)
     if db is not None:
         plot = plot_violations(db, out / "violations.png")
@@ -150,6 +157,13 @@ def value_kinds(run_dir: Path, arrays: dict[str, Any], program: str | None) -> d
             except Exception:
                 vocab = None
         arr = arrays.get(v.name)
+        if v.dtype == DType.TENSOR:  # the array's last axes are each cell's payload
+            rank = len(v.dims)
+            fits = arr is None or arr.ndim > rank
+            out[v.name] = Kind(
+                v.name, "tensor" if rank in (1, 2, 3) and fits else "skip", None, rank
+            )
+            continue
         rank = arr.ndim if arr is not None else len(v.dims)
         if vocab == 256 and rank == 1:
             out[v.name] = Kind(v.name, "text", vocab)
@@ -264,6 +278,68 @@ def render_grid(
     written.append(gif)
     del np
     return written
+
+
+COMPONENT_PANELS = 16  # the components a Tensor value's sheet shows one panel each
+
+
+def render_tensor(
+    name: str, arr: np.ndarray, rank: int, out: Path, scale: int, fps: float
+) -> list[Path]:
+    """A ``Tensor[D]`` value, ``arr`` of shape (*cells, *payload) with ``rank`` cell axes: the
+    per-cell norm as a numeric grid (``NAME.png``; frames and GIF over a 3-D grid's first axis),
+    and the labelled sheet ``NAME_components.png``. Unset cells (NaN) are dark grey."""
+    import numpy as np
+
+    cells = arr.reshape(*arr.shape[:rank], -1).astype(np.float64)  # (*cells, D)
+    norm = np.sqrt((cells**2).sum(axis=-1))  # (*cells,) NaN where unset
+    grid = norm.reshape(-1, 1) if rank == 1 else norm  # a sequence: one row
+    written = render_grid(name, grid, None, out, scale, fps)
+    written.append(tensor_sheet(name, cells, rank, out / f"{name}_components.png"))
+    return written
+
+
+def tensor_sheet(name: str, cells: np.ndarray, rank: int, path: Path) -> Path:
+    """Small multiples of a Tensor value, (*cells, D): the norm per cell, then one panel per
+    component (the first :data:`COMPONENT_PANELS`); a 3-D grid shows its last frame's. Each
+    panel has a title and a colour bar; x runs right, y down (as the frames draw them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    frame = ""
+    if rank == 3:
+        frame = f"frame {len(cells) - 1} of {len(cells)}, "
+        cells = cells[-1]
+    planes = cells.reshape(-1, 1, cells.shape[-1]) if rank == 1 else cells  # (W, H, D)
+    d = planes.shape[-1]
+    shown = min(d, COMPONENT_PANELS)
+    panels = [("‖" + name + "‖ (norm)", np.sqrt((planes**2).sum(axis=-1)))]
+    panels += [(f"{name}[..., {i}]", planes[..., i]) for i in range(shown)]
+    cols = min(len(panels), 6)
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.4 * rows + 0.6), squeeze=False)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=tuple(c / 255 for c in UNSET_RGB))
+    for ax, (title, plane) in zip(axes.flat, panels):
+        im = ax.imshow(np.ma.masked_invalid(plane.T), cmap=cmap, interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("x" if rank > 1 else "cell", fontsize=8)
+        if rank > 1:
+            ax.set_ylabel("y", fontsize=8)
+        else:
+            ax.set_yticks([])
+        ax.tick_params(labelsize=7)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    more = f"; the first {shown} of {d} components" if shown < d else ""
+    fig.suptitle(f"{name}: Tensor[{d}] per cell ({frame}norm and components{more})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
 
 
 # ---- the trace database (lmpm.runtime.control.commitlog: RUN_DIR/lmpm.db) ------------------------------
