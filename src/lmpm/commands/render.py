@@ -321,7 +321,8 @@ def tensor_sheet(name: str, cells: np.ndarray, rank: int, path: Path) -> Path:
     cols = min(len(panels), 6)
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.4 * rows + 0.6), squeeze=False)
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=tuple(c / 255 for c in UNSET_RGB))
+    r, g, b = (c / 255 for c in UNSET_RGB)
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad=(r, g, b))
     for ax, (title, plane) in zip(axes.flat, panels):
         im = ax.imshow(np.ma.masked_invalid(plane.T), cmap=cmap, interpolation="nearest")
         ax.set_title(title, fontsize=9)
