@@ -58,6 +58,17 @@ rule Propose:
   emit proposal Grid[x, y] := Digits(row, patience=3)
 """
 
+LATENT = """param R = 3
+value Z : Tensor[4] shape Grid2D(6, 4)
+visible Z[x, y] <- Z[x+dx, y+dy] when (dx,dy) in N4
+rule Message:
+  on Z[x, y]
+  read {nb in N4}
+  emit proposal Z[x, y] := Amplify(nb, k=4)
+constraint Bounded: require NormAtMost(Z[x, y], R) priority 10 hard
+commit Z[*] using satisfy(max_constraints_then_score)
+"""
+
 
 @dataclass(frozen=True)
 class Mistake:
@@ -158,6 +169,12 @@ MISTAKES = [
         "visible",
     ),
     m("unknown value", TEXT, "read {context = Txt", "read {context = Tx", "E101", "Tx["),
+    m("predicate bound a string", LATENT, "Z[x, y], R)", 'Z[x, y], "big")', "E215", '"big"'),
+    m("predicate bound a quoted number", LATENT, "Z[x, y], R)", 'Z[x, y], "2.5")', "E215", '"2'),
+    m("predicate bound an unknown name", LATENT, "Z[x, y], R)", "Z[x, y], big)", "E215", "big"),
+    m("predicate keyword typo", LATENT, "Z[x, y], R)", "Z[x, y], bond=2)", "E215", "bond"),
+    m("predicate one argument too many", LATENT, "Z[x, y], R)", "Z[x, y], R, 2)", "E215", "2)"),
+    m("set name not a string", VIDEO, 'Palette("blue-ish")', "Palette(7)", "E215", "7"),
 ]
 # `sudoku model inputs missing` changes nothing textually on purpose: the base itself omits reads.
 
@@ -197,7 +214,7 @@ def test_unknown_names_are_errors_when_the_bindings_are_known(mk: Mistake) -> No
 
 
 def test_the_bases_are_clean() -> None:
-    for base in (TEXT, VIDEO):
+    for base in (TEXT, VIDEO, LATENT):
         front = compile_source(base, "base.lmpm", raise_errors=False)
         assert not front.errors, [d.render() for d in front.errors]
 

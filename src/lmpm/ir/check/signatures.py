@@ -1,6 +1,7 @@
-"""Built-in signatures: commit policies (E210, E211), schedules (E212) and models and scores
-(E213) are held to what :mod:`lmpm.signatures` declares, with the caret on the argument; a rule
-on the RuleSet (E214) has no schedule to hold to."""
+"""Built-in signatures: commit policies (E210, E211), schedules (E212), models and scores
+(E213) and the literal arguments of predicates, sets and regions (E215) are held to what
+:mod:`lmpm.signatures` declares, with the caret on the argument; a rule on the RuleSet (E214) has
+no schedule to hold to."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def check_signatures(f: Facts) -> None:
             _model(f, r, r.proposal)
             if r.score is not None:
                 _model(f, r, r.score)
+    for call in f.p.calls():
+        if call.role in ("predicate", "set", "region"):
+            _literals(f, call)
 
 
 def _user_bound(f: Facts, name: str) -> bool:
@@ -197,6 +201,35 @@ def _model(f: Facts, r: Rule, call: Call) -> None:
         _keyword(f, "E213", call, i, a, sig)
 
 
+def _literals(f: Facts, call: Call) -> None:
+    """A built-in predicate, set or region: its literal arguments (accesses aside), positional in
+    the declared order or by keyword, of the kinds it declares (E215). A string where a number
+    goes (``NormAtMost(Z[x, y], "2.5")``) or a bare name that is no parameter is refused here,
+    not by a worker at run time."""
+    sig = SIGNATURES.get(call.func)
+    if sig is None or sig.role != call.role or not sig.params or _user_bound(f, call.func):
+        return  # (`Set(...)` takes any literals; a bound name is held to its own signature)
+    position = 0
+    for i, a in enumerate(call.args):
+        if a.kind == ArgKind.ACCESS:
+            continue
+        if a.key is not None:
+            _keyword(f, "E215", call, i, a, sig)
+            continue
+        if position >= len(sig.params):
+            n = len(sig.params)
+            f.sink.error(
+                "E215",
+                f"`{call.func}` takes {n} argument{'s' if n != 1 else ''} besides its accesses; "
+                f"this is one more",
+                f.arg_span(call, i),
+                f"write {sig.doc}",
+            )
+            return
+        _check_arg(f, "E215", call, i, a, sig.params[position], sig)
+        position += 1
+
+
 def _proposes(f: Facts, call: Call, sig: Signature, v: Value) -> None:
     """A built-in model proposes what the value holds: its type and its vocabulary."""
     if sig.dtypes and v.dtype.value not in sig.dtypes:
@@ -278,14 +311,30 @@ def _check_arg(
 def _arg_error(
     f: Facts, code: str, call: Call, i: int, a: Arg, prm: SigParam, sig: Signature
 ) -> None:
-    kinds = " or ".join(_KIND_WORDS.get(k, k) for k in prm.kinds)
+    words = [_KIND_WORDS.get(k, k) for k in prm.kinds]
+    kinds = ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
     got = _KIND_WORDS.get(a.kind.value, a.kind.value)
+    if a.kind in (ArgKind.STR, ArgKind.NAME):
+        got += f" `{a.value}`" if a.kind == ArgKind.NAME else f' "{a.value}"'
+    hint = f"write {sig.doc}"
+    if a.kind == ArgKind.STR and "float" in prm.kinds and _number(str(a.value)):
+        hint = f"write the number without quotes: {a.value}"
+    elif a.kind == ArgKind.NAME and "expr" in prm.kinds:
+        hint = f"`{a.value}` is no parameter: declare `param {a.value} = ...`, or {hint}"
     f.sink.error(
         code,
         f"`{call.func}`: {prm.name} must be {kinds}, got {got}",
         f.arg_span(call, i, value=True),
-        f"write {sig.doc}",
+        hint,
     )
+
+
+def _number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 _KIND_WORDS = {
