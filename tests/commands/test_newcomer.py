@@ -182,11 +182,29 @@ def test_compile_cost_splits_compiling_from_running() -> None:
     cost = compile_cost([6.01] + [0.01] * 39)
     assert round(cost.compile_seconds, 6) == 6.0 and round(cost.run_seconds, 6) == 0.4
     assert cost.not_worth_it
-    text = MSG_COMPILE_COST.format(**cost._asdict())
-    assert "compiling took 6.0 s, more than the 40 epochs it served (0.4 s" in text
-    assert "quicker without --compile" in text
+    text = cost.note()
+    assert "took 6.0 s beyond the steady epoch time" in text
+    assert "more than the 40 epochs it served (0.4 s after compiling)" in text
+    assert "quicker without --compile" in text and "a second run loads" in text
+    assert "{" not in MSG_COMPILE_COST.format(**cost._asdict(), cached="", again="")
     # a long run: the same compile is a small part of 4,000 epochs of 10 ms
     assert not compile_cost([6.01] + [0.01] * 3999).not_worth_it
+
+
+def test_the_compile_note_agrees_with_the_summary_on_a_cached_run() -> None:
+    """Issue 47: a run whose one graph came from the cache was told "compiling took 5.7 s" after
+    a summary of 0.5 s, and to do what it had just done (reuse the cache)."""
+    from lmpm.commands.run import compile_cost
+
+    cost = compile_cost([5.71] + [0.01] * 9, graph_seconds=0.5, graphs=1, cache_hits=1)
+    text = cost.note()
+    assert (
+        "5.7 s beyond the steady epoch time (0.5 s of it building the step's graphs, every "
+        "graph from the cache;" in text
+    ), text
+    assert "second run" not in text
+    # the excess is never below the graphs' own time (the summary's figure is part of it)
+    assert compile_cost([0.2, 0.2, 0.2], graph_seconds=0.5).compile_seconds == 0.5
 
 
 @pytest.mark.slow

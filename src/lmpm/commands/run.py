@@ -441,24 +441,26 @@ def _execute(
     cost = None
     if compiled is not None:
         note += compiled.summary() + "; "
-        cost = compile_cost(epoch_seconds)
+        st = compiled.stats
+        cost = compile_cost(epoch_seconds, st.compile_seconds, st.compiles, st.cache_hits)
         rate = f"{res.attempts / max(cost.run_seconds, 1e-9):,.0f} attempts/s after compiling"
     sys.stderr.write(
         f"{note}{res.epochs} epochs ({state}), {res.commits} commits, {rate}; wrote "
         f"{len(files)} files to {out_dir} (log: lmpm trace {out_dir})\n"
     )
     if cost is not None and cost.not_worth_it and not args.quiet:
-        sys.stderr.write(MSG_COMPILE_COST.format(**cost._asdict()) + "\n")
+        sys.stderr.write(cost.note() + "\n")
     if res.stop is not None and res.stop.total_unset:
         console.print(_unset_note(res.stop.total_unset, res.stop.unset), highlight=False)
     return 0
 
 
 MSG_COMPILE_COST = (
-    "note: compiling took {compile_seconds:.1f} s, more than the {epochs} epochs it served "
-    "({run_seconds:.1f} s after compiling): this run is quicker without --compile. Compiling "
-    "pays for runs of many epochs or large values; a second run reuses the compiled code from "
-    "the cache (docs/runtime.md, the compiled epoch step)"
+    "note: the epochs that compiled took {compile_seconds:.1f} s beyond the steady epoch time "
+    "({graph_seconds:.1f} s of it building the step's graphs{cached}; the rest compiling and "
+    "warming up the models), more than the {epochs} epochs it served ({run_seconds:.1f} s after "
+    "compiling): this run is quicker without --compile. Compiling pays for runs of many epochs or "
+    "large values{again} (docs/runtime.md, the compiled epoch step)"
 )
 
 
@@ -468,6 +470,9 @@ class CompileCost(NamedTuple):
     compile_seconds: float  # the epochs' time beyond the steady epoch time: compiling, loading
     run_seconds: float  # the epochs' time without it (``epochs`` × the median epoch)
     epochs: int
+    graph_seconds: float = 0.0  # of compile_seconds, building or loading the step's graphs
+    graphs: int = 0  # graphs the run compiled or loaded
+    cache_hits: int = 0  # of those, loaded from the cache an earlier run filled
 
     @property
     def not_worth_it(self) -> bool:
@@ -475,15 +480,30 @@ class CompileCost(NamedTuple):
         to be more than twice as slow, past what the compiled step saves (benchmarks/compile.py)."""
         return self.compile_seconds > max(self.run_seconds, 1.0)
 
+    def note(self) -> str:
+        """The ``note:`` line of a run that compiling did not pay for. Its one time is the
+        epochs' excess; the summary's graph time is named as a part of it, and a run that found
+        every graph in the cache is not told that a second run would."""
+        all_cached = self.graphs > 0 and self.cache_hits == self.graphs
+        cached = ", every graph from the cache" if all_cached else ""
+        again = "" if all_cached else "; a second run loads the step's graphs from the cache"
+        return MSG_COMPILE_COST.format(**self._asdict(), cached=cached, again=again)
 
-def compile_cost(epoch_seconds: list[float]) -> CompileCost:
+
+def compile_cost(
+    epoch_seconds: list[float], graph_seconds: float = 0.0, graphs: int = 0, cache_hits: int = 0
+) -> CompileCost:
     """Split a compiled run's epoch times into compiling (the excess over the median epoch, which
-    falls on the epochs that compiled a step or a model's shape) and running."""
+    falls on the epochs that compiled a step or a model's shape) and running; ``graph_seconds``,
+    ``graphs`` and ``cache_hits`` are the compiled step's own account (CompileStats)."""
     if not epoch_seconds:
-        return CompileCost(0.0, 0.0, 0)
+        return CompileCost(0.0, 0.0, 0, graph_seconds, graphs, cache_hits)
     steady = statistics.median(epoch_seconds)
     extra = sum(max(s - steady, 0.0) for s in epoch_seconds)
-    return CompileCost(extra, sum(epoch_seconds) - extra, len(epoch_seconds))
+    # the graphs were built inside those epochs: the excess is never less than their own time
+    extra = max(extra, min(graph_seconds, sum(epoch_seconds)))
+    run = sum(epoch_seconds) - extra
+    return CompileCost(extra, run, len(epoch_seconds), graph_seconds, graphs, cache_hits)
 
 
 def compiling_note(value: str, n: int) -> str:

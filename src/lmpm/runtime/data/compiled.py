@@ -608,7 +608,7 @@ class CompiledEpoch:
             f"compiled {len(self.specs)} of {len(self.reasons)} values "
             f"({st.compiles} graph{'s' if st.compiles != 1 else ''}"
             + (f", {st.cache_hits} from the cache" if st.cache_hits else "")
-            + f", {st.compile_seconds:.1f} s; {st.steps} compiled steps"
+            + f", {st.compile_seconds:.1f} s building or loading them; {st.steps} compiled steps"
             + (
                 f", replayed as {st.captures} CUDA graph{'s' if st.captures != 1 else ''})"
                 if self.captured is not None
