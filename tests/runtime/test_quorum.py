@@ -422,3 +422,53 @@ def test_trace_cells_of_a_spread_value_show_every_replica(
     candidates = shown[1].split("candidate")[-1]
     assert candidates.count(" Even ") == 6 and candidates.count(" NextByte ") == 6
     assert candidates.count(" unset ") == 1, "only keep current (the cell was unset)"
+
+
+DISAGREE = """\
+value Seq1 : Token[4] shape Seq(2)
+rule R:
+  on Seq1[t]
+  emit proposal Seq1[t] := Flip()
+constraint NotThree: forbid Seq1[t] in Set(3) priority 10
+commit Seq1[*] using quorum(2 of 2, satisfy)
+"""
+
+FLIP = """\
+import torch
+import lmpm
+
+CALLS = [0]
+
+@lmpm.bind("Flip")
+def flip(inputs, **_):
+    # the two replicas (two workers of this process) are called one after the other: 3, then 1
+    CALLS[0] += 1
+    n = inputs["cells"].shape[0]
+    token = 3 if CALLS[0] % 2 else 1
+    return {"proposal": torch.full((n, 1), token, dtype=torch.long),
+            "score": torch.zeros(n, 1, dtype=torch.float64)}
+"""
+
+
+def test_a_quorum_that_disagrees_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 47: replicas proposing 3 and 1 under quorum(2 of 2) left the cells unset with the
+    warning "every candidate violates `NotThree`" and a cell story of a constraint's decision;
+    the reason is the quorum's disagreement, in the warning, the trace summary and the story."""
+    prog, mod, out = tmp_path / "q.lmpm", tmp_path / "flip.py", tmp_path / "run"
+    prog.write_text(DISAGREE)
+    mod.write_text(FLIP)
+    argv = ["run", str(prog), "--bind", str(mod), "--epochs", "2", "--out", str(out)]
+    argv += ["--workers", "2", "--driver", "process", "--trace", "cells", "--quiet"]
+    assert main(argv) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    said = "Seq1: 2 the quorum's replicas disagreed (no payload had the votes quorum(2 of 2, "
+    assert said in err and "violates" not in err, err
+    assert main(["trace", str(out)]) == 0
+    summary = " ".join(capsys.readouterr().out.split())
+    assert said in summary and "0 decisions were decided by a constraint" in summary, summary
+    assert main(["trace", str(out), "--cell", "Seq1[0]"]) == 0
+    story = " ".join(capsys.readouterr().out.split())
+    assert "epoch 0: the quorum's replicas disagreed (3, 1): no payload was proposed by 2" in story
+    assert "violates NotThree" not in story, story

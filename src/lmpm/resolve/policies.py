@@ -180,11 +180,7 @@ def quorum(a: Agree, k: int | Of = 2, inner: Any = "satisfy", *inner_args: Any) 
     replicas, on n different workers when the run has that many (lmpm.resolve.topology)."""
     if isinstance(k, Of):
         k = k.k
-    same = a.checksum[:, :, None] == a.checksum[:, None, :]  # (n, C, C)
-    same &= (a.rule[:, None] == a.rule[None, :]) & (a.slot[:, None] == a.slot[None, :])
-    same &= a.valid[:, None, :]
-    votes = same.sum(dim=2)  # (n, C)
-    eligible = a.valid & ((votes >= int(k)) | (a.rule == -1)[None, :])
+    eligible = quorum_eligible(a.checksum, a.valid, a.rule, a.slot, int(k))
     inner_name, args = inner, inner_args
     if isinstance(inner, tuple):  # a nested call: (name, args)
         inner_name, args = inner[0], tuple(inner[1])
@@ -193,6 +189,25 @@ def quorum(a: Agree, k: int | Of = 2, inner: Any = "satisfy", *inner_args: Any) 
         a.checksum, eligible, a.score, a.violated, a.priority, a.rule, a.replica, a.slot, a.numeric
     )
     return fn(narrowed, *args)
+
+
+def quorum_eligible(checksum: Tensor, valid: Tensor, rule: Tensor, slot: Tensor, k: int) -> Tensor:
+    """(n, C) bool: the valid candidates whose payload (checksum) ``k`` or more replicas of the
+    same rule proposed in the same slot, and keep-current (rule -1). ``checksum``/``valid``
+    (n, C); ``rule``/``slot`` (C,)."""
+    same = checksum[:, :, None] == checksum[:, None, :]  # (n, C, C)
+    same &= (rule[:, None] == rule[None, :]) & (slot[:, None] == slot[None, :])
+    same &= valid[:, None, :]
+    votes = same.sum(dim=2)  # (n, C)
+    return valid & ((votes >= k) | (rule == -1)[None, :])
+
+
+def quorum_k(policy: Policy, args: tuple[Any, ...]) -> int | None:
+    """The votes a payload needs under ``policy(args)``: k of ``quorum(k ...)``, else None."""
+    if policy is not quorum:
+        return None
+    k = args[0] if args else 2
+    return k.k if isinstance(k, Of) else int(k)
 
 
 # Policies whose payload is an aggregate of the proposals (the worker computes it from weights):

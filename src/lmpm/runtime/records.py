@@ -24,6 +24,7 @@ NO_WINNER = -1  # a rule proposed, but no candidate beat leaving it unset (inval
 UNKNOWN = -4  # a resumed run: not recorded since the resume
 HELD = -5  # a candidate won, but the schedule's quota held it back for a later epoch
 NO_SOURCE = -6  # a value no rule proposes and no input gave (every cell unset)
+NO_QUORUM = -7  # the replicas of a quorum disagreed: no proposed payload had its k votes
 
 # Policies that compare candidates' payloads (by checksum): the worker computes checksums for them.
 CHECKSUM_POLICIES = frozenset(("quorum",))
@@ -86,6 +87,9 @@ class ValueEpoch:
     # records are merged into one owner's columns (lmpm.runtime.data.shard.merge_records)
     col_replica: Tensor | None = None
     col_slot: Tensor | None = None
+    # (n,) bool under a quorum: the cells whose replicas disagreed (no proposed payload had the
+    # k votes), so no constraint decided them (the trace's attribution, the cell story)
+    disagreed: Tensor | None = None
 
 
 def wire_code(cls: type, code: int) -> type:

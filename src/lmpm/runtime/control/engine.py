@@ -40,6 +40,7 @@ from lmpm.runtime.records import (
     CHECKSUM_POLICIES,
     HELD,
     NEVER_OPENED,
+    NO_QUORUM,
     NO_SOURCE,
     NO_WINNER,
     NOT_FIRED,
@@ -316,12 +317,15 @@ class Engine:
     def stop_reason(self, kind: str) -> StopReason:
         """Why the run stops now: ``kind`` and, per value, the unset cells by reason."""
         unset = {
-            name: {self._why_text(code): n for code, n in codes.items()}
+            name: {self._why_text(code, name): n for code, n in codes.items()}
             for name, codes in self.dataplane.owner.reasons().items()
         }
         return StopReason(kind, self.epoch, unset)
 
-    def _why_text(self, code: int) -> str:
+    def _why_text(self, code: int, value: str) -> str:
+        if code == NO_QUORUM:
+            policy = self.plan.values[value].policy_text
+            return f"the quorum's replicas disagreed (no payload had the votes {policy} needs)"
         if code == UNKNOWN:
             return "not attempted since the resume"
         if code == NEVER_OPENED:

@@ -354,7 +354,10 @@ class Tracer:
         winner = ve.winner.cpu().numpy()  # (n,)
         valid_t = np.ascontiguousarray(valid.T)  # (C, n): per-candidate passes are contiguous
         fav = favourite(valid_t, ve.score.cpu().numpy().T)
-        sub = np.flatnonzero(winner != fav)  # the only cells a constraint can have decided
+        lost = winner != fav
+        if ve.disagreed is not None:  # a quorum that found no agreeing payload decided those
+            lost &= ~ve.disagreed.cpu().numpy()
+        sub = np.flatnonzero(lost)  # the only cells a constraint can have decided
         resp = attribute(
             valid[sub], violated[sub], static.priority, static.levels, fav[sub], winner[sub]
         )  # (m, K)
@@ -735,6 +738,7 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
                 "score": float(smin if scores is None else decode(scores)[j]),
             }
         )
+    quorum = _quorum_of(meta, value)
     covered = meta.get("trace") == "cells"
     if covered and meta.get("trace_region"):
         traced = parse_region(str(meta["trace_region"]), dims)
@@ -798,7 +802,7 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
                     "payload": after_of.get(int(e)),
                     "clock": clock,
                     "decided_by": decided,
-                    "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, meta),
+                    "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, quorum),
                 }
             )
     return story
@@ -826,6 +830,53 @@ def _shard_payload(run_dir: Path, rel: str, value: str, cell: int) -> Any:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class _Quorum:
+    """A value's ``quorum(k of n, ...)`` commit policy, as the cell story explains it."""
+
+    k: int  # the votes a payload needs
+    n: int  # the replicas that propose
+    text: str  # the policy as written, e.g. quorum(2 of 2, satisfy)
+
+
+def _quorum_of(meta: Mapping[str, Any], value: str) -> _Quorum | None:
+    """``value``'s quorum policy, from the IR the run stored (None: another policy)."""
+    from lmpm.ir.nodes import ArgKind
+    from lmpm.ir.printer import call_str
+    from lmpm.ir.serialize import from_json
+
+    try:
+        program = from_json(str(meta["ir_json"]))
+    except Exception:  # a log without the IR (or of another version): no quorum to explain
+        return None
+    policy = next((cm.policy for cm in program.commits if cm.access.value == value), None)
+    if policy is None or policy.func != "quorum":
+        return None
+    first = policy.args[0] if policy.args else None
+    parts = first.parts if first is not None and first.kind == ArgKind.OF else (first,)
+    try:
+        counts = [2 if a is None else int(a.value) for a in parts]  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None  # an expression over a parameter: not explained
+    return _Quorum(counts[0], counts[-1], call_str(policy))
+
+
+def _disagreed(rows: list[dict[str, Any]], quorum: _Quorum) -> str | None:
+    """How the quorum's replicas disagreed on a cell, or None when a payload had its votes."""
+    votes: dict[tuple[str, str], int] = {}
+    for r in rows:
+        if r["col"] != 0:
+            key = (str(r["rule"]), json.dumps(r["payload"]))
+            votes[key] = votes.get(key, 0) + 1
+    if not votes or max(votes.values()) >= quorum.k:
+        return None
+    payloads = ", ".join(p for _, p in votes)
+    return (
+        f"the quorum's replicas disagreed ({payloads}): no payload was proposed by {quorum.k} "
+        f"of the {quorum.n} replicas {quorum.text} needs"
+    )
+
+
 def _why(
     rows: list[dict[str, Any]],
     w: int,
@@ -834,7 +885,7 @@ def _why(
     committed: bool,
     by_id: Mapping[int, dict[str, Any]],
     dec: str | None,
-    meta: Mapping[str, Any],
+    quorum: _Quorum | None = None,
 ) -> str:
     def desc(col: int) -> str:
         r = next((x for x in rows if x["col"] == col), None)
@@ -844,7 +895,10 @@ def _why(
             return "keep current" + ("" if r["payload"] is not None else " (unset)")
         return f"{r['rule']} proposing {r['payload']} (score {r['score']:g})"
 
-    if decided:
+    disagreed = _disagreed(rows, quorum) if quorum is not None and w == 0 else None
+    if disagreed is not None:
+        reason = disagreed
+    elif decided:
         prio = by_id[json.loads(dec or "[]")[0]]["priority"]
         reason = (
             f"the score favourite, {desc(fav)}, violates {', '.join(decided)} "

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lmpm.ir.nodes import TRUE
 from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan
-from lmpm.resolve.policies import aggregates, quorum
+from lmpm.resolve.policies import aggregates, quorum, quorum_eligible, quorum_k
 from lmpm.resolve.schedules import Schedule, make_schedule
 from lmpm.runtime.data.agree import Agreed, agree
 from lmpm.runtime.data.clocks import Clocks
@@ -53,6 +53,7 @@ from lmpm.runtime.records import (
     HELD,
     INPUT_RULE,
     NEVER_OPENED,
+    NO_QUORUM,
     NO_SOURCE,
     NO_WINNER,
     NOT_FIRED,
@@ -167,6 +168,7 @@ class _Pending:
     rows: Tensor | None  # the committing rows (None: every row)
     was: Tensor
     commits: int
+    disagreed: Tensor | None = None  # (n,) bool, under a quorum: no proposal had its k votes
 
     def decision(self) -> ValueDecision:
         """What the workers write: the committing rows and their winners (or weights)."""
@@ -445,17 +447,39 @@ class Owner:
         """The agreed value waiting for its apply; why the cells that stay unset do."""
         n = cand.cells.numel()
         commits = int(ag.changed.count_nonzero())
+        disagreed = self._disagreed(name, cand)
         if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
-            self._blocked(name, cand, self.static[name], (~ag.changed & ~was).nonzero().squeeze(1))
+            unset = (~ag.changed & ~was).nonzero().squeeze(1)
+            self._blocked(name, cand, self.static[name], unset, disagreed)
             if quota is not None:  # winners the quota held back: not "no candidate"
                 held = (ag.winner != 0) & ~ag.changed & ~was
                 cells = cand.cells
                 self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
         rows = None if commits == n else ag.changed.nonzero().squeeze(1)
-        return _Pending(cand, ag.score, ag.winner, ag.changed, ag.weights, rows, was, commits)
+        return _Pending(
+            cand, ag.score, ag.winner, ag.changed, ag.weights, rows, was, commits, disagreed
+        )
 
-    def _blocked(self, name: str, cand: Any, static: ValueStatic, rows: Tensor) -> None:
-        """Record why the proposed cells at ``rows`` stay unset: the highest-priority constraint
+    def _disagreed(self, name: str, cand: Candidates) -> Tensor | None:
+        """(n,) bool under a quorum: the cells where some replica proposed but no proposed
+        payload had the k votes the policy needs (None: the value has no quorum)."""
+        vp = self.plan.values[name]
+        k = quorum_k(vp.policy, vp.policy_args)
+        if k is None or cand.checksum is None:
+            return None
+        agreed = quorum_eligible(cand.checksum, cand.valid, cand.col_rule, cand.col_slot, k)
+        return cand.valid[:, 1:].any(dim=1) & ~agreed[:, 1:].any(dim=1)
+
+    def _blocked(
+        self,
+        name: str,
+        cand: Any,
+        static: ValueStatic,
+        rows: Tensor,
+        disagreed: Tensor | None = None,
+    ) -> None:
+        """Record why the proposed cells at ``rows`` stay unset: under a quorum whose replicas
+        disagreed (no payload had its k votes), NO_QUORUM; else the highest-priority constraint
         that every valid proposal violates, else one that some proposal violates, else
         NO_WINNER."""
         if not rows.numel():
@@ -474,6 +498,10 @@ class Owner:
             for hit in (anyv, every):  # `every` overrides `some`
                 first = hit.to(torch.uint8).argmax(dim=1)
                 why = torch.where(hit.any(dim=1), ids[first], why)
+        if disagreed is not None:
+            # no proposal had its k votes: the replicas' disagreement, not a constraint, is why
+            lost = disagreed.index_select(0, rows).to(why.device)
+            why = torch.where(lost, NO_QUORUM, why)
         self.why[name].index_put_((cand.cells.index_select(0, rows),), why)
 
     def _commit(
@@ -544,6 +572,7 @@ class Owner:
             new_clock,
             p.was,
             cand.applies,
+            disagreed=p.disagreed,
         )
         if got.checksum is not None:  # one per committed row, in row order
             sums = torch.zeros(n, dtype=torch.int64)

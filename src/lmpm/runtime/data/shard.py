@@ -237,6 +237,7 @@ def merge_records(parts: Sequence[ValueEpoch], rank: Mapping[int, int]) -> Value
     new_clock = torch.zeros(n, dtype=torch.int64)
     was = torch.zeros(n, dtype=torch.bool)
     sums = None if parts[0].checksum is None else torch.zeros(n, dtype=torch.int64)
+    disagreed = None if parts[0].disagreed is None else torch.zeros(n, dtype=torch.bool)
     for s, ve in enumerate(parts):
         rows = mg.rows[s]
         winner[rows] = mg.cols[s].index_select(0, ve.winner)
@@ -245,6 +246,8 @@ def merge_records(parts: Sequence[ValueEpoch], rank: Mapping[int, int]) -> Value
         was[rows] = ve.was_committed
         if sums is not None and ve.checksum is not None:
             sums[rows] = ve.checksum
+        if disagreed is not None and ve.disagreed is not None:
+            disagreed[rows] = ve.disagreed
     return ValueEpoch(
         cand.value,
         cand.cells,
@@ -261,6 +264,7 @@ def merge_records(parts: Sequence[ValueEpoch], rank: Mapping[int, int]) -> Value
         sums,
         cand.col_replica,
         cand.col_slot,
+        disagreed,
     )
 
 
