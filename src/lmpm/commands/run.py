@@ -11,7 +11,7 @@ import sqlite3
 import statistics
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmpm.commands._common import (
     add_set,
@@ -21,7 +21,7 @@ from lmpm.commands._common import (
     program_path,
 )
 from lmpm.commands.check import unknown_params
-from lmpm.errors import CheckError, LmpmError, UsageError
+from lmpm.errors import CheckError, ConstraintEvalError, LmpmError, ModelError, UsageError
 
 if TYPE_CHECKING:
     from lmpm.runtime.control.commitlog import CommitLog
@@ -328,6 +328,8 @@ def _resume(args: argparse.Namespace) -> int:
         return 1
     restored, log = session.restored, session.log
     assert restored is not None and log is not None
+    if args.epochs is None and session.epochs is not None and restored.epoch >= session.epochs:
+        _at_the_limit(session, run_dir, restored.epoch, args.ruleset or ())
     note = (
         f"resumed at epoch {restored.epoch} (checkpoint {restored.checkpoint} + "
         f"{restored.replayed} commit rows"
@@ -348,6 +350,26 @@ def _resume(args: argparse.Namespace) -> int:
         )
     finally:
         lock.release()
+
+
+def _at_the_limit(
+    session: Run, run_dir: Path, epoch: int, ruleset: tuple[tuple[str, str], ...] | list[Any]
+) -> None:
+    """A resume without --epochs of a run that reached its epoch limit runs no epoch: with a
+    RuleSet change that would never take effect, it is refused (nothing changed); otherwise a
+    note says so. Both suggest --epochs."""
+    more = f"give --epochs N with N > {epoch} to run on"
+    if ruleset:
+        changes = " ".join(f"--{'enable' if op == 'add' else 'disable'} {n}" for op, n in ruleset)
+        session.close()
+        session._lock.release()
+        raise UsageError(
+            f"{run_dir} had reached its limit of {epoch} epochs: {changes} would change the "
+            "RuleSet of epochs that do not run; nothing was changed",
+            code="U077",
+            hint=more,
+        )
+    sys.stderr.write(f"note: {run_dir} had reached its limit of {epoch} epochs: {more}\n")
 
 
 def _execute(
@@ -409,6 +431,8 @@ def _execute(
         files = session.write(out_dir)
         log.finish(files)
     except LmpmError as e:
+        if isinstance(e, ModelError | ConstraintEvalError):
+            e.hint = _resumable(e.hint, out_dir, session.engine.epoch)
         log.mark("failed", e.render())
         raise
     except KeyboardInterrupt:
@@ -453,6 +477,19 @@ def _execute(
     if res.stop is not None and res.stop.total_unset:
         console.print(_unset_note(res.stop.total_unset, res.stop.unset), highlight=False)
     return 0
+
+
+def _resumable(hint: str | None, out_dir: Path, epoch: int) -> str:
+    """A model's or a predicate's fault ended epoch ``epoch``: the epochs before it are in the
+    log, and the run goes on from there once the code is fixed (the hint of R050 and its kin)."""
+    if epoch == 0:
+        again = "after fixing it, run the same command again (no epoch was committed)"
+    else:
+        again = (
+            f"epochs 0..{epoch - 1} are in {out_dir}: after fixing it, `lmpm run --resume "
+            f"{out_dir}` goes on from epoch {epoch}"
+        )
+    return f"{hint}; {again}" if hint else again
 
 
 MSG_COMPILE_COST = (

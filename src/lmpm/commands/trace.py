@@ -276,6 +276,12 @@ def _render_story(s: dict[str, Any], console: Any) -> None:
         console.print(t)
     else:
         console.print("never committed by a rule")
+    if s.get("proposed") is False:
+        console.print(
+            f"no rule proposes `{s['value']}`: its cells hold what the inputs gave, and no "
+            "epoch attempts them (nothing to trace)"
+        )
+        return
     if not s["traced"]:
         console.print(
             "attempts were not traced for this cell: run with --trace cells "

@@ -458,7 +458,17 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def check_meta(meta: Mapping[str, Any], run_dir: Path) -> None:
-    """A hand-damaged ``meta`` table is a RunDirError naming the key, never an internal error."""
+    """A hand-damaged ``meta`` table is a RunDirError naming the key, never an internal error;
+    a workflow run's directory (`lmpm vm run`) is a UsageError saying what reads it."""
+    if "workflow" in meta or meta.get("backend") == "vm":
+        raise UsageError(
+            f"{run_dir} holds a workflow run (`lmpm vm run`, workflow "
+            f"`{meta.get('workflow', '?')}`): the epoch engine does not resume it; nothing was "
+            "changed",
+            code="U106",
+            hint=f"see where it stands with `lmpm vm status {run_dir}`; run it again with "
+            "`lmpm vm run`",
+        )
     for key, types in _META_TYPES.items():
         if key not in meta:
             raise RunDirError(

@@ -316,10 +316,27 @@ def batch_items(
     return [_build_call([items[i] for i in ids], ids, device, transfer) for ids in groups.values()]
 
 
-def first_cells(cells: Tensor, rows: Tensor | None = None) -> list[int]:
+class CellIds(list[int]):
+    """The first cell ids a fault concerns, for its message: a list (``where["cells"]``) that
+    prints ``[0, 1, 2, 3, …] (8 cells)`` when it names fewer than the ``total``."""
+
+    def __init__(self, ids: list[int], total: int) -> None:
+        super().__init__(ids)
+        self.total = total
+
+    def __repr__(self) -> str:
+        if self.total <= len(self):
+            return super().__repr__()
+        return "[" + ", ".join(map(str, self)) + f", …] ({self.total:,} cells)"
+
+    __str__ = __repr__
+
+
+def first_cells(cells: Tensor, rows: Tensor | None = None) -> CellIds:
     """The first few global cell ids (of ``rows`` when given) for an error message."""
     picked = cells if rows is None else cells[rows[:_CELLS_SHOWN].to(cells.device)]
-    return [int(c) for c in picked[:_CELLS_SHOWN].cpu()]
+    total = int(cells.shape[0] if rows is None else rows.numel())
+    return CellIds([int(c) for c in picked[:_CELLS_SHOWN].cpu()], total)
 
 
 def _where(

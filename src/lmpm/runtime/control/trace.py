@@ -59,6 +59,7 @@ from lmpm.runtime.rundir import (  # the torch-free run directory format: `lmpm 
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from lmpm.ir.nodes import Program
     from lmpm.resolve.plan import Plan
     from lmpm.runtime.control.engine import Engine
     from lmpm.runtime.records import EpochRecord, ValueEpoch
@@ -738,7 +739,10 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
                 "score": float(smin if scores is None else decode(scores)[j]),
             }
         )
-    quorum = _quorum_of(meta, value)
+    program = _stored_program(meta)
+    quorum = _quorum_of(program, value)
+    # a value no rule proposes has no attempts to trace (None: no IR to tell)
+    story["proposed"] = None if program is None else any(r.target == value for r in program.rules)
     covered = meta.get("trace") == "cells"
     if covered and meta.get("trace_region"):
         traced = parse_region(str(meta["trace_region"]), dims)
@@ -839,15 +843,22 @@ class _Quorum:
     text: str  # the policy as written, e.g. quorum(2 of 2, satisfy)
 
 
-def _quorum_of(meta: Mapping[str, Any], value: str) -> _Quorum | None:
-    """``value``'s quorum policy, from the IR the run stored (None: another policy)."""
-    from lmpm.ir.nodes import ArgKind
-    from lmpm.ir.printer import call_str
+def _stored_program(meta: Mapping[str, Any]) -> Program | None:
+    """The IR the run stored (None: a log without it, or of a version this one cannot read)."""
     from lmpm.ir.serialize import from_json
 
     try:
-        program = from_json(str(meta["ir_json"]))
-    except Exception:  # a log without the IR (or of another version): no quorum to explain
+        return from_json(str(meta["ir_json"]))
+    except Exception:
+        return None
+
+
+def _quorum_of(program: Program | None, value: str) -> _Quorum | None:
+    """``value``'s quorum policy (None: another policy, or no IR to tell)."""
+    from lmpm.ir.nodes import ArgKind
+    from lmpm.ir.printer import call_str
+
+    if program is None:
         return None
     policy = next((cm.policy for cm in program.commits if cm.access.value == value), None)
     if policy is None or policy.func != "quorum":
