@@ -106,27 +106,14 @@ def test_a_resume_at_the_epoch_limit_says_so_and_suggests_epochs(
     assert main([*resume, "--disable", "Low", "--epochs", "5"]) == 0
 
 
-WORKFLOW = """
-param B = 2
-param N = 8
-value Txt : Token[Byte] shape Grid2D(B, N)
-visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
-rule Write:
-  on Txt[b, t]
-  read {context = Txt[b, 0..t-1]}
-  emit proposal Txt[b, t] := ByteLM(context)
-workflow Hello on Txt:
-  zone greet:
-    feed "hi "
-    generate max 4
-"""
-
-
 def test_resuming_a_workflow_run_points_at_the_vm(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from test_newcomer import WORKFLOW
+
     prog, out = tmp_path / "wf.lmpm", tmp_path / "vm"
-    prog.write_text(WORKFLOW)
+    # (the VM runs the byte model; RandomTokens gives it no logits)
+    prog.write_text(WORKFLOW.replace("RandomTokens(context)", "ByteLM(context)"))
     assert main(["vm", "run", str(prog), "--out", str(out)]) == 0
     capsys.readouterr()
     assert main(["run", "--resume", str(out), "--epochs", "3"]) == 2
