@@ -80,6 +80,8 @@ def test_without_the_binding_the_builtin_signature_holds(files: tuple[Path, Path
     with pytest.raises(CheckError) as info:
         lmpm.compile(prog)
     assert {d.code for d in info.value.diagnostics} == {"E213"}
+    hints = [d.hint or "" for d in info.value.diagnostics]
+    assert any('lmpm.compile(path, bindings={"Copy": ...})' in h for h in hints), hints
 
 
 def test_lmpm_compile_takes_the_bindings_it_is_checked_against(

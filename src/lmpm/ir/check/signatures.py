@@ -237,6 +237,7 @@ def _proposes(f: Facts, call: Call, sig: Signature, v: Value) -> None:
             "E213",
             f"`{call.func}` proposes {' or '.join(sig.dtypes)}s; `{v.name}` holds {v.dtype.value}s",
             name_span(call),
+            _override(call.func),
         )
     elif sig.vocab is not None and v.vocab is not None and f.bound(v.vocab):
         try:
@@ -268,10 +269,21 @@ def _keyword(f: Facts, code: str, call: Call, i: int, a: Arg, sig: Signature) ->
                 "arguments: " + ", ".join(p.name for p in sig.params)
                 if sig.params
                 else f"`{call.func}` takes reads only"
-            ),
+            )
+            + "; "
+            + _override(call.func),
         )
         return
     _check_arg(f, code, call, i, a, prm, sig)
+
+
+def _override(name: str) -> str:
+    """How to use one's own model of a built-in's name (the check then holds it to its own
+    Python signature): the hint of the errors a binding of the name would answer."""
+    return (
+        f"a binding of your own named `{name}` overrides the built-in (--bind MODULE; in "
+        f'Python lmpm.compile(path, bindings={{"{name}": ...}}))'
+    )
 
 
 def _check_arg(
