@@ -10,8 +10,9 @@ import argparse
 import sqlite3
 import statistics
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from lmpm.commands._common import (
     add_set,
@@ -353,7 +354,7 @@ def _resume(args: argparse.Namespace) -> int:
 
 
 def _at_the_limit(
-    session: Run, run_dir: Path, epoch: int, ruleset: tuple[tuple[str, str], ...] | list[Any]
+    session: Run, run_dir: Path, epoch: int, ruleset: Sequence[tuple[str, str]]
 ) -> None:
     """A resume without --epochs of a run that reached its epoch limit runs no epoch: with a
     RuleSet change that would never take effect, it is refused (nothing changed); otherwise a
@@ -362,7 +363,6 @@ def _at_the_limit(
     if ruleset:
         changes = " ".join(f"--{'enable' if op == 'add' else 'disable'} {n}" for op, n in ruleset)
         session.close()
-        session._lock.release()
         raise UsageError(
             f"{run_dir} had reached its limit of {epoch} epochs: {changes} would change the "
             "RuleSet of epochs that do not run; nothing was changed",
