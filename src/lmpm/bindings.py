@@ -314,21 +314,22 @@ def bound_differences(
         now = given.get(name)
         if now is None:
             out.append(
-                f"`{name}` was bound by {_from(was)} as `{name}{was['signature']}`; "
+                f"`{name}` was bound by {origin_words(was)} as `{name}{was['signature']}`; "
                 "nothing binds it now (the built-in, or nothing, would run)"
             )
         elif now["signature"] != was["signature"]:
             out.append(
                 f"`{name}` was bound as `{name}{was['signature']}`; now as "
-                f"`{name}{now['signature']}` ({_from(now)})"
+                f"`{name}{now['signature']}` ({origin_words(now)})"
             )
     for name, now in given.items():
         if name not in stored:
-            out.append(f"`{name}` is now bound by {_from(now)}; the run used the built-in")
+            out.append(f"`{name}` is now bound by {origin_words(now)}; the run used the built-in")
     return out
 
 
-def _from(entry: dict[str, str]) -> str:
+def origin_words(entry: dict[str, str]) -> str:
+    """Where a recorded binding came from, in words: ``--bind MODULE`` or the mapping."""
     return (
         "the bindings= mapping" if entry.get("from") == MAPPING else f"--bind {entry.get('from')}"
     )

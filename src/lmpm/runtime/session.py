@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from lmpm.bindings import MAPPING, Bindings, bound_differences, bound_record
+from lmpm.bindings import MAPPING, Bindings, bound_differences, bound_record, origin_words
 from lmpm.errors import (
     BindError,
     CheckError,
@@ -617,7 +617,7 @@ def _resume_locked(
 
 
 def _resumed_front(
-    meta: Mapping[str, Any], file: str | Path | None, params: dict[str, int], bound: Any
+    meta: Mapping[str, Any], file: str | Path | None, params: dict[str, int], bound: Iterable[str]
 ) -> Frontend:
     """The resumed program (``file``, else the source the run stored), checked against the
     names ``bound`` the resumed run binds itself."""
@@ -711,7 +711,7 @@ def check_bound(
         raise UsageError(
             f"{run_dir} was started binding {names} itself ("
             + "; ".join(
-                f"`{n}{stored[n]['signature']}` from {_origin_words(stored[n])}" for n in missing
+                f"`{n}{stored[n]['signature']}` from {origin_words(stored[n])}" for n in missing
             )
             + "); this resume does not bind "
             + ("it" if len(missing) == 1 else "them")
@@ -732,10 +732,6 @@ def check_bound(
 
 def _new_run(cli: bool) -> str:
     return "start a new run with another --out" if cli else "start a new run in another run_dir"
-
-
-def _origin_words(entry: Mapping[str, str]) -> str:
-    return "the bindings= mapping" if entry.get("from") == MAPPING else f"--bind {entry['from']}"
 
 
 def open_resumed(
