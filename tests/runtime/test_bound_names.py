@@ -124,3 +124,20 @@ def test_an_api_run_with_bindings_resumes_with_them(
     api.run(api.epochs)
     api.finish()
     assert bytes(np.load(out / "S.npy").tolist()) == b"dddddd"
+
+
+def test_an_unbound_name_in_python_is_told_of_bindings(tmp_path: Path) -> None:
+    """E207's hint names the Python API's ways to bind, not only --bind."""
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(PROG.replace("Copy(ctx, src=3)", "Mine(ctx)"))
+    compiled = lmpm.compile(prog)
+    with pytest.raises(CheckError) as info:
+        compiled.runner()
+    assert info.value.code == "E207" and "bindings=" in (info.value.hint or "")
+    run = compiled.runner(bindings={"Mine": copy_three})
+    run.run(1)
+    assert bytes(run.outputs()["S"].tolist()) == b"dddddd"
+
+
+def copy_three(inputs: dict[str, Any], **_: Any) -> dict[str, torch.Tensor]:
+    return copy(inputs, src=3)
