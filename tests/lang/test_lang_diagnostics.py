@@ -68,6 +68,7 @@ CASES: dict[str, tuple[str, int, int]] = {
         3,
         19,
     ),
+    "W209": ("value A : Token[BPE] shape Seq(4)\n", 1, 1),
     "B002": ("param M\nparam N = M + 1\nvalue A : Token[Byte] shape Seq(N)\n", 2, 1),
 }
 

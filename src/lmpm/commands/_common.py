@@ -43,6 +43,44 @@ def parse_inputs(items: list[str]) -> dict[str, str]:
     return out
 
 
+def parse_tokenizers(items: list[str] | None) -> dict[str, str]:
+    """`--tokenizer NAME=PATH` pairs, each vocabulary bound once (B092 otherwise)."""
+    from lmpm.errors import BindError
+
+    out: dict[str, str] = {}
+    for item in items or []:
+        name, sep, path = item.partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise UsageError(
+                f"--tokenizer expects NAME=PATH, got {item!r}",
+                code="U021",
+                hint="NAME is the vocabulary of `Token[NAME]`, PATH a tokenizer.json or a "
+                "transformers model directory",
+            )
+        if name in out:
+            raise BindError(
+                f"vocabulary `{name}` is bound twice: --tokenizer {name}={out[name]} and "
+                f"--tokenizer {name}={path}",
+                code="B092",
+                hint="give each vocabulary one tokenizer",
+            )
+        out[name] = path
+    return out
+
+
+def add_tokenizer(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="bind the vocabulary NAME of `Token[NAME]` to a tokenizer (a tokenizer.json or a "
+        "transformers model directory): it sizes the vocabulary, encodes text inputs and writes "
+        "text outputs (repeatable)",
+    )
+
+
 def add_set(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--set",

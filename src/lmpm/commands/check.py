@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmpm.commands._common import add_set, fail_json, parse_sets, print_diagnostics, program_path
+from lmpm.commands._common import (
+    add_set,
+    add_tokenizer,
+    fail_json,
+    parse_sets,
+    parse_tokenizers,
+    print_diagnostics,
+    program_path,
+)
 from lmpm.errors import BindError, Diagnostic, LmpmError, UsageError
 
 if TYPE_CHECKING:
@@ -50,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --device: initial committed cells of a value, as `lmpm run` takes them",
     )
     p.add_argument("--epochs", type=int, default=3, help="with --device: epochs to run (default 3)")
+    add_tokenizer(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     path = program_path(args.file)
     overrides = parse_sets(args.set)
+    tokenizers = parse_tokenizers(args.tokenizer)
+    if tokenizers:  # their sizes bind the vocabularies' parameters (lmpm.runtime.vocab)
+        overrides = _sized(path, tokenizers, overrides)
     known = None
     bound: set[str] = set()
     bindings = None
@@ -88,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if front.errors or any(d.severity == "error" for d in diagnostics):
         return 1
     if args.device:
-        return _device_check(args, path, overrides)
+        return _device_check(args, path, overrides, tokenizers)
     if args.emit_ir == "json":
         from lmpm.ir.serialize import to_json
 
@@ -103,6 +115,15 @@ def run(args: argparse.Namespace) -> int:
             f"{path}: ok" + (f" ({n} warning{'s' if n != 1 else ''})" if n else "") + "\n"
         )
     return 0
+
+
+def _sized(path: Path, tokenizers: dict[str, str], overrides: dict[str, int]) -> dict[str, int]:
+    """``overrides`` with each tokenizer's vocabulary size (B090-B094 as diagnostics)."""
+    from lmpm.ir import compile_file
+    from lmpm.runtime.vocab import bind_vocabularies
+
+    front = compile_file(path, overrides=overrides, raise_errors=False)
+    return bind_vocabularies(front.ir, tokenizers, overrides)[1]
 
 
 def _link(front: Frontend, bindings: Bindings, overrides: dict[str, int]) -> list[Diagnostic]:
@@ -120,7 +141,9 @@ def _link(front: Frontend, bindings: Bindings, overrides: dict[str, int]) -> lis
     return []
 
 
-def _device_check(args: argparse.Namespace, path: Path, overrides: dict[str, int]) -> int:
+def _device_check(
+    args: argparse.Namespace, path: Path, overrides: dict[str, int], tokenizers: dict[str, str]
+) -> int:
     """`--device cuda`: run the program there (or on the simulated device) and report."""
     from lmpm.commands._common import parse_inputs
     from lmpm.runtime.devcheck import check_device
@@ -134,6 +157,7 @@ def _device_check(args: argparse.Namespace, path: Path, overrides: dict[str, int
         bind=args.bind,
         inputs=parse_inputs(args.input),
         epochs=args.epochs,
+        tokenizers=tokenizers,
     )
     print_diagnostics(report.diagnostics, args.json)
     if args.json:

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from lmpm.commands._common import (
     add_set,
+    add_tokenizer,
     parse_inputs,
     parse_sets,
+    parse_tokenizers,
     print_diagnostics,
     program_path,
 )
@@ -51,8 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAME=PATH",
-        help="initial committed cells of a value (.npy, .pt, .json, or text)",
+        help="initial committed cells of a value (.npy, .pt, .json, or text: bytes for "
+        "Token[Byte], encoded with the value's --tokenizer otherwise); a token value's input "
+        "shorter than the value (a prompt) fills its first cells",
     )
+    add_tokenizer(p)
     p.add_argument("--seed", type=int, help="RNG seed (default 0)")
     p.add_argument("--epochs", type=int, help="run this many epochs")
     p.add_argument("--until", choices=["stable"], help="stop at the first epoch with no commit")
@@ -183,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     from lmpm.runtime.lock import RunLock
     from lmpm.runtime.rundir import holds_run, remove_run
     from lmpm.runtime.session import Run, bind_specs, make_tracer
+    from lmpm.runtime.vocab import tokenizer_meta
 
     path = program_path(args.file)
     params = parse_sets(args.set)
@@ -214,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
         assert spec is not None
         return run_training(args, spec, path.read_text(encoding="utf-8"), params, out_dir)
     inputs = parse_inputs(args.input)
+    tokenizers = parse_tokenizers(args.tokenizer)
     seed = args.seed if args.seed is not None else 0
     backend = args.backend or "cpu"
     session = Run(
@@ -230,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
         cluster=args.cluster,
         worker_timeout=args.worker_timeout,
         compile=args.compile,
+        tokenizers=tokenizers,
     )
     tracer, region = make_tracer(session, level, args.trace_region)
     info = RunInfo(
@@ -249,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         inputs={k: str(Path(v).resolve()) for k, v in inputs.items()},
         durable=args.durable,
         workers=session.workers,
+        tokenizers=tokenizer_meta(front.ir, session.vocabularies),
     )
     # Every writer holds the directory's lock for the run's life; the checks above are repeated
     # under it, since another process may have started a run there meanwhile.
@@ -271,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
 
                 raise os_error(e, "delete the old run in", out_dir) from None
         log = CommitLog(out_dir, info, tracer=tracer, argv=sys.argv[1:])
+        session.save_tokenizers(out_dir)
         return _execute(session, log, args, out_dir, args.epochs, args.until, quiet=0, note="")
 
 
@@ -290,6 +300,11 @@ def _resume(args: argparse.Namespace) -> int:
         from lmpm.train.cli import resume_training
 
         return resume_training(args, run_dir)
+    if args.tokenizer:
+        raise UsageError(
+            "--tokenizer is not needed with --resume: RUN_DIR keeps the run's tokenizers",
+            code="U028",
+        )
     if args.input:
         raise UsageError(
             "--input is not needed with --resume: the inputs are in RUN_DIR's first checkpoint",

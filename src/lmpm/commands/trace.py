@@ -212,6 +212,10 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
     if rep.get("dissent"):
         _print_dissent(console, rep["dissent"])
 
+    for value, text in (rep.get("texts") or {}).items():  # values of a tokenizer's vocabulary
+        console.print(f"[bold]{value}[/] (its tokenizer's text):", highlight=False)
+        console.print(text.rstrip("\n"), highlight=False, markup=False)
+
     if rep["epochs"]:
         console.print(_epochs_table(rep["epochs"]))
 
@@ -258,20 +262,33 @@ def _epochs_table(epochs: list[dict[str, Any]]) -> Any:
     return e
 
 
+def _shown(entry: dict[str, Any]) -> str:
+    """A payload as the story prints it: a token's id with its string (``id 'text'``) where the
+    run has the value's tokenizer."""
+    if entry.get("payload") is None:
+        return "unset"
+    if "token" in entry:
+        return f"{entry['payload']} {entry['token']!r}"
+    return str(entry["payload"])
+
+
 def _render_story(s: dict[str, Any], console: Any) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     console.print(f"[bold]{s['cell']}[/] (cell id {s['id']} of {s['value']})")
     if s["start"] is not None:
         st = s["start"]
-        console.print(f"given as {st['rule']}: {st['payload']} (clock {st['clock']})")
+        console.print(
+            f"given as {st['rule']}: {escape(_shown(st))} (clock {st['clock']})", highlight=False
+        )
     if s["commits"]:
         t = Table(title="commits", title_justify="left")
         for col in ("epoch", "rule", "payload", "score", "clock"):
             t.add_column(col, justify="left" if col == "rule" else "right")
         for c in s["commits"]:
             t.add_row(
-                str(c["epoch"]), c["rule"], str(c["payload"]), f"{c['score']:g}", str(c["clock"])
+                str(c["epoch"]), c["rule"], escape(_shown(c)), f"{c['score']:g}", str(c["clock"])
             )
         console.print(t)
     else:
@@ -296,7 +313,7 @@ def _render_story(s: dict[str, Any], console: Any) -> None:
         for c in a["candidates"]:
             mark = "★" if c["winner"] else ("·" if c["favourite"] else "")
             score = "—" if c["score"] is None else f"{c['score']:g}"
-            payload = "unset" if c["payload"] is None else str(c["payload"])
+            payload = escape(_shown(c))
             verdicts = [
                 {"ok": "ok", "violated": "[red]violated[/]", "n/a": "—", "proved": "proved"}[
                     c["verdicts"][n]
@@ -305,8 +322,10 @@ def _render_story(s: dict[str, Any], console: Any) -> None:
             ]
             t.add_row(mark, str(c["col"]), c["rule"], payload, score, *verdicts)
         console.print(t)
-        after = "unset" if a["payload"] is None else a["payload"]
-        console.print(f"  → {after}, clock {a['clock']}  (★ winner, · score favourite)")
+        console.print(
+            f"  → {escape(_shown(a))}, clock {a['clock']}  (★ winner, · score favourite)",
+            highlight=False,
+        )
 
 
 def _print_dissent(console: Any, rows: list[dict[str, Any]]) -> None:

@@ -370,6 +370,7 @@ def check_device(
     epochs: int = 3,
     seed: int = 0,
     simulate: bool | None = None,
+    tokenizers: Mapping[str, str | Path] | None = None,
 ) -> DeviceReport:
     """Run ``program`` for ``epochs`` epochs on ``device`` (simulated where there is no GPU, or
     when ``simulate``) and report what fails or stalls there. Source errors raise as usual."""
@@ -395,7 +396,7 @@ def check_device(
 
     if is_training(front.ir):
         return _check_training(front, report, params, inputs or {}, epochs, diags)
-    return _check_cells(front, report, params, loaded, inputs, epochs, seed, diags)
+    return _check_cells(front, report, params, loaded, inputs, epochs, seed, diags, tokenizers)
 
 
 def _watch(simulated: bool) -> Any:
@@ -413,6 +414,7 @@ def _check_cells(
     epochs: int,
     seed: int,
     diags: list[Diagnostic],
+    tokenizers: Mapping[str, str | Path] | None = None,
 ) -> DeviceReport:
     """A program of cell values: ``epochs`` epochs of the engine with its worker on the device."""
     from lmpm.runtime.session import Run
@@ -430,6 +432,7 @@ def _check_cells(
                 inputs=inputs,
                 seed=seed,
                 backend="simcuda" if report.simulated else "cuda",
+                tokenizers=tokenizers,
             )
             backend = run.dataplane.backend = _Recording(run.dataplane.backend)
             calls = sim.locate = _Calls(*_names(run.plan))

@@ -2,16 +2,21 @@
 
 Inputs (``--input NAME=PATH``): ``.npy`` / ``.pt`` arrays of the value's shape (tokens: ``-1`` means
 unset; numbers: NaN means unset), ``.json`` nested lists (``null`` = unset), and any other file as
-text for ``Token[Byte]`` values (one byte per cell along the sequence; cells past the text stay unset).
+text for a ``Token[Byte]`` value (one byte per cell along the sequence) or a ``Token[NAME]`` value
+whose vocabulary is bound to a tokenizer (``--tokenizer NAME=PATH``, :mod:`lmpm.runtime.vocab`;
+encoded with it). A token value's input may be shorter than the value along its last axis (a
+prompt): it fills the first cells, and the cells past it stay unset.
 
 Outputs in RUN_DIR: every value as ``NAME.npy`` (unset as above) and, up to 100k cells, ``NAME.json``
-(nested lists, ``null`` = unset). Files are written beside and renamed, so a crash never leaves a
-half-written output.
+(nested lists, ``null`` = unset); a ``Seq`` or ``Grid2D`` value of a tokenizer's vocabulary also as
+``NAME.txt`` (its text, one line per row; an unset cell reads ``_``). Files are written beside and
+renamed, so a crash never leaves a half-written output.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,7 @@ from torch import Tensor
 from lmpm.errors import InputError
 from lmpm.resolve.plan import ValuePlan
 from lmpm.runtime.lock import atomic_write, os_error
+from lmpm.runtime.vocab import Vocabulary, output_text
 
 JSON_LIMIT = 100_000  # cells; larger values are written as .npy only
 
@@ -32,8 +38,11 @@ def _expect(vp: ValuePlan) -> str:
     return f"shape {list(vp.dims)} ({vp.ncells} cells)"
 
 
-def load_input(path: str | Path, vp: ValuePlan) -> tuple[Tensor, Tensor]:
-    """(payload (N,), committed mask (N,)) for value ``vp`` from a file."""
+def load_input(
+    path: str | Path, vp: ValuePlan, vocab: Vocabulary | None = None
+) -> tuple[Tensor, Tensor]:
+    """(payload (N,), committed mask (N,)) for value ``vp`` from a file; ``vocab``: the tokenizer
+    of its vocabulary, which encodes a text input."""
     p = Path(path)
     where = {"value": vp.name, "file": str(p)}
     if not p.is_file():
@@ -54,7 +63,7 @@ def load_input(path: str | Path, vp: ValuePlan) -> tuple[Tensor, Tensor]:
         elif suffix == ".json":
             return _from_json(json.loads(p.read_text(encoding="utf-8")), vp, where)
         else:
-            return _from_text(p.read_bytes(), vp, where)
+            return _from_text(p.read_bytes(), vp, where, vocab)
     except InputError:
         raise
     except Exception as e:
@@ -123,11 +132,14 @@ def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tens
         arr = arr.to(torch.float32).reshape(vp.ncells, *vp.cell_shape)
         mask = ~torch.isnan(arr).flatten(1).any(dim=1)  # a cell with any NaN is unset
         return torch.nan_to_num(arr, nan=0.0), mask
+    if vp.vocab is not None and _prompt(arr, vp):
+        arr = _pad(arr, vp)
     if tuple(arr.shape) != vp.dims and not (arr.dim() == 1 and arr.numel() == vp.ncells):
         raise InputError(
             f"input for `{vp.name}` has shape {list(arr.shape)}; expected {_expect(vp)}",
             where=where,
             code="R004",
+            hint=_shape_hint(vp),
         )
     if arr.is_complex():
         raise _bad(vp, where, f"is complex ({arr.dtype})", "R013")
@@ -182,6 +194,34 @@ def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tens
     return torch.nan_to_num(arr, nan=0.0).to(torch.float32), mask
 
 
+def _prompt(arr: Tensor, vp: ValuePlan) -> bool:
+    """A token input shorter than the value along its last axis only (a prompt)."""
+    shape = tuple(arr.shape)
+    return (
+        len(shape) == len(vp.dims)
+        and shape[:-1] == vp.dims[:-1]
+        and 0 < shape[-1] < vp.dims[-1]
+        and not arr.is_complex()
+    )
+
+
+def _pad(arr: Tensor, vp: ValuePlan) -> Tensor:
+    """``arr`` filled up to the value's last axis with unset cells (-1, or NaN for floats)."""
+    unset = float("nan") if arr.is_floating_point() else -1
+    out = torch.full(vp.dims, unset, dtype=arr.dtype)
+    out[..., : arr.shape[-1]] = arr
+    return out
+
+
+def _shape_hint(vp: ValuePlan) -> str:
+    if vp.vocab is not None:
+        return (
+            f"an input shorter along the last axis (a prompt of up to {vp.dims[-1]} tokens) fills "
+            "the first cells; -1 (or null) marks any other unset cell"
+        )
+    return "give every cell; NaN (or null) marks an unset one"
+
+
 def _num(x: Tensor) -> str:
     v = float(x) if x.is_floating_point() else int(x)
     return f"{v:.6g}" if isinstance(v, float) and abs(v) >= 1e15 else str(int(v))
@@ -201,6 +241,9 @@ def _from_json(data: Any, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor,
                 )
             flat.append(x)
             return
+        last = depth == len(vp.dims) - 1
+        if isinstance(x, list) and last and vp.vocab is not None and 0 < len(x) < vp.dims[depth]:
+            x = [*x, *[None] * (vp.dims[depth] - len(x))]  # a prompt: the rest stays unset
         if not isinstance(x, list) or len(x) != vp.dims[depth]:
             got = f"a list of {len(x)}" if isinstance(x, list) else type(x).__name__
             raise InputError(
@@ -208,6 +251,7 @@ def _from_json(data: Any, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor,
                 f"{vp.dims[depth]} entries ({_expect(vp)})",
                 where=where,
                 code="R004",
+                hint=_shape_hint(vp),
             )
         for i, y in enumerate(x):
             walk(y, depth + 1, f"{path}[{i}]")
@@ -224,25 +268,47 @@ def _from_json(data: Any, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor,
     return _from_array(arr, vp, where)
 
 
-def _from_text(data: bytes, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor, Tensor]:
-    if vp.vocab != 256 or len(vp.dims) != 1:
+def _from_text(
+    data: bytes, vp: ValuePlan, where: dict[str, Any], vocab: Vocabulary | None
+) -> tuple[Tensor, Tensor]:
+    if len(vp.dims) != 1 or vp.vocab is None or (vocab is None and vp.vocab != 256):
+        kind = "a Seq value" if vp.vocab is not None else "a Token value of shape Seq(N)"
+        hint = "use .npy, .pt or .json"
+        if vp.vocab is not None and vocab is None:
+            hint = (
+                "bind its vocabulary to a tokenizer: --tokenizer NAME=tokenizer.json, where NAME "
+                "is the vocabulary of `Token[NAME]` (Python: tokenizers={'NAME': path}), or " + hint
+            )
         raise InputError(
-            f"text input needs a Token[Byte] Seq value; `{vp.name}` is not one",
+            f"text input needs a Token[Byte] value or a Token value whose vocabulary is bound to "
+            f"a tokenizer, of shape Seq(N); `{vp.name}` is not {kind} of either",
             where=where,
             code="R008",
-            hint="use .npy, .pt or .json",
+            hint=hint,
         )
-    if len(data) > vp.ncells:
+    if vocab is None:
+        ids, unit = list(data), "bytes"
+    else:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(
+                f"text for `{vp.name}` is not UTF-8 (byte {e.start})", where=where, code="R003"
+            ) from None
+        if text.endswith("\n"):  # the newline that ends a text file is not part of the prompt
+            text = text[:-1]
+        ids, unit = vocab.encode(text), f"tokens of {vocab.name}"
+    if len(ids) > vp.ncells:
         raise InputError(
-            f"text for `{vp.name}` is {len(data)} bytes; the value holds {vp.ncells}",
+            f"text for `{vp.name}` is {len(ids)} {unit}; the value holds {vp.ncells}",
             where=where,
             code="R009",
-            hint=f"shorten it or --set the length ≥ {len(data)}",
+            hint=f"shorten it or --set the length ≥ {len(ids)}",
         )
     payload = torch.zeros(vp.ncells, dtype=torch.int64)
-    payload[: len(data)] = torch.tensor(list(data), dtype=torch.int64)
+    payload[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
     mask = torch.zeros(vp.ncells, dtype=torch.bool)
-    mask[: len(data)] = True
+    mask[: len(ids)] = True
     return payload, mask
 
 
@@ -260,8 +326,10 @@ def write_outputs(
     values: dict[str, ValuePlan],
     payloads: dict[str, Tensor],
     committed: dict[str, Tensor],
+    vocabs: Mapping[str, Vocabulary] | None = None,
 ) -> list[Path]:
-    """Write every value as .npy (+ .json when small). Returns the files written."""
+    """Write every value as .npy (+ .json when small; + .txt for a value of a tokenizer's
+    vocabulary, ``vocabs``: value name -> its tokenizer). Returns the files written."""
     import io as _io
 
     d = Path(run_dir)
@@ -283,4 +351,8 @@ def write_outputs(
             nested = nested.tolist()
             atomic_write(d / f"{name}.json", json.dumps(nested, separators=(",", ":")).encode())
             written.append(d / f"{name}.json")
+        vocab = (vocabs or {}).get(name)
+        if vocab is not None and arr.ndim in (1, 2):
+            atomic_write(d / f"{name}.txt", output_text(arr, vocab).encode("utf-8"))
+            written.append(d / f"{name}.txt")
     return written

@@ -61,6 +61,14 @@ from lmpm.runtime.io import load_input, output_array, write_outputs
 from lmpm.runtime.lock import RunLock
 from lmpm.runtime.records import CHECKSUM_POLICIES, RunResult
 from lmpm.runtime.rundir import connect, holds_run, read_meta, remove_run
+from lmpm.runtime.vocab import (
+    Vocabulary,
+    bind_vocabularies,
+    by_value,
+    save_tokenizers,
+    saved_tokenizers,
+    tokenizer_meta,
+)
 
 MSG_WORKFLOW = (
     "`{name}` is a workflow: the epoch engine (`lmpm run`, `Run`) does not run workflows and would "
@@ -106,10 +114,13 @@ class Run:
         worker_timeout: float | None = None,
         topology: Any = None,
         compile: bool = False,
+        tokenizers: Mapping[str, str | Path] | None = None,
     ) -> None:
         refuse_workflows(front)
         self.front = front
-        self.params = dict(params or {})
+        # a tokenizer sizes its vocabulary (the parameter NAME of Token[NAME]): lmpm.runtime.vocab
+        self.vocabularies, self.params = bind_vocabularies(front.ir, tokenizers or {}, params or {})
+        self.given_params = dict(params or {})  # what the caller set (a run's stored settings)
         self.seed = seed
         self.backend = backend
         self.epochs = epochs
@@ -175,11 +186,20 @@ class Run:
                         hint="values: " + ", ".join(self.plan.values),
                         code="U020",
                     )
-                payload, mask = load_input(path, vp)
+                payload, mask = load_input(path, vp, self.value_vocabularies.get(name))
                 self.set_input(name, payload, mask)
         except BaseException:
             self.close()  # worker processes started for this run
             raise
+
+    @property
+    def value_vocabularies(self) -> dict[str, Vocabulary]:
+        """Value name -> the tokenizer of its vocabulary (values of a bound vocabulary only)."""
+        return by_value(self.front.ir, self.vocabularies)
+
+    def save_tokenizers(self, run_dir: str | Path) -> list[Path]:
+        """Copy the run's tokenizers into RUN_DIR (read by `lmpm trace` and a resume)."""
+        return save_tokenizers(run_dir, self.vocabularies)
 
     @classmethod
     def from_source(cls, text: str, file: str = "<input>", **kw: Any) -> Run:
@@ -273,7 +293,7 @@ class Run:
             program_hash=program_hash(self.front.ir),
             program_file=program_file or self.front.ast.file,
             source=source,
-            params=self.params,
+            params=self.given_params,
             bind=bind_specs(self.bind),
             bound=self.bound,
             seed=self.seed,
@@ -285,10 +305,13 @@ class Run:
             checkpoint_every=checkpoint_every or DEFAULT_CHECKPOINT_EVERY,
             inputs={k: str(Path(v).resolve()) for k, v in self.inputs.items()},
             workers=self.workers,
+            tokenizers=tokenizer_meta(self.front.ir, self.vocabularies),
         )
         if force:
             remove_run(out)
-        return self._attach(CommitLog(out, info, tracer=tracer, argv=list(argv)), out)
+        log = self._attach(CommitLog(out, info, tracer=tracer, argv=list(argv)), out)
+        self.save_tokenizers(out)
+        return log
 
     def _attach(self, log: CommitLog, run_dir: Path) -> CommitLog:
         self.log, self.run_dir = log, run_dir
@@ -352,6 +375,7 @@ class Run:
             self.plan.values,
             {n: r[0] for n, r in reads.items()},
             {n: r[1] for n, r in reads.items()},
+            self.value_vocabularies,
         )
 
 
@@ -760,10 +784,12 @@ def open_resumed(
     ``durable`` turns ``--durable`` on (a run started with it keeps it); ``trace_region`` must
     name the stored region; ``ruleset``: (enable|disable, constraint) changes from now on."""
     backend = backend or meta["backend"]
+    saved = saved_tokenizers(run_dir)
     run = Run(
         front,
         params=dict(meta["params"]),
         bindings=loaded,
+        tokenizers={name: saved[name] for name in meta.get("tokenizers", {}) if name in saved},
         seed=int(meta["seed"]),
         backend=backend,
         epochs=meta.get("plan_epochs", meta["epochs"]),
@@ -815,6 +841,7 @@ def open_resumed(
         inputs=dict(meta.get("inputs", {})),
         durable=durable,
         workers=run.workers,
+        tokenizers=tokenizer_meta(front.ir, run.vocabularies),
     )
     return run, CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=list(argv)), restored
 

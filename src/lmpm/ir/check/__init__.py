@@ -12,7 +12,7 @@ The passes, in the order :func:`check` runs them (a pass's diagnostics come in p
 pass               module                      codes
 =================  ==========================  ===============================================
 training           ``training``                E162 E161; then any error stops the check
-shapes             ``shapes.check_shapes``     E203 E209 (and a binding error); stops the check
+shapes             ``shapes.check_shapes``     E203 E209 W209 (and a binding error); stops
 commits            ``names.check_commits``     E208 W207
 bounds             ``shapes.check_bounds``     W202, per `visible` clause
 reads, firing      ``reads``, ``firing``       E201 then W205, per rule over cells

@@ -26,8 +26,8 @@ def _set_in_vocab(f: Facts, c: Constraint) -> None:
     can never be proposed, so they neither satisfy a `require` nor trip a `forbid`)."""
     assert c.access is not None and c.set is not None
     v = f.values.get(c.access.value)
-    if v is None or v.vocab is None or c.set.func != "Set":
-        return
+    if v is None or v.vocab is None or c.set.func != "Set" or not f.bound(v.vocab):
+        return  # (an unsized vocabulary has only a probe size: W209 says so)
     vocab = f.vocab_of(v.name)
     try:
         outside = sorted(t for t in set_members(c.set, f.env) if not 0 <= t < vocab)

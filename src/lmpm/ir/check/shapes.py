@@ -1,5 +1,6 @@
 """Shapes and bounds: the parameters bind, every dimension is exact (E203) and in range (E209),
-and a clause's index that can leave its source without a guard is a warning (W202)."""
+a vocabulary named but never sized is a warning (W209), and a clause's index that can leave its
+source without a guard is a warning (W202)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,18 @@ def check_shapes(f: Facts) -> bool:
         f.sink.error(e.code, e.message, e.span, e.hint)
         return False
     ok = True
+    implicit = {p.name for p in f.p.params if not p.declared}
     for v in f.p.values:
         ok &= _dims(f, v)
+        if v.vocab_name in implicit and v.vocab_name not in f.overrides:
+            f.sink.warning(
+                "W209",
+                f"the vocabulary `{v.vocab_name}` of `{v.name}` has no size: a run needs one",
+                v.span,
+                f"bind it to a tokenizer (lmpm run/check --tokenizer {v.vocab_name}="
+                f"tokenizer.json), or give its size (--set {v.vocab_name}=V, or "
+                f"`param {v.vocab_name} = V`)",
+            )
         if v.vocab is not None:
             try:
                 if evaluate(v.vocab, f.env) < 1:

@@ -133,6 +133,8 @@ class RunInfo:
     # the call names the run binds itself -> {"from": module spec or "bindings=", "signature"}
     # (lmpm.bindings.bound_record; a resumed run must bind the same, however it gets them)
     bound: dict[str, dict[str, str]] = field(default_factory=dict)
+    # --tokenizer: vocabulary NAME -> its values (the tokenizer: RUN_DIR/tokenizers/NAME.json)
+    tokenizers: dict[str, list[str]] = field(default_factory=dict)
 
     def to_meta(self) -> dict[str, Any]:
         return asdict(self)

@@ -55,6 +55,7 @@ from lmpm.runtime.rundir import (  # the torch-free run directory format: `lmpm 
     ruleset_events,
     worker_faults,
 )
+from lmpm.runtime.vocab import Vocabulary, run_texts, run_vocabularies  # torch-free
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -633,6 +634,8 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
         "ruleset": ruleset_changes(conn),
         "faults": worker_faults(conn),
         "dissent": quorum_dissent(conn),
+        # value -> its output as text, for a value of a tokenizer's vocabulary (--tokenizer)
+        "texts": run_texts(run_dir, meta) if run_dir else {},
     }
 
 
@@ -809,6 +812,19 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
                     "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, quorum),
                 }
             )
+    vocab = run_vocabularies(run_dir, meta).get(value)
+    return story if vocab is None else _with_tokens(story, vocab)
+
+
+def _with_tokens(story: dict[str, Any], vocab: Vocabulary) -> dict[str, Any]:
+    """Each token payload of the story with its string (``token``), from the run's tokenizer."""
+    story["vocabulary"] = vocab.name
+    entries = [story["start"], *story["commits"]]
+    for a in story["attempts"]:
+        entries += [a, *a["candidates"]]
+    for e in entries:
+        if e is not None and isinstance(e.get("payload"), int):
+            e["token"] = vocab.token(e["payload"])
     return story
 
 
