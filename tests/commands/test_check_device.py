@@ -5,6 +5,7 @@ without a GPU, run on the real device where there is one)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -33,10 +34,18 @@ EXAMPLES = [
         f"Held={EX / 'train' / 'held.npy'}",
     ],
 ]
+HF = ["--bind", str(EX / "hf" / "model.py"), "--tokenizer", f"BPE={EX / 'hf' / 'model'}",
+      "--input", f"Txt={EX / 'hf' / 'prompt.txt'}"]  # fmt: skip
+HF_EXAMPLES = [["hf/story.lmpm", *HF], ["hf/story_free.lmpm", *HF]]
+# the Hugging Face example needs the `hf` extra (transformers), which a bare GPU image may lack
+HAS_HF = importlib.util.find_spec("transformers") is not None
+if HAS_HF:
+    EXAMPLES += HF_EXAMPLES
 
 
 def test_the_list_covers_every_bundled_example() -> None:
-    assert {e[0] for e in EXAMPLES} == {p.name for p in EX.glob("*.lmpm")}
+    listed = {e[0] for e in EXAMPLES} | {e[0] for e in HF_EXAMPLES}
+    assert listed == {p.relative_to(EX).as_posix() for p in EX.rglob("*.lmpm")}
 
 
 @pytest.mark.parametrize("args", EXAMPLES, ids=[e[0] for e in EXAMPLES])
