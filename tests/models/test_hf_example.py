@@ -67,7 +67,7 @@ def test_train_hf_writes_a_directory_from_pretrained_loads(tmp_path: Path) -> No
             "40",
             "--out",
             str(out),
-        ],  # fmt: skip
+        ],
         capture_output=True,
         text=True,
         timeout=300,

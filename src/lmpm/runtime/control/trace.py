@@ -691,6 +691,7 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
     value = region.value
     cell = region.flat(dims[value])
     rules = _rule_names(conn)
+    vocab = run_vocabularies(run_dir, meta).get(value)  # a tokenizer's: payloads get strings
     cons = [
         {"id": i, "name": n, "priority": p, "kind": k, "status": s}
         for i, n, p, k, s in conn.execute(
@@ -799,6 +800,8 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
                     }
                 )
             decided = [by_id[i]["name"] for i in json.loads(dec)] if dec else []
+            if vocab is not None:  # the token strings, also in the sentence saying why
+                _with_tokens(rows, vocab)
             story["attempts"].append(
                 {
                     "epoch": e,
@@ -812,20 +815,17 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
                     "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, quorum),
                 }
             )
-    vocab = run_vocabularies(run_dir, meta).get(value)
-    return story if vocab is None else _with_tokens(story, vocab)
+    if vocab is not None:
+        story["vocabulary"] = vocab.name
+        _with_tokens([story["start"], *story["commits"], *story["attempts"]], vocab)
+    return story
 
 
-def _with_tokens(story: dict[str, Any], vocab: Vocabulary) -> dict[str, Any]:
-    """Each token payload of the story with its string (``token``), from the run's tokenizer."""
-    story["vocabulary"] = vocab.name
-    entries = [story["start"], *story["commits"]]
-    for a in story["attempts"]:
-        entries += [a, *a["candidates"]]
+def _with_tokens(entries: Sequence[dict[str, Any] | None], vocab: Vocabulary) -> None:
+    """Each token payload of ``entries`` with its string (``token``), from the run's tokenizer."""
     for e in entries:
         if e is not None and isinstance(e.get("payload"), int):
             e["token"] = vocab.token(e["payload"])
-    return story
 
 
 def _val(a: Any) -> Any:
@@ -920,7 +920,8 @@ def _why(
             return f"candidate {col}"
         if col == 0:
             return "keep current" + ("" if r["payload"] is not None else " (unset)")
-        return f"{r['rule']} proposing {r['payload']} (score {r['score']:g})"
+        token = f" {r['token']!r}" if "token" in r else ""
+        return f"{r['rule']} proposing {r['payload']}{token} (score {r['score']:g})"
 
     disagreed = _disagreed(rows, quorum) if quorum is not None and w == 0 else None
     if disagreed is not None:
