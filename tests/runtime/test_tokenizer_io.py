@@ -152,6 +152,8 @@ def test_resume_keeps_the_tokenizer_of_the_run_directory(
     assert main(["run", "--resume", str(out), "--epochs", "20", "--quiet"]) == 0
     assert (out / "Txt.txt").read_text().startswith("the green bar")
     assert -1 not in np.load(out / "Txt.npy").tolist()
+    assert main(["render", str(out), "--out", str(tmp_path / "pics")]) == 0  # text, not a grid
+    assert (tmp_path / "pics" / "Txt.txt").read_text() == (out / "Txt.txt").read_text()
 
 
 def test_python_api_binds_tokenizers(prog: Path, tok_dir: Path, tmp_path: Path) -> None:

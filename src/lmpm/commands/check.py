@@ -68,7 +68,12 @@ def run(args: argparse.Namespace) -> int:
     overrides = parse_sets(args.set)
     tokenizers = parse_tokenizers(args.tokenizer)
     if tokenizers:  # their sizes bind the vocabularies' parameters (lmpm.runtime.vocab)
-        overrides = _sized(path, tokenizers, overrides)
+        try:
+            overrides = _sized(path, tokenizers, overrides)
+        except BindError as e:
+            if args.json:
+                return fail_json(e)
+            raise
     known = None
     bound: set[str] = set()
     bindings = None

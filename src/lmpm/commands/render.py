@@ -8,6 +8,8 @@
   3-D grid, as a numeric grid), and a labelled sheet ``NAME_components.png`` with the norm and
   one small panel per component (the first 16), each with its colour scale;
 - ``Token[Byte]`` sequences: the text (``NAME.txt``; unset bytes shown as ``_``), also printed;
+  so are the ``Seq`` / ``Grid2D`` values of a vocabulary bound to a tokenizer (``--tokenizer``;
+  decoded with the run directory's copy, :mod:`lmpm.runtime.vocab`);
 - with a run database in RUN_DIR (``lmpm.db``, the commit log and trace): a plot of violations per constraint per epoch
   (``violations.png``);
 - a training run (``train.db`` and no ``lmpm.db``): the loss curve, ``RUN_DIR/loss.png`` (or
@@ -87,9 +89,15 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else run_dir / "render"
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
+    texts = tokenizer_texts(run_dir)
     for name, arr in arrays.items():
         k = kinds.get(name) or guess(name, arr)
-        if k.kind == "text":
+        if name in texts:  # a tokenizer's vocabulary: its text
+            path = out / f"{name}.txt"
+            path.write_text(texts[name], encoding="utf-8")
+            written.append(path)
+            sys.stdout.write(f"{name}: {texts[name]}")
+        elif k.kind == "text":
             text = as_text(arr)
             path = out / f"{name}.txt"
             path.write_text(text + "\n", encoding="utf-8")
@@ -376,6 +384,19 @@ def _query(db: Path, sql: str) -> list[tuple[Any, ...]] | None:
 def ir_from_db(run_dir: Path) -> Any:
     """The program's IR, compiled from the source and parameters the run database stores."""
     return run_program(run_dir)[0]
+
+
+def tokenizer_texts(run_dir: Path) -> dict[str, str]:
+    """Value -> its text, for the values of a vocabulary the run bound to a tokenizer."""
+    import json
+
+    from lmpm.runtime.vocab import run_texts
+
+    db = trace_db(run_dir)
+    rows = None if db is None else _query(db, "SELECT value FROM meta WHERE key = 'tokenizers'")
+    if not rows:
+        return {}
+    return run_texts(run_dir, {"tokenizers": json.loads(rows[0][0])})
 
 
 def run_program(run_dir: Path) -> tuple[Any, dict[str, int]]:
