@@ -276,3 +276,30 @@ def test_a_token_input_too_long_says_a_prompt_may_be_shorter(
     assert rc == 1
     err = capsys.readouterr().err
     assert "error[R004]" in err and "a prompt of up to 6 tokens" in err, err
+
+
+GRID = """
+value Txt : Token[BPE] shape Grid2D(3, 8)
+visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
+rule Gen:
+  on Txt[b, t]
+  read {ctx = Txt[b, 0..t-1]}
+  emit proposal Txt[b, t] := Uniform(ctx)
+"""
+
+
+def test_a_grid_of_rows_takes_a_prompt_per_line(tok_dir: Path, tmp_path: Path) -> None:
+    prog = tmp_path / "g.lmpm"
+    prog.write_text(GRID)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red square\nthe green bar goes\n")  # two prompts for three rows
+    run = lmpm.compile(prog).runner(tokenizers={"BPE": tok_dir}, inputs={"Txt": prompts})
+    got = run.outputs()["Txt"].tolist()
+    tok = _tok(tok_dir)
+    for row, text in zip(got, ["a red square", "the green bar goes", ""], strict=True):
+        ids = tok.encode(text).ids
+        assert row == ids + [-1] * (8 - len(ids))
+    prompts.write_text("a\nb\nc\nd\n")
+    with pytest.raises(lmpm.errors.InputError) as err:
+        lmpm.compile(prog).runner(tokenizers={"BPE": tok_dir}, inputs={"Txt": prompts})
+    assert err.value.code == "R009" and "4 lines; the value holds 3 rows" in str(err.value)

@@ -4,7 +4,7 @@ Inputs (``--input NAME=PATH``): ``.npy`` / ``.pt`` arrays of the value's shape (
 unset; numbers: NaN means unset), ``.json`` nested lists (``null`` = unset), and any other file as
 text for a ``Token[Byte]`` value (one byte per cell along the sequence) or a ``Token[NAME]`` value
 whose vocabulary is bound to a tokenizer (``--tokenizer NAME=PATH``, :mod:`lmpm.runtime.vocab`;
-encoded with it). A token value's input may be shorter than the value along its last axis (a
+encoded with it: a ``Seq`` takes the text, a ``Grid2D(B, N)`` a line per row). A token value's input may be shorter than the value along its last axis (a
 prompt): it fills the first cells, and the cells past it stay unset.
 
 Outputs in RUN_DIR: every value as ``NAME.npy`` (unset as above) and, up to 100k cells, ``NAME.json``
@@ -271,8 +271,10 @@ def _from_json(data: Any, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor,
 def _from_text(
     data: bytes, vp: ValuePlan, where: dict[str, Any], vocab: Vocabulary | None
 ) -> tuple[Tensor, Tensor]:
-    if len(vp.dims) != 1 or vp.vocab is None or (vocab is None and vp.vocab != 256):
-        kind = "a Seq value" if vp.vocab is not None else "a Token value of shape Seq(N)"
+    """Bytes for a Token[Byte] Seq; a tokenizer's tokens for a Seq (the text) or a Grid2D(B, N)
+    (a line per row) of its vocabulary. Cells past the text stay unset."""
+    grid = vocab is not None and len(vp.dims) == 2
+    if not (len(vp.dims) == 1 or grid) or vp.vocab is None or (vocab is None and vp.vocab != 256):
         hint = "use .npy, .pt or .json"
         if vp.vocab is not None and vocab is None:
             hint = (
@@ -280,14 +282,14 @@ def _from_text(
                 "is the vocabulary of `Token[NAME]` (Python: tokenizers={'NAME': path}), or " + hint
             )
         raise InputError(
-            f"text input needs a Token[Byte] value or a Token value whose vocabulary is bound to "
-            f"a tokenizer, of shape Seq(N); `{vp.name}` is not {kind} of either",
+            f"text input needs a Token[Byte] Seq value, or a Seq or Grid2D(B, N) value whose "
+            f"vocabulary is bound to a tokenizer; `{vp.name}` is neither",
             where=where,
             code="R008",
             hint=hint,
         )
     if vocab is None:
-        ids, unit = list(data), "bytes"
+        rows, unit = [list(data)], "bytes"
     else:
         try:
             text = data.decode("utf-8")
@@ -297,18 +299,30 @@ def _from_text(
             ) from None
         if text.endswith("\n"):  # the newline that ends a text file is not part of the prompt
             text = text[:-1]
-        ids, unit = vocab.encode(text), f"tokens of {vocab.name}"
-    if len(ids) > vp.ncells:
-        raise InputError(
-            f"text for `{vp.name}` is {len(ids)} {unit}; the value holds {vp.ncells}",
-            where=where,
-            code="R009",
-            hint=f"shorten it or --set the length ≥ {len(ids)}",
-        )
+        lines = text.split("\n") if grid else [text]
+        if len(lines) > vp.dims[0] and grid:
+            raise InputError(
+                f"text for `{vp.name}` has {len(lines)} lines; the value holds {vp.dims[0]} rows",
+                where=where,
+                code="R009",
+                hint="give a line per row (a prompt each), at most as many as the value's rows",
+            )
+        rows, unit = [vocab.encode(line) for line in lines], f"tokens of {vocab.name}"
+    width = vp.dims[-1] if grid else vp.ncells
     payload = torch.zeros(vp.ncells, dtype=torch.int64)
-    payload[: len(ids)] = torch.tensor(ids, dtype=torch.int64)
     mask = torch.zeros(vp.ncells, dtype=torch.bool)
-    mask[: len(ids)] = True
+    for r, ids in enumerate(rows):
+        if len(ids) > width:
+            line = f"line {r + 1} of the text" if grid else "text"
+            raise InputError(
+                f"{line} for `{vp.name}` is {len(ids)} {unit}; the value holds {width}"
+                + (" per row" if grid else ""),
+                where=where,
+                code="R009",
+                hint=f"shorten it or --set the length ≥ {len(ids)}",
+            )
+        payload[r * width : r * width + len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        mask[r * width : r * width + len(ids)] = True
     return payload, mask
 
 
