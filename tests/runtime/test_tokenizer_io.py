@@ -218,6 +218,15 @@ def test_text_for_an_unbound_vocabulary_says_how_to_bind_one(
     assert "error[R008]" in err and "--tokenizer NAME=tokenizer.json" in err, err
 
 
+def test_a_run_without_a_size_for_the_vocabulary_says_how_to_give_one(
+    prog: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", str(prog), "--out", str(tmp_path / "r")]) == 1
+    err = capsys.readouterr().err
+    assert "error[B003]" in err and "--tokenizer BPE=tokenizer.json" in err, err
+    assert "--set BPE=V" in err
+
+
 def test_text_longer_than_the_value_is_refused(
     prog: Path, tok_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -65,6 +65,7 @@ from lmpm.runtime.vocab import (
     Vocabulary,
     bind_vocabularies,
     by_value,
+    require_sizes,
     save_tokenizers,
     saved_tokenizers,
     tokenizer_meta,
@@ -121,6 +122,7 @@ class Run:
         # a tokenizer sizes its vocabulary (the parameter NAME of Token[NAME]): lmpm.runtime.vocab
         self.vocabularies, self.params = bind_vocabularies(front.ir, tokenizers or {}, params or {})
         self.given_params = dict(params or {})  # what the caller set (a run's stored settings)
+        require_sizes(front.ir, self.params)
         self.seed = seed
         self.backend = backend
         self.epochs = epochs

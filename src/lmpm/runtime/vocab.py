@@ -173,6 +173,22 @@ def bind_vocabularies(
     return vocabs, out
 
 
+def require_sizes(program: Program, params: Mapping[str, int]) -> None:
+    """Before a run: every named vocabulary has a size (B003 otherwise, saying how to give one:
+    a tokenizer first, since a named vocabulary usually is one)."""
+    params_of = {p.name: p for p in program.params}
+    for name, values in vocabulary_names(program).items():
+        p = params_of.get(name)
+        if p is not None and p.default is None and name not in params:
+            raise BindError(
+                f"the vocabulary `{name}` of `{values[0]}` has no size",
+                code="B003",
+                hint=f"bind it to a tokenizer: --tokenizer {name}=tokenizer.json (a transformers "
+                f"model directory works too; Python: tokenizers={{'{name}': path}}), or give its "
+                f"size: --set {name}=V",
+            )
+
+
 def by_value(program: Program, vocabs: Mapping[str, Vocabulary]) -> dict[str, Vocabulary]:
     """Value name -> the tokenizer of its vocabulary, for the values whose vocabulary has one."""
     return {
