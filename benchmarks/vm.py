@@ -52,7 +52,8 @@ Then (CPU):
 
     python benchmarks/vm.py [--sizes 1,64,256,1024,4096] [--repeat 3] [--model-streams 256]
                             [--no-compile] [--device cpu|cuda] [--baseline-max 16384]
-                            [--steps-per-replay 1,2,4,8,16] [--k-sizes 1024]
+                            [--steps-per-replay 1,2,4,8,16] [--k-sizes 1024] [--k-only]
+    python benchmarks/vm.py --device cuda --k-only --k-sizes 1024,16384 --baseline-max 1024
     python benchmarks/vm.py --device cuda --sizes 1024,4096,16384 --repeat 2   # on a GPU
 """
 
@@ -420,6 +421,9 @@ def main() -> int:
         help="the K of the vm_steps_per_replay lines ('': none)",
     )
     ap.add_argument("--k-sizes", default="1024", help="batch sizes of the K lines ('': none)")
+    ap.add_argument(
+        "--k-only", action="store_true", help="only the vm_steps_per_replay lines (no vm_step)"
+    )
     ap.add_argument("--no-compile", action="store_true", help="time the eager VM only")
     ap.add_argument(
         "--device",
@@ -452,13 +456,13 @@ def main() -> int:
         compiled_refusal(args.device) if args.device != "cpu" and not args.no_compile else None
     )
     compile = not args.no_compile and refused is None
-    for b in sizes:
+    for b in [] if args.k_only else sizes:
         line = time_size(b, length, args, compile)
         if refused:
             line["compiled_note"] = f"compiled step not timed on {args.device}: {refused}"
         steps_s[b] = line["compiled_s"] if compile else line["vm_s"]
         print(json.dumps(line), flush=True)
-    for b in sizes:  # every step the VM's own work: no tool call to wait on
+    for b in [] if args.k_only else sizes:  # every step the VM's own work: no tool to wait on
         if b >= 1024 or len(sizes) == 1:
             line = time_size(b, length, args, compile, tools=False)
             print(json.dumps(line), flush=True)
@@ -468,7 +472,9 @@ def main() -> int:
             for line in time_steps_per_replay(b, length, args, compile, tools):
                 print(json.dumps(line), flush=True)
     torch.set_num_threads(threads)
-    if args.model_streams and args.device == "cpu":  # the byte model's run is a CPU claim
+    if (
+        args.model_streams and args.device == "cpu" and not args.k_only
+    ):  # the byte model's run is a CPU claim
         print(json.dumps(model_share(args.model_streams, compile)), flush=True)
     if 64 in steps_s and 4096 in steps_s:
         print(
