@@ -390,4 +390,13 @@ class Core:
     def feed_results(self, rows: Tensor, results: list[list[int]]) -> None:
         """Queue tool-result tokens for ``rows`` (forced before anything else) and resume them."""
         self.next_forced = self.flags = None
-        self.answer(self.results_block(rows, results).to(self.device))
+        block = self.results_block(rows, results).to(self.device)
+        before = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
+        self.answer(block)
+        # The state keeps its tensors (on CUDA they are a captured graph's static inputs, which
+        # the next replay reads): what answering replaced is written back into them.
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new is not old and new.shape == old.shape:
+                old.copy_(new)
+                setattr(self, name, old)
