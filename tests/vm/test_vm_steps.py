@@ -198,4 +198,4 @@ def test_compiled_cpu_k_steps_commit_what_the_step_loop_commits() -> None:
 def test_steps_per_replay_outside_1_to_16_is_a_usage_error() -> None:
     with pytest.raises(UsageError) as info:
         VM(example(2), tools={"Count": count}, steps_per_replay=3)
-    assert info.value.code == "U106" and "1, 2, 4, 8, 16" in info.value.message
+    assert info.value.code == "U146" and "1, 2, 4, 8, 16" in info.value.message

@@ -69,7 +69,7 @@ class VM:
             raise UsageError(
                 f"steps_per_replay must be one of {', '.join(map(str, STEPS_PER_REPLAY))}; "
                 f"got {steps_per_replay!r}",
-                code="U106",
+                code="U146",
                 hint="K steps run as one graph between two visits of the host: 1 (every step) "
                 "up to 16",
             )
