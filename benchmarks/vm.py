@@ -29,6 +29,18 @@ both sides: the seconds inside the user's tool are measured on both (``vm_tool_s
   same run. The per-stream baseline runs on the host either way (up to ``--baseline-max`` streams);
   the byte-model run (below) is a CPU claim and is skipped.
 
+``vm_steps_per_replay`` (sizes in ``--k-sizes``, default 1024; with and without the tool): the
+same workflow driven K steps at a time (``VM(steps_per_replay=K).advance(sampler)``, K in
+``--steps-per-replay``, default 1,2,4,8,16), the benchmark's sampler (the token table, read at each
+stream's position) inside the compiled step, so that the host touches nothing between the K steps
+(on CUDA: one CUDA-graph replay per K steps). Per K: ``step_s`` (whole run / the workflow's steps,
+device work included), ``host_s`` (the seconds the host spent in ``advance()`` and polling
+``vm.done``, per step: on CUDA the launches and copies, not the GPU's work), ``steps_run`` (K
+rounds up the run, idle steps included), ``ratio_vs_k1`` (K = 1's step_s over this K's, the same
+driver), ``ratio`` (the per-stream loop over step_s, tools taken out of both sides for
+``ratio_without_tools``) and ``tool_steps_late`` (mean steps a stream waits for a tool's answer
+beyond the step its zone ended: answers arrive between replays).
+
 Then (CPU):
 
 - ``model_share`` (B = 256, ``--model-streams``): the whole example on the embedded byte model
@@ -40,6 +52,8 @@ Then (CPU):
 
     python benchmarks/vm.py [--sizes 1,64,256,1024,4096] [--repeat 3] [--model-streams 256]
                             [--no-compile] [--device cpu|cuda] [--baseline-max 16384]
+                            [--steps-per-replay 1,2,4,8,16] [--k-sizes 1024] [--k-only]
+    python benchmarks/vm.py --device cuda --k-only --k-sizes 1024,16384 --baseline-max 1024
     python benchmarks/vm.py --device cuda --sizes 1024,4096,16384 --repeat 2   # on a GPU
 """
 
@@ -63,7 +77,7 @@ TOOL_LINE = "    call Count(sky)\n"  # removed for the tool-free case
 
 from lmpm.errors import UsageError  # noqa: E402
 from lmpm.ir import compile_file, compile_source  # noqa: E402
-from lmpm.vm import VM, WorkflowRun, compile_workflow  # noqa: E402
+from lmpm.vm import VM, Sampler, WorkflowRun, compile_workflow  # noqa: E402
 from lmpm.vm.reference import Reference  # noqa: E402
 
 ALPHABET = b"leftrighupdownblue sky red square  "
@@ -143,6 +157,92 @@ def time_vm(
         steps += 1
     sync(device)
     return Timed(time.perf_counter() - t0, steps, tool.seconds)
+
+
+def from_table(core: Any, forced: Any, table: torch.Tensor) -> torch.Tensor:
+    """The benchmark's sampler on the device: stream b's token at position p is table[b, p]."""
+    return table[core.ar, core.pos.clamp(max=core.N - 1)]
+
+
+class Advanced(NamedTuple):
+    """One whole run driven K steps at a time."""
+
+    seconds: float  # wall time, device work included
+    host_seconds: float  # in advance() and the vm.done polls
+    steps: int  # steps run (K per replay)
+    tool_seconds: float
+    tool_steps_late: float
+
+
+def time_advance(
+    streams: int, table: torch.Tensor, k: int, compile: bool, device: str, tools: bool
+) -> Advanced:
+    ins = _instructions(streams, tools)
+    tool = ToolClock(count)
+    vm = VM(ins, tools={"Count": tool}, compile=compile, device=device, steps_per_replay=k)
+    sampler = Sampler(from_table, (table.to(vm.core.device),))
+    host = 0.0
+    sync(device)
+    t0 = time.perf_counter()
+    while True:
+        h0 = time.perf_counter()
+        if vm.done:
+            host += time.perf_counter() - h0
+            break
+        vm.advance(sampler)
+        host += time.perf_counter() - h0
+    sync(device)
+    wall = time.perf_counter() - t0
+    return Advanced(wall, host - tool.seconds, vm.steps, tool.seconds, vm.tool_steps_late)
+
+
+def time_steps_per_replay(
+    b: int, length: int, args: argparse.Namespace, compile: bool, tools: bool
+) -> list[dict[str, Any]]:
+    """The ``vm_steps_per_replay`` lines of one batch size: one per K, interleaved runs."""
+    table = tokens_table(b, length)
+    ks = [int(k) for k in args.steps_per_replay.split(",")]
+    for k in ks:  # builds (compiled: the step with the sampler inside) and captures each K
+        time_advance(b, table, k, compile, args.device, tools)
+    baseline = b <= args.baseline_max
+    runs: dict[int, list[Advanced]] = {k: [] for k in ks}
+    base_t: list[Timed] = []
+    for _ in range(args.repeat):
+        for k in ks:
+            runs[k].append(time_advance(b, table, k, compile, args.device, tools))
+        if baseline:
+            base_t.append(time_baseline(b, table, tools))
+    steps = time_vm(b, table, device="cpu", tools=tools).steps  # the workflow's steps
+    base = best(base_t) if baseline else None
+    first = min(runs[ks[0]], key=lambda r: r.seconds)
+    lines = []
+    for k in ks:
+        run = min(runs[k], key=lambda r: r.seconds)
+        step_s = run.seconds / steps
+        free_s = (run.seconds - run.tool_seconds) / steps
+        lines.append(
+            {
+                "benchmark": "vm",
+                "case": "vm_steps_per_replay" if tools else "vm_steps_per_replay_tool_free",
+                "bench": "vm_steps_per_replay",
+                "device": device_name(args.device),
+                "streams": b,
+                "k": k,
+                "compiled": compile,
+                "steps": steps,
+                "steps_run": run.steps,
+                "step_s": round(step_s, 7),
+                "host_s": round(run.host_seconds / steps, 7),
+                "tool_s": round(run.tool_seconds / steps, 7),
+                f"ratio_vs_k{ks[0]}": round(first.seconds / run.seconds, 2),
+                "ratio": round(base.seconds / steps / step_s, 2) if base else None,
+                "ratio_without_tools": (
+                    round((base.seconds - base.tool_seconds) / steps / free_s, 2) if base else None
+                ),
+                "tool_steps_late": round(run.tool_steps_late, 2),
+            }
+        )
+    return lines
 
 
 def time_baseline(streams: int, table: torch.Tensor, tools: bool = True) -> Timed:
@@ -315,6 +415,15 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--model-streams", type=int, default=256, help="0: skip the model run")
     ap.add_argument("--quick", action="store_true", help="sizes 64,1024,4096, one repeat")
+    ap.add_argument(
+        "--steps-per-replay",
+        default="1,2,4,8,16",
+        help="the K of the vm_steps_per_replay lines ('': none)",
+    )
+    ap.add_argument("--k-sizes", default="1024", help="batch sizes of the K lines ('': none)")
+    ap.add_argument(
+        "--k-only", action="store_true", help="only the vm_steps_per_replay lines (no vm_step)"
+    )
     ap.add_argument("--no-compile", action="store_true", help="time the eager VM only")
     ap.add_argument(
         "--device",
@@ -347,18 +456,25 @@ def main() -> int:
         compiled_refusal(args.device) if args.device != "cpu" and not args.no_compile else None
     )
     compile = not args.no_compile and refused is None
-    for b in sizes:
+    for b in [] if args.k_only else sizes:
         line = time_size(b, length, args, compile)
         if refused:
             line["compiled_note"] = f"compiled step not timed on {args.device}: {refused}"
         steps_s[b] = line["compiled_s"] if compile else line["vm_s"]
         print(json.dumps(line), flush=True)
-    for b in sizes:  # every step the VM's own work: no tool call to wait on
+    for b in [] if args.k_only else sizes:  # every step the VM's own work: no tool to wait on
         if b >= 1024 or len(sizes) == 1:
             line = time_size(b, length, args, compile, tools=False)
             print(json.dumps(line), flush=True)
+    k_sizes = [int(s) for s in args.k_sizes.split(",") if s] if args.steps_per_replay else []
+    for b in k_sizes:
+        for tools in (False, True):
+            for line in time_steps_per_replay(b, length, args, compile, tools):
+                print(json.dumps(line), flush=True)
     torch.set_num_threads(threads)
-    if args.model_streams and args.device == "cpu":  # the byte model's run is a CPU claim
+    if (
+        args.model_streams and args.device == "cpu" and not args.k_only
+    ):  # the byte model's run is a CPU claim
         print(json.dumps(model_share(args.model_streams, compile)), flush=True)
     if 64 in steps_s and 4096 in steps_s:
         print(

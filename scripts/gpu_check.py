@@ -225,11 +225,26 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
             0.08,
             "benchmarks/vm.py",
             *(
-                ("--device", "cpu", "--quick")
+                ("--device", "cpu", "--quick", "--k-sizes", "")
                 if dry
                 else (
                     *("--device", "cuda", "--sizes", "1024,16384", "--repeat", "2"),
-                    *("--baseline-max", "1024", "--model-streams", "0"),
+                    *("--baseline-max", "1024", "--model-streams", "0", "--k-sizes", ""),
+                )
+            ),
+        ),
+        bench(
+            "vm-k",
+            "token-stream VM, K = 1..16 steps per CUDA-graph replay: per-step wall and host time",
+            0.06,
+            "benchmarks/vm.py",
+            "--k-only",
+            *(
+                ("--device", "cpu", "--k-sizes", "64", "--repeat", "1", "--no-compile")
+                if dry
+                else (
+                    *("--device", "cuda", "--k-sizes", "1024,16384", "--repeat", "2"),
+                    *("--baseline-max", "1024"),
                 )
             ),
         ),

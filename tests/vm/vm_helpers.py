@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lmpm.ir import compile_source
-from lmpm.vm import VM, ByteTokenizer, Instructions, compile_workflow
+from lmpm.vm import VM, ByteTokenizer, Instructions, Sampler, compile_workflow
 from lmpm.vm.reference import Reference
 from lmpm.workers import rng
 
@@ -51,6 +51,39 @@ def run_vm(vm: VM, seed: int = 0, offset: int = 0, max_steps: int = 500) -> int:
         vm.step(sampled, f)
         steps += 1
     return steps
+
+
+def rng_sampler(ins: Instructions, seed: int, device: str = "cpu") -> Sampler:
+    """:func:`random_tokens` as a device sampler (``VM.advance``): the same tokens."""
+
+    def sample(core: Any, forced: Any, allowed: Tensor) -> Tensor:
+        ok = allowed[core.pc.clamp(max=ins.zones - 1)]
+        logits = torch.zeros(ok.shape, dtype=torch.float64, device=ok.device).masked_fill(
+            ~ok, float("-inf")
+        )
+        return rng.categorical(
+            logits, seed=seed, value="Txt", cells=core.ar, epoch=core.pos, rule="test"
+        )
+
+    return Sampler(sample, (ins.allowed.to(device),))
+
+
+def table_sampler(table: Tensor) -> Sampler:
+    """Stream b's token at position p is ``table[b, p]`` (cheap to compile)."""
+    return Sampler(_from_table, (table,))
+
+
+def _from_table(core: Any, forced: Any, table: Tensor) -> Tensor:
+    return table[core.ar, core.pos.clamp(max=table.shape[1] - 1)]
+
+
+def run_advance(vm: VM, sampler: Sampler, max_steps: int = 500) -> int:
+    """Drive ``vm`` K steps at a time (``VM.advance``); returns the replays."""
+    replays = 0
+    while not vm.done and vm.steps < max_steps:
+        vm.advance(sampler)
+        replays += 1
+    return replays
 
 
 def run_reference(ref: Reference, seed: int = 0, offset: int = 0, max_steps: int = 500) -> None:

@@ -7,7 +7,7 @@ program's model, its constraints and the commit log.
 """
 
 from lmpm.vm.compile import ByteTokenizer, Instructions, compile_workflow, instructions_text
-from lmpm.vm.core import FORCED, GENERATED, TOOL, Core, Forced, StepOut
+from lmpm.vm.core import FORCED, GENERATED, TOOL, Core, Forced, Sampler, StepOut
 from lmpm.vm.machine import VM
 from lmpm.vm.runner import WorkflowRun
 
@@ -20,6 +20,7 @@ __all__ = [
     "Core",
     "Forced",
     "Instructions",
+    "Sampler",
     "StepOut",
     "WorkflowRun",
     "compile_workflow",

@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import WorkflowError
-from lmpm.vm.core import Core, Forced, StepOut
+from lmpm.vm.core import Core, Forced, Sampler, StepOut
 from lmpm.workers import graphs, simcuda
 
 # The streams' state: what a step reads and writes (the history tables in place, the rest anew).
@@ -63,6 +63,7 @@ STATE = (
     "inj_pos",
     "inj_len",
     "waiting",
+    "wait_steps",
     "cb_zone",
     "truncated",
     "cap_start",
@@ -100,6 +101,19 @@ _STEP_OUT = 7  # StepOut's fields
 _FORCED = 4  # Forced's fields
 
 
+def _shadow(core: Core, ts: tuple[Tensor, ...]) -> Core:
+    """A core over the traced tensors ``ts`` (``STATE`` then ``CONSTANTS``) that runs its
+    settle rounds unrolled (no Python decision on a tensor's value)."""
+    sh = object.__new__(Core)
+    sh.__dict__.update(core.__dict__)  # the Python values: B, N, Z, settle_rounds, ...
+    for name, t in zip(STATE + CONSTANTS, ts):
+        setattr(sh, name, t)
+    sh.visits, sh.visits_mask = [], []
+    sh.unrolled = True
+    sh.next_forced = sh.flags = None
+    return sh
+
+
 def _step_fn(core: Core, rebound: list[str]) -> Callable[..., tuple[Tensor, ...]]:
     """One step over flat tensors: the state (``STATE``), the constants (``CONSTANTS``), the
     sampled tokens and this step's ``Forced``. Returns the ``StepOut``, the state fields the step
@@ -109,13 +123,7 @@ def _step_fn(core: Core, rebound: list[str]) -> Callable[..., tuple[Tensor, ...]
 
     def step(*ts: Tensor) -> tuple[Tensor, ...]:
         n, m = len(STATE), len(STATE) + len(CONSTANTS)
-        sh = object.__new__(Core)
-        sh.__dict__.update(core.__dict__)  # the Python values: B, N, Z, settle_rounds, ...
-        for name, t in zip(STATE + CONSTANTS, ts[:m]):
-            setattr(sh, name, t)
-        sh.visits, sh.visits_mask = [], []
-        sh.unrolled = True
-        sh.next_forced = sh.flags = None
+        sh = _shadow(core, ts[:m])
         sampled, *forced = ts[m:]
         out = Core.commit(sh, sampled, Forced(*forced))
         nxt = Core.forced(sh)
@@ -141,6 +149,60 @@ def _step_fn(core: Core, rebound: list[str]) -> Callable[..., tuple[Tensor, ...]
         )
 
     return step
+
+
+_FLAGS = 3  # per step: every stream done, a tool waits, streams waiting
+
+
+def _sampled_step_fn(
+    core: Core, sample: Callable[..., Tensor], tensors: int, rebound: list[str]
+) -> Callable[..., tuple[Tensor, ...]]:
+    """One step with its sampler inside, over flat tensors: the state (``STATE``), the constants
+    (``CONSTANTS``), the sampler's ``tensors`` and a tool-answers block
+    (:meth:`Core.results_block`; all zero: no answer). The answers are applied first
+    (:meth:`Core.answer`), then the step asks ``sample`` for the tokens and commits them: the
+    same :meth:`Core.forced` and :meth:`Core.commit` as the eager step. K of these run back to
+    back make one replay (:class:`_StepsReplay`; on the CPU, :meth:`CompiledStep.advance`):
+    streams done or waiting for a tool idle (commit nothing) until the host's next visit.
+    Returns the ``StepOut`` fields, the state fields the step replaced (their names go to
+    ``rebound``), the zone visits and their masks (V, B), and (3,) int64 flags (``_FLAGS``)."""
+
+    def run(*ts: Tensor) -> tuple[Tensor, ...]:
+        n, m = len(STATE), len(STATE) + len(CONSTANTS)
+        sh = _shadow(core, ts[:m])
+        Core.answer(sh, ts[m + tensors])
+        forced = Core.forced(sh)
+        out = Core.commit(sh, sample(sh, forced, *ts[m : m + tensors]), forced)
+        rebound[:] = [name for name, t in zip(STATE, ts[:n]) if getattr(sh, name) is not t]
+        waiting = sh.waiting.long()
+        return (
+            out.tokens,
+            out.active,
+            out.kind,
+            out.tags,
+            out.pc,
+            out.token_num,
+            out.triggers,
+            *(getattr(sh, name) for name in rebound),
+            torch.stack(sh.visits),
+            torch.stack(sh.visits_mask),
+            torch.stack((sh.finished.all().long(), waiting.amax(), waiting.sum())),
+        )
+
+    return run
+
+
+def _stack_steps(per_step: list[tuple[Tensor, ...]]) -> list[Tensor]:
+    """K steps' escaping outputs (``StepOut`` fields, visits, their masks, flags), each
+    stacked: (K, B) fields, (K * V, B) visits and masks, (K, 3) flags."""
+    cols = list(zip(*per_step))
+    fields = [torch.stack(c) for c in cols[:_STEP_OUT]]
+    return [
+        *fields,
+        torch.cat(cols[_STEP_OUT]),
+        torch.cat(cols[_STEP_OUT + 1]),
+        torch.stack(cols[-1]),
+    ]
 
 
 # Captured graphs by (compiled step, input signature): a core that ends hands its graph to the
@@ -211,6 +273,82 @@ class _Replay:
         return [next(parts[dt]).view(shape) for dt, shape in self.layout]
 
 
+_STEPS_REPLAYS: dict[tuple[Any, ...], _StepsReplay] = {}
+
+
+class _StepsReplay:
+    """K steps captured as one CUDA graph (K runs of :func:`_sampled_step_fn`), over static
+    input buffers.
+
+    ``inputs`` are the step's arguments (``STATE``, ``CONSTANTS``, the sampler's tensors, the
+    answers block). After each step the graph copies the new state back into the inputs (the
+    history tables are written in place), and after the first it clears the answers block's
+    first column (its answers are in): a driver passing the core's own tensors copies in
+    nothing, and tool answers with one copy (the block). The sampler's tensors are its own (the
+    graph reads them where they are). What escapes the K steps -- their ``StepOut`` fields
+    (K, B) and zone visits, static ring buffers the graph fills -- is one buffer per dtype,
+    copied out once per replay; the (K, 3) flags go to the host late
+    (:class:`~lmpm.workers.graphs.LateFlags`, at most ``lag`` replays: about 16 steps)."""
+
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Tensor, ...], rebound: list[str], steps: int
+    ) -> None:
+        where = [STATE.index(name) for name in rebound]
+        fixed = len(STATE) + len(CONSTANTS)
+        self.answers_at = len(args) - 1
+        # the state, constants and answers as copies (the core adopts them); the sampler's own
+        self.inputs = [a if fixed <= k < self.answers_at else a.clone() for k, a in enumerate(args)]
+        self.layout: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        self.dtypes: list[torch.dtype] = []
+
+        def body() -> list[Tensor]:
+            per_step = []
+            for k in range(steps):
+                outs = fn(*self.inputs)
+                i = _STEP_OUT
+                for at in where:
+                    self.inputs[at].copy_(outs[i])
+                    i += 1
+                if k == 0:  # answered: the later steps, and the next replay, answer none
+                    self.inputs[self.answers_at][:, 0].zero_()
+                per_step.append((*outs[:_STEP_OUT], *outs[i:]))
+            *escaping, flags = _stack_steps(per_step)
+            self.layout = [(t.dtype, tuple(t.shape)) for t in escaping]
+            by_dtype: dict[torch.dtype, list[Tensor]] = {}
+            for t in escaping:
+                by_dtype.setdefault(t.dtype, []).append(t.reshape(-1))
+            self.dtypes = list(by_dtype)
+            return [*(torch.cat(parts) for parts in by_dtype.values()), flags.reshape(-1)]
+
+        def warmup() -> None:  # on copies: the step writes its history tables in place
+            for _ in range(2):
+                fn(*[a.clone() for a in args])
+
+        outs, self.replay = graphs.capture(body, warmup=warmup)
+        self.flat = list(outs[:-1])
+        self.flags = graphs.LateFlags(outs[-1], lag=max(2, 16 // steps))  # (K * _FLAGS,)
+        self.sizes = {
+            dt: [math.prod(shape) for d, shape in self.layout if d == dt] for dt in self.dtypes
+        }
+        self.owner: weakref.ref[Core] | None = None  # the core whose state the inputs hold
+        self.fresh = True  # the owner's tensors are not the inputs yet
+
+    def run(self, args: tuple[Tensor, ...], block: Tensor | None) -> list[Tensor]:
+        """K steps: copy in what is not in the static inputs already (nothing once the core
+        adopted them) and the answers (one copy), replay once, copy the outputs out."""
+        for a, static in zip(args[: self.answers_at], self.inputs):
+            if a is not static:
+                static.copy_(a)
+        if block is not None:
+            self.inputs[self.answers_at].copy_(block, non_blocking=True)
+        self.replay()
+        self.flags.mark()
+        parts = {
+            dt: iter(flat.clone().split(self.sizes[dt])) for dt, flat in zip(self.dtypes, self.flat)
+        }
+        return [next(parts[dt]).view(shape) for dt, shape in self.layout]
+
+
 class CompiledStep:
     """A core's compiled step (one graph per stream count, length and tool-result width); on
     CUDA, captured and replayed as one CUDA graph."""
@@ -226,32 +364,48 @@ class CompiledStep:
         self.compiles = 0  # graphs built or loaded in this process for this core
         self.compile_seconds = 0.0
         self.steps = 0
+        self.replays = 0  # K-step graphs run (advance)
+        # the step with a sampler inside, by (width, the sampler's function, its tensor count)
+        self._sampled: dict[tuple[Any, ...], tuple[Callable[..., Any], list[str]]] = {}
+        self._steps_replays: dict[tuple[Any, ...], _StepsReplay] = {}
+        self._no_answers: dict[int, Tensor] = {}  # (B, 2 + width) zeros: no tool answers
         from lmpm.runtime.data.compiled import CACHE_ENV, cache_dir
 
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))  # kept across runs
 
     def _graph(self, width: int, args: tuple[Tensor, ...]) -> tuple[Callable[..., Any], list[str]]:
+        hit = self._graphs[width] = self._build(
+            ("vm", self.core.settle_rounds), lambda rebound: _step_fn(self.core, rebound), args
+        )
+        return hit
+
+    def _build(
+        self,
+        key: tuple[Any, ...],
+        make: Callable[[list[str]], Callable[..., tuple[Tensor, ...]]],
+        args: tuple[Tensor, ...],
+    ) -> tuple[Callable[..., Any], list[str]]:
+        """The compiled ``make(rebound)`` for the signature of ``args`` (``key``: what else the
+        graph depends on), and the names of the state fields it replaces."""
         from lmpm.runtime.data.compiled import _signature, compile_graph, freeze_compiled
 
-        key = ("vm", self.core.settle_rounds, _signature(args))
         rebound: list[str] = []
         t0 = time.perf_counter()
         try:
             if simcuda.active() is not None:
                 # The simulated device has no inductor backend: its "graph" is the traced step's
                 # own function, which the capture then replays (what the device check proves).
-                fn = _step_fn(self.core, rebound)
+                fn = make(rebound)
                 fn(*[a.clone() for a in args])  # names the rebound fields, as tracing does
                 self.compiles += 1
                 self.compile_seconds += time.perf_counter() - t0
-                hit = self._graphs[width] = (fn, rebound)
-                return hit
+                return fn, rebound
             # All inputs of one element crash inductor's C++ wrapper (torch 2.13): one stream
             # runs with the Python wrapper. On CUDA the wrapper is Python (it launches Triton
             # kernels, and the CUDA graph replays them without it).
             fn, gm, how = compile_graph(
-                key,
-                lambda: _step_fn(self.core, rebound),
+                (*key, _signature(args)),
+                lambda: make(rebound),
                 args,
                 cpp_wrapper=self.core.B > 1 and not self.graphed,
             )
@@ -270,8 +424,113 @@ class CompiledStep:
         gm.meta["lmpm_rebound"] = tuple(rebound)
         self.compiles += 1
         self.compile_seconds += time.perf_counter() - t0
-        hit = self._graphs[width] = (fn, rebound)
-        return hit
+        return fn, rebound
+
+    # ---- K steps per replay ----------------------------------------------------------------------
+    def advance(self, sampler: Sampler, block: Tensor | None, steps: int) -> StepOut:
+        """``steps`` (K) steps, each the compiled step with ``sampler`` inside, with no host
+        decision between them (on CUDA one replay of one CUDA graph): ``block`` (the host's tool
+        answers, :meth:`Core.results_block`, or None) goes in with the first; the (K, B)
+        ``StepOut`` comes back, and the flags of the last step (late, on CUDA)."""
+        core = self.core
+        width = core.inj.shape[1]
+        none = self._no_answers.get(width)
+        if none is None:
+            none = self._no_answers[width] = torch.zeros(
+                (core.B, 2 + width), dtype=torch.int64, device=core.device
+            )
+        args = (
+            *(getattr(core, name) for name in STATE),
+            *(getattr(core, name) for name in CONSTANTS),
+            *sampler.tensors,
+            none,
+        )
+        key = (width, sampler.fn, len(sampler.tensors))
+        graph = self._sampled.get(key)
+        if graph is None:
+            graph = self._sampled[key] = self._build(
+                ("vm-sampled", core.settle_rounds, sampler.fn),
+                lambda rebound: _sampled_step_fn(core, sampler.fn, len(sampler.tensors), rebound),
+                args,
+            )
+        fn, rebound = graph
+        self.steps += steps
+        self.replays += 1
+        core.next_forced = None
+        if self.graphed:
+            outs = self._replay_steps((*key, steps), fn, rebound, args, block)
+        else:
+            outs = self._run_steps(fn, rebound, args, block, steps)
+        core.visits.append(outs[_STEP_OUT])
+        core.visits_mask.append(outs[_STEP_OUT + 1])
+        return StepOut(*outs[:_STEP_OUT])
+
+    def _run_steps(
+        self,
+        fn: Callable[..., Any],
+        rebound: list[str],
+        args: tuple[Tensor, ...],
+        block: Tensor | None,
+        steps: int,
+    ) -> list[Tensor]:
+        """K compiled steps on the CPU, back to back: each step's new state is the next one's
+        input; the flags are read once, after the last."""
+        core = self.core
+        state = list(args[: len(STATE)])
+        where = [STATE.index(name) for name in rebound]
+        rest = args[len(STATE) : -1]
+        answers = block.to(core.device) if block is not None else args[-1]
+        per_step = []
+        for _ in range(steps):
+            outs = fn(*state, *rest, answers)
+            answers = args[-1]
+            for i, at in enumerate(where, _STEP_OUT):
+                state[at] = outs[i]
+            per_step.append((*outs[:_STEP_OUT], *outs[_STEP_OUT + len(where) :]))
+        for name, t in zip(STATE, state):
+            setattr(core, name, t)
+        *escaping, flags = _stack_steps(per_step)
+        done, waits, _waiting = flags[-1].tolist()
+        core.flags = (bool(done), bool(waits))
+        return escaping
+
+    def _replay_steps(
+        self,
+        key: tuple[Any, ...],
+        fn: Callable[..., Any],
+        rebound: list[str],
+        args: tuple[Tensor, ...],
+        block: Tensor | None,
+    ) -> list[Tensor]:
+        core = self.core
+        rep = self._steps_replays.get(key)
+        if rep is None:
+            rep = self._steps_replays[key] = self._adopt_steps(fn, rebound, args, key[-1])
+        outs = rep.run(args, block)
+        core.flags = _Late(rep.flags, offset=len(rep.flags.seen) - _FLAGS)
+        if rep.fresh:  # the core's tensors become the graph's inputs: later replays copy nothing
+            rep.fresh = False
+            for name, static in zip(STATE + CONSTANTS, rep.inputs):
+                setattr(core, name, static)
+        return outs
+
+    def _adopt_steps(
+        self, fn: Callable[..., Any], rebound: list[str], args: tuple[Tensor, ...], steps: int
+    ) -> _StepsReplay:
+        """As :meth:`_adopt`, for the K-step graph."""
+        from lmpm.runtime.data.compiled import _signature
+
+        key = (fn, steps, _signature(args))
+        rep = _STEPS_REPLAYS.get(key)
+        if rep is None or (rep.owner is not None and rep.owner() is not None):
+            t0 = time.perf_counter()
+            rep = _StepsReplay(fn, args, rebound, steps)
+            self.compile_seconds += time.perf_counter() - t0
+            _STEPS_REPLAYS[key] = rep
+        rep.owner = weakref.ref(self.core)
+        rep.fresh = True
+        rep.flags.reset()
+        return rep
 
     def step(self, sampled: Tensor, forced: Forced | None) -> StepOut:
         core = self.core
@@ -360,10 +619,12 @@ class CompiledStep:
 
 
 class _Late:
-    """``core.flags`` of a replayed step: (every stream done, a tool waits), read late."""
+    """``core.flags`` of a replayed step: (every stream done, a tool waits), read late; of K
+    replayed steps, the last step's (``offset``: where its row starts in the flags)."""
 
-    def __init__(self, flags: graphs.LateFlags) -> None:
+    def __init__(self, flags: graphs.LateFlags, offset: int = 0) -> None:
         self._flags = flags
+        self._offset = offset
 
     def __getitem__(self, i: int) -> bool:
-        return bool(self._flags.read()[i])
+        return bool(self._flags.read()[self._offset + i])

@@ -9,6 +9,8 @@ State per stream ``b`` (all tensors have B rows)::
     inj[b, :]      tool-result tokens still to force (inj_pos[b] .. inj_len[b])
     jumps[b, e]    how often exit e jumped (its `limit` bounds loops)
     waiting[b]     a tool call is pending (resolved between steps, see :class:`lmpm.vm.VM`)
+    wait_steps[b]  step ends at which the stream waited for a tool (one per call when tools are
+                   resolved after every step; K - k when its zone ended at step k of K replayed)
 
 Injection depends only on (pc, tok_num, inj_pos): :meth:`Core.forced` says, before the model
 runs, which streams commit a forced token this step, so the model is asked only for the others.
@@ -18,7 +20,7 @@ triggers on the byte ring and moves every stream's program counter at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -49,8 +51,29 @@ class Forced:
 
 
 @dataclass(frozen=True, slots=True)
+class Sampler:
+    """The model and sampler of a step as one function on the streams' device, so that K steps
+    run without the host (:meth:`lmpm.vm.VM.advance`): ``fn(core, forced, *tensors)`` returns
+    (B,) int64 tokens, read where ``forced.ask``. It is traced into the K-step graph, so it reads
+    the core's tensors and ``tensors`` (its tables, on the streams' device: graph inputs) with
+    tensor ops only -- no value read on the host, no data-dependent size. Results do not depend
+    on K when the tokens depend on the stream and its position, not on the step (a counter-based
+    RNG keyed by ``core.pos``, :mod:`lmpm.workers.rng`). A compiled graph is kept per ``fn``
+    object: make one sampler and reuse it.
+
+    >>> import torch
+    >>> table = torch.tensor([[104, 105, 33]])   # one stream: "hi!"
+    >>> s = Sampler(lambda core, forced, t: t[core.ar, core.pos.clamp(max=2)], (table,))
+    """
+
+    fn: Callable[..., Tensor]
+    tensors: tuple[Tensor, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class StepOut:
-    """The committed step: tokens and tags per stream, and the new state."""
+    """The committed step: tokens and tags per stream, and the new state. Fields are (B,) for
+    one step, (K, B) for K steps (:meth:`lmpm.vm.VM.advance`), row k the k-th step."""
 
     tokens: Tensor  # (B,) int64, -1 where the stream committed nothing
     active: Tensor  # (B,) bool: committed a token
@@ -118,6 +141,7 @@ class Core:
         self.inj_pos = torch.zeros(b, dtype=i64, device=dev)
         self.inj_len = torch.zeros(b, dtype=i64, device=dev)
         self.waiting = torch.zeros(b, dtype=torch.bool, device=dev)
+        self.wait_steps = torch.zeros(b, dtype=i64, device=dev)
         self.cb_zone = torch.full((b,), -1, dtype=i64, device=dev)
         self.truncated = torch.zeros(b, dtype=torch.bool, device=dev)
         c = max(len(ins.capture_names), 1)
@@ -281,6 +305,7 @@ class Core:
         self.waiting &= ~full
         self.inj_len = torch.where(full, self.inj_pos, self.inj_len)
         self._settle(active)
+        self.wait_steps = self.wait_steps + self.waiting.long()
         return StepOut(tok, active, kind, tags, self.pc.clone(), self.tok_num.clone(), bits)
 
     def _leave(self, leave: Tensor, new_pc: Tensor) -> None:
@@ -332,21 +357,46 @@ class Core:
             self.settled = torch.stack(rounds).sum() if rounds else self.pc.new_zeros(())
 
     # ---- tool results ----------------------------------------------------------------------------
-    def feed_results(self, rows: Tensor, results: list[list[int]]) -> None:
-        """Queue tool-result tokens for ``rows`` (forced before anything else) and resume them."""
-        self.next_forced = self.flags = None
+    def results_block(self, rows: Tensor, results: list[list[int]]) -> Tensor:
+        """Tool results as one host (B, 2 + W) int64 block -- column 0: the row has an answer,
+        1: its length, 2..: its tokens -- written to the device with one copy and applied by
+        :meth:`answer`. Widens the result queue to W when a result is wider than it."""
         width = max([len(r) for r in results] + [1])
         if width > self.inj.shape[1]:
             pad = torch.full((self.B, width - self.inj.shape[1]), -1, dtype=torch.int64)
             self.inj = torch.cat([self.inj, pad.to(self.device)], 1)
         w = self.inj.shape[1]
-        block = torch.tensor([r + [-1] * (w - len(r)) for r in results], dtype=torch.int64)
-        rows = rows.to(self.device)
-        self.inj[rows] = block.reshape(len(results), w).to(self.device)
-        self.inj_len[rows] = torch.tensor([len(r) for r in results], device=self.device)
-        self.inj_pos[rows] = 0
-        self.waiting[rows] = False
-        self.cb_zone[rows] = -1
-        moved = torch.zeros(self.B, dtype=torch.bool, device=self.device)
-        moved[rows] = True
-        self._settle(moved)
+        block = torch.zeros((self.B, 2 + w), dtype=torch.int64)
+        block[:, 2:] = -1
+        rows_list = rows.tolist()
+        block[rows_list, 0] = 1
+        block[rows_list, 1] = torch.tensor([len(r) for r in results], dtype=torch.int64)
+        block[rows_list, 2:] = torch.tensor(
+            [r + [-1] * (w - len(r)) for r in results], dtype=torch.int64
+        ).reshape(len(results), w)
+        return block
+
+    def answer(self, block: Tensor) -> None:
+        """Resume the streams that ``block`` (:meth:`results_block`, on the device) answers:
+        their results are forced next. Tensor ops only: the K-step graph runs it at its start."""
+        mask = block[:, 0] > 0
+        self.inj = torch.where(mask[:, None], block[:, 2:], self.inj)
+        self.inj_len = torch.where(mask, block[:, 1], self.inj_len)
+        self.inj_pos = torch.where(mask, torch.zeros_like(self.inj_pos), self.inj_pos)
+        self.waiting = self.waiting & ~mask
+        self.cb_zone = torch.where(mask, torch.full_like(self.cb_zone, -1), self.cb_zone)
+        self._settle(mask)
+
+    def feed_results(self, rows: Tensor, results: list[list[int]]) -> None:
+        """Queue tool-result tokens for ``rows`` (forced before anything else) and resume them."""
+        self.next_forced = self.flags = None
+        block = self.results_block(rows, results).to(self.device)
+        before = {k: v for k, v in vars(self).items() if isinstance(v, Tensor)}
+        self.answer(block)
+        # The state keeps its tensors (on CUDA they are a captured graph's static inputs, which
+        # the next replay reads): what answering replaced is written back into them.
+        for name, old in before.items():
+            new = getattr(self, name)
+            if new is not old and new.shape == old.shape:
+                old.copy_(new)
+                setattr(self, name, old)

@@ -33,12 +33,13 @@ from torch import Tensor
 from lmpm.errors import UsageError, WorkflowError
 from lmpm.ir.nodes import ArgKind
 from lmpm.vm.compile import ByteTokenizer, Instructions
-from lmpm.vm.core import Core, Forced, StepOut
+from lmpm.vm.core import Core, Forced, Sampler, StepOut
 
 if TYPE_CHECKING:
     from lmpm.vm.compiled import CompiledStep
 
 Tool = Callable[[list[Any]], Sequence[str]]
+STEPS_PER_REPLAY = (1, 2, 4, 8, 16)  # the K a VM takes (``steps_per_replay``)
 
 
 class VM:
@@ -60,9 +61,19 @@ class VM:
         tokenizer: ByteTokenizer | None = None,
         device: str | torch.device = "cpu",
         compile: bool = False,
+        steps_per_replay: int = 1,
     ) -> None:
         self.ins = ins
         self.tok = tokenizer or ByteTokenizer(min(ins.vocab, 256))
+        if steps_per_replay not in STEPS_PER_REPLAY:
+            raise UsageError(
+                f"steps_per_replay must be one of {', '.join(map(str, STEPS_PER_REPLAY))}; "
+                f"got {steps_per_replay!r}",
+                code="U146",
+                hint="K steps run as one graph between two visits of the host: 1 (every step) "
+                "up to 16",
+            )
+        self.steps_per_replay = steps_per_replay
         if compile and torch.device(device).type not in ("cpu", "cuda"):
             raise UsageError(
                 f"the compiled VM step runs on the cpu (inductor's C++) or on cuda (one CUDA "
@@ -80,6 +91,7 @@ class VM:
         self._tool_fns: dict[int, Tool] = {}
         self.steps = 0
         self.tool_calls = 0  # callables invoked (one per tool per step with ready streams)
+        self.answered = 0  # tool answers fed back (one per stream per call)
 
     # ---- the step ----------------------------------------------------------------------------------
     def forced(self) -> Forced:
@@ -107,6 +119,65 @@ class VM:
         self.steps += 1
         return out
 
+    def advance(self, sampler: Sampler) -> StepOut:
+        """Run ``steps_per_replay`` (K) steps with ``sampler`` (the model and sampler on the
+        streams' device) and no host decision between them: compiled, one graph (on CUDA one
+        replay). The tools that became ready since the last call are resolved first, one call per
+        tool for all its waiting streams, and their answers go in with the steps (one copy). A
+        stream that finishes, or whose zone ends with a tool call, idles for the rest of the K
+        steps (it commits nothing), so every stream commits what K = 1 commits; it learns its
+        tool's answer at the next call (:attr:`tool_steps_late`). Returns the K steps'
+        ``StepOut``, each field (K, B).
+
+        >>> import torch
+        >>> from lmpm.ir import compile_source
+        >>> from lmpm.vm import VM, Sampler, compile_workflow
+        >>> src = '''value Txt : Token[Byte] shape Grid2D(2, 32)
+        ... visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
+        ... rule R:
+        ...   on Txt[b, t]
+        ...   read {context = Txt[b, 0..t-1]}
+        ...   emit proposal Txt[b, t] := ByteLM(context)
+        ... workflow W on Txt:
+        ...   zone ask:
+        ...     feed "Q:"
+        ...     generate max 3
+        ...     capture a
+        ... '''
+        >>> vm = VM(compile_workflow(compile_source(src).ir), steps_per_replay=4)
+        >>> xy = Sampler(lambda core, forced, t: t[core.ar], (torch.tensor([120, 121]),))
+        >>> while not vm.done:
+        ...     out = vm.advance(xy)                       # 4 steps: out.tokens is (4, 2)
+        >>> vm.extract(), vm.steps
+        ([{'a': 'xxx'}, {'a': 'yyy'}], 8)
+        """
+        core = self.core
+        block = self._answers() if self.callbacks_ready else None
+        k = self.steps_per_replay
+        if self.compiled is not None:
+            out = self.compiled.advance(sampler, block, k)
+        else:
+            if block is not None:
+                core.next_forced = core.flags = None
+                core.answer(block.to(core.device))
+            outs = []
+            for _ in range(k):
+                f = core.forced()
+                outs.append(core.commit(sampler.fn(core, f, *sampler.tensors), f))
+            out = StepOut(*(torch.stack(col) for col in zip(*(_fields(o) for o in outs))))
+        self.steps += k
+        return out
+
+    @property
+    def tool_steps_late(self) -> float:
+        """Mean steps a stream idled after its zone ended before its tool's answer was in:
+        0 when tools are resolved after every step; (K - 1) / 2 on average with K steps per
+        replay (a zone ending at step k of K waits K - 1 - k); more on CUDA, where the host
+        learns late that a tool waits."""
+        if self.answered == 0:
+            return 0.0
+        return (int(self.core.wait_steps.sum()) - self.answered) / self.answered
+
     @property
     def done(self) -> bool:
         """Every stream has left its last zone (or filled its length)."""
@@ -121,11 +192,28 @@ class VM:
 
     def resolve_callbacks(self) -> int:
         """Call every pending tool once for all its waiting streams; feed the results back."""
+        got = self._resolve()
+        if got is None:
+            return 0
+        rows, results = got
+        self.core.feed_results(rows, results)
+        return int(rows.numel())
+
+    def _answers(self) -> Tensor | None:
+        """The pending tools' answers as one host block (:meth:`Core.results_block`)."""
+        got = self._resolve()
+        return None if got is None else self.core.results_block(*got)
+
+    def _resolve(self) -> tuple[Tensor, list[list[int]]] | None:
+        """Call every pending tool once for all its waiting streams: their rows and results
+        (encoded), or None when no stream waits."""
         core = self.core
         waiting = core.waiting.nonzero().flatten()
         if waiting.numel() == 0:
-            return 0
+            return None
         tool_ids = core.tool[core.cb_zone[waiting]]
+        rows_all: list[Tensor] = []
+        encoded: list[list[int]] = []
         for tid in sorted(set(tool_ids.tolist())):
             rows = waiting[tool_ids == tid]
             call = self.ins.tool_calls[tid]
@@ -150,8 +238,10 @@ class VM:
                     hint="a tool takes a list of argument lists and returns a list of strings",
                 )
             self.tool_calls += 1
-            core.feed_results(rows, [self.tok.encode(r) for r in results])
-        return int(waiting.numel())
+            rows_all.append(rows)
+            encoded.extend(self.tok.encode(r) for r in results)
+        self.answered += len(encoded)
+        return torch.cat(rows_all), encoded
 
     def _tool(self, tid: int) -> Tool:
         fn = self._tool_fns.get(tid)
@@ -258,3 +348,7 @@ class VM:
             else:
                 out.append(f"zone {names[min(pc, len(names) - 1)]}")
         return out
+
+
+def _fields(out: StepOut) -> tuple[Tensor, ...]:
+    return (out.tokens, out.active, out.kind, out.tags, out.pc, out.token_num, out.triggers)

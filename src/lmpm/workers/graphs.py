@@ -20,18 +20,105 @@ stay where the first run put them). A real capture runs nothing, so the simulate
 what its first run wrote (``keep``), and it refuses what a real capture refuses: a body that reads
 a value on the host, makes a data-dependent size or copies to or from the host (a real capture
 fails on it, or records a graph that replays stale values).
+
+:func:`count_host` counts what the host does around the replays (torch calls, launches, copies,
+waits), the replayed body -- device work -- left out: the host-cost budget tests hold a driver to
+it on a CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from lmpm.workers import simcuda
 
 Body = Callable[[], Sequence[Tensor]]
+
+
+@dataclass
+class HostCost:
+    """What the host did inside :func:`count_host`, device work (a replayed body) left out."""
+
+    calls: int = 0  # Python-level torch calls: functions and tensor methods
+    launches: int = 0  # graph replays
+    copies: int = 0  # copies between the host and the device
+    waits: int = 0  # the host waited for the device: a device value read, LateFlags waiting
+    by_name: Counter[str] = field(default_factory=Counter)  # calls by function name
+    device_work: int = 0  # > 0 while a replay runs (its calls are the device's)
+
+
+_COST: list[HostCost] = []  # the innermost count_host() block's, if any
+
+# Tensor methods that read a device tensor's value on the host (the host waits for the device).
+_READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
+
+
+def _on_device(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.device.type == "cuda"
+
+
+class _CountMode(TorchFunctionMode):
+    def __init__(self, cost: HostCost) -> None:
+        super().__init__()
+        self.cost = cost
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        cost = self.cost
+        if cost.device_work == 0:
+            name = getattr(func, "__name__", str(func))
+            cost.calls += 1
+            cost.by_name[name] += 1
+            if name == "copy_" and len(args) > 1 and _on_device(args[0]) != _on_device(args[1]):
+                cost.copies += 1
+            elif name in ("to", "cuda", "cpu") and args:
+                out = func(*args, **kwargs)
+                if _on_device(out) != _on_device(args[0]):
+                    cost.copies += 1
+                    cost.waits += not _on_device(out)  # a copy to the host waits for it
+                return out
+            elif name in _READS and args and _on_device(args[0]):
+                cost.waits += 1
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_host() -> Iterator[HostCost]:
+    """Count the host's torch calls, graph launches, host-device copies and waits in a block
+    (on the simulated device: a replay's body is device work, not counted).
+
+    >>> import torch
+    >>> with count_host() as cost:
+    ...     x = torch.zeros(3) + 1
+    >>> cost.calls, cost.launches
+    (2, 0)
+    """
+    cost = HostCost()
+    _COST.append(cost)
+    try:
+        with _CountMode(cost):
+            yield cost
+    finally:
+        _COST.pop()
+
+
+def _launched() -> HostCost | None:
+    """A replay starts: count it (the innermost :func:`count_host` block's, if any)."""
+    if not _COST:
+        return None
+    cost = _COST[-1]
+    cost.launches += 1
+    return cost
 
 
 class NotCapturable(RuntimeError):
@@ -68,8 +155,15 @@ def capture(
             t.copy_(old)
 
         def replay_simulated() -> None:
-            for static, new in zip(outs, body()):
-                static.copy_(new)
+            cost = _launched()
+            if cost is not None:
+                cost.device_work += 1
+            try:
+                for static, new in zip(outs, body()):
+                    static.copy_(new)
+            finally:
+                if cost is not None:
+                    cost.device_work -= 1
 
         return outs, replay_simulated
     if warmup is not None:
@@ -81,7 +175,12 @@ def capture(
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = list(body())
-    return outs, graph.replay
+
+    def replay() -> None:
+        _launched()
+        graph.replay()
+
+    return outs, replay
 
 
 class LateFlags:
@@ -130,6 +229,8 @@ class LateFlags:
                 return self.seen
             ev.synchronize()
             self.waits += 1
+            if _COST:
+                _COST[-1].waits += 1
         self.seen = self.host.tolist()
         self.behind = 0
         return self.seen
