@@ -71,7 +71,9 @@ def processors(constrained: bool) -> Any:
     return LogitsProcessorList([Allowed()] if constrained else [])
 
 
-def lmpm_run(net: Any, prompt: list[int], n: int, constrained: bool) -> tuple[list[int], float, float]:
+def lmpm_run(
+    net: Any, prompt: list[int], n: int, constrained: bool
+) -> tuple[list[int], float, float]:
     import lmpm
     from lmpm.models.hf import HFCausalLM
 
@@ -194,8 +196,13 @@ def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
             att[i, width - len(p) :] = 1
         t0 = time.perf_counter()
         ref = net.generate(
-            x, attention_mask=att, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-            use_cache=True, pad_token_id=0,
+            x,
+            attention_mask=att,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=0,
         )
         hf.append(time.perf_counter() - t0)
         for i, (p, s) in enumerate(zip(prompts, seqs)):

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel
 
-import lmpm  # noqa: E402
-from lmpm.models.hf import HFCausalLM  # noqa: E402
-from lmpm.runtime.data.reads import dense_read  # noqa: E402
+import lmpm
+from lmpm.models.hf import HFCausalLM
+from lmpm.runtime.data.reads import dense_read
 
 V = 97
 
@@ -39,7 +39,9 @@ rule Schedule:
 
 def tiny_gpt2(seed: int = 0) -> GPT2LMHeadModel:
     torch.manual_seed(seed)
-    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=64, bos_token_id=0, eos_token_id=0)
+    cfg = GPT2Config(
+        n_layer=2, n_head=2, n_embd=32, vocab_size=V, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     return GPT2LMHeadModel(cfg).eval()
 
 
@@ -127,15 +129,15 @@ def test_a_changed_cell_trims_the_cache_and_a_new_generation_drops_it() -> None:
     # cell 2 rewritten (a new clock): positions 2.. are fed again, 0..1 kept
     changed = [5, 6, 40, 8, 9, 10]
     fed = adapter.fed
-    out = adapter(
-        _dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=1
-    )["logits"]
+    out = adapter(_dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=1)[
+        "logits"
+    ]
     torch.testing.assert_close(out[0], ref(changed), rtol=1e-4, atol=1e-5)
     assert adapter.fed - fed == 4
     # a new generation (a resume, a rollback): everything again
     fed = adapter.fed
-    out = adapter(
-        _dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=2
-    )["logits"]
+    out = adapter(_dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=2)[
+        "logits"
+    ]
     torch.testing.assert_close(out[0], ref(changed), rtol=1e-4, atol=1e-5)
     assert adapter.fed - fed == 6

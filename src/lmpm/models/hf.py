@@ -116,7 +116,7 @@ class HFCausalLM:
             where, local_files_only=True, dtype=dtype
         )
         if device is not None:
-            model = model.to(device)
+            torch.nn.Module.to(model, device)  # (in place)
         tokenizer = None
         if any((where / f).exists() for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
             tokenizer = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
