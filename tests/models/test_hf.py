@@ -7,6 +7,9 @@ left-padded batched generate. The KV cache is checked by what the adapter fed th
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,6 +19,7 @@ pytest.importorskip("transformers")
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import lmpm
+from lmpm.cli import main
 from lmpm.models.hf import HFCausalLM
 from lmpm.runtime.data.reads import dense_read
 
@@ -141,3 +145,29 @@ def test_a_changed_cell_trims_the_cache_and_a_new_generation_drops_it() -> None:
     ]
     torch.testing.assert_close(out[0], ref(changed), rtol=1e-4, atol=1e-5)
     assert adapter.fed - fed == 6
+
+
+BIND = """
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import lmpm
+from lmpm.models.hf import HFCausalLM
+
+torch.manual_seed(0)
+cfg = GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, bos_token_id=0, eos_token_id=0)
+lmpm.bind("GPT")(HFCausalLM(GPT2LMHeadModel(cfg).eval()))
+"""
+
+
+def test_the_adapter_is_ready_for_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lmpm check --device cuda` (simulated where there is no GPU) runs the adapter's epochs."""
+    prog = tmp_path / "prog.lmpm"
+    prog.write_text(PROGRAM.format(n=12, v=V, shape="Seq(N)", cell="t", prefix="0..t-1", k=1))
+    (tmp_path / "gpt.py").write_text(BIND)
+    (tmp_path / "prompt.json").write_text(json.dumps([3, 5, 7] + [-1] * 9))
+    args = ["check", str(prog), "--bind", str(tmp_path / "gpt.py"), "--device", "cuda"]
+    code = main([*args, "--input", f"Txt={tmp_path / 'prompt.json'}", "--epochs", "3"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "ready for cuda" in err and "error[" not in err
