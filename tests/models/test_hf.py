@@ -171,3 +171,26 @@ def test_the_adapter_is_ready_for_cuda(tmp_path: Path, capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     assert code == 0, err
     assert "ready for cuda" in err and "error[" not in err
+
+
+def test_a_grid_of_rows_runs_as_one_batch_and_commits_what_generate_does() -> None:
+    """``Grid2D(N, B)``: B rows, each causal along x; raster opens position x of every row at once
+    (equal prompt lengths: a wavefront), and the adapter runs the rows as one batch."""
+    net = tiny_gpt2(4)
+    n, rows, p = 10, 3, 4
+    src = PROGRAM.format(
+        n=n, v=V, shape=f"Grid2D(N, {rows})", cell="x, y", prefix="0..x-1, y", k=rows
+    )
+    src = src.replace("when t > 0", "when x > 0")
+    adapter = HFCausalLM(net)
+    run = lmpm.compile(text=src).runner(bindings={"GPT": adapter})
+    prompts = torch.randint(0, V, (p, rows), generator=torch.Generator().manual_seed(0))
+    ids = torch.zeros(n, rows, dtype=torch.int64)
+    ids[:p] = prompts
+    run.set_input("Txt", ids, (torch.arange(n) < p).unsqueeze(1).expand(n, rows))
+    run.run(until_stable=True)
+    out = run.outputs()["Txt"]
+    run.close()
+    for y in range(rows):
+        assert out[:, y].tolist() == hf_greedy(net, prompts[:, y].tolist(), n - p)
+    assert adapter.fed == rows * p + rows * (n - p - 1)  # one batch per epoch, cache reused
