@@ -159,8 +159,12 @@ class HFCausalLM:
             logits = logits / float(temperature)
         if pick == "sample":
             return {"logits": logits if int(k) == 1 else logits.unsqueeze(1).expand(-1, k, -1)}
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        score, token = logp.topk(int(k), dim=-1)  # (n, k): ties to the lower id
+        logits = logits.float()
+        if int(k) == 1:  # greedy: HF's argmax, scored without materializing the log-softmax
+            best, token = logits.max(dim=-1, keepdim=True)  # (n, 1)
+            score = best - torch.logsumexp(logits, dim=-1, keepdim=True)
+        else:
+            score, token = torch.log_softmax(logits, dim=-1).topk(int(k), dim=-1)  # (n, k)
         return {"proposal": token, "score": score}
 
     def _read_name(self, inputs: dict[str, Tensor]) -> str:

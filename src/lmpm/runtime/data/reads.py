@@ -127,20 +127,24 @@ def dense_read(
 ) -> Mapping[str, Tensor]:
     """The dense layout of one read (see the module doc): from its slots (n, K[, *cell]), mask and
     index (n, K), and the slots' clocks (n, K) when asked for."""
-    n = mask.shape[0]
+    n, k = mask.shape
     length = mask.sum(1)  # (n,)
-    width = int(length.max()) if n and mask.shape[1] else 0
-    # the visible slots first, each row in slot order (a stable sort of "not visible")
-    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, :width]  # (n, L)
-    keep = torch.arange(width, device=mask.device) < length.unsqueeze(1)  # (n, L)
-    rows = torch.arange(n, device=mask.device).unsqueeze(1)
-    picked = data[rows, order]  # (n, L, *cell)
-    fill = keep.reshape(*keep.shape, *([1] * (picked.dim() - 2)))
+    width = int(length.max()) if n and k else 0
+    # each visible slot's place in its row (slot order); the others go to a sink column, dropped
+    place = torch.where(mask, mask.cumsum(1) - 1, width)  # (n, K)
+
+    def dense(t: Tensor) -> Tensor:
+        out = torch.zeros((n, width + 1, *t.shape[2:]), dtype=t.dtype, device=t.device)
+        if t.dim() == 2:  # (a token per cell: a scatter along the row)
+            return out.scatter_(1, place, t).narrow(1, 0, width)
+        rows = torch.arange(n, device=t.device).unsqueeze(1).expand(n, k)
+        return out.index_put_((rows, place), t).narrow(1, 0, width)
+
     out = {
-        f"{name}_dense": torch.where(fill, picked, torch.zeros_like(picked)),
+        f"{name}_dense": dense(data),  # (n, L, *cell)
         f"{name}_length": length,
-        f"{name}_dense_index": torch.where(keep, index.gather(1, order), 0),
+        f"{name}_dense_index": dense(index),
     }
     if clock is not None:
-        out[f"{name}_dense_clock"] = torch.where(keep, clock.gather(1, order), 0)
+        out[f"{name}_dense_clock"] = dense(clock)
     return out
