@@ -6,6 +6,8 @@ inputs themselves (a full recompute)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -142,3 +144,16 @@ def test_a_model_that_does_not_opt_in_costs_nothing() -> None:
     )
     assert not run.dataplane.read_clocks  # no clocks kept
     run.close()
+
+
+def test_the_adapter_without_transformers_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "from lmpm.errors import BindError\n"
+        "try:\n    import lmpm.models.hf\nexcept BindError as e:\n"
+        "    print(e.code, e.hint)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("B091") and "pip install 'lmpm[hf]'" in out
