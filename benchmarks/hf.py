@@ -52,12 +52,15 @@ ALLOWED = 20000
 PROMPT = 8
 
 
+DEVICE = "cpu"  # --device
+
+
 def make_model(n_positions: int) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=4, n_head=4, n_embd=256, vocab_size=50257, n_positions=n_positions)
-    return GPT2LMHeadModel(cfg).eval()
+    return GPT2LMHeadModel(cfg).eval().to(DEVICE)
 
 
 def processors(constrained: bool) -> Any:
@@ -78,7 +81,7 @@ def lmpm_run(
     from lmpm.models.hf import HFCausalLM
 
     src = PROGRAM.format(n=n, constraint=CONSTRAINT if constrained else "")
-    run = lmpm.compile(text=src).runner(bindings={"GPT": HFCausalLM(net)})
+    run = lmpm.compile(text=src).runner(bindings={"GPT": HFCausalLM(net)}, backend=DEVICE)
     ids = torch.zeros(n, dtype=torch.int64)
     ids[:PROMPT] = torch.tensor(prompt)
     run.set_input("Txt", ids, torch.arange(n) < PROMPT)
@@ -92,7 +95,7 @@ def lmpm_run(
 
 
 def hf_generate(net: Any, prompt: list[int], n: int, constrained: bool) -> tuple[list[int], float]:
-    x = torch.tensor([prompt])
+    x = torch.tensor([prompt], device=DEVICE)
     t0 = time.perf_counter()
     out = net.generate(
         x,
@@ -112,7 +115,7 @@ def no_cache(net: Any, prompt: list[int], n: int, constrained: bool) -> tuple[li
     t0 = time.perf_counter()
     with torch.no_grad():
         while len(ids) < n:
-            logits = net(torch.tensor([ids])).logits[0, -1]
+            logits = net(torch.tensor([ids], device=DEVICE)).logits[0, -1]
             if constrained:
                 logits[ALLOWED:] = float("-inf")
             ids.append(int(logits.argmax()))
@@ -184,6 +187,7 @@ def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
                 mask[i, : len(s)] = True
             index = torch.arange(width) + 1000 * torch.arange(rows).unsqueeze(1)
             inputs = dense_read("context", data, mask, index, mask.to(torch.int64))
+            inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
             out = adapter(inputs, pick="top", generation=1)["proposal"][:, 0].tolist()
             for s, tok in zip(seqs, out):
                 s.append(tok)
@@ -196,8 +200,8 @@ def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
             att[i, width - len(p) :] = 1
         t0 = time.perf_counter()
         ref = net.generate(
-            x,
-            attention_mask=att,
+            x.to(DEVICE),
+            attention_mask=att.to(DEVICE),
             max_new_tokens=new,
             min_new_tokens=new,
             do_sample=False,
@@ -227,7 +231,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--constraint", action="store_true", help="require Txt[t] in Set(0..19999)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the model and LMPM's worker)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(args.threads)
     sizes = (64, 128) if args.quick else (128, 512, 1024, 2048)
     repeats = 2 if args.quick else args.repeats
