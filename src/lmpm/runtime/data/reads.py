@@ -1,6 +1,6 @@
 """What a model may ask of its reads beyond the slot layout: clocks, a delta, a dense prefix.
 
-A bound model opts in with the attribute ``lmpm_reads`` (:data:`lmpm.bindings.READS_ATTR`), a
+A bound model opts in with the attribute ``lmpm_reads`` (:data:`READS_ATTR`), a
 collection of the extras it wants (:data:`READ_OPTIONS`)::
 
     net.lmpm_reads = {"clocks", "dense"}
@@ -35,15 +35,15 @@ from torch import Tensor
 
 from lmpm.errors import BindError
 
-__all__ = ["READ_OPTIONS", "ReadClocks", "dense_read", "read_options"]
+__all__ = ["READS_ATTR", "READ_OPTIONS", "ReadClocks", "dense_read", "read_options"]
 
 READ_OPTIONS = frozenset({"clocks", "dense"})
-_ATTR = "lmpm_reads"  # lmpm.bindings.READS_ATTR (this module sits below the bindings)
+READS_ATTR = "lmpm_reads"  # the attribute by which a model asks for more of its reads
 
 
 def read_options(model: object, rule: str) -> frozenset[str]:
     """The extras ``model`` asks for (empty: none). A bad attribute is the binding's error."""
-    raw = getattr(model, _ATTR, None)
+    raw = getattr(model, READS_ATTR, None)
     if raw is None:
         return frozenset()
     if isinstance(raw, str) or not isinstance(raw, Iterable):
@@ -53,9 +53,9 @@ def read_options(model: object, rule: str) -> frozenset[str]:
     if unknown:
         raise BindError(
             f"the model bound to rule `{rule}` asks for reads {sorted(unknown)} in its "
-            f"`{_ATTR}`; known: {sorted(READ_OPTIONS)}",
+            f"`{READS_ATTR}`; known: {sorted(READ_OPTIONS)}",
             code="B090",
-            hint=f'e.g. model.{_ATTR} = {{"clocks", "dense"}} (docs/models.md, "Bring your own '
+            hint=f'e.g. model.{READS_ATTR} = {{"clocks", "dense"}} (docs/models.md, "Bring your own '
             'model")',
         )
     return opts
