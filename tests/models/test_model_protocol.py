@@ -156,4 +156,4 @@ def test_the_adapter_without_transformers_names_the_extra() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
-    assert out.startswith("B091") and "pip install 'lmpm[hf]'" in out
+    assert out.startswith("B101") and "pip install 'lmpm[hf]'" in out

@@ -21,7 +21,7 @@ or ``pick="sample"`` (drawn by the worker's counter-based RNG) come from the cal
     # prog.lmpm: emit proposal Txt[t] := GPT(context, k=1, pick="top")
 
 ``transformers`` is the optional extra ``lmpm[hf]``; without it, importing this module raises
-:class:`lmpm.errors.BindError` B091 naming the extra.
+:class:`lmpm.errors.BindError` B101 naming the extra.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ try:
 except ImportError as exc:  # the optional extra is missing
     raise BindError(
         "lmpm.models.hf needs the `transformers` package, which is not installed",
-        code="B091",
+        code="B101",
         hint="install LMPM's Hugging Face extra: pip install 'lmpm[hf]'",
     ) from exc
 
@@ -84,7 +84,7 @@ class HFCausalLM:
             raise BindError(
                 f"HFCausalLM wraps a transformers causal LM (an nn.Module), got "
                 f"{type(model).__name__}",
-                code="B092",
+                code="B102",
                 hint="e.g. HFCausalLM(AutoModelForCausalLM.from_pretrained(path))",
             )
         self.model = model.eval()
@@ -108,7 +108,7 @@ class HFCausalLM:
         if not where.is_dir():
             raise BindError(
                 f"HFCausalLM.from_pretrained: {where} is not a directory",
-                code="B093",
+                code="B103",
                 hint="save a model with model.save_pretrained(DIR) (and its tokenizer's "
                 "save_pretrained) and pass DIR; LMPM never downloads models",
             )

@@ -54,7 +54,7 @@ def read_options(model: object, rule: str) -> frozenset[str]:
         raise BindError(
             f"the model bound to rule `{rule}` asks for reads {sorted(unknown)} in its "
             f"`{READS_ATTR}`; known: {sorted(READ_OPTIONS)}",
-            code="B090",
+            code="B100",
             hint=f'e.g. model.{READS_ATTR} = {{"clocks", "dense"}} (docs/models.md, "Bring your own '
             'model")',
         )
