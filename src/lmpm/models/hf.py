@@ -56,7 +56,7 @@ class _Rows:
     """A KV cache of a set of rows (one per open cell's prefix), as the model last saw them."""
 
     cache: Any  # transformers DynamicCache: (rows, heads, width, head_dim) per layer
-    attention: Tensor  # (rows, width) 1 where a column holds a row's token, 0 for padding
+    attention: Tensor  # (rows, width) on the model's device: 1 where a column holds a token
     index: Tensor  # (rows, Lc) host int64: the cell of each cached position (dense order)
     clock: Tensor  # (rows, Lc) host int64: its write clock when fed
     column: Tensor  # (rows, Lc) host int64: the cache column holding each position
@@ -197,19 +197,18 @@ class HFCausalLM:
         pos = torch.where(real, pos, 0)  # (n, block) position ids (0 on padding)
         dev = ids.device
         feed = ids.gather(1, pos.to(dev)) * real.to(dev)  # (n, block)
+        block_mask = real.to(device=dev, dtype=torch.int64)  # (n, block)
         if rows is None:
             cache: Any = DynamicCache()
-            attention = real.to(torch.int64)
+            attention = block_mask
         else:
             cache = rows.cache
             if start_col < rows.attention.shape[1]:  # drop the columns from start_col on
                 cache.crop(start_col - rows.attention.shape[1])  # (5.24+: minus how many)
-            attention = torch.cat(
-                [rows.attention[:, :start_col].cpu(), real.to(torch.int64)], dim=1
-            )
+            attention = torch.cat([rows.attention[:, :start_col], block_mask], dim=1)
         out = self.model(
             input_ids=feed,
-            attention_mask=attention.to(dev),
+            attention_mask=attention,  # (kept on the device: one block copied per call)
             position_ids=pos.to(dev),
             cache=cache,  # (transformers 5.24+; filled in place)
             use_cache=True,
