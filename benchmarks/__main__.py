@@ -42,6 +42,7 @@ SCRIPTS = (
     "distributed",
     "training",
     "compile",
+    "hf",
 )
 TIMEOUT_S = 300  # per script
 LONGER = {"training": 600}  # scripts whose quick mode needs more (the issue allows 10 minutes)
@@ -119,6 +120,10 @@ CLAIMS = (
           "compiled_outside_share", "<=", 0.05, _share),
     Claim("compile", "--compile control-plane attempts/s vs eager (16×64×64)",
           {"case": "throughput"}, "ratio", ">=", 2.0, lambda x: f"{x:.2f}×"),
+    Claim("hf", "GPT-2 via lmpm.models.hf / HF generate, per token (N=128)",
+          {"case": "single", "N": 128}, "ratio", "<=", 1.10, lambda x: f"{x:.2f}×"),
+    Claim("hf", "GPT-2, 16 rows at different lengths / HF batched generate",
+          {"case": "batch"}, "ratio", "<=", 1.10, lambda x: f"{x:.2f}×"),
 )  # fmt: skip
 INFO = (  # measured and shown, no goal
     ("trace", "`--durable` (synchronous=FULL) cost vs default", {"case": "durable"}, "overhead",

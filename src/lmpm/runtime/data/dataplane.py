@@ -55,6 +55,7 @@ from lmpm.resolve.policies import aggregates
 from lmpm.runtime.data.captured import CapturedSteps, Mirror
 from lmpm.runtime.data.compiled import CompiledEpoch, ReadGathers
 from lmpm.runtime.data.owner import Owner, pick
+from lmpm.runtime.data.reads import ReadClocks, dense_read, read_options
 from lmpm.runtime.data.store import PayloadStore
 from lmpm.runtime.protocol import (
     Applied,
@@ -320,6 +321,18 @@ class DataPlane:
         self.compiled: CompiledEpoch | None = None  # a fused data plane's steps (compile)
         self._mirror: Mirror | None = None  # off the CPU: the metadata the captured steps read
         self._work_cells: dict[int, Tensor] = {}  # rule id -> this epoch's cells, on the host
+        # what each user model asks of its reads (lmpm.runtime.data.reads: clocks, dense); the
+        # write clocks are kept only for the values an opted-in model reads with clocks
+        self._read_opts = {
+            rp.id: opts for rp in plan.rules if (opts := read_options(rp.model, rp.name))
+        }
+        self._since: dict[int, int] = {}  # rule id -> write clock of its previous call
+        self.read_clocks = ReadClocks(
+            rd.source
+            for rp in plan.rules
+            if "clocks" in self._read_opts.get(rp.id, ())
+            for rd in rp.reads
+        )
 
     def trusts(self, rp: RulePlan) -> bool:
         """The rule's model and score are LMPM's own: they get views of the payload, not copies
@@ -414,6 +427,8 @@ class DataPlane:
             clocks = {s: mirror.get(s)[0].clock for s in spec.clock_sources if s != name}
         out = self.compiled.step(name, e, cells, prop, sc, self, state, why, active, clocks)
         winner, changed, score, valid, violated, applies, new_clock, was, counts = out
+        if name in self.read_clocks.values:
+            self.read_clocks.stamp(name, self.payload[name], cells[changed])
         n_commits, n_viol = counts.tolist()
         ve = ValueEpoch(
             name,
@@ -537,6 +552,7 @@ class DataPlane:
         self.payload[value].index_copy_(0, didx, payload.index_select(0, idx).to(self.device))
         self.committed[value].index_fill_(0, didx, True)
         self.from_input[value].index_fill_(0, didx, True)
+        self.read_clocks.stamp(value, self.payload[value], didx)
         if self._owner is not None:
             self._owner.mark_input(value, idx)
         return idx
@@ -549,6 +565,7 @@ class DataPlane:
         )
         self.committed[value] = committed.bool().to(self.device).clone()
         self.from_input[value] = from_input.bool().to(self.device).clone()
+        self.read_clocks.reset(value, self.payload[value], self.committed[value])
 
     # ---- durability ------------------------------------------------------------------------------
     def open_store(self, run_dir: str | Path) -> None:
@@ -661,8 +678,14 @@ class DataPlane:
             vp = self.plan.values[rp.target]
             cells = self._here(rw.cells)
             self._work_cells[rp.id] = rw.cells  # (on the host)
+            clocked = "clocks" in self._read_opts.get(rp.id, ())
+            if clocked:  # the write clock of this rule's previous call (-1: none this generation)
+                self._since[rp.id] = self.read_clocks.since(rp.id)
             inputs = inputs_of[rp.id] = self._inputs(rp, cells, rw.cells)
             kwargs = self._kwargs(rp, vp, e)
+            if clocked:
+                kwargs = {**kwargs, "generation": self.read_clocks.generation}
+                self.read_clocks.called(rp.id)
             own = inputs["cells"]
             global_cells = own + vp.offset if vp.offset else own
             score_inputs = self._score_keys(rp, inputs) if rp.score else ()
@@ -828,7 +851,35 @@ class DataPlane:
                 inputs[name] = data  # (n, K[, *cell]) payload of the read cells
                 inputs[f"{name}_mask"] = mask  # (n, K) visible and committed
                 inputs[f"{name}_index"] = idx  # (n, K) flat index into the source value
+            opts = self._read_opts.get(rp.id)
+            if opts:
+                for name in rd.args:
+                    inputs.update(self._read_extras(rp, opts, name, rd.source, data, mask, idx))
         return inputs
+
+    def _read_extras(
+        self,
+        rp: RulePlan,
+        opts: frozenset[str],
+        name: str,
+        source: str,
+        data: Tensor,
+        mask: Tensor,
+        idx: Tensor,
+    ) -> dict[str, Tensor]:
+        """What an opted-in model asks of read ``name`` beyond its slots
+        (:mod:`lmpm.runtime.data.reads`): clocks and the delta since its previous call, and the
+        dense layout."""
+        out: dict[str, Tensor] = {}
+        clock = None
+        if "clocks" in opts:
+            clocks = self.read_clocks.clocks(source, self.payload[source], self.committed[source])
+            clock = torch.where(mask, clocks.take(idx), 0)  # (n, K)
+            out[f"{name}_clock"] = clock
+            out[f"{name}_changed"] = clock > self._since.get(rp.id, -1)
+        if "dense" in opts:
+            out.update(dense_read(name, data, mask, idx, clock))
+        return out
 
     def _uniform_read(
         self, rp: RulePlan, j: int, payload: Tensor, committed: Tensor, copy: bool
@@ -1172,6 +1223,7 @@ class DataPlane:
                     keep = changed.nonzero().squeeze(1)
                     cells, new = cells.index_select(0, keep), new.index_select(0, keep)
             self.payload[name].index_copy_(0, cells, new)
+            self.read_clocks.stamp(name, self.payload[name], cells)
             self.written[name] = cells
             self.committed[name].index_fill_(0, cells, True)
             if name in self._tracks_inputs:

@@ -129,6 +129,7 @@ class InProcessTransport:
                 continue
             src, dst = self.workers[q], self.workers[r]
             dst.payload[value].index_copy_(0, sel, src.payload[value].index_select(0, sel))
+            dst.read_clocks.stamp(value, dst.payload[value], sel)
             dst.committed[value].index_copy_(0, sel, src.committed[value].index_select(0, sel))
             dst.from_input[value].index_copy_(0, sel, src.from_input[value].index_select(0, sel))
             moved += sel.numel() * self.topology.cell_bytes[value]

@@ -148,6 +148,7 @@ class GlooTransport:
                     )
                 mask[cells] = True
             w.payload[value].index_copy_(0, cells, payload)
+            w.read_clocks.stamp(value, w.payload[value], cells)
             w.committed[value].index_copy_(0, cells, committed.bool())
             w.from_input[value].index_copy_(0, cells, from_input.bool())
             moved += cells.numel() * self.topology.cell_bytes[value]

@@ -1,0 +1,253 @@
+"""A Hugging Face ``transformers`` causal LM as a rule's model, with a KV cache reused by clocks.
+
+:class:`HFCausalLM` wraps any causal LM (``AutoModelForCausalLM``: GPT-2, Llama, ...) and its
+tokenizer. Bound to a rule that reads a prefix (``read {context = Txt[0..t-1]}``), it asks the worker
+for the read's dense layout and write clocks (``lmpm_reads``, :mod:`lmpm.runtime.data.reads`) and
+keeps one KV cache per set of rows: a row whose prefix is unchanged since the last call (same
+cells, same clocks, same worker generation) feeds only its new tokens; a changed cell trims the
+cache to the first changed column (``DynamicCache.crop``) and feeds the rest again. Many rows at
+once (``Grid2D(B, N)``, rows at different lengths) run as one batch, left-padded, with an attention
+mask and per-row position ids: the tokens equal Hugging Face ``generate``'s.
+
+It returns each open cell's next-token logits ``(n, V)``; ``pick="top"`` (greedy, k most likely)
+or ``pick="sample"`` (drawn by the worker's counter-based RNG) come from the call's keywords::
+
+    # mybind.py, then: lmpm run prog.lmpm --bind mybind.py --input Txt=prompt.npy
+    import lmpm
+    from lmpm.models.hf import HFCausalLM
+
+    lmpm.bind("GPT")(HFCausalLM.from_pretrained("path/to/local/model"))
+
+    # prog.lmpm: emit proposal Txt[t] := GPT(context, k=1, pick="top")
+
+``transformers`` is the optional extra ``lmpm[hf]``; without it, importing this module raises
+:class:`lmpm.errors.BindError` B101 naming the extra.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.errors import BindError
+
+try:
+    import transformers
+    from transformers import DynamicCache
+except ImportError as exc:  # the optional extra is missing
+    raise BindError(
+        "lmpm.models.hf needs the `transformers` package, which is not installed",
+        code="B101",
+        hint="install LMPM's Hugging Face extra: pip install 'lmpm[hf]'",
+    ) from exc
+
+__all__ = ["HFCausalLM"]
+
+PICKS = ("sample", "top")
+
+
+@dataclass(slots=True)
+class _Rows:
+    """A KV cache of a set of rows (one per open cell's prefix), as the model last saw them."""
+
+    cache: Any  # transformers DynamicCache: (rows, heads, width, head_dim) per layer
+    attention: Tensor  # (rows, width) on the model's device: 1 where a column holds a token
+    index: Tensor  # (rows, Lc) host int64: the cell of each cached position (dense order)
+    clock: Tensor  # (rows, Lc) host int64: its write clock when fed
+    column: Tensor  # (rows, Lc) host int64: the cache column holding each position
+    length: Tensor  # (rows,) host int64: cached positions per row
+
+
+class HFCausalLM:
+    """A ``transformers`` causal LM bound as a rule's model (see the module doc).
+
+    ``read``: the rule's read holding the prefix (default: its only one); ``max_cached``: how many
+    row sets keep a KV cache (least recently used dropped first).
+    """
+
+    lmpm_reads = frozenset({"clocks", "dense"})
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        *,
+        read: str | None = None,
+        max_cached: int = 32,
+    ) -> None:
+        if not isinstance(model, torch.nn.Module) or not callable(getattr(model, "forward", None)):
+            raise BindError(
+                f"HFCausalLM wraps a transformers causal LM (an nn.Module), got "
+                f"{type(model).__name__}",
+                code="B102",
+                hint="e.g. HFCausalLM(AutoModelForCausalLM.from_pretrained(path))",
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.read = read
+        self.max_cached = int(max_cached)
+        self._rows: OrderedDict[tuple[Any, ...], _Rows] = OrderedDict()
+        self.fed = 0  # tokens fed through the model so far (cache reuse: tests, benchmarks)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> HFCausalLM:
+        """Load model and tokenizer from a local directory (never downloads)."""
+        where = Path(path)
+        if not where.is_dir():
+            raise BindError(
+                f"HFCausalLM.from_pretrained: {where} is not a directory",
+                code="B103",
+                hint="save a model with model.save_pretrained(DIR) (and its tokenizer's "
+                "save_pretrained) and pass DIR; LMPM never downloads models",
+            )
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            where, local_files_only=True, dtype=dtype
+        )
+        if device is not None:
+            torch.nn.Module.to(model, device)  # (in place)
+        tokenizer = None
+        if any((where / f).exists() for f in ("tokenizer.json", "vocab.json", "tokenizer.model")):
+            tokenizer = transformers.AutoTokenizer.from_pretrained(where, local_files_only=True)
+        return cls(model, tokenizer, **kwargs)
+
+    def to(self, device: torch.device | str) -> HFCausalLM:
+        self.model.to(device)
+        self._rows.clear()
+        return self
+
+    # ---- the model call --------------------------------------------------------------------------
+    def __call__(
+        self,
+        inputs: dict[str, Tensor],
+        *,
+        k: int = 1,
+        pick: str = "sample",
+        temperature: float = 1.0,
+        generation: int = 0,
+        **_: Any,
+    ) -> dict[str, Tensor]:
+        if pick not in PICKS:
+            raise ValueError(f"pick={pick!r}; expected one of {PICKS}")
+        name = self._read_name(inputs)
+        ids = inputs[f"{name}_dense"]  # (n, L)
+        device = ids.device
+        if next(self.model.parameters()).device != device:
+            self.to(device)
+        host = torch.stack(
+            [inputs[f"{name}_dense_index"], inputs[f"{name}_dense_clock"]]
+        ).cpu()  # (2, n, L) one copy to the host for the bookkeeping
+        length = inputs[f"{name}_length"].cpu()
+        if int(length.min()) < 1:
+            raise ValueError(
+                f"a cell's read `{name}` holds no token yet; a causal LM needs at least one "
+                "(give the prompt's first cells as input)"
+            )
+        logits = self._forward(ids, host[0], host[1], length, generation)  # (n, V)
+        if temperature != 1.0:
+            logits = logits / float(temperature)
+        if pick == "sample":
+            return {"logits": logits if int(k) == 1 else logits.unsqueeze(1).expand(-1, k, -1)}
+        logits = logits.float()
+        if int(k) == 1:  # greedy: HF's argmax, scored without materializing the log-softmax
+            best, token = logits.max(dim=-1, keepdim=True)  # (n, 1)
+            score = best - torch.logsumexp(logits, dim=-1, keepdim=True)
+        else:
+            score, token = torch.log_softmax(logits, dim=-1).topk(int(k), dim=-1)  # (n, k)
+        return {"proposal": token, "score": score}
+
+    def _read_name(self, inputs: dict[str, Tensor]) -> str:
+        if self.read is not None:
+            if f"{self.read}_dense" not in inputs:
+                raise ValueError(f"the rule has no read `{self.read}`")
+            return self.read
+        names = [k.removesuffix("_dense") for k in inputs if k.endswith("_dense")]
+        if len(names) != 1:
+            raise ValueError(
+                f"HFCausalLM reads one prefix; this rule has {len(names)} reads ({names}): "
+                "name it with HFCausalLM(..., read=NAME)"
+            )
+        return names[0]
+
+    def _forward(
+        self, ids: Tensor, index: Tensor, clock: Tensor, length: Tensor, generation: int
+    ) -> Tensor:
+        """Next-token logits of every row: feed what its cache lacks, reuse the rest."""
+        n, width = ids.shape
+        key = (generation, *index[:, 0].tolist())  # the rows: their first cells
+        rows = self._rows.pop(key, None)
+        start_col, keep = self._reuse(rows, index, clock, length)
+        # per row, the first position to feed: those in columns before start_col stay cached
+        first = keep  # (n,)
+        count = length - first  # (n,) >= 1
+        block = int(count.max())
+        pos = torch.arange(block).unsqueeze(0) - (block - count).unsqueeze(1) + first.unsqueeze(1)
+        real = pos >= first.unsqueeze(1)  # (n, block): left-padded within the block
+        pos = torch.where(real, pos, 0)  # (n, block) position ids (0 on padding)
+        dev = ids.device
+        feed = ids.gather(1, pos.to(dev)) * real.to(dev)  # (n, block)
+        block_mask = real.to(device=dev, dtype=torch.int64)  # (n, block)
+        if rows is None:
+            cache: Any = DynamicCache()
+            attention = block_mask
+        else:
+            cache = rows.cache
+            if start_col < rows.attention.shape[1]:  # drop the columns from start_col on
+                cache.crop(start_col - rows.attention.shape[1])  # (5.24+: minus how many)
+            attention = torch.cat([rows.attention[:, :start_col], block_mask], dim=1)
+        out = self.model(
+            input_ids=feed,
+            attention_mask=attention,  # (kept on the device: one block copied per call)
+            position_ids=pos.to(dev),
+            cache=cache,  # (transformers 5.24+; filled in place)
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.fed += int(count.sum())
+        col_new = start_col + torch.arange(block).unsqueeze(0).expand(n, -1)  # (n, block)
+        column = torch.zeros(n, width + 1, dtype=torch.int64)  # (the last: padding's sink)
+        if rows is not None:
+            old = rows.column[:, : min(width, rows.column.shape[1])]
+            column[:, : old.shape[1]] = old
+            column[torch.arange(width + 1).unsqueeze(0) >= first.unsqueeze(1)] = 0
+        column.scatter_(1, torch.where(real, pos, width), col_new)
+        column = column[:, :width]
+        self._rows[key] = _Rows(cache, attention, index, clock, column, length)
+        while len(self._rows) > self.max_cached:
+            self._rows.popitem(last=False)
+        return out.logits[:, -1, :]
+
+    @staticmethod
+    def _reuse(
+        rows: _Rows | None, index: Tensor, clock: Tensor, length: Tensor
+    ) -> tuple[int, Tensor]:
+        """The cache column to keep up to, and per row the first position to feed again."""
+        n, width = index.shape
+        if rows is None:
+            return 0, torch.zeros(n, dtype=torch.int64)
+        lc = rows.index.shape[1]
+        w = min(width, lc)
+        posr = torch.arange(w).unsqueeze(0)
+        same = (rows.index[:, :w] == index[:, :w]) & (rows.clock[:, :w] == clock[:, :w])
+        same &= posr < torch.minimum(rows.length, length - 1).unsqueeze(1)
+        # matched: leading equal positions per row (at most length - 1: the last is fed again)
+        matched = torch.cumprod(same.to(torch.int64), dim=1).sum(1)  # (n,)
+        end = rows.attention.shape[1]
+        at = rows.column.gather(1, matched.clamp(max=max(lc - 1, 0)).unsqueeze(1)).squeeze(1)
+        col = torch.where(matched < rows.length, at, end)  # first column to drop, per row
+        start = int(col.min())
+        # positions kept per row: those cached in columns before ``start``
+        cached = torch.arange(lc).unsqueeze(0) < rows.length.unsqueeze(1)
+        keep = ((rows.column < start) & cached).sum(1)
+        return start, torch.minimum(keep, matched)
