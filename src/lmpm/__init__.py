@@ -22,6 +22,7 @@ from lmpm.ir import Frontend as Frontend
 from lmpm.ir import compile_file as check_file
 from lmpm.ir import compile_source as check_source
 from lmpm.version import __version__ as __version__
+from lmpm.workers.base import Logits as Logits
 
 __all__ = [
     "BindError",
@@ -29,6 +30,7 @@ __all__ = [
     "Compiled",
     "Frontend",
     "LmpmError",
+    "Logits",
     "ModelError",
     "ParseError",
     "RuntimeFault",
