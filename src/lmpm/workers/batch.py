@@ -488,9 +488,9 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
     chosen: Logits | None = None  # a Logits record: the worker chooses its k tokens
     if isinstance(out, Logits):
         chosen = out
-        bad = _bad_choice(out)
-        if bad:
-            raise fail(f"returned a Logits record with {bad}", R_TYPE)
+        wrong = _bad_choice(out)
+        if wrong:
+            raise fail(f"returned a Logits record with {wrong}", R_TYPE)
         fields: dict[str, Any] | None = {"logits": out.logits}
     else:
         fields = {"proposal": out} if isinstance(out, Tensor) else _fields(out)
