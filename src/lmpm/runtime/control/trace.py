@@ -69,6 +69,9 @@ DEFAULT_LEVEL = "summary"
 # the epochs table's columns in `lmpm trace --json` (the counted costs are None in a schema-2 run)
 EPOCH_FIELDS = tuple(c for c in EPOCH_COLUMNS if c not in ("model_seconds", "maskplan", "at"))
 MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over constraint ids
+# Candidates per cell above which a pass reduces along the candidates in one NumPy call (a loop
+# over a few columns is faster for many cells and few candidates; one call per epoch for k = V)
+WIDE = 64
 
 
 # ---- regions: `Vid[0, 0..15, *]` ----------------------------------------------------------------
@@ -225,6 +228,10 @@ def favourite(valid: np.ndarray, score: np.ndarray) -> np.ndarray:
     array([1, 0])
     """
     s = np.where(valid, score, -np.inf)  # (C, n)
+    if s.shape[0] > WIDE:  # many candidates (k in the thousands): reduce along them at once
+        top = s.max(axis=0)  # NaN propagates: then no column hits
+        hits = (s == top) & valid
+        return np.where(hits.any(axis=0), hits.argmax(axis=0), 0).astype(np.int64)
     best = s[0].copy()
     for c in range(1, s.shape[0]):
         np.maximum(best, s[c], out=best)  # NaN propagates, as in a max: then no column hits
@@ -260,9 +267,12 @@ def attribute(
         for k in ks[1:]:
             count += ~violated[:, :, k]
         count[~eligible] = -1
-        most = count[:, 0].copy()
-        for c in range(1, count.shape[1]):  # (NumPy reduces slowly along the short axis)
-            np.maximum(most, count[:, c], out=most)
+        if count.shape[1] > WIDE:
+            most = count.max(axis=1)
+        else:
+            most = count[:, 0].copy()
+            for c in range(1, count.shape[1]):  # (NumPy reduces slowly along the short axis)
+                np.maximum(most, count[:, c], out=most)
         narrowed = eligible & (count == most[:, None])
         gone = eligible[rows, fav] & ~narrowed[rows, fav]
         elim[gone] = prio
@@ -388,23 +398,23 @@ class Tracer:
         """Rows per constraint × rule, from per-column counts ((C, K): a handful of numbers)."""
         ids = static.ids
         ncol, nk = valid_t.shape[0], len(ids)
-        col_rule = ve.col_rule.cpu().tolist()
-        rules = sorted(set(col_rule))
-        col_r = np.array([rules.index(r) for r in col_rule], dtype=np.int64)  # (C,) rule index
+        col_rule = ve.col_rule.cpu().numpy()
+        rule_ids = np.flatnonzero(np.bincount(col_rule + 1)) - 1  # sorted (-1: keep-current)
+        rules = rule_ids.tolist()
+        col_r = np.searchsorted(rule_ids, col_rule).astype(np.int64)  # (C,) rule index
         applies = ve.applies.cpu().numpy()  # (n, K)
-        # (K, n), or None when every constraint covers every open cell (the common case)
-        applies_t = None if applies.all() else np.ascontiguousarray(applies.T)
-        per_col = [int(np.count_nonzero(valid_t[c])) for c in range(ncol)]
-        checked = [[0] * nk for _ in rules]  # (R, K): valid candidates in covered cells
-        viol = [[0] * nk for _ in rules]  # (R, K)
-        for k in range(nk):
-            cover = None if applies_t is None or applies_t[k].all() else applies_t[k]  # (n,)
-            for c in range(ncol):
-                r = col_r[c]
-                checked[r][k] += (
-                    per_col[c] if cover is None else int(np.count_nonzero(valid_t[c] & cover))
-                )
-                viol[r][k] += int(np.count_nonzero(violated[:, c, k]))
+        # (C, K) per column: valid candidates in the cells each constraint covers, violations
+        # (a few NumPy passes whatever the number of candidates)
+        per_col = np.count_nonzero(valid_t, axis=1)  # (C,)
+        if applies.all():  # every constraint covers every open cell (the common case)
+            checked_ck = np.repeat(per_col[:, None], nk, axis=1)
+        else:
+            checked_ck = valid_t.astype(np.int64) @ applies.astype(np.int64)
+        viol_ck = np.count_nonzero(violated, axis=0)  # (C, K)
+        # (R, K): summed over each rule's columns (a one-hot (R, C) product)
+        onehot = (col_r[None, :] == np.arange(len(rules))[:, None]).astype(np.int64)
+        checked = (onehot @ checked_ck.astype(np.int64)).tolist()
+        viol = (onehot @ viol_ck.astype(np.int64)).tolist()
         fr, wr = col_r[fav[sub]], col_r[winner[sub]]  # (m,) rule index of favourite / winner
         won = [np.bincount(wr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
         lost = [np.bincount(fr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
