@@ -397,7 +397,7 @@ class Tracer:
     ) -> None:
         """Rows per constraint × rule, from per-column counts ((C, K): a handful of numbers)."""
         ids = static.ids
-        ncol, nk = valid_t.shape[0], len(ids)
+        nk = len(ids)
         col_rule = ve.col_rule.cpu().numpy()
         rule_ids = np.flatnonzero(np.bincount(col_rule + 1)) - 1  # sorted (-1: keep-current)
         rules = rule_ids.tolist()
