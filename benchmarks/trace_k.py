@@ -65,7 +65,9 @@ def log_ms(n: int, k: int, trace: str) -> float:
         run.run(n)
         run.finish()
         with sqlite3.connect(Path(tmp) / "run" / "lmpm.db") as conn:
-            (total, epochs) = conn.execute("SELECT SUM(log_seconds), COUNT(*) FROM epochs").fetchone()
+            (total, epochs) = conn.execute(
+                "SELECT SUM(log_seconds), COUNT(*) FROM epochs"
+            ).fetchone()
         return 1000.0 * float(total) / int(epochs)
 
 
