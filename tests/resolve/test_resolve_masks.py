@@ -128,6 +128,28 @@ def test_without_the_mask_k1_commits_what_the_mask_avoids() -> None:
     assert _committed(_run(prog, 6, False))[0] == [2, 2, 2, 2]
 
 
+@pytest.mark.parametrize(
+    ("strategy", "driver"),
+    [("raster", "process"), ("all", "process"), pytest.param("all", "ray", marks=pytest.mark.slow)],
+)
+def test_a_worker_group_applies_the_mask_too(strategy: str, driver: str) -> None:
+    table = torch.zeros(64, 6)
+    table[:, 5] = 3.0  # the favourite, which the constraint rules out
+    table[::2, 2] = 1.0
+    table[1::2, 3] = 1.0
+    prog = Program(
+        6, 6, strategy, ("constraint Low:\n  require T[t] in Set(0..4) priority 10\n",), table
+    )
+    outs = []
+    for workers in (1, 2):
+        group = {"workers": 2, "driver": driver} if workers > 1 else {}
+        run = Run.from_source(prog.source(1), bindings={"Gen": prog.model()}, **group)
+        run.run(10)
+        outs.append(run.outputs()["T"].tolist())
+        run.close()
+    assert outs[0] == outs[1] and 5 not in outs[0]
+
+
 def test_sampling_draws_from_the_constrained_distribution() -> None:
     """pick="sample" with the mask: every committed token satisfies the soft `require`."""
     table = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))

@@ -42,16 +42,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from lmpm.ir.link import DEFAULT_POLICY
 from lmpm.ir.nodes import DType, PredKind, Program, RuleKind, ShapeKind, Status
 from lmpm.ir.printer import call_str
-from lmpm.workers.base import MaskSets
 
 if TYPE_CHECKING:
     from lmpm.ir.nodes import Constraint, Rule
     from lmpm.resolve.plan import Plan
+    from lmpm.workers.base import MaskSets
 
 __all__ = ["Lowering", "ValueMask", "lower", "lowering_of"]
 
@@ -198,6 +196,11 @@ def lowering_of(program: Program) -> dict[str, Lowering]:
 
 def lower(plan: Plan) -> dict[str, ValueMask]:
     """Per value whose set constraints are lowered: the mask its workers apply."""
+    # (imported here: `lmpm show` reads the lowering from the program alone, without torch)
+    import torch
+
+    from lmpm.workers.base import MaskSets
+
     out: dict[str, ValueMask] = {}
     for name, rps in plan.rules_by_target.items():
         vp = plan.values[name]
