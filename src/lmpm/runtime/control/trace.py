@@ -403,18 +403,16 @@ class Tracer:
         rules = rule_ids.tolist()
         col_r = np.searchsorted(rule_ids, col_rule).astype(np.int64)  # (C,) rule index
         applies = ve.applies.cpu().numpy()  # (n, K)
-        # (C, K) per column: valid candidates in the cells each constraint covers, violations
-        # (a few NumPy passes whatever the number of candidates)
-        per_col = np.count_nonzero(valid_t, axis=1)  # (C,)
-        if applies.all():  # every constraint covers every open cell (the common case)
-            checked_ck = np.repeat(per_col[:, None], nk, axis=1)
-        else:
-            checked_ck = valid_t.astype(np.int64) @ applies.astype(np.int64)
+        # (R, K) per rule: valid candidates in the cells each constraint covers, violations (a
+        # few NumPy passes per rule, whatever the number of candidates)
+        of_rule = [col_r == r for r in range(len(rules))]  # (C,) each
         viol_ck = np.count_nonzero(violated, axis=0)  # (C, K)
-        # (R, K): summed over each rule's columns (a one-hot (R, C) product)
-        onehot = (col_r[None, :] == np.arange(len(rules))[:, None]).astype(np.int64)
-        checked = (onehot @ checked_ck.astype(np.int64)).tolist()
-        viol = (onehot @ viol_ck.astype(np.int64)).tolist()
+        viol = [viol_ck[cols].sum(axis=0).tolist() for cols in of_rule]
+        if applies.all():  # every constraint covers every open cell (the common case)
+            checked = [[int(np.count_nonzero(valid_t[cols]))] * nk for cols in of_rule]
+        else:
+            checked_ck = valid_t.astype(np.int64) @ applies.astype(np.int64)  # (C, K)
+            checked = [checked_ck[cols].sum(axis=0).tolist() for cols in of_rule]
         fr, wr = col_r[fav[sub]], col_r[winner[sub]]  # (m,) rule index of favourite / winner
         won = [np.bincount(wr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
         lost = [np.bincount(fr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]

@@ -718,7 +718,8 @@ class DataPlane:
     def _vocab_mask(self, rp: RulePlan, cells: Tensor, fresh: bool) -> VocabMask | None:
         """The mask on ``rp``'s logits for ``cells`` this epoch (None: its value has none, or the
         rule gets none): which lowered constraints speak about each cell (their cells, the
-        `inputs()` region, the RuleSet) and each cell's committed token (-1: unset)."""
+        `inputs()` region, the RuleSet) and, where the schedule may open committed cells
+        (``fresh`` False), each cell's committed token (-1: unset)."""
         got = self._masks.get(rp.target)
         if got is None or rp.id not in self.plan.masks[rp.target].rules:
             return None
@@ -744,11 +745,9 @@ class DataPlane:
                 cols.append(where)
             applies = torch.stack(cols, dim=1)
         current = None
-        if not fresh:
+        if not fresh:  # the schedule may open committed cells: each one's token, -1 where unset
             committed = self.committed[name].index_select(0, cells)
-            if bool(committed.any()):
-                payload = self.payload[name].index_select(0, cells)
-                current = torch.where(committed, payload, -1)
+            current = torch.where(committed, self.payload[name].index_select(0, cells), -1)
         return VocabMask(sets, applies, current)
 
     def _shape(
