@@ -10,7 +10,7 @@ cost), the minimum over ``--repeat`` alternated runs.
 Prints one JSON line: ``trace_k``, with the log's ms per epoch at each k and the ratio k=V / k=8
 (goal: about 1, the default trace's cost independent of k).
 
-    python benchmarks/trace_k.py [--n 24] [--repeat 3]
+    python benchmarks/trace_k.py [--n 24] [--repeat 3] [--quick]
 """
 
 from __future__ import annotations
@@ -75,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=24, help="cells (= epochs) per run")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8 cells, one run each (indicative)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.n, args.repeat = 8, 1
     best: dict[tuple[int, str], float] = {}
     for _ in range(args.repeat):
         for k in (8, VOCAB):
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 ms = log_ms(args.n, k, trace)
                 best[(k, trace)] = min(best.get((k, trace), ms), ms)
     out = {
-        "bench": "trace_k",
+        "case": "trace_k",
         "vocab": VOCAB,
         "n": args.n,
         "log_ms_per_epoch_k8": round(best[(8, "summary")], 3),
