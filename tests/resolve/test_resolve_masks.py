@@ -150,6 +150,20 @@ def test_a_worker_group_applies_the_mask_too(strategy: str, driver: str) -> None
     assert outs[0] == outs[1] and 5 not in outs[0]
 
 
+@pytest.mark.slow  # inductor compiles two step graphs (~20 s)
+def test_compile_applies_the_mask_as_eager_does() -> None:
+    table = torch.round(torch.randn(64, 8, generator=torch.Generator().manual_seed(3)) * 2) / 2
+    prog = Program(
+        5, 8, "all", ("constraint Low:\n  require T[t] in Set(0..3) priority 10\n",), table
+    )
+    outs = []
+    for compile in (False, True):
+        run = Run.from_source(prog.source(1), bindings={"Gen": prog.model()}, compile=compile)
+        run.run(8)
+        outs.append(_committed(run))
+    assert outs[0] == outs[1] and all(x <= 3 for x in outs[0][0])
+
+
 def test_sampling_draws_from_the_constrained_distribution() -> None:
     """pick="sample" with the mask: every committed token satisfies the soft `require`."""
     table = torch.randn(64, 50, generator=torch.Generator().manual_seed(1))
