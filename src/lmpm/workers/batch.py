@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -413,12 +414,12 @@ def _fields(out: Any) -> dict[str, Any] | None:
 
 def _bad_choice(out: Logits) -> str | None:
     """What is wrong with a Logits record's k, pick or temperature (None: nothing)."""
-    if isinstance(out.k, bool) or not isinstance(out.k, int) or out.k < 1:
+    if isinstance(out.k, bool) or not isinstance(out.k, numbers.Integral) or out.k < 1:
         return f"k={out.k!r}; k is a whole number of tokens, at least 1"
     if out.pick not in PICKS:
         return f"pick={out.pick!r}; picks: {', '.join(PICKS)}"
     t = out.temperature
-    if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t <= 0:
         return f"temperature={t!r}; the temperature is a number above 0"
     return None
 
