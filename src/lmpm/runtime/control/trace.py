@@ -405,14 +405,31 @@ class Tracer:
         applies = ve.applies.cpu().numpy()  # (n, K)
         # (R, K) per rule: valid candidates in the cells each constraint covers, violations (a
         # few NumPy passes per rule, whatever the number of candidates)
-        of_rule = [col_r == r for r in range(len(rules))]  # (C,) each
-        viol_ck = np.count_nonzero(violated, axis=0)  # (C, K)
-        viol = [viol_ck[cols].sum(axis=0).tolist() for cols in of_rule]
+        nr = len(rules)
+        # each rule's columns are one run in practice (keep-current, then each rule's proposals):
+        # sum the runs (np.add.reduceat, a pass over C); else weigh the columns by rule
+        starts = np.flatnonzero(np.diff(col_r, prepend=-1))
+        run_rule = col_r[starts].tolist()  # the rule of each run, in column order
+        runs = len(starts) == nr
+
+        def by_rule(per_col: np.ndarray) -> list[int]:  # (C,) -> (R,) summed over each rule
+            if not runs:
+                return [int(x) for x in np.bincount(col_r, weights=per_col, minlength=nr)]
+            out = [0] * nr
+            for r, x in zip(run_rule, np.add.reduceat(per_col, starts).tolist()):
+                out[r] = int(x)
+            return out
+
+        viol_kc = np.ascontiguousarray(np.count_nonzero(violated, axis=0).T)  # (K, C)
+        viol_rk = [by_rule(viol_kc[k]) for k in range(nk)]  # (K, R)
         if applies.all():  # every constraint covers every open cell (the common case)
-            checked = [[int(np.count_nonzero(valid_t[cols]))] * nk for cols in of_rule]
+            per_rule = by_rule(np.count_nonzero(valid_t, axis=1))
+            checked = [[c] * nk for c in per_rule]
         else:
-            checked_ck = valid_t.astype(np.int64) @ applies.astype(np.int64)  # (C, K)
-            checked = [checked_ck[cols].sum(axis=0).tolist() for cols in of_rule]
+            checked_kc = applies.T.astype(np.int64) @ valid_t.T.astype(np.int64)  # (K, C)
+            checked_rk = [by_rule(checked_kc[k]) for k in range(nk)]
+            checked = [[checked_rk[k][r] for k in range(nk)] for r in range(nr)]
+        viol = [[viol_rk[k][r] for k in range(nk)] for r in range(nr)]
         fr, wr = col_r[fav[sub]], col_r[winner[sub]]  # (m,) rule index of favourite / winner
         won = [np.bincount(wr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
         lost = [np.bincount(fr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
