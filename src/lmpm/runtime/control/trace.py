@@ -307,6 +307,8 @@ class Tracer:
         self._priority = {cp.id: cp.priority for cp in plan.constraints}
         self._constraints: dict[tuple[str, tuple[int, ...]], _Constraints] = {}
         self._coords: dict[str, np.ndarray] = {}  # (rank, ncells) per value, on first use
+        # id(col_rule) -> (the tensor, its layout): see _layout
+        self._layouts: dict[int, tuple[Tensor, Any]] = {}
         self._regions: dict[str, Tensor] = {}
         if region is not None:
             dims = plan.values[region.value].dims
@@ -382,6 +384,24 @@ class Tracer:
             full[sub] = resp
             self._cells(ve, e, torch.from_numpy(fav), torch.from_numpy(full), out)
 
+    def _layout(self, col_rule: Tensor) -> tuple[list[int], np.ndarray, np.ndarray, list[int]]:
+        """The candidate columns' layout: the rules (sorted ids, -1 keep-current), each column's
+        index among them (C,), where each run of one rule's columns starts, and its rule index.
+        A worker hands the same ``col_rule`` tensor for the same layout every epoch: worked out
+        once per tensor (k = V columns would otherwise cost passes over them every epoch)."""
+        hit = self._layouts.get(id(col_rule))
+        if hit is not None and hit[0] is col_rule:
+            return hit[1]
+        cols = col_rule.cpu().numpy()
+        rule_ids = np.flatnonzero(np.bincount(cols + 1)) - 1  # sorted (-1: keep-current)
+        col_r = np.searchsorted(rule_ids, cols).astype(np.int64)  # (C,) rule index
+        starts = np.flatnonzero(np.diff(col_r, prepend=-1))
+        out = (rule_ids.tolist(), col_r, starts, col_r[starts].tolist())
+        if len(self._layouts) > 64:  # (layouts change with the rules that fire: keep a few)
+            self._layouts.clear()
+        self._layouts[id(col_rule)] = (col_rule, out)
+        return out
+
     def _summary(
         self,
         ve: ValueEpoch,
@@ -398,18 +418,13 @@ class Tracer:
         """Rows per constraint × rule, from per-column counts ((C, K): a handful of numbers)."""
         ids = static.ids
         nk = len(ids)
-        col_rule = ve.col_rule.cpu().numpy()
-        rule_ids = np.flatnonzero(np.bincount(col_rule + 1)) - 1  # sorted (-1: keep-current)
-        rules = rule_ids.tolist()
-        col_r = np.searchsorted(rule_ids, col_rule).astype(np.int64)  # (C,) rule index
+        rules, col_r, starts, run_rule = self._layout(ve.col_rule)
         applies = ve.applies.cpu().numpy()  # (n, K)
         # (R, K) per rule: valid candidates in the cells each constraint covers, violations (a
         # few NumPy passes per rule, whatever the number of candidates)
         nr = len(rules)
         # each rule's columns are one run in practice (keep-current, then each rule's proposals):
         # sum the runs (np.add.reduceat, a pass over C); else weigh the columns by rule
-        starts = np.flatnonzero(np.diff(col_r, prepend=-1))
-        run_rule = col_r[starts].tolist()  # the rule of each run, in column order
         runs = len(starts) == nr
 
         def by_rule(per_col: np.ndarray) -> list[int]:  # (C,) -> (R,) summed over each rule
