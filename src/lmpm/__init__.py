@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from lmpm.api import Compiled as Compiled
 from lmpm.api import compile as compile
 from lmpm.api import resume as resume
@@ -23,12 +25,27 @@ from lmpm.ir import compile_file as check_file
 from lmpm.ir import compile_source as check_source
 from lmpm.version import __version__ as __version__
 
+if TYPE_CHECKING:
+    from lmpm.workers.base import Logits as Logits
+
+
+def __getattr__(name: str) -> Any:
+    """``lmpm.Logits`` on first use: importing it imports torch, which the CLI's light commands
+    (``lmpm check``, ``lmpm trace``) never do."""
+    if name == "Logits":
+        from lmpm.workers.base import Logits
+
+        return Logits
+    raise AttributeError(f"module 'lmpm' has no attribute {name!r}")
+
+
 __all__ = [
     "BindError",
     "CheckError",
     "Compiled",
     "Frontend",
     "LmpmError",
+    "Logits",
     "ModelError",
     "ParseError",
     "RuntimeFault",

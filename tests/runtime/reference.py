@@ -35,8 +35,9 @@ from lmpm.ir.nodes import (
     RuleKind,
     ShapeKind,
 )
+from lmpm.resolve.masks import lowering_of
 from lmpm.resolve.schedules import color_graph, confidence_quota, epoch_horizon
-from lmpm.workers import WorkItem, get_backend
+from lmpm.workers import MaskSets, VocabMask, WorkItem, get_backend
 from lmpm.workers import rng as lrng
 
 INPUT_RULE = -2  # provenance of a cell committed from an input
@@ -81,6 +82,10 @@ def _policy_of(call: Any) -> tuple[str, tuple[Any, ...]]:
         else:
             args.append(a.value)
     return str(call.func), tuple(args)
+
+
+# the schedules that open unset cells only (a proposal never meets a committed payload)
+FRESH = ("raster", "random", "confidence")
 
 
 class Reference:
@@ -150,6 +155,37 @@ class Reference:
                 self.until, self.cycle = max(self.until, until), math.lcm(self.cycle, cycle)
         # (epoch, constraint, rule) -> [checked, violations, won, lost], as docs/trace.md defines them
         self.trace: dict[tuple[int, str, int], list[int]] = {}
+        # the set constraints the resolver lowers into a mask on a rule's logits (docs/runtime.md,
+        # "Constraints before choosing"): which ones is its choice; the mask is built here
+        self.lowering = lowering_of(program)
+
+    # ---- the vocabulary mask ---------------------------------------------------------------------
+    def _mask(
+        self, r: Any, cell: tuple[int, ...], i: int, payload: Payload, committed: bool
+    ) -> VocabMask | None:
+        """The mask on rule ``r``'s logits at one cell: per lowered set constraint (program
+        order), the tokens satisfying it and whether it speaks about the cell; levels by priority,
+        highest first, `hard` apart; the committed token where the schedule reopens cells."""
+        low = self.lowering.get(r.target)
+        if low is None or r.name not in low.rules:
+            return None
+        vocab = int(evaluate(self.p.value(r.target).vocab, self.env))  # type: ignore[arg-type]
+        cons = [c for c in self.p.constraints if c.name in low.lowered]
+        ok = []
+        for c in cons:
+            members = self._set(c)
+            sat = [(t in members) == (c.kind == "require") for t in range(vocab)]
+            ok.append(torch.tensor(sat, dtype=torch.bool))
+        prios = sorted({c.priority for c in cons if not c.hard}, reverse=True)
+        levels = tuple(
+            tuple(s for s, c in enumerate(cons) if c.priority == p and not c.hard) for p in prios
+        )
+        hard = tuple(s for s, c in enumerate(cons) if c.hard)
+        applies = torch.tensor([[self._covers(c, cell, r.target, i) for c in cons]])
+        current = None
+        if self.strategy not in FRESH:
+            current = torch.tensor([int(payload) if committed else -1])  # type: ignore[arg-type]
+        return VocabMask(MaskSets(torch.stack(ok), levels, hard), applies, current)
 
     # ---- payloads ------------------------------------------------------------------------------
     def _zero(self, value: str) -> Payload:
@@ -326,6 +362,7 @@ class Reference:
             epoch=e,
             value=r.target,
             replica=rep,
+            mask=self._mask(r, cell, i, payload[r.target][i], committed[r.target][i]),
         )
         res = self.backend.collect(self.backend.dispatch([item]))[0]
         scores = res.score.to(torch.float64).reshape(-1).tolist()

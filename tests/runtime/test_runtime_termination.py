@@ -71,6 +71,25 @@ def test_epoch_guarded_rule_fires_before_the_run_is_stable() -> None:
     assert res.stop is not None and res.stop.kind == "stable" and res.stop.total_unset == 0
 
 
+def test_committed_cells_breaking_a_soft_require_are_counted() -> None:
+    # A soft `require` loses to no better candidate: the run sets every cell, and says which
+    # committed cells break it (never "every cell set" alone).
+    run = Run.from_source(
+        program(
+            "raster",
+            constraints="constraint Low: require A[t] in Set(0..1) priority 10",
+            tiles=", k=1",
+        )
+    )
+    res = run.run(until_stable=True, max_epochs=50)
+    out = run.outputs()["A"].tolist()
+    bad = sum(1 for x in out if x not in (0, 1))
+    assert res.stop is not None and res.stop.total_unset == 0 and bad > 0
+    assert res.stop.broken == {"A": {"Low": bad}}
+    cells = "cells break" if bad > 1 else "cell breaks"
+    assert res.stop.message().endswith(f"every cell set; {bad} committed {cells} `Low` (A)")
+
+
 def test_periodic_guard_gets_every_residue() -> None:
     # `e % 3 == 2` fires only every third epoch: a raster pass must try each cell at each residue.
     run = Run.from_source(program("raster", guard="e % 3 == 2", tiles=", k=1"))
@@ -210,6 +229,7 @@ def test_stop_reason_in_cli_log_and_trace(tmp_path: Path) -> None:
         "kind": "stable",
         "epoch": 9,
         "unset": {"A": {"every candidate violates `Hard`": 1}},
+        "broken": {},
     }
 
     shown = lmpm("trace", str(out), cwd=tmp_path)

@@ -97,6 +97,7 @@ def _report(run: Run, graph: bool) -> str:
             out.append(f"{name}: eager: {why}")
             out.append("  (each epoch runs the ordinary propose, check, agree and apply steps;")
             out.append("  on cuda nothing of it is captured as a CUDA graph)")
+            out.extend(_mask_lines(plan, name))
             out.append("")
             continue
         spec = ce.specs[name]
@@ -104,6 +105,7 @@ def _report(run: Run, graph: bool) -> str:
         cps = live.get(name, [])
         out.append(f"{name}: compiled (one graph per bucket of open cells, a power of two)")
         out.extend(_spec_lines(run, spec, rp, cps))
+        out.extend(_mask_lines(plan, name))
         out.extend(_cuda_lines(rp))
         traced = trace_value(run, name, open0.get(name))
         out.extend(_graph_lines(traced))
@@ -124,6 +126,21 @@ def _report(run: Run, graph: bool) -> str:
         if not graph:
             out.append("lmpm show --compiled --graph prints each traced graph.")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _mask_lines(plan: Any, name: str) -> list[str]:
+    """The value's set constraints lowered into a mask on its models' logits (the worker applies
+    it before choosing, before the step runs: the step gets the chosen candidates)."""
+    vm = plan.masks.get(name)
+    if vm is None:
+        return []
+    text = (
+        f"{', '.join(vm.lowering.lowered)} lowered into a vocabulary mask on the logits of "
+        f"{', '.join(vm.lowering.rules)}, applied by the worker before it chooses (the step gets "
+        "the chosen candidates)"
+    )
+    lines = textwrap.wrap(text, WIDTH - 15)
+    return ["  mask         " + lines[0]] + [" " * 15 + line for line in lines[1:]]
 
 
 def _proposals(rp: RulePlan) -> tuple[int, bool]:

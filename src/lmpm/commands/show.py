@@ -150,7 +150,12 @@ def run(args: argparse.Namespace) -> int:
                 raise LmpmError(f"graphviz failed: {res.stderr.strip()}", code="U010")
             out = res.stdout
     else:
+        from lmpm.resolve.masks import lowering_of
+
         out = g.to_text(front.ir)
+        lines = [line for low in lowering_of(front.ir).values() for line in low.lines()]
+        if lines:  # constraints before choosing (docs/runtime.md, "Candidates and constraints")
+            out += "masks:\n" + "".join(f"  {line}\n" for line in lines)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(out)

@@ -91,14 +91,22 @@ def _stop_text(stop: dict[str, Any]) -> str:
     unset = stop.get("unset") or {}
     total = sum(int(c) for reasons in unset.values() for c in reasons.values())
     if not total:
-        return f"stopped after {stop.get('epoch')} epochs: {kind}, every cell set"
-    lines = [
-        f"stopped after {stop.get('epoch')} epochs: {kind}, [bold yellow]{total} cell"
-        f"{'s' if total != 1 else ''} left unset[/]:"
-    ]
-    for name, reasons in unset.items():
-        for why, count in reasons.items():
-            lines.append(f"  {name}: {count} {why}")
+        lines = [f"stopped after {stop.get('epoch')} epochs: {kind}, every cell set"]
+    else:
+        lines = [
+            f"stopped after {stop.get('epoch')} epochs: {kind}, [bold yellow]{total} cell"
+            f"{'s' if total != 1 else ''} left unset[/]:"
+        ]
+        for name, reasons in unset.items():
+            for why, count in reasons.items():
+                lines.append(f"  {name}: {count} {why}")
+    broken = stop.get("broken") or {}  # (older logs have none)
+    for name, by in broken.items():
+        for constraint, count in by.items():
+            lines.append(
+                f"  [bold yellow]{name}: {count} committed cell{'s' if count != 1 else ''} "
+                f"break{'' if count != 1 else 's'} `{constraint}`[/]"
+            )
     return "\n".join(lines)
 
 

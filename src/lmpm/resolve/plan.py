@@ -36,6 +36,7 @@ from lmpm.ir.nodes import (
     Status,
 )
 from lmpm.ir.printer import call_str, expr_str, read_str
+from lmpm.resolve.masks import ValueMask, lower, lowering_of
 from lmpm.resolve.policies import Policy, get_policy, replicas
 from lmpm.resolve.schedules import ScheduleSpec, sample_tiles
 from lmpm.runtime.data.texpr import coords as coords_of
@@ -132,6 +133,8 @@ class Plan:
     # compile time, or a read_future decided there, is never re-evaluated)
     live_constraints: dict[str, list[ConstraintPlan]] = field(init=False)
     gathers: list[Gather] = field(init=False)  # rule reads, then the live constraints' accesses
+    # per value: its static set constraints lowered into a vocabulary mask (lmpm.resolve.masks)
+    masks: dict[str, ValueMask] = field(init=False)
 
     def __post_init__(self) -> None:
         self.rules_by_target = {}
@@ -151,6 +154,7 @@ class Plan:
             for cp in cps:
                 for index, valid in cp.accesses:
                     self.gathers.append(Gather(cp.target, cp.target, index, valid, False))
+        self.masks = lower(self)
 
     @property
     def total_cells(self) -> int:
@@ -621,6 +625,8 @@ def plan_text(program: Program, overrides: Mapping[str, int] | None = None) -> s
             f"constraint {c.name} [{c.priority}] {c.kind} {c.pred.value}: {c.status.value}"
             + (" (not evaluated at run time)" if c.status == Status.PROVED else "")
         )
+    for low in lowering_of(program).values():
+        out += [f"mask {line}" for line in low.lines()]
     if not any(r.kind == RuleKind.SCHEDULE for r in program.rules):
         out.append("schedule: all (default)")
     return "\n".join(out) + "\n"

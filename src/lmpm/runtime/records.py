@@ -251,28 +251,51 @@ class StopReason:
     kind: str
     epoch: int  # epochs complete when the run ended
     unset: dict[str, dict[str, int]]
+    # per value, committed cells whose payload violates a live constraint, by constraint name
+    # (as of the last epoch that opened each cell)
+    broken: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total_unset(self) -> int:
         return sum(sum(v.values()) for v in self.unset.values())
 
+    @property
+    def total_broken(self) -> int:
+        """Committed cells that violate some live constraint (a cell counted once per value and
+        constraint it breaks)."""
+        return sum(sum(v.values()) for v in self.broken.values())
+
     def message(self, detail: bool = True) -> str:
         """One line for people: "stable, every cell set" / "stable with 3 unset cells (A: 3 no
-        rule fires there)"; ``detail=False`` leaves out the reasons."""
+        rule fires there)", then how many committed cells break which constraint ("; 2
+        committed cells break `Plain` (Txt)"); ``detail=False`` leaves out the unset cells'
+        reasons."""
         head = {"stable": "stable", "epochs": "epoch limit reached"}.get(self.kind, self.kind)
         n = self.total_unset
         if not n:
-            return f"{head}, every cell set"
-        if not detail:
-            return f"{head} with {n} unset cell{'s' if n != 1 else ''}"
+            text = f"{head}, every cell set"
+        elif not detail:
+            text = f"{head} with {n} unset cell{'s' if n != 1 else ''}"
+        else:
+            parts = [
+                f"{name}: " + ", ".join(f"{c} {why}" for why, c in reasons.items())
+                for name, reasons in self.unset.items()
+            ]
+            text = f"{head} with {n} unset cell{'s' if n != 1 else ''} ({'; '.join(parts)})"
+        return text + self.broken_text()
+
+    def broken_text(self) -> str:
+        """ "; 2 committed cells break `Plain` (Txt)", or "" when none does."""
         parts = [
-            f"{name}: " + ", ".join(f"{c} {why}" for why, c in reasons.items())
-            for name, reasons in self.unset.items()
+            f"{c} committed cell{'s' if c != 1 else ''} break{'' if c != 1 else 's'} `{cname}` "
+            f"({name})"
+            for name, by in self.broken.items()
+            for cname, c in by.items()
         ]
-        return f"{head} with {n} unset cell{'s' if n != 1 else ''} ({'; '.join(parts)})"
+        return "; " + ", ".join(parts) if parts else ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "epoch": self.epoch, "unset": self.unset}
+        return {"kind": self.kind, "epoch": self.epoch, "unset": self.unset, "broken": self.broken}
 
 
 @dataclass

@@ -21,14 +21,18 @@ from typing import Any
 
 from lmpm.errors import UsageError
 from lmpm.workers.base import (
+    PICKS,
     Backend,
     GroupResult,
     Handle,
     ItemResult,
+    Logits,
+    MaskSets,
     Model,
     Proposal,
     Ref,
     Results,
+    VocabMask,
     Work,
     WorkBatch,
     WorkItem,
@@ -36,15 +40,19 @@ from lmpm.workers.base import (
 from lmpm.workers.batch import BatchedCall, batch_items
 
 __all__ = [
+    "PICKS",
     "Backend",
     "BatchedCall",
     "GroupResult",
     "Handle",
     "ItemResult",
+    "Logits",
+    "MaskSets",
     "Model",
     "Proposal",
     "Ref",
     "Results",
+    "VocabMask",
     "Work",
     "WorkBatch",
     "WorkItem",
@@ -54,7 +62,7 @@ __all__ = [
 ]
 
 # Modules of this package that are infrastructure, not backends (checked without importing them).
-_NOT_BACKENDS = frozenset({"base", "batch", "rng"})
+_NOT_BACKENDS = frozenset({"base", "batch", "choose", "rng"})
 
 
 def available_backends() -> list[str]:

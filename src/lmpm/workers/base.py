@@ -35,14 +35,18 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "PICKS",
     "Backend",
     "GroupResult",
     "Handle",
     "ItemResult",
+    "Logits",
+    "MaskSets",
     "Model",
     "Proposal",
     "Ref",
     "Results",
+    "VocabMask",
     "Work",
     "WorkBatch",
     "WorkItem",
@@ -63,6 +67,65 @@ class Ref:
 
     key: str
     index: Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MaskSets:
+    """A value's static set constraints on its tokens, lowered by the resolver into what the worker
+    masks a model's logits with before it chooses (:mod:`lmpm.resolve.masks`; built once per value).
+
+    Constraint ``s`` is satisfied by the tokens where ``ok[s]`` holds (``require X in S``: S;
+    ``forbid X in S``: its complement). The worker keeps, of each row's tokens, those the commit
+    policy would rank first: the hard constraints' tokens (when any is left), then level by level
+    (highest priority first) the tokens satisfying the most constraints of the level.
+    """
+
+    ok: Tensor  # (S, V) bool: the token satisfies set constraint s
+    levels: tuple[
+        tuple[int, ...], ...
+    ]  # soft constraints (indices into S) per level, highest first
+    hard: tuple[int, ...] = ()  # the `hard` constraints (indices into S)
+
+
+@dataclass(frozen=True, slots=True)
+class VocabMask:
+    """The mask a work item's logits get before the worker chooses tokens (rows: the item's cells).
+
+    ``current`` is the committed token of each row (-1 where unset): the worker scores it afresh as
+    one more candidate, which folds into keep-current, as it would among all V candidates."""
+
+    sets: MaskSets
+    applies: Tensor  # (n, S) bool: set constraint s speaks about the row's cell this epoch
+    current: Tensor | None = None  # (n,) int64 committed token, -1 unset; None: every row unset
+
+
+PICKS = ("sample", "top")  # how the worker chooses a Logits record's k tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Logits:
+    """What a model returns to have the worker choose ``k`` tokens per cell from its distribution.
+
+    ``pick="top"``: the k most likely tokens (ties: the lower token id); ``pick="sample"``: k
+    distinct tokens drawn without replacement (Gumbel-top-k over ``logits / temperature``, keyed by
+    the counter-based RNG like every draw, so reproducible under any batching). ``-inf`` logits are
+    never chosen; where fewer than k tokens are left, the first choice fills the other slots. Each
+    token's score is its log-probability under ``log_softmax(logits / temperature)`` (at the
+    default temperature, the model's own), before any constraint mask: a mask changes which tokens
+    are chosen, never their scores (docs/backends.md, "What the model returns").
+
+    >>> import torch
+    >>> from lmpm.workers import WorkItem, get_backend
+    >>> be = get_backend("cpu")
+    >>> top2 = lambda inputs: Logits(torch.tensor([[0.0, 2.0, 1.0]]), k=2, pick="top")
+    >>> be.collect(be.dispatch(WorkItem("r", top2, {}, torch.tensor([0]), vocab=3)))[0].proposal
+    tensor([[1, 2]])
+    """
+
+    logits: Tensor  # (n, V) float
+    k: int = 1  # tokens chosen per cell
+    pick: str = "sample"  # one of PICKS
+    temperature: float = 1.0  # above 0: divides the logits before the draw and the scores
 
 
 @dataclass(slots=True)  # not frozen: built per epoch, and frozen costs ~1.5 µs a build
@@ -91,6 +154,9 @@ class WorkItem:
     # replace the model's own. The control plane never calls a model.
     score: Model | None = None
     score_inputs: tuple[str, ...] = ()
+    # The value's static set constraints, lowered into a mask on the logits the model returns
+    # (None: no mask; a model returning proposals ignores it)
+    mask: VocabMask | None = None
 
     @property
     def n(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +35,18 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import ModelError, UsageError, user_frame
-from lmpm.workers import rng
-from lmpm.workers.base import GroupResult, Model, Proposal, Work, WorkBatch, WorkItem
+from lmpm.workers import choose, rng
+from lmpm.workers.base import (
+    PICKS,
+    GroupResult,
+    Logits,
+    Model,
+    Proposal,
+    VocabMask,
+    Work,
+    WorkBatch,
+    WorkItem,
+)
 
 __all__ = [
     "BAD_LOGITS",
@@ -115,6 +126,7 @@ class BatchedCall:
     offsets: tuple[int, ...]  # len(item_ids) + 1 row offsets
     score: Model | None = None  # the rule's score (see WorkItem.score)
     score_inputs: tuple[str, ...] = ()
+    mask: VocabMask | None = None  # the items' masks, rows back to back (see WorkItem.mask)
 
 
 def as_items(work: Work) -> tuple[WorkItem, ...]:
@@ -144,7 +156,8 @@ def _group_key(item: WorkItem) -> Hashable:
     names = tuple(sorted(k for k in inputs if not (k.endswith("_mask") and k[:-5] in inputs)))
     kw = tuple(sorted((k, _freeze(v)) for k, v in item.kwargs.items())) if item.kwargs else ()
     score = (id(item.score), item.score_inputs) if item.score is not None else None
-    return (item.rule, id(item.model), item.group, item.vocab, item.dtype, kw, names, score)
+    mask = None if item.mask is None else id(item.mask.sets)
+    return (item.rule, id(item.model), item.group, item.vocab, item.dtype, kw, names, score, mask)
 
 
 Transfer = Callable[[Tensor], Tensor]
@@ -282,6 +295,7 @@ def _build_call(
     return BatchedCall(
         rule=rule,
         model=head.model,
+        mask=_merge_masks(items, device, transfer),
         kwargs=head.kwargs,
         vocab=head.vocab,
         dtype=head.dtype,
@@ -294,6 +308,37 @@ def _build_call(
         score=head.score,
         score_inputs=head.score_inputs,
     )
+
+
+def _merge_masks(
+    items: Sequence[WorkItem], device: torch.device | None, transfer: Transfer | None
+) -> VocabMask | None:
+    """The items' masks as one over the call's rows (the items of a call share the sets)."""
+    masks = [it.mask for it in items]
+    head = masks[0]
+    if head is None:
+        return None
+    if len(masks) == 1:
+        return VocabMask(
+            head.sets,
+            _place(head.applies, device, transfer),
+            None if head.current is None else _place(head.current, device, transfer),
+        )
+    assert all(m is not None for m in masks), "the group key keeps masked items apart"
+    applies = _concat([m.applies for m in masks if m is not None], device, transfer)
+    current = None
+    if any(m is not None and m.current is not None for m in masks):
+        current = _concat(
+            [
+                m.current
+                if m is not None and m.current is not None
+                else torch.full((it.n,), -1, dtype=torch.int64)
+                for m, it in zip(masks, items)
+            ],
+            device,
+            transfer,
+        )
+    return VocabMask(head.sets, applies, current)
 
 
 def batch_items(
@@ -367,6 +412,18 @@ def _fields(out: Any) -> dict[str, Any] | None:
     return None
 
 
+def _bad_choice(out: Logits) -> str | None:
+    """What is wrong with a Logits record's k, pick or temperature (None: nothing)."""
+    if isinstance(out.k, bool) or not isinstance(out.k, numbers.Integral) or out.k < 1:
+        return f"k={out.k!r}; k is a whole number of tokens, at least 1"
+    if out.pick not in PICKS:
+        return f"pick={out.pick!r}; picks: {', '.join(PICKS)}"
+    t = out.temperature
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t <= 0:
+        return f"temperature={t!r}; the temperature is a number above 0"
+    return None
+
+
 def _rows_any(flag: Tensor) -> Tensor:
     """(N, ...) bool -> (N,) bool: any fault in the row."""
     return flag.flatten(1).any(1) if flag.dim() > 1 else flag
@@ -429,7 +486,15 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         )
 
     n = int(call.cells.shape[0])
-    fields = {"proposal": out} if isinstance(out, Tensor) else _fields(out)
+    chosen: Logits | None = None  # a Logits record: the worker chooses its k tokens
+    if isinstance(out, Logits):
+        chosen = out
+        wrong = _bad_choice(out)
+        if wrong:
+            raise fail(f"returned a Logits record with {wrong}", R_TYPE)
+        fields: dict[str, Any] | None = {"logits": out.logits}
+    else:
+        fields = {"proposal": out} if isinstance(out, Tensor) else _fields(out)
     if fields is None:
         return_what = f"a {type(out).__name__}"
         raise ModelError(
@@ -488,18 +553,42 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 "returned both 'logits' and 'score'; the score of a sampled token is its log-prob",
                 R_TYPE,
             )
-        k = call.keys
-        proposal = rng.categorical(
-            logits,
-            seed=k.seed,
-            value=k.value,
-            cells=call.cells,
-            epoch=k.epoch,
-            rule=call.rule,
-            replica=k.replica,
-        )  # (n,) | (n, k)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
+        keys = call.keys
+        if chosen is not None:
+            if logits.dim() != 2:
+                raise fail(
+                    f"returned a Logits record with logits of shape {tuple(logits.shape)}; "
+                    "expected (n, vocab): the worker chooses its k tokens",
+                    R_RANK,
+                )
+
+            def gumbel(draws: int) -> Tensor:
+                return rng.gumbel(
+                    keys.seed, keys.value, call.cells, keys.epoch, call.rule, keys.replica, draws
+                )
+
+            proposal = choose.choose(
+                logits, chosen.k, chosen.pick, chosen.temperature, gumbel, call.mask
+            )  # (n, k)
+            logp = torch.log_softmax(logits.float() / float(chosen.temperature), dim=-1)
+        else:
+            proposal = rng.categorical(
+                choose.masked(logits, call.mask),
+                seed=keys.seed,
+                value=keys.value,
+                cells=call.cells,
+                epoch=keys.epoch,
+                rule=call.rule,
+                replica=keys.replica,
+            )  # (n,) | (n, k)
+            logp = torch.log_softmax(logits.float(), dim=-1)
+        if logits.dim() == 2 and call.mask is not None and call.mask.current is not None:
+            two = proposal if proposal.dim() == 2 else proposal.unsqueeze(1)
+            proposal = choose.keep_column(two, logits, call.mask)  # (n, k + 1)
+        if logits.dim() == 2 and proposal.dim() == 2:  # (n, k) tokens of one distribution
+            score = logp.gather(1, proposal)
+        else:  # (n,) of (n, V), or (n, k) of (n, k, V): one token per distribution
+            score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
         broken = torch.isnan(logits) | (logits == float("inf"))
         all_masked = (logits == float("-inf")).all(-1)
         bad |= (_rows_any(broken) | _rows_any(all_masked)).to(torch.int8) * BAD_LOGITS

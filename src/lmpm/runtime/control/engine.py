@@ -316,11 +316,17 @@ class Engine:
 
     def stop_reason(self, kind: str) -> StopReason:
         """Why the run stops now: ``kind`` and, per value, the unset cells by reason."""
+        owner = self.dataplane.owner
         unset = {
             name: {self._why_text(code, name): n for code, n in codes.items()}
-            for name, codes in self.dataplane.owner.reasons().items()
+            for name, codes in owner.reasons().items()
         }
-        return StopReason(kind, self.epoch, unset)
+        names = {cp.id: cp.name for cp in self.plan.constraints}
+        broken = {
+            name: {names[cid]: n for cid, n in by.items()}
+            for name, by in owner.broken_counts().items()
+        }
+        return StopReason(kind, self.epoch, unset, broken)
 
     def _why_text(self, code: int, value: str) -> str:
         if code == NO_QUORUM:

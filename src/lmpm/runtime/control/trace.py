@@ -70,6 +70,9 @@ DEFAULT_LEVEL = "summary"
 # the epochs table's columns in `lmpm trace --json` (the counted costs are None in a schema-2 run)
 EPOCH_FIELDS = tuple(c for c in EPOCH_COLUMNS if c not in ("model_seconds", "maskplan", "at"))
 MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over constraint ids
+# Candidates per cell above which a pass reduces along the candidates in one NumPy call (a loop
+# over a few columns is faster for many cells and few candidates; one call per epoch for k = V)
+WIDE = 64
 
 
 # ---- regions: `Vid[0, 0..15, *]` ----------------------------------------------------------------
@@ -226,6 +229,10 @@ def favourite(valid: np.ndarray, score: np.ndarray) -> np.ndarray:
     array([1, 0])
     """
     s = np.where(valid, score, -np.inf)  # (C, n)
+    if s.shape[0] > WIDE:  # many candidates (k in the thousands): reduce along them at once
+        top = s.max(axis=0)  # NaN propagates: then no column hits
+        hits = (s == top) & valid
+        return np.where(hits.any(axis=0), hits.argmax(axis=0), 0).astype(np.int64)
     best = s[0].copy()
     for c in range(1, s.shape[0]):
         np.maximum(best, s[c], out=best)  # NaN propagates, as in a max: then no column hits
@@ -261,9 +268,12 @@ def attribute(
         for k in ks[1:]:
             count += ~violated[:, :, k]
         count[~eligible] = -1
-        most = count[:, 0].copy()
-        for c in range(1, count.shape[1]):  # (NumPy reduces slowly along the short axis)
-            np.maximum(most, count[:, c], out=most)
+        if count.shape[1] > WIDE:
+            most = count.max(axis=1)
+        else:
+            most = count[:, 0].copy()
+            for c in range(1, count.shape[1]):  # (NumPy reduces slowly along the short axis)
+                np.maximum(most, count[:, c], out=most)
         narrowed = eligible & (count == most[:, None])
         gone = eligible[rows, fav] & ~narrowed[rows, fav]
         elim[gone] = prio
@@ -298,6 +308,8 @@ class Tracer:
         self._priority = {cp.id: cp.priority for cp in plan.constraints}
         self._constraints: dict[tuple[str, tuple[int, ...]], _Constraints] = {}
         self._coords: dict[str, np.ndarray] = {}  # (rank, ncells) per value, on first use
+        # id(col_rule) -> (the tensor, its layout): see _layout
+        self._layouts: dict[int, tuple[Tensor, Any]] = {}
         self._regions: dict[str, Tensor] = {}
         if region is not None:
             dims = plan.values[region.value].dims
@@ -373,6 +385,24 @@ class Tracer:
             full[sub] = resp
             self._cells(ve, e, torch.from_numpy(fav), torch.from_numpy(full), out)
 
+    def _layout(self, col_rule: Tensor) -> tuple[list[int], np.ndarray, np.ndarray, list[int]]:
+        """The candidate columns' layout: the rules (sorted ids, -1 keep-current), each column's
+        index among them (C,), where each run of one rule's columns starts, and its rule index.
+        A worker hands the same ``col_rule`` tensor for the same layout every epoch: worked out
+        once per tensor (k = V columns would otherwise cost passes over them every epoch)."""
+        hit = self._layouts.get(id(col_rule))
+        if hit is not None and hit[0] is col_rule:
+            return hit[1]
+        cols = col_rule.cpu().numpy()
+        rule_ids = np.flatnonzero(np.bincount(cols + 1)) - 1  # sorted (-1: keep-current)
+        col_r = np.searchsorted(rule_ids, cols).astype(np.int64)  # (C,) rule index
+        starts = np.flatnonzero(np.diff(col_r, prepend=-1))
+        out = (rule_ids.tolist(), col_r, starts, col_r[starts].tolist())
+        if len(self._layouts) > 64:  # (layouts change with the rules that fire: keep a few)
+            self._layouts.clear()
+        self._layouts[id(col_rule)] = (col_rule, out)
+        return out
+
     def _summary(
         self,
         ve: ValueEpoch,
@@ -388,24 +418,34 @@ class Tracer:
     ) -> None:
         """Rows per constraint × rule, from per-column counts ((C, K): a handful of numbers)."""
         ids = static.ids
-        ncol, nk = valid_t.shape[0], len(ids)
-        col_rule = ve.col_rule.cpu().tolist()
-        rules = sorted(set(col_rule))
-        col_r = np.array([rules.index(r) for r in col_rule], dtype=np.int64)  # (C,) rule index
+        nk = len(ids)
+        rules, col_r, starts, run_rule = self._layout(ve.col_rule)
         applies = ve.applies.cpu().numpy()  # (n, K)
-        # (K, n), or None when every constraint covers every open cell (the common case)
-        applies_t = None if applies.all() else np.ascontiguousarray(applies.T)
-        per_col = [int(np.count_nonzero(valid_t[c])) for c in range(ncol)]
-        checked = [[0] * nk for _ in rules]  # (R, K): valid candidates in covered cells
-        viol = [[0] * nk for _ in rules]  # (R, K)
-        for k in range(nk):
-            cover = None if applies_t is None or applies_t[k].all() else applies_t[k]  # (n,)
-            for c in range(ncol):
-                r = col_r[c]
-                checked[r][k] += (
-                    per_col[c] if cover is None else int(np.count_nonzero(valid_t[c] & cover))
-                )
-                viol[r][k] += int(np.count_nonzero(violated[:, c, k]))
+        # (R, K) per rule: valid candidates in the cells each constraint covers, violations (a
+        # few NumPy passes per rule, whatever the number of candidates)
+        nr = len(rules)
+        # each rule's columns are one run in practice (keep-current, then each rule's proposals):
+        # sum the runs (np.add.reduceat, a pass over C); else weigh the columns by rule
+        runs = len(starts) == nr
+
+        def by_rule(per_col: np.ndarray) -> list[int]:  # (C,) -> (R,) summed over each rule
+            if not runs:
+                return [int(x) for x in np.bincount(col_r, weights=per_col, minlength=nr)]
+            out = [0] * nr
+            for r, x in zip(run_rule, np.add.reduceat(per_col, starts).tolist()):
+                out[r] = int(x)
+            return out
+
+        viol_kc = np.ascontiguousarray(np.count_nonzero(violated, axis=0).T)  # (K, C)
+        viol_rk = [by_rule(viol_kc[k]) for k in range(nk)]  # (K, R)
+        if applies.all():  # every constraint covers every open cell (the common case)
+            per_rule = by_rule(np.count_nonzero(valid_t, axis=1))
+            checked = [[c] * nk for c in per_rule]
+        else:
+            checked_kc = applies.T.astype(np.int64) @ valid_t.T.astype(np.int64)  # (K, C)
+            checked_rk = [by_rule(checked_kc[k]) for k in range(nk)]
+            checked = [[checked_rk[k][r] for k in range(nk)] for r in range(nr)]
+        viol = [[viol_rk[k][r] for k in range(nk)] for r in range(nr)]
         fr, wr = col_r[fav[sub]], col_r[winner[sub]]  # (m,) rule index of favourite / winner
         won = [np.bincount(wr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
         lost = [np.bincount(fr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]

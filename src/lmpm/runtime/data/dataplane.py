@@ -69,7 +69,7 @@ from lmpm.runtime.protocol import (
     Traffic,
 )
 from lmpm.runtime.records import ValueEpoch
-from lmpm.workers import Results, WorkItem, get_backend, simcuda
+from lmpm.workers import MaskSets, Results, VocabMask, WorkItem, get_backend, simcuda
 
 # splitmix64's multipliers as signed int64 (torch has no uint64 arithmetic); products wrap.
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -263,6 +263,16 @@ class DataPlane:
                 tuple(self._dev(cp.cells) for cp in cps),
                 plan.values[name].policy_text.split("(")[0] in checksum_policies,
                 not aggregates(plan.values[name].policy, plan.values[name].policy_args),
+            )
+        # per value with a lowered mask (lmpm.resolve.masks): its sets on this device, and the
+        # index of each lowered constraint among the value's live ones
+        self._masks: dict[str, tuple[MaskSets, tuple[int, ...]]] = {}
+        for name, vm in plan.masks.items():
+            at = [cp.id for cp in self._tables[name].constraints]
+            sets = vm.sets
+            self._masks[name] = (
+                MaskSets(self._dev(sets.ok), sets.levels, sets.hard),
+                tuple(at.index(cid) for cid in vm.constraints),
             )
         self._staged: dict[str, _Staged] = {}
         self._phase: dict[str, int | None] = {}  # this epoch's schedule phase per value
@@ -705,6 +715,7 @@ class DataPlane:
                         replica=rep,
                         score=score,
                         score_inputs=score_inputs,
+                        mask=self._vocab_mask(rp, cells, req.fresh.get(rp.target, False)),
                     )
                 )
                 meta.append((rp, cells, rep))
@@ -726,6 +737,41 @@ class DataPlane:
                 prop = _corrupt(prop, vp)
             per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
         return per_value, model_seconds
+
+    def _vocab_mask(self, rp: RulePlan, cells: Tensor, fresh: bool) -> VocabMask | None:
+        """The mask on ``rp``'s logits for ``cells`` this epoch (None: its value has none, or the
+        rule gets none): which lowered constraints speak about each cell (their cells, the
+        `inputs()` region, the RuleSet) and, where the schedule may open committed cells
+        (``fresh`` False), each cell's committed token (-1: unset)."""
+        got = self._masks.get(rp.target)
+        if got is None or rp.id not in self.plan.masks[rp.target].rules:
+            return None
+        sets, at = got
+        name = rp.target
+        tabs = self._tables[name]
+        n = cells.numel()
+        active = self._active
+        if active is None and all(tabs.covers_all[j] for j in at):
+            applies = self._ones((n, len(at)))
+        else:
+            phase = self._phase.get(name)
+            cols = []
+            for j in at:
+                cp = tabs.constraints[j]
+                if active is not None and cp.id not in active:
+                    cols.append(torch.zeros(n, dtype=torch.bool, device=self.device))
+                    continue
+                key = None if phase is None else ("cp", cp.id, phase)
+                where = self._rows(tabs.cells[j], cells, key)
+                if cp.needs_inputs_region:
+                    where = where & self.from_input[name].index_select(0, cells)
+                cols.append(where)
+            applies = torch.stack(cols, dim=1)
+        current = None
+        if not fresh:  # the schedule may open committed cells: each one's token, -1 where unset
+            committed = self.committed[name].index_select(0, cells)
+            current = torch.where(committed, self.payload[name].index_select(0, cells), -1)
+        return VocabMask(sets, applies, current)
 
     def _shape(
         self, rp: RulePlan, vp: ValuePlan, prop: Tensor, score: Tensor

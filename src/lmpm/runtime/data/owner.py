@@ -209,6 +209,21 @@ def reasons(why: Mapping[str, Tensor], state: Mapping[str, CellState]) -> dict[s
     return out
 
 
+def broken_counts(
+    plan: Plan, broken: Mapping[str, Tensor], state: Mapping[str, CellState]
+) -> dict[str, dict[int, int]]:
+    """Per value, committed cells whose payload violates a live constraint, by constraint id (as
+    of the last time each cell was open; the most frequent first)."""
+    out: dict[str, dict[int, int]] = {}
+    for name, bits in broken.items():
+        counts = (bits & state[name].committed.unsqueeze(1)).sum(dim=0).tolist()  # (K,)
+        ids = [cp.id for cp in plan.live_constraints.get(name, [])]
+        got = sorted(((cid, int(c)) for cid, c in zip(ids, counts) if c), key=lambda x: -x[1])
+        if got:
+            out[name] = dict(got)
+    return out
+
+
 class Owner:
     """The cells' metadata and the decisions on them (see the module doc).
 
@@ -259,6 +274,13 @@ class Owner:
         self._active: frozenset[int] | None = None
         self._active_mask: dict[str, Tensor] = {}
         self._consts: dict[tuple[str, int, torch.dtype], Tensor] = {}
+        # per proposed value with live constraints: (ncells, K) bool, the constraints each
+        # committed cell's payload violated the last time the cell was open (the stop summary)
+        self.broken = {
+            name: torch.zeros((plan.values[name].ncells, len(st.constraints)), dtype=torch.bool)
+            for name, st in self.static.items()
+            if st.constraints
+        }
 
     # ---- metadata outside the epoch ---------------------------------------------------------------
     def mark_input(self, value: str, cells: Tensor) -> None:
@@ -290,6 +312,27 @@ class Owner:
     def reasons(self) -> dict[str, dict[int, int]]:
         """Per value with unset cells: their count by why-code, the most frequent first."""
         return reasons(self.why, self.state)
+
+    def get_broken(self) -> dict[str, Tensor]:
+        return self.broken
+
+    def broken_counts(self) -> dict[str, dict[int, int]]:
+        """Per value, committed cells that violate a live constraint, by constraint id."""
+        return broken_counts(self.plan, self.broken, self.state)
+
+    def note_broken(self, ve: ValueEpoch) -> None:
+        """Record which live constraints the payload of each open cell of ``ve`` violates after
+        the epoch: the winner's verdicts where it committed, keep-current's where the cell kept
+        its payload (a constraint not in the RuleSet, or not speaking about the cell, is violated
+        by nothing)."""
+        broken = self.broken.get(ve.value)
+        if broken is None or not ve.cells.numel():
+            return
+        violated = ve.violated.cpu()  # (n, C, K)
+        winner = torch.where(ve.changed.cpu(), ve.winner.cpu(), 0)  # (n,)
+        now = violated[torch.arange(winner.numel()), winner]  # (n, K)
+        committed = ve.changed.cpu() | ve.was_committed.cpu()
+        broken.index_put_((ve.cells.cpu(),), now & committed.unsqueeze(1))
 
     # ---- the epoch ---------------------------------------------------------------------------------
     def open_cells(self, e: int, skip: int, start: int) -> dict[str, Tensor]:
@@ -365,6 +408,7 @@ class Owner:
             if name in parts:
                 assert fused is not None
                 ve, n_commits, n_viol = fused.step_fused(self, name, e, parts[name], req.checksums)
+                self.note_broken(ve)
             else:
                 p = pending[name]
                 ve, n_commits = self._commit(name, e, p, applied.values[name], phases[name])
@@ -578,6 +622,7 @@ class Owner:
             sums = torch.zeros(n, dtype=torch.int64)
             sums[changed] = got.checksum
             ve.checksum = sums
+        self.note_broken(ve)
         return ve, commits
 
     def settle(self, name: str, e: int, rule: int, ve: ValueEpoch) -> None:

@@ -47,6 +47,7 @@ from lmpm.runtime.data.owner import (
     Owner,
     _Pending,
     _violations,
+    broken_counts,
     dissent,
     reasons,
     schedule_of,
@@ -807,6 +808,22 @@ class OwnersView:
 
     def reasons(self) -> dict[str, dict[int, int]]:
         return reasons(self.why, self.state)
+
+    def broken_counts(self) -> dict[str, dict[int, int]]:
+        """Per value, committed cells that violate a live constraint (each cell's verdicts from
+        the owner that decides it), by constraint id."""
+        alls = self.group._owner_calls("get_broken", [()] * self.group.size)
+        merged: dict[str, Tensor] = {}
+        for name, bits in alls[0].items():
+            if self.topology.workers_of(name) > 1 or len(alls) == 1:
+                merged[name] = bits
+                continue
+            owner_of = self.topology.owner[name]
+            merged[name] = bits.clone()
+            for rank, other in enumerate(alls[1:], start=1):
+                mine = owner_of == rank
+                merged[name][mine] = other[name][mine]
+        return broken_counts(self.plan, merged, self.state)
 
     def unset(self) -> dict[str, int]:
         return dict(self._first("unset"))

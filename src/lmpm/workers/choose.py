@@ -1,0 +1,118 @@
+"""Choosing tokens from a model's logits: the vocabulary mask, the top k, the draws.
+
+A model that returns logits leaves the choice of tokens to the worker (docs/backends.md, "What the
+model returns"). Before it chooses, the worker narrows each row's tokens with the value's static
+set constraints, lowered by the resolver into a :class:`~lmpm.workers.base.VocabMask`
+(:mod:`lmpm.resolve.masks`): of the tokens the model allows (finite logits) it keeps those the
+commit policy ``satisfy(max_constraints_then_score)`` would rank first. The greedy choice (``top``,
+k=1) among them is then the candidate that policy would commit out of all V tokens, so one
+candidate decides what V would.
+
+Example:
+    >>> import torch
+    >>> from lmpm.workers.base import MaskSets, VocabMask
+    >>> sets = MaskSets(torch.tensor([[True, False, True]]), levels=((0,),))
+    >>> mask = VocabMask(sets, applies=torch.tensor([[True], [False]]))
+    >>> allowed(torch.zeros(2, 3), mask).tolist()
+    [[True, False, True], [True, True, True]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from lmpm.workers.base import VocabMask
+
+__all__ = ["allowed", "choose", "keep_column", "masked"]
+
+
+def allowed(logits: Tensor, mask: VocabMask) -> Tensor:
+    """(n, V) bool: the tokens of each row the mask keeps (rows of ``logits`` are the mask's rows).
+
+    Only tokens the model allows (a logit above ``-inf``) count. The hard constraints go first: a
+    token that violates one is never eligible (when every token does, no proposal can win and
+    the row is left as it is). Then each priority level, highest first, keeps the tokens that
+    satisfy the most of its constraints: exactly the ranking of ``satisfy``'s lexicographic
+    policy, so the tokens left are those it would rank first (a level no token of a row satisfies
+    leaves that row as it is: the policy would not narrow it either)."""
+    sets = mask.sets
+    keep = logits > -torch.inf  # (n, V); NaN is not allowed either
+    ok = sets.ok.to(logits.device)
+    applies = mask.applies
+    if sets.hard:
+        eligible = keep.clone()
+        for s in sets.hard:
+            eligible &= ok[s] | ~applies[:, s : s + 1]
+        keep = torch.where(eligible.any(dim=1, keepdim=True), eligible, keep)
+    for level in sets.levels:
+        if len(level) == 1:
+            s = level[0]
+            sat = keep & (ok[s] | ~applies[:, s : s + 1])
+            keep = torch.where(sat.any(dim=1, keepdim=True), sat, keep)
+            continue
+        count = torch.zeros(keep.shape, dtype=torch.int16, device=keep.device)
+        for s in level:
+            count += ok[s] | ~applies[:, s : s + 1]
+        count = torch.where(keep, count, -1)
+        keep = keep & (count == count.amax(dim=1, keepdim=True))
+    return keep
+
+
+def masked(logits: Tensor, mask: VocabMask | None) -> Tensor:
+    """``logits`` with ``-inf`` where the mask drops a token: ``(n, V)`` or ``(n, k, V)`` (the k
+    distributions of a cell share its mask)."""
+    if mask is None:
+        return logits
+    if logits.dim() == 3:
+        n, k, v = logits.shape
+        rows = VocabMask(
+            mask.sets, mask.applies.repeat_interleave(k, dim=0), None
+        )  # one row per (cell, distribution)
+        keep = allowed(logits.reshape(n * k, v), rows).reshape(n, k, v)
+    else:
+        keep = allowed(logits, mask)
+    return torch.where(keep, logits, -torch.inf)
+
+
+def choose(
+    logits: Tensor,
+    k: int,
+    pick: str,
+    temperature: float,
+    gumbel: Callable[[int], Tensor],
+    mask: VocabMask | None,
+) -> Tensor:
+    """(n, k) int64: the tokens chosen from ``logits`` (n, V) after the mask, best first.
+
+    ``top``: the k highest logits, ties to the lower token id. ``sample``: Gumbel-top-k, the k
+    highest of ``logits / temperature`` plus the Gumbel noise ``gumbel(V)`` (n, V) (draw j is token
+    j's noise, so k=1 is the plain Gumbel-max draw of the same key). ``-inf`` logits are never
+    chosen; a row with fewer than k tokens left repeats its first choice."""
+    vocab = logits.shape[-1]
+    key = masked(logits, mask).to(torch.float64)
+    if pick == "sample":
+        key = key / float(temperature) + gumbel(vocab)  # -inf stays -inf
+    k = min(int(k), vocab)
+    if k == 1:
+        return key.argmax(dim=1, keepdim=True)  # the first of equal maxima: the lower id
+    # a stable sort keeps equal keys in token order (topk does not promise any order for ties)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    left = (key > -torch.inf).sum(dim=1, keepdim=True)  # (n, 1) tokens that can be chosen
+    slot = torch.arange(k, device=key.device)
+    return torch.where(slot < left, order, order[:, :1])
+
+
+def keep_column(proposal: Tensor, logits: Tensor, mask: VocabMask | None) -> Tensor:
+    """``proposal`` (n, k) with one more column when the mask carries committed tokens: the row's
+    committed token where the model allows it (it folds into keep-current, which is then scored
+    afresh, as when all V tokens are candidates), else the row's first choice again (a duplicate
+    never changes a winner)."""
+    if mask is None or mask.current is None:
+        return proposal
+    cur = mask.current
+    allows = logits.gather(1, cur.clamp(min=0).unsqueeze(1)).squeeze(1) > -torch.inf
+    extra = torch.where((cur >= 0) & allows, cur, proposal[:, 0])
+    return torch.cat((proposal, extra.unsqueeze(1)), dim=1)

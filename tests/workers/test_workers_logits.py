@@ -1,0 +1,99 @@
+"""The Logits return record and the vocabulary mask: what the worker chooses from a model's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmpm import Logits
+from lmpm.errors import ModelError
+from lmpm.workers import MaskSets, VocabMask, WorkItem, get_backend
+
+
+def _run(model, cells, vocab, mask=None, **keys):
+    be = get_backend("cpu")
+    item = WorkItem("gen", model, {}, cells, vocab=vocab, mask=mask, **keys)
+    return be.collect(be.dispatch(item))[0]
+
+
+def test_top_k_ties_go_to_the_lower_token_id():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 1.0, 3.0]])
+    res = _run(lambda inputs: Logits(logits, k=4, pick="top"), torch.tensor([0]), 6)
+    assert res.proposal.tolist() == [[1, 3, 5, 2]]
+    logp = torch.log_softmax(logits, dim=1)
+    assert torch.allclose(res.score, logp[0, [1, 3, 5, 2]].unsqueeze(0))
+
+
+def test_sample_k1_is_the_plain_logits_draw_and_partition_free():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    cells = torch.arange(10, 16)
+    keys = {"seed": 7, "epoch": 3, "value": "Tok"}
+    plain = _run(lambda inputs: {"logits": logits}, cells, 50, **keys).proposal
+    one = _run(lambda inputs: Logits(logits, k=1), cells, 50, **keys).proposal
+    assert one.squeeze(1).tolist() == plain.tolist()
+    many = _run(lambda inputs: Logits(logits, k=5), cells, 50, **keys).proposal
+    half = _run(lambda inputs: Logits(logits[3:], k=5), cells[3:], 50, **keys).proposal
+    assert torch.equal(many[3:], half)
+    assert many[:, 0].tolist() == plain.tolist()  # the first of k draws is the k=1 draw
+    assert all(len(set(row)) == 5 for row in many.tolist())  # without replacement
+
+
+def test_temperature_scales_scores_and_inf_logits_are_never_chosen():
+    logits = torch.tensor([[2.0, -torch.inf, 0.0, -torch.inf]])
+    res = _run(
+        lambda inputs: Logits(logits, k=3, pick="top", temperature=2.0), torch.tensor([0]), 4
+    )
+    assert res.proposal.tolist() == [[0, 2, 0]]  # two tokens left: the first fills the third slot
+    logp = torch.log_softmax(logits / 2.0, dim=1)
+    assert torch.allclose(res.score[0], logp[0, [0, 2, 0]])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "what"),
+    [
+        ({"k": 0}, "k=0"),
+        ({"k": 2.5}, "k=2.5"),
+        ({"pick": "best"}, "pick='best'"),
+        ({"temperature": 0.0}, "temperature=0.0"),
+    ],
+)
+def test_bad_logits_record_is_r052(kwargs, what):
+    model = lambda inputs: Logits(torch.zeros(1, 3), **kwargs)  # noqa: E731
+    with pytest.raises(ModelError) as info:
+        _run(model, torch.tensor([0]), 3)
+    assert info.value.code == "R052" and what in str(info.value)
+
+
+def test_mask_keeps_the_best_level_by_level_and_refreshes_keep():
+    # level 0 (highest): tokens {0, 1, 2}; level 1: tokens {2, 3} (no overlap with level 0 but 2)
+    ok = torch.zeros(2, 6, dtype=torch.bool)
+    ok[0, :3] = True
+    ok[1, 2:4] = True
+    sets = MaskSets(ok, levels=((0,), (1,)))
+    logits = torch.tensor([[5.0, 4.0, 1.0, 9.0, 0.0, 8.0]] * 3)
+    applies = torch.tensor([[True, True], [True, False], [False, False]])
+    mask = VocabMask(sets, applies, torch.tensor([-1, 4, 0]))
+    res = _run(lambda inputs: Logits(logits, k=1, pick="top"), torch.arange(3), 6, mask=mask)
+    # row 0: both levels -> {2}; row 1: level 0 only -> {0,1,2} best 0; row 2: no constraint -> 3
+    assert res.proposal[:, 0].tolist() == [2, 0, 3]
+    # the committed token joins as a column (row 0 is unset: its first choice again)
+    assert res.proposal[:, 1].tolist() == [2, 4, 0]
+    logp = torch.log_softmax(logits, dim=1)
+    assert torch.allclose(res.score, logp.gather(1, res.proposal))
+
+
+def test_hard_constraint_with_no_token_left_leaves_the_row():
+    ok = torch.tensor([[False, False, True]])
+    sets = MaskSets(ok, levels=(), hard=(0,))
+    logits = torch.tensor([[1.0, 2.0, -torch.inf], [1.0, 2.0, 0.0]])
+    mask = VocabMask(sets, torch.ones(2, 1, dtype=torch.bool))
+    res = _run(lambda inputs: Logits(logits, pick="top"), torch.arange(2), 3, mask=mask)
+    assert res.proposal[:, 0].tolist() == [1, 2]
+
+
+def test_plain_logits_are_masked_too():
+    ok = torch.tensor([[False, True, False, True]])
+    mask = VocabMask(MaskSets(ok, levels=((0,),)), torch.ones(64, 1, dtype=torch.bool))
+    res = _run(lambda inputs: {"logits": torch.zeros(64, 4)}, torch.arange(64), 4, mask=mask)
+    assert set(res.proposal.tolist()) == {1, 3}
