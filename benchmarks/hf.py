@@ -166,6 +166,10 @@ def single(n: int, repeats: int, constrained: bool, loop: bool = True) -> dict[s
 def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
     from lmpm.models.hf import HFCausalLM
     from lmpm.runtime.data.reads import dense_read
+    from lmpm.workers.choose import choose
+
+    def no_noise(vocab: int) -> torch.Tensor:  # greedy draws no noise
+        raise AssertionError("pick='top' draws no noise")
 
     net = make_model(128)
     gen = torch.Generator().manual_seed(7)
@@ -188,7 +192,10 @@ def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
             index = torch.arange(width) + 1000 * torch.arange(rows).unsqueeze(1)
             inputs = dense_read("context", data, mask, index, mask.to(torch.int64))
             inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
-            out = adapter(inputs, pick="top", generation=1)["proposal"][:, 0].tolist()
+            got = adapter(inputs, pick="top", generation=1)  # what the worker then does: choose
+            out = choose(got.logits, got.k, got.pick, got.temperature, no_noise, None)[
+                :, 0
+            ].tolist()
             for s, tok in zip(seqs, out):
                 s.append(tok)
         lm.append(time.perf_counter() - t0)

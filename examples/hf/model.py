@@ -12,46 +12,23 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local: never ask the Hub
 
-import torch
 from tokenizers import Tokenizer
-from transformers import GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 import lmpm
+from lmpm.models.hf import HFCausalLM
 
 MODEL = Path(__file__).resolve().parent / "model"
 hf_logging.disable_progress_bar()  # (its "Loading weights" bar would land in lmpm's output)
-_net = GPT2LMHeadModel.from_pretrained(MODEL, local_files_only=True).eval()
 _tokenizer = Tokenizer.from_file(str(MODEL / "tokenizer.json"))
 
-
-@lmpm.bind("GPT")
-def gpt(
-    inputs: dict[str, torch.Tensor], *, vocab: int, k: int = 8, pick: str = "top", **_: Any
-) -> dict[str, torch.Tensor]:
-    """Each open cell's ``k`` most likely next tokens after its causal read ``context`` (greedy
-    decoding with the runner-ups kept, so a constraint that rejects the favourite finds the best
-    token it allows), scored by their log-probs."""
-    if pick != "top":
-        raise ValueError(f"GPT proposes its top-k tokens (pick='top'), not pick={pick!r}")
-    ids, mask, index = inputs["context"], inputs["context_mask"], inputs["context_index"]
-    net = _net.to(ids.device)  # the worker's device (a no-op once there)
-    rows = []
-    with torch.no_grad():
-        for r in range(ids.shape[0]):  # the visible cells of the row, in sequence order
-            seen = mask[r]
-            prefix = ids[r][seen][index[r][seen].argsort()]
-            if prefix.numel() == 0:  # nothing before the cell: start from end-of-text
-                prefix = torch.tensor([net.config.bos_token_id], device=ids.device)
-            logits = net(input_ids=prefix[None], use_cache=False).logits[0, -1, :vocab]
-            rows.append(torch.log_softmax(logits.float(), dim=-1))
-    logp = torch.stack(rows)  # (n, vocab)
-    top = logp.topk(min(int(k), vocab), dim=-1)
-    return {"proposal": top.indices, "score": top.values}
+# The model over the causal read `context`: a KV cache reused across epochs (only the new token is
+# fed each epoch), logits handed back to the worker, which masks them with the lowered constraints
+# (NoRed) and takes the top k (docs/models.md, "Bring your own model").
+lmpm.bind("GPT")(HFCausalLM.from_pretrained(MODEL))
 
 
 @lmpm.bind("Words")

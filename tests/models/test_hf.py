@@ -116,7 +116,8 @@ def test_rows_at_different_lengths_decode_as_hf_batched_generate() -> None:
     rows = [list(p) for p in prompts]
     for _ in range(new):
         out = adapter(_dense_inputs(rows), pick="top", generation=7)
-        for r, tok in zip(rows, out["proposal"][:, 0].tolist()):
+        assert (out.k, out.pick) == (1, "top")  # the worker chooses: greedy here
+        for r, tok in zip(rows, out.logits.argmax(dim=-1).tolist()):
             r.append(tok)
     for p, r in zip(prompts, rows):
         assert r == hf_greedy(net, p, new)
@@ -128,21 +129,21 @@ def test_a_changed_cell_trims_the_cache_and_a_new_generation_drops_it() -> None:
     adapter = HFCausalLM(net)
     base = [5, 6, 7, 8, 9, 10]
     ref = lambda r: net(torch.tensor([r])).logits[0, -1]  # noqa: E731
-    out = adapter(_dense_inputs([base]), pick="sample", generation=1)["logits"]
+    out = adapter(_dense_inputs([base]), pick="sample", generation=1).logits
     torch.testing.assert_close(out[0], ref(base), rtol=1e-4, atol=1e-5)
     # cell 2 rewritten (a new clock): positions 2.. are fed again, 0..1 kept
     changed = [5, 6, 40, 8, 9, 10]
     fed = adapter.fed
-    out = adapter(_dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=1)[
-        "logits"
-    ]
+    out = adapter(
+        _dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=1
+    ).logits
     torch.testing.assert_close(out[0], ref(changed), rtol=1e-4, atol=1e-5)
     assert adapter.fed - fed == 4
     # a new generation (a resume, a rollback): everything again
     fed = adapter.fed
-    out = adapter(_dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=2)[
-        "logits"
-    ]
+    out = adapter(
+        _dense_inputs([changed], [[1, 1, 2, 1, 1, 1]]), pick="sample", generation=2
+    ).logits
     torch.testing.assert_close(out[0], ref(changed), rtol=1e-4, atol=1e-5)
     assert adapter.fed - fed == 6
 

@@ -77,8 +77,11 @@ def test_mask_keeps_the_best_level_by_level_and_refreshes_keep():
     res = _run(lambda inputs: Logits(logits, k=1, pick="top"), torch.arange(3), 6, mask=mask)
     # row 0: both levels -> {2}; row 1: level 0 only -> {0,1,2} best 0; row 2: no constraint -> 3
     assert res.proposal[:, 0].tolist() == [2, 0, 3]
+    # the model alone's choice joins as a column where the mask kept it out (token 3, best of
+    # all), so the trace sees the constraint beat it; elsewhere the first choice again
+    assert res.proposal[:, 1].tolist() == [3, 3, 3]
     # the committed token joins as a column (row 0 is unset: its first choice again)
-    assert res.proposal[:, 1].tolist() == [2, 4, 0]
+    assert res.proposal[:, 2].tolist() == [2, 4, 0]
     logp = torch.log_softmax(logits, dim=1)
     assert torch.allclose(res.score, logp.gather(1, res.proposal))
 
@@ -96,4 +99,8 @@ def test_plain_logits_are_masked_too():
     ok = torch.tensor([[False, True, False, True]])
     mask = VocabMask(MaskSets(ok, levels=((0,),)), torch.ones(64, 1, dtype=torch.bool))
     res = _run(lambda inputs: {"logits": torch.zeros(64, 4)}, torch.arange(64), 4, mask=mask)
-    assert set(res.proposal.tolist()) == {1, 3}
+    assert set(res.proposal[:, 0].tolist()) == {1, 3}
+    # the second column: the draw the model alone made (same noise), where the mask changed it
+    alone = res.proposal[:, 1]
+    assert set(alone.tolist()) == {0, 1, 2, 3}
+    assert ((alone == res.proposal[:, 0]) | ((alone == 0) | (alone == 2))).all()

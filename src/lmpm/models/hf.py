@@ -9,8 +9,10 @@ cache to the first changed column (``DynamicCache.crop``) and feeds the rest aga
 once (``Grid2D(B, N)``, rows at different lengths) run as one batch, left-padded, with an attention
 mask and per-row position ids: the tokens equal Hugging Face ``generate``'s.
 
-It returns each open cell's next-token logits ``(n, V)``; ``pick="top"`` (greedy, k most likely)
-or ``pick="sample"`` (drawn by the worker's counter-based RNG) come from the call's keywords::
+It returns each open cell's next-token logits ``(n, V)`` as a :class:`lmpm.workers.Logits` record:
+the worker masks them with the constraints the resolver lowered (docs/runtime.md, "Constraints
+before choosing"), then takes the ``k`` most likely (``pick="top"``) or draws ``k`` with its
+counter-based RNG (``pick="sample"``), as the call's keywords say::
 
     # mybind.py, then: lmpm run prog.lmpm --bind mybind.py --input Txt=prompt.npy
     import lmpm
@@ -35,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import BindError
+from lmpm.workers.base import PICKS, Logits
 
 try:
     import transformers
@@ -47,8 +50,6 @@ except ImportError as exc:  # the optional extra is missing
     ) from exc
 
 __all__ = ["HFCausalLM"]
-
-PICKS = ("sample", "top")
 
 
 @dataclass(slots=True)
@@ -137,7 +138,7 @@ class HFCausalLM:
         temperature: float = 1.0,
         generation: int = 0,
         **_: Any,
-    ) -> dict[str, Tensor]:
+    ) -> Logits:
         if pick not in PICKS:
             raise ValueError(f"pick={pick!r}; expected one of {PICKS}")
         name = self._read_name(inputs)
@@ -155,17 +156,8 @@ class HFCausalLM:
                 "(give the prompt's first cells as input)"
             )
         logits = self._forward(ids, host[0], host[1], length, generation)  # (n, V)
-        if temperature != 1.0:
-            logits = logits / float(temperature)
-        if pick == "sample":
-            return {"logits": logits if int(k) == 1 else logits.unsqueeze(1).expand(-1, k, -1)}
-        logits = logits.float()
-        if int(k) == 1:  # greedy: HF's argmax, scored without materializing the log-softmax
-            best, token = logits.max(dim=-1, keepdim=True)  # (n, 1)
-            score = best - torch.logsumexp(logits, dim=-1, keepdim=True)
-        else:
-            score, token = torch.log_softmax(logits, dim=-1).topk(int(k), dim=-1)  # (n, k)
-        return {"proposal": token, "score": score}
+        # the worker masks the lowered constraints, then takes the top k or draws k (Logits)
+        return Logits(logits, k=int(k), pick=pick, temperature=float(temperature))
 
     def _read_name(self, inputs: dict[str, Tensor]) -> str:
         if self.read is not None:

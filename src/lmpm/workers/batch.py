@@ -562,14 +562,29 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     R_RANK,
                 )
 
+            noise: list[Tensor] = []  # drawn once: the masked and the unmasked choice share it
+
             def gumbel(draws: int) -> Tensor:
-                return rng.gumbel(
-                    keys.seed, keys.value, call.cells, keys.epoch, call.rule, keys.replica, draws
-                )
+                if not noise:
+                    noise.append(
+                        rng.gumbel(
+                            keys.seed,
+                            keys.value,
+                            call.cells,
+                            keys.epoch,
+                            call.rule,
+                            keys.replica,
+                            draws,
+                        )
+                    )
+                return noise[0]
 
             proposal = choose.choose(
                 logits, chosen.k, chosen.pick, chosen.temperature, gumbel, call.mask
             )  # (n, k)
+            if call.mask is not None:  # the model alone's choice, checked and beaten in the trace
+                alone = choose.choose(logits, 1, chosen.pick, chosen.temperature, gumbel, None)
+                proposal = choose.alone_column(proposal, alone[:, 0])  # (n, k + 1)
             logp = torch.log_softmax(logits.float() / float(chosen.temperature), dim=-1)
         else:
             proposal = rng.categorical(
@@ -581,6 +596,17 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 rule=call.rule,
                 replica=keys.replica,
             )  # (n,) | (n, k)
+            if call.mask is not None and logits.dim() == 2:  # as for Logits: the trace sees it
+                alone = rng.categorical(
+                    logits,
+                    seed=keys.seed,
+                    value=keys.value,
+                    cells=call.cells,
+                    epoch=keys.epoch,
+                    rule=call.rule,
+                    replica=keys.replica,
+                )  # (n,)
+                proposal = choose.alone_column(proposal.unsqueeze(1), alone)  # (n, 2)
             logp = torch.log_softmax(logits.float(), dim=-1)
         if logits.dim() == 2 and call.mask is not None and call.mask.current is not None:
             two = proposal if proposal.dim() == 2 else proposal.unsqueeze(1)

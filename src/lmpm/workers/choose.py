@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lmpm.workers.base import VocabMask
 
-__all__ = ["allowed", "choose", "keep_column", "masked"]
+__all__ = ["allowed", "alone_column", "choose", "keep_column", "masked"]
 
 
 def allowed(logits: Tensor, mask: VocabMask) -> Tensor:
@@ -115,4 +115,17 @@ def keep_column(proposal: Tensor, logits: Tensor, mask: VocabMask | None) -> Ten
     cur = mask.current
     allows = logits.gather(1, cur.clamp(min=0).unsqueeze(1)).squeeze(1) > -torch.inf
     extra = torch.where((cur >= 0) & allows, cur, proposal[:, 0])
+    return torch.cat((proposal, extra.unsqueeze(1)), dim=1)
+
+
+def alone_column(proposal: Tensor, alone: Tensor) -> Tensor:
+    """``proposal`` (n, k) with one more column: ``alone`` (n,), the token the model would have
+    chosen without the mask, where it differs from the first choice, else the first choice again.
+
+    The lowered constraints stay visible in the trace: a favourite the mask kept out is checked
+    like any candidate, violates the constraints that excluded it and loses to the first choice,
+    so the trace attributes the decision to them as it does for k = V. It never changes a winner:
+    the first choice is what the policy commits out of all V tokens, the favourite among them."""
+    first = proposal[:, 0]
+    extra = torch.where(alone == first, first, alone)
     return torch.cat((proposal, extra.unsqueeze(1)), dim=1)
