@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lmpm.errors import InputError, RunDirError, RuntimeFault, UsageError
 from lmpm.runtime.rundir import memory_bytes
-from lmpm.runtime.runfiles import folder, log_name, read_file
+from lmpm.runtime.runfiles import claim_folder, folder, log_name, read_file
 from lmpm.train import log as tlog
 from lmpm.train.driver import (
     MAX_RETRIES,
@@ -201,6 +201,7 @@ class Trainer:
             self.log.claim()
             self.log.mark("running")
         elif self.run_dir is not None:
+            claim_folder(self.run_dir)  # never into a folder of the user's own files (D034)
             self.log = tlog.TrainLog.create(
                 self.run_dir,
                 {
@@ -217,7 +218,7 @@ class Trainer:
                 },
             )
         # a real folder of the run: a link in its place is refused (D032), never written through
-        ckdir = folder(self.run_dir, CHECKPOINTS, create=True) if self.run_dir else None
+        ckdir = folder(self.run_dir, CHECKPOINTS, create=True) if self.run_dir is not None else None
         try:
             if self.driver_name == "ray":
                 kw: dict[str, Any] = {
