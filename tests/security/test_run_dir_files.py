@@ -357,7 +357,7 @@ def test_a_linked_log_or_wal_is_refused(
 
 
 # ---- a training run --------------------------------------------------------------------------------
-def test_a_training_resume_refuses_a_tampered_inner_state_and_damaged_meta(
+def test_a_training_resume_refuses_tampered_checkpoints_inputs_and_meta(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = Path(__file__).resolve().parents[2]
@@ -386,8 +386,19 @@ def test_a_training_resume_refuses_a_tampered_inner_state_and_damaged_meta(
         c.execute("""UPDATE meta SET value = '"abc"' WHERE key = 'workers'""")
     rc, err = lmpm(capsys, "run", "--resume", str(out), "--epochs", "3", "--quiet")
     assert rc == 1 and "error[D006]" in err and "`workers`" in err
+    secret = tmp_path / "secret.npy"  # a file of this machine the log names as the corpus
+    secret.write_bytes((data / "corpus.npy").read_bytes()[:-1] + b"!")
     with sqlite3.connect(out / "train.db") as c:
         c.execute("UPDATE meta SET value = '1' WHERE key = 'workers'")
+        (got,) = c.execute("SELECT value FROM meta WHERE key = 'inputs'").fetchone()
+        c.execute(
+            "UPDATE meta SET value = ? WHERE key = 'inputs'",
+            (json.dumps({**json.loads(got), "Corpus": str(secret)}),),
+        )
+    rc, err = lmpm(capsys, "run", "--resume", str(out), "--epochs", "3", "--quiet")
+    assert rc == 1 and "error[D036]" in err and "Corpus" in err
+    with sqlite3.connect(out / "train.db") as c:
+        c.execute("UPDATE meta SET value = ? WHERE key = 'inputs'", (got,))
         c.execute("UPDATE checkpoints SET file = '../../outside' WHERE epoch = 2")
     rc, err = lmpm(capsys, "run", "--resume", str(out), "--epochs", "3", "--quiet")
     assert rc == 1 and "error[D033]" in err

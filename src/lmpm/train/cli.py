@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -154,6 +155,9 @@ def run_training(
             "params": params,
             "argv": sys.argv[1:],
             "inputs": {k: str(Path(v).resolve()) for k, v in inputs.items()},
+            # checked on resume, which reads the inputs again: a log from elsewhere cannot make
+            # the run read (and train on) another file of this machine
+            "inputs_sha256": {k: _sha256(Path(v)) for k, v in inputs.items()},
             "seed": spec.rule.seed,
         }
         return _train(args, spec, data, init, out_dir, workers, args.epochs, meta, resume=False)
@@ -201,7 +205,7 @@ def resume_training(args: argparse.Namespace, run_dir: Path) -> int:
         assert spec is not None
         seed = _meta(meta, "seed", int, run_dir) if "seed" in meta else spec.rule.seed
         spec = dataclasses.replace(spec, rule=dataclasses.replace(spec.rule, seed=seed))
-        data, init = load_data(spec, dict(meta.get("inputs", {})))
+        data, init = load_data(spec, _recorded_inputs(meta, run_dir))
         if args.driver is None:
             args.driver = meta.get("driver")
         extra = {"argv": sys.argv[1:]}
@@ -218,6 +222,39 @@ def _remove_runs(out_dir: Path) -> None:
     remove_run(out_dir)
     remove_files(out_dir, "", [f"{tlog.DB_NAME}{s}" for s in SQLITE_SUFFIXES])
     remove_files(out_dir, CHECKPOINTS, CHECKPOINT_NAME, drop_empty=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _recorded_inputs(meta: dict[str, Any], run_dir: Path) -> dict[str, str]:
+    """The input files a training run started from, as its log names them, each checked against
+    the sha256 recorded then (D036 when it differs: a log from elsewhere never makes a resume
+    read another file; logs written before the sha256s were recorded are taken as they are)."""
+    inputs = _meta(meta, "inputs", dict, run_dir) if "inputs" in meta else {}
+    shas = meta.get("inputs_sha256")
+    for name, path in inputs.items():
+        if not isinstance(path, str):
+            raise RunDirError(
+                f"{run_dir}: the training log's input `{name}` is damaged", code="D006"
+            )
+        if not isinstance(shas, dict):
+            continue
+        p = Path(path)
+        if not p.is_file() or shas.get(name) != _sha256(p):
+            raise RunDirError(
+                f"{run_dir}: the input `{name}` ({path}) is not the file the run started from "
+                "(missing, or its sha256 differs from the one the log recorded); nothing was read "
+                "into the run",
+                code="D036",
+                hint="restore the input file, or start a new run with --input",
+            )
+    return dict(inputs)
 
 
 def _meta(meta: dict[str, Any], key: str, kind: type, run_dir: Path) -> Any:
