@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from lmpm.errors import RunDirError, UsageError
-from lmpm.runtime.rundir import attach_shards, memory_bytes
+from lmpm.runtime.rundir import attach_shards
 from lmpm.runtime.runfiles import check_database, read_file
 
 
@@ -121,7 +121,7 @@ def _output(run_dir: Path, value: str) -> np.ndarray:
     if not path.is_file():
         raise UsageError(f"{run_dir} has no output {value}.npy", code="U071")
     try:  # a regular file of the run (D032), no pickles
-        data = read_file(run_dir, path.name, limit=memory_bytes() // 2)
+        data = read_file(run_dir, path.name)
         return np.load(io.BytesIO(data), allow_pickle=False)
     except (OSError, ValueError, EOFError) as e:
         raise RunDirError(

@@ -125,13 +125,12 @@ def load_values(run_dir: Path) -> dict[str, np.ndarray]:
     import numpy as np
 
     from lmpm.errors import RunDirError
-    from lmpm.runtime.rundir import memory_bytes
     from lmpm.runtime.runfiles import read_file
 
     arrays = {}
     for p in sorted(run_dir.glob("*.npy")):
         try:
-            data = read_file(run_dir, p.name, limit=memory_bytes() // 2)
+            data = read_file(run_dir, p.name)
             arrays[p.stem] = np.load(io.BytesIO(data), allow_pickle=False)
         except RunDirError:
             raise

@@ -782,14 +782,6 @@ def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, in
     return rel, len(data), hashlib.sha256(data).hexdigest()
 
 
-def memory_bytes() -> int:
-    """This machine's memory: no file of a run is read whole past half of it."""
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return 1 << 34
-
-
 def read_checkpoint(
     run_dir: Path, rel: str, sha: str, what: str = "checkpoint", size: int | None = None
 ) -> bytes:
@@ -799,9 +791,8 @@ def read_checkpoint(
     file no larger than recorded (D032), read only then."""
     rel = log_name(rel, CHECKPOINT_DIR)
     path = run_dir / rel
-    limit = memory_bytes() // 2 if size is None else min(int(size), memory_bytes() // 2)
     try:
-        data = read_file(run_dir, rel, limit=limit)
+        data = read_file(run_dir, rel, limit=None if size is None else int(size))
     except OSError as e:
         raise RunDirError(
             f"{what} {path} is missing ({e.strerror}); nothing was changed", code="D007"
@@ -830,7 +821,7 @@ def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
     checked to be one (D007); the file is read as :func:`read_checkpoint` reads it."""
     rel = log_name(rel, CHECKPOINT_DIR)
     try:
-        data = read_file(run_dir, rel, limit=memory_bytes() // 2)
+        data = read_file(run_dir, rel)
     except OSError as e:
         raise RunDirError(
             f"checkpoint {run_dir / rel} is missing ({e.strerror}); nothing was changed",

@@ -137,10 +137,20 @@ def log_name(rel: object, under: str) -> str:
     return text
 
 
-def read_file(run_dir: Path, rel: str, *, limit: int, action: str = "read") -> bytes:
+def memory_bytes() -> int:
+    """This machine's memory (16 GiB where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 1 << 34
+
+
+def read_file(run_dir: Path, rel: str, *, limit: int | None = None, action: str = "read") -> bytes:
     """The bytes of ``run_dir/rel``: a regular file inside the run (no link on the way, D032),
     opened without blocking (a FIFO never hangs), refused before reading when it is larger than
-    ``limit`` bytes (D032). A missing file raises :class:`FileNotFoundError` for the caller."""
+    ``limit`` bytes or half this machine's memory (D032: a sparse file of terabytes is never
+    read). A missing file raises :class:`FileNotFoundError` for the caller."""
+    cap = memory_bytes() // 2 if limit is None else min(limit, memory_bytes() // 2)
     parent = folder(run_dir, str(Path(rel).parent), action=action)
     path = parent / Path(rel).name
     try:
@@ -153,9 +163,9 @@ def read_file(run_dir: Path, rel: str, *, limit: int, action: str = "read") -> b
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise refused(path, st.st_mode, "a regular file", action)
-        if st.st_size > limit:
+        if st.st_size > cap:
             raise RunDirError(
-                f"{path} holds {st.st_size:,} bytes where at most {limit:,} are expected; refusing "
+                f"{path} holds {st.st_size:,} bytes where at most {cap:,} are expected; refusing "
                 "to read it; nothing was changed",
                 code="D032",
                 hint="the run directory was edited or damaged: restore it from a copy",

@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import InputError, RunDirError, RuntimeFault, UsageError
-from lmpm.runtime.rundir import memory_bytes
 from lmpm.runtime.runfiles import claim_folder, folder, log_name, read_file
 from lmpm.train import log as tlog
 from lmpm.train.driver import (
@@ -456,9 +455,8 @@ def _checked_checkpoint(run_dir: Path, ck: dict[str, Any] | None, epoch: int) ->
         )
     rel = log_name(ck.get("file"), CHECKPOINTS)
     size = ck.get("bytes")
-    limit = size if isinstance(size, int) else memory_bytes() // 2
     try:
-        data = read_file(run_dir, rel, limit=min(limit, memory_bytes() // 2))
+        data = read_file(run_dir, rel, limit=size if isinstance(size, int) else None)
     except OSError:
         raise RunDirError(
             f"{run_dir}: the checkpoint of epoch {epoch} ({rel}) is missing",

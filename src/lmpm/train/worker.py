@@ -336,11 +336,10 @@ class TrainWorker:
         fresh inner optimizer) when it is missing. A regular file only, read whole once
         (:func:`~lmpm.runtime.runfiles.read_file`); a damaged one is RunDirError D021."""
         from lmpm.errors import RunDirError
-        from lmpm.runtime.rundir import memory_bytes
         from lmpm.runtime.runfiles import read_file
 
         try:
-            data = read_file(path.parent, path.name, limit=memory_bytes() // 2)
+            data = read_file(path.parent, path.name)
         except FileNotFoundError:
             return False
         except OSError as e:
