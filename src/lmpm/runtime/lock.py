@@ -4,7 +4,9 @@ Every process that writes a run directory (``lmpm run --out D``, ``--resume D``,
 ``D/lmpm.lock`` with ``flock(LOCK_EX | LOCK_NB)`` before it reads or changes anything and holds it
 for the run's life; the OS releases it when the process dies, even by ``kill -9``, so a stale lock
 file never blocks anyone. The file holds the owner's PID, which the refusal names. Readers
-(``lmpm trace``) take no lock: SQLite's WAL lets them read a live run.
+(``lmpm trace``) take no lock: SQLite's WAL lets them read a live run. The lock file is opened as
+:mod:`lmpm.runtime.runfiles` opens every file of a run (a link in its place is refused, D032), and
+a writer that may create a run first refuses a folder of other files (D034).
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
