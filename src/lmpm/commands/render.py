@@ -397,7 +397,9 @@ def tensor_sheet(name: str, cells: np.ndarray, rank: int, path: Path) -> Path:
     more = f"; the first {shown} of {d} components" if shown < d else ""
     fig.suptitle(f"{name}: Tensor[{d}] per cell ({frame}norm and components{more})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    from lmpm.train.plots import save_figure
+
+    save_figure(fig, path, dpi=80)
     plt.close(fig)
     return path
 

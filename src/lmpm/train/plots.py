@@ -68,12 +68,13 @@ def plot_loss(history: TrainHistory, path: str | Path) -> Path:
     return path
 
 
-def save_figure(fig: Any, path: Path) -> None:
-    """A figure as PNG, written beside and renamed (no link at ``path`` is written through)."""
+def save_figure(fig: Any, path: Path, **options: Any) -> None:
+    """A figure in ``path``'s format (PNG by default), written beside and renamed (no link at
+    ``path`` is written through); ``options`` go to ``savefig``."""
     import io
 
     from lmpm.runtime.lock import atomic_write
 
     buf = io.BytesIO()
-    fig.savefig(buf, format=path.suffix.lstrip(".").lower() or "png")
+    fig.savefig(buf, format=path.suffix.lstrip(".").lower() or "png", **options)
     atomic_write(path, buf.getvalue())
