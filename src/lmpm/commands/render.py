@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         k = kinds.get(name) or guess(name, arr)
         if name in texts:  # a tokenizer's vocabulary: its text
             path = out / f"{name}.txt"
-            path.write_text(texts[name], encoding="utf-8")
+            atomic_write(path, texts[name].encode("utf-8"))
             written.append(path)
             sys.stdout.write(f"{name}: {texts[name]}")
         elif k.kind == "text":
