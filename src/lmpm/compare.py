@@ -20,6 +20,7 @@ across) with a third row marking the cells that differ, coloured by the constrai
 
 from __future__ import annotations
 
+import io
 import json
 import sqlite3
 from collections.abc import Mapping, Sequence
@@ -29,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from lmpm.errors import UsageError
+from lmpm.errors import RunDirError, UsageError
 from lmpm.runtime.rundir import attach_shards
+from lmpm.runtime.runfiles import check_database, read_file
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,7 @@ def _connect(run_dir: Path) -> sqlite3.Connection:
     db = run_dir / "lmpm.db"
     if not db.is_file():
         raise UsageError(f"{run_dir} holds no run (no lmpm.db)", code="U070")
+    check_database(db, "read")  # regular files: SQLite would follow a link out of the run (D032)
     conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
         attach_shards(conn, run_dir)  # a multi-worker run's commits are in its workers' stores
@@ -117,7 +120,13 @@ def _output(run_dir: Path, value: str) -> np.ndarray:
     path = run_dir / f"{value}.npy"
     if not path.is_file():
         raise UsageError(f"{run_dir} has no output {value}.npy", code="U071")
-    return np.load(path, allow_pickle=False)
+    try:  # a regular file of the run (D032), no pickles
+        data = read_file(run_dir, path.name)
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as e:
+        raise RunDirError(
+            f"{path} is not a readable array ({type(e).__name__}: {e})", code="D035"
+        ) from None
 
 
 def commits_per_cell(conn: sqlite3.Connection, value: str, ncells: int) -> np.ndarray:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmpm.errors import UsageError
+from lmpm.runtime.runfiles import atomic_write
 
 if TYPE_CHECKING:
     import numpy as np
@@ -65,14 +66,13 @@ class Kind:
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise UsageError(f"no such run directory: {run_dir}", code="U030")
     if (run_dir / "train.db").is_file() and trace_db(run_dir) is None:
         return render_training(run_dir, Path(args.out) if args.out else run_dir)
-    arrays = {p.stem: np.load(p, allow_pickle=False) for p in sorted(run_dir.glob("*.npy"))}
+    arrays = load_values(run_dir)
     if args.value:
         missing = [v for v in args.value if v not in arrays]
         if missing:
@@ -86,21 +86,20 @@ def run(args: argparse.Namespace) -> int:
             f"{run_dir} holds no NAME.npy values (write them with `lmpm run --out`)", code="U032"
         )
     kinds = value_kinds(run_dir, arrays, args.program)
-    out = Path(args.out) if args.out else run_dir / "render"
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(run_dir, args.out)
     written: list[Path] = []
     texts = tokenizer_texts(run_dir)
     for name, arr in arrays.items():
         k = kinds.get(name) or guess(name, arr)
         if name in texts:  # a tokenizer's vocabulary: its text
             path = out / f"{name}.txt"
-            path.write_text(texts[name], encoding="utf-8")
+            atomic_write(path, texts[name].encode("utf-8"))
             written.append(path)
             sys.stdout.write(f"{name}: {texts[name]}")
         elif k.kind == "text":
             text = as_text(arr)
             path = out / f"{name}.txt"
-            path.write_text(text + "\n", encoding="utf-8")
+            atomic_write(path, (text + "\n").encode("utf-8"))
             written.append(path)
             sys.stdout.write(f"{name}: {text}\n")
         elif k.kind == "grid":
@@ -118,13 +117,63 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_values(run_dir: Path) -> dict[str, np.ndarray]:
+    """The run's ``NAME.npy`` values: regular files of the run only (a link or a FIFO is refused,
+    D032), each loaded without pickles; one that is not a readable array is RunDirError D035."""
+    import io
+
+    import numpy as np
+
+    from lmpm.errors import RunDirError
+    from lmpm.runtime.runfiles import read_file
+
+    arrays = {}
+    for p in sorted(run_dir.glob("*.npy")):
+        try:
+            data = read_file(run_dir, p.name)
+            arrays[p.stem] = np.load(io.BytesIO(data), allow_pickle=False)
+        except RunDirError:
+            raise
+        except Exception as e:  # OSError, a bad header or data, an object array (pickles)
+            raise RunDirError(
+                f"{p} is not a readable array ({type(e).__name__}: {e}); nothing was written",
+                code="D035",
+                hint="restore the file from a copy, or render the other values with --value",
+            ) from None
+    return arrays
+
+
+def output_folder(run_dir: Path, given: str | None) -> Path:
+    """Where pictures go: ``--out DIR`` (the user's path, made if missing), else ``RUN_DIR/render``,
+    a real folder of the run (a link in its place is refused, D032, never written through)."""
+    from lmpm.runtime.runfiles import folder, os_error
+
+    if given is None:
+        return folder(run_dir, "render", create=True)
+    out = Path(given)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, "create the folder", out) from None
+    return out
+
+
+def _image_bytes(image: Any, **options: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, **options)
+    return buf.getvalue()
+
+
 def render_training(run_dir: Path, out: Path) -> int:
     """The loss curve of a training run: ``OUT/loss.png``."""
     from lmpm.train.log import read
     from lmpm.train.plots import plot_loss
 
     history = read(run_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out != run_dir:
+        out.mkdir(parents=True, exist_ok=True)
     path = plot_loss(history, out / "loss.png")
     sys.stderr.write(f"wrote {path}\n")
     return 0
@@ -260,11 +309,11 @@ def render_grid(
     written = []
     if len(images) == 1:
         p = out / f"{name}.png"
-        images[0].save(p)
+        atomic_write(p, _image_bytes(images[0], format="PNG"))
         return [p]
     for t, im in enumerate(images):
         p = out / f"{name}_{t:03d}.png"
-        im.save(p)
+        atomic_write(p, _image_bytes(im, format="PNG"))
         written.append(p)
     gap = max(scale // 2, 1)
     w, h = images[0].size
@@ -272,17 +321,19 @@ def render_grid(
     for t, im in enumerate(images):
         sheet.paste(im, (t * (w + gap), 0))
     p = out / f"{name}.png"
-    sheet.save(p)
+    atomic_write(p, _image_bytes(sheet, format="PNG"))
     written.append(p)
     gif = out / f"{name}.gif"
-    images[0].save(
-        gif,
+    gif_bytes = _image_bytes(
+        images[0],
+        format="GIF",
         save_all=True,
         append_images=images[1:],
         duration=int(1000 / max(fps, 0.1)),
         loop=0,
         optimize=False,
     )
+    atomic_write(gif, gif_bytes)
     written.append(gif)
     del np
     return written
@@ -346,7 +397,9 @@ def tensor_sheet(name: str, cells: np.ndarray, rank: int, path: Path) -> Path:
     more = f"; the first {shown} of {d} components" if shown < d else ""
     fig.suptitle(f"{name}: Tensor[{d}] per cell ({frame}norm and components{more})", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    from lmpm.train.plots import save_figure
+
+    save_figure(fig, path, dpi=80)
     plt.close(fig)
     return path
 
@@ -356,8 +409,10 @@ DB_NAME = "lmpm.db"
 
 
 def trace_db(run_dir: Path) -> Path | None:
+    from lmpm.runtime.runfiles import is_plain_file
+
     p = run_dir / DB_NAME
-    return p if p.is_file() else None
+    return p if is_plain_file(p) else None
 
 
 def _query(db: Path, sql: str) -> list[tuple[Any, ...]] | None:
@@ -366,11 +421,13 @@ def _query(db: Path, sql: str) -> list[tuple[Any, ...]] | None:
 
     from lmpm.errors import RunDirError
     from lmpm.runtime.rundir import attach_shards
+    from lmpm.runtime.runfiles import check_database
 
     try:
+        check_database(db, "read")  # SQLite follows links: never out of the run
         uri = f"file:{urllib.parse.quote(str(db.resolve()))}?mode=ro"
         con = sqlite3.connect(uri, uri=True)
-    except sqlite3.Error:
+    except (sqlite3.Error, RunDirError):
         return None
     try:
         attach_shards(con, db.parent)  # the per-cell tables of a multi-worker run
@@ -411,7 +468,10 @@ def run_program(run_dir: Path) -> tuple[Any, dict[str, int]]:
     )
     if not rows:
         return None, {}
-    meta = {k: json.loads(v) for k, v in rows}
+    try:
+        meta = {k: json.loads(v) for k, v in rows}
+    except (ValueError, TypeError):  # a damaged meta entry: the kinds are guessed instead
+        return None, {}
     source = meta.get("source")
     params = meta.get("params") or {}
     if not isinstance(source, str) or not isinstance(params, dict):
@@ -460,6 +520,8 @@ def plot_violations(db: Path, path: Path) -> Path | None:
     ax.set_title("violations per constraint per epoch")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    from lmpm.train.plots import save_figure
+
+    save_figure(fig, path)
     plt.close(fig)
     return path

@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from lmpm.runtime.lock import RunLock
     from lmpm.runtime.rundir import holds_run, remove_run
+    from lmpm.runtime.runfiles import claim_folder
     from lmpm.runtime.session import Run, bind_specs, make_tracer
     from lmpm.runtime.vocab import tokenizer_meta
 
@@ -197,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--trace-region needs --trace cells", code="U025")
     every = _checkpoint_every(args.checkpoint_every)
     out_dir = Path(args.out) if args.out else Path("runs") / path.stem
+    claim_folder(out_dir)  # a folder of other files: refused before any work (D034)
     if holds_run(out_dir) and not args.force:
         RunLock(out_dir, create_dir=False).acquire().release()  # a live run: say so, not "exists"
         if not failed_before_first_epoch(out_dir):

@@ -79,6 +79,7 @@ def _inputs(items: list[str]) -> dict[str, list[str]]:
 def _run(args: argparse.Namespace) -> int:
     from lmpm.bindings import Bindings
     from lmpm.ir import compile_file
+    from lmpm.runtime.lock import RunLock
     from lmpm.runtime.rundir import remove_run
     from lmpm.vm import WorkflowRun
 
@@ -101,8 +102,9 @@ def _run(args: argparse.Namespace) -> int:
     print_diagnostics(front.diagnostics, False)
     if front.errors:
         return 1
-    if args.out and args.force:
-        remove_run(args.out)
+    if args.out and args.force:  # an LMPM run only (D034 for a folder of other files)
+        with RunLock(args.out, what="delete (--force)"):
+            remove_run(args.out)
     run = WorkflowRun(
         front.ir,
         workflow=args.workflow,

@@ -4,7 +4,9 @@ Every process that writes a run directory (``lmpm run --out D``, ``--resume D``,
 ``D/lmpm.lock`` with ``flock(LOCK_EX | LOCK_NB)`` before it reads or changes anything and holds it
 for the run's life; the OS releases it when the process dies, even by ``kill -9``, so a stale lock
 file never blocks anyone. The file holds the owner's PID, which the refusal names. Readers
-(``lmpm trace``) take no lock: SQLite's WAL lets them read a live run.
+(``lmpm trace``) take no lock: SQLite's WAL lets them read a live run. The lock file is opened as
+:mod:`lmpm.runtime.runfiles` opens every file of a run (a link in its place is refused, D032), and
+a writer that may create a run first refuses a folder of other files (D034).
 
 >>> import tempfile
 >>> d = tempfile.mkdtemp()
@@ -14,7 +16,6 @@ file never blocks anyone. The file holds the owner's PID, which the refusal name
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import sqlite3
@@ -22,6 +23,10 @@ from pathlib import Path
 from types import TracebackType
 
 from lmpm.errors import RunDirError
+from lmpm.runtime.runfiles import atomic_write as atomic_write
+from lmpm.runtime.runfiles import claim_folder, open_lock
+from lmpm.runtime.runfiles import fsync_dir as fsync_dir
+from lmpm.runtime.runfiles import os_error as os_error
 
 LOCK_NAME = "lmpm.lock"
 
@@ -29,21 +34,6 @@ MSG_LOCKED = (
     "{dir} is in use by a live run (pid {pid}, `{argv}`); refusing to {what} it while that run is "
     "alive. Wait for it to finish or stop it (kill {pid}), or use another --out directory."
 )
-
-
-def os_error(e: OSError, action: str, path: str | Path | None = None) -> RunDirError:
-    """A RunDirError for an OSError: what was being done, the path, and the OS's own reason."""
-    where = e.filename if e.filename is not None else path
-    name = errno.errorcode.get(e.errno or 0, "")
-    reason = f"{e.strerror or e} ({name})" if name else str(e.strerror or e)
-    hint = None
-    if e.errno == errno.ENOSPC or e.errno == errno.EFBIG:
-        hint = "free space (or raise the file-size limit), then `lmpm run --resume` the directory"
-    elif e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        hint = "give an --out directory you can write"
-    elif e.errno in (errno.ENOTDIR, errno.EEXIST):
-        hint = "--out must name a directory (a path whose parents are directories)"
-    return RunDirError(f"cannot {action} {where}: {reason}", code="D030", hint=hint)
 
 
 def sqlite_error(e: sqlite3.Error, action: str, path: str | Path) -> RunDirError:
@@ -94,15 +84,12 @@ class RunLock:
                 hint="--out must name a directory (it is created if missing)",
             )
         if self.create_dir:
+            claim_folder(self.run_dir)  # never a folder of the user's own files (D034)
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise os_error(e, "create the run directory", self.run_dir) from None
-        path = self.run_dir / LOCK_NAME
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise os_error(e, "create the lock file", path) from None
+        fd = open_lock(self.run_dir / LOCK_NAME)  # a regular file, no link followed (D032)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -116,7 +103,7 @@ class RunLock:
             ) from None
         except OSError as e:
             os.close(fd)
-            raise os_error(e, "lock", path) from None
+            raise os_error(e, "lock", self.run_dir / LOCK_NAME) from None
         try:
             import sys
 
@@ -143,37 +130,3 @@ class RunLock:
         tb: TracebackType | None,
     ) -> None:
         self.release()
-
-
-def fsync_dir(path: str | Path) -> None:
-    """fsync a directory, so a rename inside it survives a power cut (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write beside, fsync, rename, fsync the directory: readers see the old file or the whole new
-    one, never a part. An OS failure (disk full, read-only, not a directory) removes the temporary
-    file and raises :class:`~lmpm.errors.RunDirError` with the OS's reason and the path."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
-    except OSError as e:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise os_error(e, "write", path) from None
-    fsync_dir(path.parent)

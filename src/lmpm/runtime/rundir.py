@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-import shutil
 import sqlite3
 import urllib.parse
 import zlib
@@ -39,11 +39,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import load as load_safetensors
 
 from lmpm.errors import RunDirError
-from lmpm.runtime.lock import atomic_write, is_io_error, os_error, sqlite_error
+from lmpm.runtime.lock import is_io_error, sqlite_error
+from lmpm.runtime.runfiles import (
+    check_database,
+    folder,
+    is_plain_file,
+    log_name,
+    read_file,
+    remove_files,
+    write_file,
+)
 
 if TYPE_CHECKING:
     from lmpm.runtime.records import EpochRecord
@@ -228,23 +236,41 @@ def unlink_db(path: Path) -> None:
         Path(f"{path}{suffix}").unlink(missing_ok=True)
 
 
+# The files LMPM writes in a run's folders, by name: deleting a run deletes these and nothing else
+# (a user's checkpoints/best.pt stays). A checkpoint, a worker's payload shard, a temporary file of
+# either; a worker's store (payload/cpu-0.db, payload/w1.db) and the files SQLite keeps beside it.
+CHECKPOINT_NAME = re.compile(r"\.?epoch-\d{8}(\.[A-Za-z0-9_-]+)?\.safetensors(\.tmp)?")
+STORE_NAME = re.compile(r"[a-z]+-?\d+\.db(-wal|-shm|-journal)?")
+
+
+def remove_stores(run_dir: str | Path) -> None:
+    """Delete the workers' payload stores LMPM writes (a half-started run's), nothing else."""
+    remove_files(Path(run_dir), STORE_DIR, STORE_NAME, drop_empty=True)
+
+
 def remove_run(run_dir: str | Path) -> None:
-    """Delete a run's commit log, payload stores and checkpoints (``--force``). Outputs are
-    overwritten later."""
+    """Delete a run's commit log, payload stores and checkpoints (``--force``): the files LMPM
+    names only; a folder is removed when that leaves it empty. Outputs are overwritten later."""
     d = Path(run_dir)
     unlink_db(db_path(d))
-    shutil.rmtree(d / CHECKPOINT_DIR, ignore_errors=True)
-    shutil.rmtree(d / STORE_DIR, ignore_errors=True)
+    unlink_db(d / f".{DB_NAME}.tmp")
+    remove_files(d, CHECKPOINT_DIR, CHECKPOINT_NAME, drop_empty=True)
+    remove_stores(d)
 
 
 # ---- opening the log --------------------------------------------------------------------------------
 def _check_header(path: Path) -> None:
     """Refuse a file that is not an SQLite database *before* SQLite opens it: SQLite treats an
     empty or foreign file as a new database and may then discard the ``-wal`` beside it, which
-    holds the run's commits."""
+    holds the run's commits. The database and the files beside it must be regular files: SQLite
+    follows links (D032)."""
+    check_database(path)
     try:
-        with open(path, "rb") as f:
-            head = f.read(len(SQLITE_HEADER))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            head = os.read(fd, len(SQLITE_HEADER))
+        finally:
+            os.close(fd)
     except OSError as e:
         raise RunDirError(f"cannot read {path}: {e.strerror}", code="D002") from None
     if head == SQLITE_HEADER:
@@ -314,13 +340,14 @@ def connect(
 
 def shard_stores(run_dir: str | Path) -> list[Path]:
     """The stores of a multi-worker run's workers (``RUN_DIR/payload/w<i>.db``), by index."""
-    folder = Path(run_dir) / STORE_DIR
-    if not folder.is_dir():
+    stores = folder(Path(run_dir), STORE_DIR, action="read")
+    if not stores.is_dir():
         return []
     found = []
-    for p in folder.iterdir():
+    for p in stores.iterdir():
         m = SHARD_FILE.fullmatch(p.name)
-        if m is not None and p.is_file():
+        if m is not None and is_plain_file(p):
+            check_database(p, "read")
             found.append((int(m.group(1)), p))
     return [p for _, p in sorted(found)]
 
@@ -549,9 +576,10 @@ def quorum_dissent(conn: sqlite3.Connection) -> list[dict[str, Any]]:
 
 # ---- reading the workers' stores --------------------------------------------------------------------
 def _store_rows(run_dir: str | Path, worker: str, query: str, args: tuple[Any, ...]) -> list[Any]:
-    path = store_path(run_dir, worker)
+    path = folder(Path(run_dir), STORE_DIR, action="read") / store_path(run_dir, worker).name
     if not path.is_file():
         return []
+    check_database(path, "read")
     try:
         conn = sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro", uri=True)
         try:
@@ -750,21 +778,21 @@ def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, s
 
 def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, int, str]:
     """Write a checkpoint file beside, fsync, rename: (file, bytes, sha256)."""
-    path = run_dir / rel
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise os_error(e, "create the checkpoint folder", path.parent) from None
-    atomic_write(path, data)
+    write_file(run_dir, rel, data)  # checkpoints/ a real folder of the run, no link written
     return rel, len(data), hashlib.sha256(data).hexdigest()
 
 
-def read_checkpoint(run_dir: Path, rel: str, sha: str, what: str = "checkpoint") -> bytes:
-    """A checkpoint file's bytes, checked against the sha256 the log (or a control checkpoint)
-    recorded for it; RunDirError D007 when it is missing, truncated or altered."""
+def read_checkpoint(
+    run_dir: Path, rel: str, sha: str, what: str = "checkpoint", size: int | None = None
+) -> bytes:
+    """A checkpoint file's bytes, checked against the sha256 (and ``size``, when known) the log or
+    a control checkpoint recorded for it; RunDirError D007 when it is missing, truncated or
+    altered. ``rel`` comes from the log: a plain name under ``checkpoints/`` (D033), a regular
+    file no larger than recorded (D032), read only then."""
+    rel = log_name(rel, CHECKPOINT_DIR)
     path = run_dir / rel
     try:
-        data = path.read_bytes()
+        data = read_file(run_dir, rel, limit=None if size is None else int(size))
     except OSError as e:
         raise RunDirError(
             f"{what} {path} is missing ({e.strerror}); nothing was changed", code="D007"
@@ -778,10 +806,10 @@ def read_checkpoint(run_dir: Path, rel: str, sha: str, what: str = "checkpoint")
 
 
 def load_checkpoint(
-    run_dir: Path, rel: str, sha: str, what: str = "checkpoint"
+    run_dir: Path, rel: str, sha: str, what: str = "checkpoint", size: int | None = None
 ) -> dict[str, np.ndarray]:
     """The arrays of a checkpoint file, checked as :func:`read_checkpoint` checks it."""
-    data = read_checkpoint(run_dir, rel, sha, what)
+    data = read_checkpoint(run_dir, rel, sha, what, size)
     try:
         return load_safetensors(data)
     except Exception as e:
@@ -789,10 +817,32 @@ def load_checkpoint(
 
 
 def checkpoint_shards(run_dir: Path, rel: str) -> dict[str, dict[str, Any]]:
-    """The worker shards a control checkpoint names: worker -> {file, bytes, sha256}."""
+    """The worker shards a control checkpoint names: worker -> {file, bytes, sha256}, each entry
+    checked to be one (D007); the file is read as :func:`read_checkpoint` reads it."""
+    rel = log_name(rel, CHECKPOINT_DIR)
     try:
-        with safe_open(str(run_dir / rel), framework="numpy") as f:
-            meta = f.metadata() or {}
-        return dict(json.loads(meta.get("shards", "{}")))
-    except Exception as e:
+        data = read_file(run_dir, rel)
+    except OSError as e:
+        raise RunDirError(
+            f"checkpoint {run_dir / rel} is missing ({e.strerror}); nothing was changed",
+            code="D007",
+        ) from None
+    try:
+        n = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8 : 8 + n])
+        shards = json.loads(header.get("__metadata__", {}).get("shards", "{}"))
+        ok = isinstance(shards, dict) and all(
+            isinstance(s, dict)
+            and isinstance(s.get("file"), str)
+            and isinstance(s.get("sha256"), str)
+            and isinstance(s.get("bytes", 0), int)
+            for s in shards.values()
+        )
+    except (ValueError, AttributeError, TypeError) as e:
         raise RunDirError(f"checkpoint {run_dir / rel} is unreadable ({e})", code="D007") from None
+    if not ok:
+        raise RunDirError(
+            f"checkpoint {run_dir / rel} names its workers' shards in an unknown form",
+            code="D007",
+        )
+    return dict(shards)

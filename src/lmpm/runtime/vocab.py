@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from lmpm.errors import BindError
+from lmpm.errors import BindError, RunDirError
 from lmpm.ir.eval import EvalError, evaluate
 from lmpm.ir.nodes import DType, Program
-from lmpm.runtime.lock import atomic_write
+from lmpm.runtime.runfiles import PLAIN_NAME, folder, is_plain_file, read_file, write_file
 
 TOKENIZER_DIR = "tokenizers"  # RUN_DIR/tokenizers/NAME.json: the run's copies
 TOKENIZER_FILE = "tokenizer.json"  # what a directory given as PATH must hold
@@ -203,19 +204,21 @@ def save_tokenizers(run_dir: str | Path, vocabs: Mapping[str, Vocabulary]) -> li
     """Copy each bound tokenizer into RUN_DIR/tokenizers/NAME.json (the run's own copy)."""
     written = []
     for name, vocab in vocabs.items():
-        d = Path(run_dir) / TOKENIZER_DIR
-        d.mkdir(parents=True, exist_ok=True)
-        atomic_write(d / f"{name}.json", vocab.source.encode("utf-8"))
-        written.append(d / f"{name}.json")
+        # tokenizers/ a real folder of the run: a link in its place is refused (D032)
+        write_file(Path(run_dir), f"{TOKENIZER_DIR}/{name}.json", vocab.source.encode("utf-8"))
+        written.append(Path(run_dir) / TOKENIZER_DIR / f"{name}.json")
     return written
 
 
 def saved_tokenizers(run_dir: str | Path) -> dict[str, Path]:
     """The tokenizers a run directory keeps: NAME -> RUN_DIR/tokenizers/NAME.json."""
-    d = Path(run_dir) / TOKENIZER_DIR
+    try:
+        d = folder(Path(run_dir), TOKENIZER_DIR, action="read")  # never a link out of the run
+    except RunDirError:
+        return {}
     if not d.is_dir():
         return {}
-    return {p.stem: p for p in sorted(d.glob("*.json")) if p.is_file()}
+    return {p.stem: p for p in sorted(d.glob("*.json")) if is_plain_file(p)}
 
 
 def run_vocabularies(run_dir: str | Path, meta: Mapping[str, Any]) -> dict[str, Vocabulary]:
@@ -270,9 +273,12 @@ def run_texts(run_dir: str | Path, meta: Mapping[str, Any]) -> dict[str, str]:
     tokenizer's vocabulary whose output is there."""
     out: dict[str, str] = {}
     for value, vocab in run_vocabularies(run_dir, meta).items():
+        if not PLAIN_NAME.fullmatch(value):  # a name from the log: never a path out of the run
+            continue
         try:
-            ids = np.load(Path(run_dir) / f"{value}.npy", allow_pickle=False)
-        except (OSError, ValueError):
+            data = read_file(Path(run_dir), f"{value}.npy")  # a regular file of the run
+            ids = np.load(io.BytesIO(data), allow_pickle=False)
+        except (OSError, ValueError, EOFError, RunDirError):
             continue
         if ids.ndim in (1, 2) and ids.dtype.kind in "iu":
             out[value] = output_text(ids, vocab)

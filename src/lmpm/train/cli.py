@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -149,15 +149,15 @@ def run_training(
                     code="D003",
                     hint="use another --out, or --force to start over (deletes it)",
                 )
-            for name in (tlog.DB_NAME, "lmpm.db"):
-                for suffix in ("", "-wal", "-shm"):
-                    (out_dir / f"{name}{suffix}").unlink(missing_ok=True)
-            shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+            _remove_runs(out_dir)
         meta = {
             "source": source,
             "params": params,
             "argv": sys.argv[1:],
             "inputs": {k: str(Path(v).resolve()) for k, v in inputs.items()},
+            # checked on resume, which reads the inputs again: a log from elsewhere cannot make
+            # the run read (and train on) another file of this machine
+            "inputs_sha256": {k: _sha256(Path(v)) for k, v in inputs.items()},
             "seed": spec.rule.seed,
         }
         return _train(args, spec, data, init, out_dir, workers, args.epochs, meta, resume=False)
@@ -181,7 +181,7 @@ def resume_training(args: argparse.Namespace, run_dir: Path) -> int:
     with RunLock(run_dir, what="resume", create_dir=False):
         h = tlog.read(run_dir)
         meta = h.meta
-        workers = int(meta["workers"])
+        workers = _meta(meta, "workers", int, run_dir)
         if args.workers is not None and args.workers != workers:
             raise UsageError(
                 f"--workers {args.workers}: {run_dir} was trained on {workers} workers (each "
@@ -189,21 +189,86 @@ def resume_training(args: argparse.Namespace, run_dir: Path) -> int:
                 code="D011",
             )
         done = h.epochs[-1]["epoch"] if h.epochs else 0
-        epochs = int(args.epochs if args.epochs is not None else meta["epochs"])
+        epochs = args.epochs if args.epochs is not None else _meta(meta, "epochs", int, run_dir)
         if epochs <= done:
             sys.stderr.write(f"{run_dir} has trained {done} of {epochs} epochs: nothing to do\n")
             return 0
-        front = compile_source(meta["source"], file=str(meta["program"]), overrides=meta["params"])
-        spec = train_spec(front.ir, meta["params"])
-        assert spec is not None
-        spec = dataclasses.replace(
-            spec, rule=dataclasses.replace(spec.rule, seed=int(meta.get("seed", spec.rule.seed)))
+        params = _meta(meta, "params", dict, run_dir)
+        if not all(isinstance(k, str) and type(v) is int for k, v in params.items()):
+            raise RunDirError(f"{run_dir}: the training log's `params` are damaged", code="D006")
+        front = compile_source(
+            _meta(meta, "source", str, run_dir),
+            file=_meta(meta, "program", str, run_dir),
+            overrides=params,
         )
-        data, init = load_data(spec, dict(meta.get("inputs", {})))
+        spec = train_spec(front.ir, params)
+        assert spec is not None
+        seed = _meta(meta, "seed", int, run_dir) if "seed" in meta else spec.rule.seed
+        spec = dataclasses.replace(spec, rule=dataclasses.replace(spec.rule, seed=seed))
+        data, init = load_data(spec, _recorded_inputs(meta, run_dir))
         if args.driver is None:
             args.driver = meta.get("driver")
         extra = {"argv": sys.argv[1:]}
         return _train(args, spec, data, init, run_dir, workers, epochs, extra, resume=True)
+
+
+def _remove_runs(out_dir: Path) -> None:
+    """``--force``: delete the run LMPM wrote in ``out_dir`` (a training run's log and checkpoint
+    files, or a cell run's), the files LMPM names only: a user's other files stay."""
+    from lmpm.runtime.rundir import remove_run
+    from lmpm.runtime.runfiles import SQLITE_SUFFIXES, remove_files
+    from lmpm.train.run import CHECKPOINT_NAME, CHECKPOINTS
+
+    remove_run(out_dir)
+    remove_files(out_dir, "", [f"{tlog.DB_NAME}{s}" for s in SQLITE_SUFFIXES])
+    remove_files(out_dir, CHECKPOINTS, CHECKPOINT_NAME, drop_empty=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _recorded_inputs(meta: dict[str, Any], run_dir: Path) -> dict[str, str]:
+    """The input files a training run started from, as its log names them, each checked against
+    the sha256 recorded then (D036 when it differs: a log from elsewhere never makes a resume
+    read another file; logs written before the sha256s were recorded are taken as they are)."""
+    inputs = _meta(meta, "inputs", dict, run_dir) if "inputs" in meta else {}
+    shas = meta.get("inputs_sha256")
+    for name, path in inputs.items():
+        if not isinstance(path, str):
+            raise RunDirError(
+                f"{run_dir}: the training log's input `{name}` is damaged", code="D006"
+            )
+        if not isinstance(shas, dict):
+            continue
+        p = Path(path)
+        if not p.is_file() or shas.get(name) != _sha256(p):
+            raise RunDirError(
+                f"{run_dir}: the input `{name}` ({path}) is not the file the run started from "
+                "(missing, or its sha256 differs from the one the log recorded); nothing was read "
+                "into the run",
+                code="D036",
+                hint="restore the input file, or start a new run with --input",
+            )
+    return dict(inputs)
+
+
+def _meta(meta: dict[str, Any], key: str, kind: type, run_dir: Path) -> Any:
+    """``meta[key]`` of a training log, checked to be a ``kind`` (D006: a damaged or edited log)."""
+    value = meta.get(key)
+    if type(value) is not kind:
+        want = {int: "an integer", str: "a string", dict: "an object"}.get(kind, kind.__name__)
+        raise RunDirError(
+            f"{run_dir}: the training log's `{key}` is {value!r:.80}, not {want}; nothing was "
+            "changed",
+            code="D006",
+            hint="restore train.db from a copy",
+        )
+    return value
 
 
 def _train(

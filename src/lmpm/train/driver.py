@@ -19,6 +19,7 @@ every worker from the last checkpoint and redoes the epoch. Faults are kept in
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import signal
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmpm.errors import LmpmError, UsageError
+from lmpm.errors import LmpmError, RunDirError, UsageError
 from lmpm.runtime.data.raygroup import WorkerLost, _Failed, gather
 from lmpm.runtime.data.raylog import quiet_worker_deaths
 from lmpm.runtime.lock import atomic_write
@@ -55,25 +56,41 @@ class TrainFault:
     pid: int
 
 
-def save_state(path: Path, state: dict[str, Tensor], step: int, epoch: int) -> tuple[int, str]:
-    """Write a checkpoint atomically; (bytes, sha256)."""
+def save_state(
+    path: Path, state: dict[str, Tensor], step: int, epoch: int, inner: list[str] | None = None
+) -> tuple[int, str]:
+    """Write a checkpoint atomically; (bytes, sha256). ``inner``: the sha256 of each worker's
+    inner state file beside it, by rank (checked when it is loaded)."""
     from safetensors.torch import save
 
-    data = save(
-        {k: v.contiguous() for k, v in state.items()},
-        metadata={"step": str(step), "epoch": str(epoch)},
-    )
+    meta = {"step": str(step), "epoch": str(epoch)}
+    if inner is not None:
+        meta["inner"] = json.dumps(inner)
+    data = save({k: v.contiguous() for k, v in state.items()}, metadata=meta)
     atomic_write(path, data)
     return len(data), hashlib.sha256(data).hexdigest()
 
 
-def load_state(path: Path) -> tuple[dict[str, Tensor], int]:
+def load_state(path: Path) -> tuple[dict[str, Tensor], int, list[str | None]]:
+    """(θ and momentum, the schedule step, each worker's inner state sha256: None where a
+    checkpoint from before they were recorded has none) of a checkpoint."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    with safe_open(str(path), framework="pt") as f:
-        step = int((f.metadata() or {}).get("step", "0"))
-    return load_file(str(path)), step
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        step = int(meta.get("step", "0"))
+        inner = json.loads(meta.get("inner", "[]"))
+        if not isinstance(inner, list) or not all(isinstance(s, str) for s in inner):
+            raise ValueError("its `inner` checksums are not a list of strings")
+        return load_file(str(path)), step, list(inner)
+    except Exception as e:  # OSError, bad JSON or numbers, safetensors' own SafetensorError
+        raise RunDirError(f"checkpoint {path} is unreadable ({e})", code="D021") from None
+
+
+def _inner_sha(inner: list[str | None], rank: int) -> str | None:
+    return inner[rank] if rank < len(inner) else None
 
 
 def parse_fault(text: str, workers: int) -> tuple[int, str, int, str]:
@@ -131,21 +148,20 @@ class LocalDriver:
             total = total + w.contribution(a)
         return [w.commit(epoch, total, keep) for w in self.workers]
 
-    def save(self, path: Path, epoch: int) -> tuple[int, str]:
+    def save(self, path: Path, epoch: int, inner: list[str] | None = None) -> tuple[int, str]:
         w = self.workers[0]
-        return save_state(path, w.state(), w.step, epoch)
+        return save_state(path, w.state(), w.step, epoch, inner)
 
     def checkpoint(self, path: Path, epoch: int) -> tuple[int, str]:
-        """The parameters (worker 0) and every worker's inner state beside them."""
-        for w in self.workers:
-            w.save_inner(inner_path(path, w.rank))
-        return self.save(path, epoch)
+        """Every worker's inner state, then the parameters (worker 0) naming their sha256."""
+        inner = [w.save_inner(inner_path(path, w.rank)) for w in self.workers]
+        return self.save(path, epoch, inner)
 
     def restore(self, path: Path) -> None:
-        state, step = load_state(path)
+        state, step, inner = load_state(path)
         for w in self.workers:
             w.load_state(state, step)
-            w.load_inner(inner_path(path, w.rank))
+            w.load_inner(inner_path(path, w.rank), _inner_sha(inner, w.rank))
             w.proposed = None
 
     def info(self) -> list[dict[str, Any]]:
@@ -247,17 +263,16 @@ class TrainActor:
             dist.all_reduce(part)
         return self.w.commit(epoch, part, keep)
 
-    def save(self, path: str, epoch: int) -> tuple[int, str]:
-        return save_state(Path(path), self.w.state(), self.w.step, epoch)
+    def save(self, path: str, epoch: int, inner: list[str] | None = None) -> tuple[int, str]:
+        return save_state(Path(path), self.w.state(), self.w.step, epoch, inner)
 
-    def checkpoint(self, path: str, epoch: int) -> tuple[int, str] | None:
-        self.w.save_inner(inner_path(Path(path), self.rank))
-        return self.save(path, epoch) if self.rank == 0 else None
+    def save_inner(self, path: str) -> str:
+        return self.w.save_inner(inner_path(Path(path), self.rank))
 
     def restore(self, path: str) -> None:
-        state, step = load_state(Path(path))
+        state, step, inner = load_state(Path(path))
         self.w.load_state(state, step)
-        self.w.load_inner(inner_path(Path(path), self.rank))
+        self.w.load_inner(inner_path(Path(path), self.rank), _inner_sha(inner, self.rank))
         self.w.proposed = None
 
     def inject(self, phase: str, epoch: int, how: str) -> None:
@@ -466,10 +481,12 @@ class RayDriver:
         return tuple(out)  # type: ignore[return-value]
 
     def checkpoint(self, path: Path, epoch: int) -> tuple[int, str]:
-        """The parameters (worker 0) and every worker's inner state; recovery restores it."""
-        out = self._get([a.checkpoint.remote(str(path), epoch) for a in self.actors], START_LIMIT)
+        """Every worker's inner state, then the parameters (worker 0) naming their sha256;
+        recovery restores it."""
+        inner = self._get([a.save_inner.remote(str(path)) for a in self.actors], START_LIMIT)
+        out = self._get([self.actors[0].save.remote(str(path), epoch, inner)], START_LIMIT)[0]
         self.last_checkpoint = path
-        return tuple(out[0])  # type: ignore[return-value]
+        return tuple(out)  # type: ignore[return-value]
 
     def info(self) -> list[dict[str, Any]]:
         return [

@@ -135,6 +135,9 @@ def holds_training(run_dir: str | Path) -> bool:
 
 
 def _connect(path: Path, *, readonly: bool) -> sqlite3.Connection:
+    from lmpm.runtime.runfiles import check_database
+
+    check_database(path)  # the log and its -wal, -shm: regular files (SQLite follows links)
     uri = f"file:{urllib.parse.quote(str(path.resolve()))}" + ("?mode=ro" if readonly else "")
     try:
         conn = sqlite3.connect(uri, uri=True, isolation_level=None)

@@ -8,6 +8,7 @@ the epoch boundaries (outer steps) when there are few enough of them to read.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from lmpm.train.dashboard import is_finite, policy_text
 from lmpm.train.log import TrainHistory
@@ -62,6 +63,18 @@ def plot_loss(history: TrainHistory, path: str | Path) -> Path:
         ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, Path(path))
     plt.close(fig)
     return path
+
+
+def save_figure(fig: Any, path: Path, **options: Any) -> None:
+    """A figure in ``path``'s format (PNG by default), written beside and renamed (no link at
+    ``path`` is written through); ``options`` go to ``savefig``."""
+    import io
+
+    from lmpm.runtime.lock import atomic_write
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format=path.suffix.lstrip(".").lower() or "png", **options)
+    atomic_write(path, buf.getvalue())

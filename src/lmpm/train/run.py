@@ -14,6 +14,8 @@ control plane never holds a parameter tensor.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import InputError, RunDirError, RuntimeFault, UsageError
-from lmpm.runtime.control.commitlog import file_sha256
+from lmpm.runtime.runfiles import claim_folder, folder, log_name, read_file
 from lmpm.train import log as tlog
 from lmpm.train.driver import (
     MAX_RETRIES,
@@ -41,6 +43,9 @@ from lmpm.train.worker import Committed, Proposal, inner_path, ring_bytes
 
 CHECKPOINTS = "checkpoints"
 KEEP = 2  # newest checkpoints kept (besides epoch 0's)
+# the files a training run writes in checkpoints/ (and their temporary files): --force deletes
+# these and nothing else there
+CHECKPOINT_NAME = re.compile(r"\.?(params-\d{6}\.safetensors|inner-w\d+-\d{6}\.pt)(\.tmp)?")
 
 
 def load_rows(src: str | Path | bytes, d: DataSpec) -> Tensor:
@@ -187,15 +192,7 @@ class Trainer:
             hist = tlog.read(self.run_dir)
             self.first = (hist.epochs[-1]["epoch"] if hist.epochs else 0) + 1
             ck = {c["epoch"]: c for c in hist.checkpoints}.get(self.first - 1)
-            restart = self.run_dir / ck["file"] if ck is not None else None
-            if restart is None or not restart.is_file():
-                raise RunDirError(
-                    f"{self.run_dir}: the checkpoint of epoch {self.first - 1} is missing",
-                    code="D022",
-                    hint="start the run over (--force)",
-                )
-            if file_sha256(restart) != ck["sha256"]:  # type: ignore[index]
-                raise RunDirError(f"{restart} does not match its checksum in the log", code="D021")
+            restart = _checked_checkpoint(self.run_dir, ck, self.first - 1)
             clocks = hist.meta.get("clocks")
             self.log = tlog.TrainLog.open(self.run_dir)
             resumes = [*hist.meta.get("resumes", []), {"at": time.time(), "from": self.first - 1}]
@@ -203,6 +200,7 @@ class Trainer:
             self.log.claim()
             self.log.mark("running")
         elif self.run_dir is not None:
+            claim_folder(self.run_dir)  # never into a folder of the user's own files (D034)
             self.log = tlog.TrainLog.create(
                 self.run_dir,
                 {
@@ -218,9 +216,8 @@ class Trainer:
                     **(meta or {}),
                 },
             )
-        ckdir = self.run_dir / CHECKPOINTS if self.run_dir is not None else None
-        if ckdir is not None:
-            ckdir.mkdir(exist_ok=True)
+        # a real folder of the run: a link in its place is refused (D032), never written through
+        ckdir = folder(self.run_dir, CHECKPOINTS, create=True) if self.run_dir is not None else None
         try:
             if self.driver_name == "ray":
                 kw: dict[str, Any] = {
@@ -445,6 +442,30 @@ class Trainer:
             self.log.close()
             self.log = None
         return result
+
+
+def _checked_checkpoint(run_dir: Path, ck: dict[str, Any] | None, epoch: int) -> Path:
+    """The parameters checkpoint the log names for ``epoch``, checked before anything loads it: a
+    plain name in checkpoints/ (D033), a regular file (D032) of the recorded sha256 (D021)."""
+    if ck is None:
+        raise RunDirError(
+            f"{run_dir}: the checkpoint of epoch {epoch} is missing",
+            code="D022",
+            hint="start the run over (--force)",
+        )
+    rel = log_name(ck.get("file"), CHECKPOINTS)
+    size = ck.get("bytes")
+    try:
+        data = read_file(run_dir, rel, limit=size if isinstance(size, int) else None)
+    except OSError:
+        raise RunDirError(
+            f"{run_dir}: the checkpoint of epoch {epoch} ({rel}) is missing",
+            code="D022",
+            hint="start the run over (--force)",
+        ) from None
+    if hashlib.sha256(data).hexdigest() != ck.get("sha256"):
+        raise RunDirError(f"{run_dir / rel} does not match its checksum in the log", code="D021")
+    return run_dir / rel
 
 
 def _ck(epoch: int) -> str:

@@ -23,6 +23,7 @@ proposals never change them; the check still compares their checksums.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
 import os
@@ -318,21 +319,48 @@ class TrainWorker:
                 m.copy_(state[f"momentum/{n}"])
         self.step = step
 
-    def save_inner(self, path: Path) -> None:
-        """This worker's inner optimizer state and schedule step (for an exact resume or redo)."""
+    def save_inner(self, path: Path) -> str:
+        """This worker's inner optimizer state and schedule step (for an exact resume or redo);
+        the file's sha256, which the parameters checkpoint records."""
         from lmpm.runtime.lock import atomic_write
 
         buf = io.BytesIO()
         torch.save({"opt": self.opt.state_dict(), "step": self.step}, buf)
-        atomic_write(path, buf.getvalue())
+        data = buf.getvalue()
+        atomic_write(path, data)
+        return hashlib.sha256(data).hexdigest()
 
-    def load_inner(self, path: Path) -> bool:
-        """Load what :meth:`save_inner` wrote; False (a fresh inner optimizer) when it is missing."""
-        if not path.is_file():
+    def load_inner(self, path: Path, sha: str | None = None) -> bool:
+        """Load what :meth:`save_inner` wrote, checked against ``sha`` (its sha256 as the
+        parameters checkpoint recorded it; None for a checkpoint from before it did); False (a
+        fresh inner optimizer) when it is missing. A regular file only, read whole once
+        (:func:`~lmpm.runtime.runfiles.read_file`); a damaged one is RunDirError D021."""
+        from lmpm.errors import RunDirError
+        from lmpm.runtime.runfiles import read_file
+
+        try:
+            data = read_file(path.parent, path.name)
+        except FileNotFoundError:
             return False
-        st = torch.load(path, map_location="cpu", weights_only=True)
-        self.opt.load_state_dict(st["opt"])
-        self.step = int(st["step"])
+        except OSError as e:
+            raise RunDirError(f"cannot read {path}: {e.strerror}", code="D021") from None
+        if sha is not None and hashlib.sha256(data).hexdigest() != sha:
+            raise RunDirError(
+                f"{path} does not match its checksum in the parameters checkpoint (altered or "
+                "damaged)",
+                code="D021",
+                hint="restore the run directory from a copy, or start the run over (--force)",
+            )
+        try:
+            st = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            self.opt.load_state_dict(st["opt"])
+            self.step = int(st["step"])
+        except Exception as e:
+            raise RunDirError(
+                f"{path} is not this worker's inner optimizer state ({type(e).__name__}: {e})",
+                code="D021",
+                hint="restore the run directory from a copy, or start the run over (--force)",
+            ) from None
         return True
 
     def numel(self) -> int:

@@ -30,6 +30,7 @@ from lmpm.ir.nodes import Program
 from lmpm.runtime.control.commitlog import program_hash, refuse_existing
 from lmpm.runtime.control.trace import TraceRows
 from lmpm.runtime.data.dataplane import checksum
+from lmpm.runtime.lock import RunLock
 from lmpm.runtime.records import INPUT_RULE, committed_sum
 from lmpm.runtime.rundir import (
     DB_NAME,
@@ -103,9 +104,12 @@ class VMLog:
     def __init__(self, run_dir: str | Path, run: LoggedRun, source: str) -> None:
         self.run_dir = Path(run_dir)
         self.run = run
+        # the directory's lock, as `lmpm run` takes it (never a folder of the user's files, D034),
+        # held until the run ends
+        self.lock = RunLock(self.run_dir).acquire()
         if holds_run(self.run_dir):
+            self.lock.release()
             refuse_existing(self.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         ins = run.ins
         self.rule_id = 0
         tmp = self.run_dir / f".{DB_NAME}.tmp"
@@ -308,9 +312,11 @@ class VMLog:
             (json.dumps(self.run.stats.to_dict()),),
         )
         conn.execute("COMMIT")
+        self.lock.release()
 
     def close(self) -> None:
         self.conn.close()
+        self.lock.release()
 
 
 def stream_report(conn: sqlite3.Connection, stream: int | None = None) -> dict[str, Any]:

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
-import shutil
 import sqlite3
 import sys
 import time
@@ -62,12 +62,12 @@ from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
 from lmpm.runtime.records import INPUT_RULE, CellState, committed_sum
 from lmpm.runtime.rundir import (
     CHECKPOINT_DIR,
+    CHECKPOINT_NAME,
     DB_NAME,
     INSERT_EPOCH,
     KEEP_RULE,
     SCHEMA,
     SCHEMA_VERSION,
-    STORE_DIR,
     attach_shards,
     checkpoint_file,
     checkpoint_shards,
@@ -80,12 +80,14 @@ from lmpm.runtime.rundir import (
     load_checkpoint,
     read_checkpoint,
     read_meta,
+    remove_stores,
     ruleset_events,
     safetensors_bytes,
     unlink_db,
     upgrade,
     write_checkpoint_file,
 )
+from lmpm.runtime.runfiles import folder, remove_files
 from lmpm.version import __version__
 
 if TYPE_CHECKING:
@@ -283,7 +285,7 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
     d = Path(run_dir)
     nxt = check_epochs(conn, d)
     rows = conn.execute(
-        "SELECT epoch, file, sha256 FROM checkpoints WHERE epoch <= ? ORDER BY epoch DESC",
+        "SELECT epoch, file, sha256, bytes FROM checkpoints WHERE epoch <= ? ORDER BY epoch DESC",
         (nxt,),
     ).fetchall()
     if not rows:
@@ -292,21 +294,29 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
             code="D008",
             hint="start it again with --force",
         )
+    folder(d, CHECKPOINT_DIR, action="read")  # a real folder of the run (D032), checked once
     state: dict[str, dict[str, np.ndarray]] | None = None
     skipped: list[str] = []
+    codes: set[str] = set()
     label = -1
     shards: dict[str, dict[str, Any]] = {}
-    for ep, rel, sha in rows:
+    for ep, rel, sha, nbytes in rows:
         label, rel = int(ep), str(rel)
         try:
-            state = _checkpoint_state(engine, d, rel, str(sha))
+            state = _checkpoint_state(engine, d, rel, str(sha), int(nbytes))
             shards = _shards_of(engine, d, rel)
             break
         except RunDirError as e:
             state = None
             skipped.append(e.message)
+            codes.add(e.code)
     if state is None:
-        raise RunDirError(f"{d}: no checkpoint is usable; " + "; ".join(skipped), code="D007")
+        # each reason once; the code of the refusal when every checkpoint had the same one
+        reasons = dict.fromkeys(m.removesuffix("; nothing was changed") for m in skipped)
+        raise RunDirError(
+            f"{d}: no checkpoint is usable; {'; '.join(reasons)}; nothing was changed",
+            code=codes.pop() if len(codes) == 1 else "D007",
+        )
     for msg in skipped:
         sys.stderr.write(f"note: {msg.removesuffix('; nothing was changed')}; using an older one\n")
     replayed = 0
@@ -377,9 +387,9 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
 
 
 def _checkpoint_state(
-    engine: Engine, d: Path, rel: str, sha: str
+    engine: Engine, d: Path, rel: str, sha: str, nbytes: int
 ) -> dict[str, dict[str, np.ndarray]]:
-    arrays = load_checkpoint(d, rel, sha)
+    arrays = load_checkpoint(d, rel, sha, size=nbytes)
     state: dict[str, dict[str, np.ndarray]] = {}
     for name, vp in engine.plan.values.items():
         vals = {}
@@ -407,7 +417,14 @@ def _shards_of(engine: Engine, d: Path, rel: str) -> dict[str, dict[str, Any]]:
                 f"(it has: {', '.join(shards) or 'none'}); nothing was changed",
                 code="D007",
             )
-        read_checkpoint(d, str(shard["file"]), str(shard["sha256"]), "payload checkpoint")
+        size = shard.get("bytes")
+        read_checkpoint(
+            d,
+            shard["file"],
+            shard["sha256"],
+            "payload checkpoint",
+            size if isinstance(size, int) else None,
+        )
         out[worker] = dict(shard)
     return out
 
@@ -563,7 +580,7 @@ class CommitLog:
         fsync_dir(self.run_dir)
 
     def _fill(self, engine: Engine, conn: sqlite3.Connection) -> None:
-        shutil.rmtree(self.run_dir / STORE_DIR, ignore_errors=True)  # a half-started run's
+        remove_stores(self.run_dir)  # a half-started run's (LMPM's own files only)
         engine.dataplane.open_store(self.run_dir)
         rel, nbytes, sha = write_checkpoint(
             self.run_dir, engine, engine.epoch, self.info.program_hash
@@ -841,20 +858,24 @@ class CommitLog:
             dp.close_store()
 
     def _prune_files(self) -> None:
-        """Delete checkpoint files no committed row references (pruned ones, or a crash's orphan)."""
+        """Delete checkpoint files no committed row references (pruned ones, or a crash's orphan):
+        files of LMPM's checkpoint names only, in a real ``checkpoints/`` folder of the run (a
+        user's ``checkpoints/best.pt`` stays; a link in its place is refused, D032)."""
         assert self.conn is not None
         keep = {str(r[0]) for r in self.conn.execute("SELECT file FROM checkpoints")}
         # a control checkpoint's worker shards share its "epoch-NNNNNNNN." prefix
         prefixes = {Path(f).name.split(".")[0] + "." for f in keep}
-        folder = self.run_dir / CHECKPOINT_DIR
-        if not folder.is_dir():
+        ckdir = folder(self.run_dir, CHECKPOINT_DIR, action="prune")
+        if not ckdir.is_dir():
             return
-        for p in folder.iterdir():
-            if f"{CHECKPOINT_DIR}/{p.name}" in keep:
+        stale = []
+        for name in os.listdir(ckdir):
+            if not CHECKPOINT_NAME.fullmatch(name) or f"{CHECKPOINT_DIR}/{name}" in keep:
                 continue
-            if p.name.split(".")[0] + "." in prefixes and p.name.count(".") >= 2:
+            if name.split(".")[0] + "." in prefixes and name.count(".") >= 2:
                 continue
-            p.unlink(missing_ok=True)
+            stale.append(name)
+        remove_files(self.run_dir, CHECKPOINT_DIR, stale)
 
 
 def _rollback(conn: sqlite3.Connection) -> None:

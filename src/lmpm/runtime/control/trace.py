@@ -28,6 +28,7 @@ Reading (:func:`report`, :func:`cell_story`) needs no torch: ``lmpm trace`` star
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import sqlite3
@@ -55,6 +56,7 @@ from lmpm.runtime.rundir import (  # the torch-free run directory format: `lmpm 
     ruleset_events,
     worker_faults,
 )
+from lmpm.runtime.runfiles import atomic_write
 from lmpm.runtime.vocab import Vocabulary, run_texts, run_vocabularies  # torch-free
 
 if TYPE_CHECKING:
@@ -1006,8 +1008,10 @@ def plot(rep: Mapping[str, Any], out: str | Path) -> Path:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path = Path(out)
-    fig.savefig(path)
+    buf = io.BytesIO()
+    fig.savefig(buf, format=path.suffix.lstrip(".").lower() or "png")
     plt.close(fig)
+    atomic_write(path, buf.getvalue())  # beside and renamed: no link at `out` written through
     return path
 
 

@@ -35,6 +35,7 @@ from lmpm.errors import RunDirError
 from lmpm.runtime.lock import sqlite_error
 from lmpm.runtime.rundir import (
     SHARDED,
+    STORE_DIR,
     STORE_SCHEMA,
     TAGS,
     cell_runs,
@@ -47,6 +48,7 @@ from lmpm.runtime.rundir import (
     store_path,
     write_checkpoint_file,
 )
+from lmpm.runtime.runfiles import check_database, folder
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -66,8 +68,10 @@ class PayloadStore:
             name: int(np.prod(vp.cell_shape)) if vp.cell_shape else 1
             for name, vp in plan.values.items()
         }
+        # payload/ a real folder of the run and the store a regular file: SQLite follows links
+        folder(self.run_dir, STORE_DIR, create=True)
+        check_database(self.path)
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             self.conn = sqlite3.connect(str(self.path), isolation_level=None)
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
