@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import InputError
+from lmpm.npyfile import NpyError, load_npy, npy_header
 from lmpm.resolve.plan import ValuePlan
 from lmpm.runtime.lock import atomic_write, os_error
 from lmpm.runtime.vocab import Vocabulary, output_text
@@ -50,7 +51,9 @@ def load_input(
     suffix = p.suffix.lower()
     try:
         if suffix == ".npy":
-            arr = _numpy_to_tensor(np.load(p, allow_pickle=False), vp, where)
+            head = npy_header(p)  # shape and dtype before a byte of data is read
+            _check_shape(head.shape, vp, where)
+            arr = _numpy_to_tensor(load_npy(p), vp, where)
         elif suffix == ".pt":
             obj = torch.load(p, map_location="cpu", weights_only=True)
             if not isinstance(obj, Tensor):
@@ -66,6 +69,10 @@ def load_input(
             return _from_text(p.read_bytes(), vp, where, vocab)
     except InputError:
         raise
+    except NpyError as e:
+        raise InputError(
+            f"cannot read {p} as input for `{vp.name}`: {e}", where=where, code="R003"
+        ) from None
     except Exception as e:
         raise InputError(
             f"cannot read {p} as input for `{vp.name}`: {type(e).__name__}: {e}",
@@ -110,15 +117,32 @@ def _first(mask: Tensor) -> int:
     return int(mask.nonzero()[0, 0])
 
 
-def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor, Tensor]:
+def _check_shape(shape: tuple[int, ...], vp: ValuePlan, where: dict[str, Any]) -> None:
+    """R004 unless ``shape`` is the value's (its dims, one axis of its cells, or for tokens a
+    prompt: shorter along the last axis only). Checked on a .npy header before its data."""
     if vp.cell_shape:
         full = (*vp.dims, *vp.cell_shape)
-        if tuple(arr.shape) != full and tuple(arr.shape) != (vp.ncells, *vp.cell_shape):
-            raise InputError(
-                f"input for `{vp.name}` has shape {list(arr.shape)}; expected {_expect(vp)}",
-                where=where,
-                code="R004",
-            )
+        ok = shape in (full, (vp.ncells, *vp.cell_shape))
+    else:
+        ok = shape == vp.dims or (len(shape) == 1 and shape[0] == vp.ncells)
+        prompt = (
+            len(shape) == len(vp.dims)
+            and shape[:-1] == vp.dims[:-1]
+            and 0 < shape[-1] < vp.dims[-1]
+        )
+        ok = ok or (vp.vocab is not None and prompt)
+    if not ok:
+        raise InputError(
+            f"input for `{vp.name}` has shape {list(shape)}; expected {_expect(vp)}",
+            where=where,
+            code="R004",
+            hint=None if vp.cell_shape else _shape_hint(vp),
+        )
+
+
+def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tensor, Tensor]:
+    _check_shape(tuple(arr.shape), vp, where)
+    if vp.cell_shape:
         if arr.is_complex():
             raise _bad(vp, where, f"is complex ({arr.dtype})", "R013")
         if arr.dtype == torch.bool:
@@ -134,13 +158,6 @@ def _from_array(arr: Tensor, vp: ValuePlan, where: dict[str, Any]) -> tuple[Tens
         return torch.nan_to_num(arr, nan=0.0), mask
     if vp.vocab is not None and _prompt(arr, vp):
         arr = _pad(arr, vp)
-    if tuple(arr.shape) != vp.dims and not (arr.dim() == 1 and arr.numel() == vp.ncells):
-        raise InputError(
-            f"input for `{vp.name}` has shape {list(arr.shape)}; expected {_expect(vp)}",
-            where=where,
-            code="R004",
-            hint=_shape_hint(vp),
-        )
     if arr.is_complex():
         raise _bad(vp, where, f"is complex ({arr.dtype})", "R013")
     arr = arr.reshape(-1)

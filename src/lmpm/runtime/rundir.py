@@ -27,12 +27,12 @@ as it is (those columns are None) and upgraded to 3 when a run resumes it (:func
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import sqlite3
-import urllib.parse
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +43,15 @@ from safetensors.numpy import load as load_safetensors
 
 from lmpm.errors import RunDirError
 from lmpm.runtime.lock import is_io_error, sqlite_error
+from lmpm.runtime.received import (
+    ReaderConnection,
+    Schema,
+    check_schema,
+    harden,
+    open_reader,
+    quote,
+    uri,
+)
 from lmpm.runtime.runfiles import (
     check_database,
     folder,
@@ -168,6 +177,18 @@ CREATE VIEW trace_named AS
          s.violations, s.won, s.lost, s.blocked_where
   FROM trace_summary s JOIN constraint_defs c ON c.id = s.constraint_id
   LEFT JOIN rule_defs r ON r.id = s.rule;
+"""
+
+# The tables a workflow run (`lmpm vm run`, lmpm.vm.log) adds to the log
+VM_SCHEMA = """
+CREATE TABLE vm_zones (id INTEGER PRIMARY KEY, workflow TEXT NOT NULL, name TEXT NOT NULL);
+CREATE TABLE vm_tokens (
+  epoch INTEGER NOT NULL, stream INTEGER NOT NULL, pos INTEGER NOT NULL, token INTEGER NOT NULL,
+  zone INTEGER NOT NULL, token_num INTEGER NOT NULL, triggers INTEGER NOT NULL,
+  kind INTEGER NOT NULL, tags INTEGER NOT NULL, PRIMARY KEY (stream, pos));
+CREATE TABLE vm_streams (
+  stream INTEGER PRIMARY KEY, status TEXT NOT NULL, decisions TEXT NOT NULL,
+  captures TEXT NOT NULL, text TEXT NOT NULL);
 """
 
 # A worker's store: committed payload, one row per arithmetic run of cells (crc: CRC-32 of the
@@ -305,21 +326,17 @@ def connect(
             hint="give the --out directory of an `lmpm run`",
         )
     _check_header(path)  # before SQLite opens it (it would discard the -wal of an empty file)
-    uri = f"file:{urllib.parse.quote(str(path.resolve()))}"
-    try:
-        conn = sqlite3.connect(
-            uri + ("?mode=ro" if readonly else ""), uri=True, isolation_level=None
-        )
-    except sqlite3.Error as e:
-        raise RunDirError(f"cannot open {path}: {e}", code="D002") from None
+    if readonly:
+        conn: sqlite3.Connection = open_reader(path, log_schema())
+    else:
+        conn = _open_writer(path)
     try:
         validate(conn, path, check=check)
-    except RunDirError:
+    except BaseException as e:
         conn.close()
+        if isinstance(e, sqlite3.Error):  # an I/O error while validating (validate types the rest)
+            raise sqlite_error(e, "open", path) from None
         raise
-    except sqlite3.Error as e:  # an I/O error while validating (validate types the rest)
-        conn.close()
-        raise sqlite_error(e, "open", path) from None
     if not readonly:
         try:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -336,6 +353,47 @@ def connect(
             raise sqlite_error(e, "read the workers' stores of", path) from None
         raise
     return conn
+
+
+def _open_writer(path: Path) -> sqlite3.Connection:
+    """The log opened for writing (a resume): the open-time checks of a reader
+    (:func:`~lmpm.runtime.received.harden`, :func:`~lmpm.runtime.received.check_schema`: no trigger
+    fires on LMPM's writes), no progress handler on the per-epoch writes."""
+    try:
+        conn = sqlite3.connect(uri(path, readonly=False), uri=True, isolation_level=None)
+    except sqlite3.Error as e:
+        raise RunDirError(f"cannot open {path}: {e}", code="D002") from None
+    try:
+        harden(conn)
+        check_schema(conn, path, log_schema())
+    except BaseException as e:
+        conn.close()
+        if isinstance(e, sqlite3.Error) and not is_io_error(e):
+            raise RunDirError(
+                f"{path} is corrupt or truncated ({e}); nothing was changed", code="D006"
+            ) from None
+        if isinstance(e, sqlite3.Error):
+            raise sqlite_error(e, "open", path) from None
+        raise
+    return conn
+
+
+@functools.cache
+def log_schema() -> Schema:
+    """The tables of a run's log LMPM reads, with their columns (schema 2's epochs lack
+    :data:`COUNTED`; a workflow run's log adds :data:`VM_SCHEMA`'s)."""
+    return Schema.of(SCHEMA + VM_SCHEMA, optional={"epochs": COUNTED})
+
+
+@functools.cache
+def store_schema() -> Schema:
+    """The tables of a worker's payload store, with their columns."""
+    return Schema.of(STORE_SCHEMA)
+
+
+def open_store(path: Path) -> ReaderConnection:
+    """A worker's payload store opened for reading (:func:`~lmpm.runtime.received.open_reader`)."""
+    return open_reader(path, store_schema())
 
 
 def shard_stores(run_dir: str | Path) -> list[Path]:
@@ -369,28 +427,34 @@ def attach_shards(conn: sqlite3.Connection, run_dir: str | Path) -> int:
     paths = shard_stores(run_dir)
     if not paths:
         return 0
-    tables = {t: _columns(conn, f"main.{t}") for t in SHARDED}
-    tables = {t: cols for t, cols in tables.items() if cols}
+    # the log's own columns of each table, from LMPM's schema: never names read from a store
+    known = log_schema().tables
+    tables = {t: known[t] for t in SHARDED if _has_table(conn, t, "main")}
     free = conn.getlimit(sqlite3.SQLITE_LIMIT_ATTACHED) - len(_attached(conn))
     logged = "epoch IN (SELECT epoch FROM main.epochs)"
     if len(paths) <= free:
-        parts: dict[str, list[str]] = {t: [f"SELECT * FROM main.{t}"] for t in tables}
+        parts: dict[str, list[str]] = {
+            t: [f"SELECT {_cols(cols)} FROM main.{quote(t)}"] for t, cols in tables.items()
+        }
         for k, path in enumerate(paths):
             for t in _attach_store(conn, f"shard{k}", path, tables):
-                cols = ", ".join(tables[t])
-                parts[t].append(f"SELECT {cols} FROM shard{k}.{t} WHERE {logged}")
+                parts[t].append(
+                    f"SELECT {_cols(tables[t])} FROM shard{k}.{quote(t)} WHERE {logged}"
+                )
         for t, selects in parts.items():
             if len(selects) > 1:
-                conn.execute(f"CREATE TEMP VIEW {t} AS {' UNION ALL '.join(selects)}")
+                conn.execute(f"CREATE TEMP VIEW {quote(t)} AS {' UNION ALL '.join(selects)}")
         return len(paths)
     copied: set[str] = set()
     for path in paths:
         for t in _attach_store(conn, "shard0", path, tables):
+            cols = _cols(tables[t])
             if t not in copied:
-                conn.execute(f"CREATE TEMP TABLE {t} AS SELECT * FROM main.{t}")
+                conn.execute(f"CREATE TEMP TABLE {quote(t)} AS SELECT {cols} FROM main.{quote(t)}")
                 copied.add(t)
-            cols = ", ".join(tables[t])
-            conn.execute(f"INSERT INTO temp.{t} SELECT {cols} FROM shard0.{t} WHERE {logged}")
+            conn.execute(
+                f"INSERT INTO temp.{quote(t)} SELECT {cols} FROM shard0.{quote(t)} WHERE {logged}"
+            )
         if conn.in_transaction:  # the one Python's sqlite3 opened for the INSERT
             conn.commit()
         conn.execute("DETACH DATABASE shard0")
@@ -399,17 +463,19 @@ def attach_shards(conn: sqlite3.Connection, run_dir: str | Path) -> int:
     return len(paths)
 
 
+def _cols(cols: tuple[str, ...]) -> str:
+    return ", ".join(quote(c) for c in cols)
+
+
 def _attach_store(
-    conn: sqlite3.Connection, name: str, path: Path, tables: Mapping[str, list[str]]
+    conn: sqlite3.Connection, name: str, path: Path, tables: Mapping[str, tuple[str, ...]]
 ) -> list[str]:
-    """Attach a worker's store read-only as schema ``name``: those of ``tables`` it holds with
-    (at least) the log's columns."""
+    """Attach a worker's store read-only as schema ``name`` (its schema checked as a reader's
+    is: :func:`~lmpm.runtime.received.check_schema`): those of ``tables`` it holds."""
     try:
-        conn.execute(
-            "ATTACH DATABASE ? AS " + name,
-            (f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro",),
-        )
-        return [t for t, cols in tables.items() if set(cols) <= set(_columns(conn, f"{name}.{t}"))]
+        conn.execute("ATTACH DATABASE ? AS " + name, (uri(path, readonly=True),))
+        check_schema(conn, path, store_schema(), name=name)
+        return [t for t in tables if _has_table(conn, t, name)]
     except sqlite3.Error as e:
         if is_io_error(e):
             raise sqlite_error(e, "read", path) from None
@@ -498,10 +564,11 @@ def _columns(conn: sqlite3.Connection, table: str) -> list[str]:
     return [str(r[1]) for r in conn.execute(pragma)]
 
 
-def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+def _has_table(conn: sqlite3.Connection, name: str, schema: str = "main") -> bool:
+    """Whether ``schema`` (LMPM's name: main, temp, shardK) holds a table ``name``."""
     return bool(
         conn.execute(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+            f"SELECT 1 FROM {schema}.sqlite_master WHERE type = 'table' AND name = ?", (name,)
         ).fetchone()
     )
 
@@ -581,11 +648,8 @@ def _store_rows(run_dir: str | Path, worker: str, query: str, args: tuple[Any, .
         return []
     check_database(path, "read")
     try:
-        conn = sqlite3.connect(f"file:{urllib.parse.quote(str(path.resolve()))}?mode=ro", uri=True)
-        try:
+        with open_store(path) as conn:
             return conn.execute(query, args).fetchall()
-        finally:
-            conn.close()
     except sqlite3.Error as e:
         raise RunDirError(f"the payload store {path} is unreadable ({e})", code="D006") from None
 

@@ -38,6 +38,7 @@ from lmpm.runtime.rundir import (
     KEEP_RULE,
     SCHEMA,
     SCHEMA_VERSION,
+    VM_SCHEMA,
     commit_rows,
     connect,
     holds_run,
@@ -48,17 +49,6 @@ from lmpm.vm.machine import VM
 
 FORCED_RULE = -3  # rule id of teacher-forced tokens in `commits` and `rule_defs`
 TOOL_RULE = -4  # rule id of tool-result tokens
-
-VM_SCHEMA = """
-CREATE TABLE vm_zones (id INTEGER PRIMARY KEY, workflow TEXT NOT NULL, name TEXT NOT NULL);
-CREATE TABLE vm_tokens (
-  epoch INTEGER NOT NULL, stream INTEGER NOT NULL, pos INTEGER NOT NULL, token INTEGER NOT NULL,
-  zone INTEGER NOT NULL, token_num INTEGER NOT NULL, triggers INTEGER NOT NULL,
-  kind INTEGER NOT NULL, tags INTEGER NOT NULL, PRIMARY KEY (stream, pos));
-CREATE TABLE vm_streams (
-  stream INTEGER PRIMARY KEY, status TEXT NOT NULL, decisions TEXT NOT NULL,
-  captures TEXT NOT NULL, text TEXT NOT NULL);
-"""
 
 
 @dataclass
