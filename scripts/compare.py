@@ -21,6 +21,7 @@ from pathlib import Path
 
 from lmpm.compare import compare, legend_of, sheet, text_lines
 from lmpm.errors import LmpmError
+from lmpm.printable import printable, printable_lines, printable_tree
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,16 +33,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--title", default="", help="the sheet's title")
     ap.add_argument("--labels", default="model alone,constrained", help="two run labels")
     ap.add_argument("--json", action="store_true", help="one JSON line instead of the table")
+    ap.add_argument(
+        "--trust-bind",
+        action="store_true",
+        help="import the --bind modules the constrained run names (a run directory from "
+        "elsewhere could name any module; see docs/security.md)",
+    )
     args = ap.parse_args(argv)
     a, _, b = args.labels.partition(",")
     try:
-        cmp = compare(args.alone, args.constrained, args.value, (a, b or "constrained"))
+        cmp = compare(
+            args.alone,
+            args.constrained,
+            args.value,
+            (a, b or "constrained"),
+            trust_bind=args.trust_bind,
+        )
         if args.sheet is not None:
             sheet(cmp, args.sheet, title=args.title)
     except LmpmError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {printable_lines(str(exc))}", file=sys.stderr)
         return 2
-    nums = cmp.numbers()
+    nums = printable_tree(cmp.numbers())  # names from the runs' logs: no terminal escapes
     if args.sheet is not None:
         nums["sheet"] = str(args.sheet)
     if args.json:
@@ -64,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         alone, constrained, marks = text_lines(cmp)
         print(f"  {a:>12}: {alone}")
         print(f"  {b:>12}: {constrained}")
-        legend = ", ".join(f"{m} = decided by {n}" for n, m in legend_of(cmp).items())
+        legend = ", ".join(f"{m} = decided by {printable(n)}" for n, m in legend_of(cmp).items())
         print(f"  {'':>12}  {marks}   ({legend})")
     if args.sheet is not None:
         print(f"  sheet: {args.sheet}")

@@ -215,6 +215,63 @@ def resolve_builtin(name: str) -> Any:
 MAPPING = "bindings="  # where a name bound by the Python API's mapping comes from
 
 
+MSG_UNTRUSTED = (
+    "{where} was started with --bind {mods}. LMPM imports no Python module a run directory names "
+    "unless this command names it too (a run directory from elsewhere could name any module); "
+    "nothing was changed."
+)
+
+
+def recorded_modules(
+    recorded: Any,
+    *,
+    where: str,
+    given: Iterable[str] | None = None,
+    trust: bool = False,
+    cli: bool = True,
+) -> tuple[str, ...]:
+    """The modules a run directory recorded (its meta ``bind``) that may be imported: the one
+    place LMPM decides it, for every reader (resume in the CLI and the API, compare). A run
+    directory is data (docs/security.md): its modules are imported only when the command names
+    them again (``given``, which the caller checked equal to ``recorded``) or trusts the
+    directory (``--trust-bind``, ``trust_bind=True``); otherwise UsageError U040.
+
+    >>> recorded_modules([], where="runs/a")
+    ()
+    >>> recorded_modules(["mods.py"], where="runs/a", trust=True)
+    ('mods.py',)
+    """
+    from lmpm.printable import printable
+
+    if not recorded:
+        return ()
+    if not isinstance(recorded, (list, tuple)) or not all(isinstance(m, str) for m in recorded):
+        from lmpm.errors import RunDirError
+
+        raise RunDirError(
+            f"{printable(where)}: the recorded --bind modules are not a list of names; "
+            "nothing was imported",
+            code="D006",
+        )
+    mods = tuple(recorded)
+    if trust or given:
+        return mods
+    shown = " --bind ".join(printable(m) for m in mods)
+    if cli:
+        raise UsageError(
+            MSG_UNTRUSTED.format(where=printable(where), mods=shown),
+            code="U040",
+            hint=f"give --bind {shown} again (or --trust-bind to import what "
+            f"{printable(where)} names)",
+        )
+    raise UsageError(
+        f"{printable(where)} was started with bound modules {list(mods)}; LMPM imports them only "
+        "when asked",
+        code="U040",
+        hint="pass bind=[...] naming them again, or trust_bind=True",
+    )
+
+
 class Bindings:
     """Name -> object for one run: user mappings over --bind modules over built-ins."""
 

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from lmpm.errors import RunDirError, UsageError
-from lmpm.runtime.rundir import attach_shards
+from lmpm.printable import printable
+from lmpm.runtime.rundir import connect, read_meta
 from lmpm.runtime.runfiles import check_database, read_file
 
 
@@ -99,21 +100,16 @@ class Comparison:
 
 
 def _meta(conn: sqlite3.Connection) -> dict[str, Any]:
-    return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+    return read_meta(conn)
 
 
 def _connect(run_dir: Path) -> sqlite3.Connection:
-    db = run_dir / "lmpm.db"
-    if not db.is_file():
-        raise UsageError(f"{run_dir} holds no run (no lmpm.db)", code="U070")
-    check_database(db, "read")  # regular files: SQLite would follow a link out of the run (D032)
-    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        attach_shards(conn, run_dir)  # a multi-worker run's commits are in its workers' stores
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    """The run's log, opened as every reader opens one (:func:`lmpm.runtime.rundir.connect`: its
+    schema checked, a time budget; a multi-worker run's commits read from its workers' stores)."""
+    if not (run_dir / "lmpm.db").is_file():
+        raise UsageError(f"{printable(str(run_dir))} holds no run (no lmpm.db)", code="U070")
+    check_database(run_dir / "lmpm.db", "read")  # regular files: SQLite would follow a link
+    return connect(run_dir)
 
 
 def _output(run_dir: Path, value: str) -> np.ndarray:
@@ -168,13 +164,17 @@ def compare(
     constrained_dir: str | Path,
     value: str,
     labels: tuple[str, str] = ("alone", "constrained"),
+    *,
+    trust_bind: bool = False,
 ) -> Comparison:
     """Compare ``value`` between a run of the model alone and a run under the constraints.
 
     The constrained run must be traced at the ``cells`` level; both must be runs of programs with
-    the same values and parameters."""
-    from lmpm.bindings import Bindings
-    from lmpm.ir import compile_file
+    the same values and parameters. A run started with ``--bind`` modules is compared only with
+    ``trust_bind=True`` (``--trust-bind``): its modules are imported to resolve the program
+    (:func:`lmpm.bindings.recorded_modules`, UsageError U040 otherwise)."""
+    from lmpm.bindings import Bindings, recorded_modules
+    from lmpm.ir import compile_source
     from lmpm.ir.nodes import PredKind, Status
     from lmpm.resolve.plan import resolve
     from lmpm.runtime.io import load_input
@@ -190,8 +190,11 @@ def compare(
             )
         metas = tuple(_meta(c) for c in conns)
         meta = metas[1]
-        front = compile_file(meta["program_file"], overrides=dict(meta.get("params") or {}))
-        bind = Bindings(meta.get("bind") or ())
+        # the program the log stores (as resume does), never a file the log names
+        front = compile_source(
+            meta["source"], meta["program_file"], overrides=dict(meta.get("params") or {})
+        )
+        bind = Bindings(recorded_modules(meta.get("bind"), where=str(dirs[1]), trust=trust_bind))
         plan = resolve(front.ir, dict(meta.get("params") or {}), bind)
         vp = plan.values[value]
         ncells = int(np.prod(outs[0].shape))

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lmpm.errors import UsageError
+from lmpm.printable import printable
 from lmpm.runtime.runfiles import atomic_write
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 HELP = "render a run directory: PNG frames + GIF for grids, text for bytes, violations per epoch"
 
 UNSET_RGB = (48, 48, 48)
+MAX_COLOURS = 4096  # larger vocabularies are coloured along viridis per cell, not by a table
+MAX_RENDER_CELLS = 1 << 26  # cells of one value render draws (a 2-D grid of 8192 x 8192)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             path = out / f"{name}.txt"
             atomic_write(path, (text + "\n").encode("utf-8"))
             written.append(path)
-            sys.stdout.write(f"{name}: {text}\n")
+            sys.stdout.write(f"{printable(name)}: {text}\n")
         elif k.kind == "grid":
             grid = arr.reshape(-1, 1) if arr.ndim == 1 else arr  # a sequence: one row
             written.extend(render_grid(name, grid, k.vocab, out, args.scale, args.fps))
@@ -113,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         if plot is not None:
             written.append(plot)
     for p in written:
-        sys.stderr.write(f"wrote {p}\n")
+        sys.stderr.write(f"wrote {printable(str(p))}\n")
     return 0
 
 
@@ -125,10 +128,12 @@ def load_values(run_dir: Path) -> dict[str, np.ndarray]:
     import numpy as np
 
     from lmpm.errors import RunDirError
-    from lmpm.runtime.runfiles import read_file
+    from lmpm.runtime.runfiles import is_plain_file, read_file
 
     arrays = {}
     for p in sorted(run_dir.glob("*.npy")):
+        if is_plain_file(p):
+            _check_value(p)  # its header, before a byte of its data is read
         try:
             data = read_file(run_dir, p.name)
             arrays[p.stem] = np.load(io.BytesIO(data), allow_pickle=False)
@@ -164,6 +169,30 @@ def _image_bytes(image: Any, **options: Any) -> bytes:
     buf = io.BytesIO()
     image.save(buf, **options)
     return buf.getvalue()
+
+
+def _check_value(path: Path) -> None:
+    """A value's ``NAME.npy`` header, checked before its data (D042): numbers, at most
+    :data:`MAX_RENDER_CELLS` cells, no more data than the file holds."""
+    from lmpm.errors import RunDirError
+    from lmpm.npyfile import NpyError, npy_header
+
+    try:
+        head = npy_header(path)
+        cells = head.nbytes // max(head.dtype.itemsize, 1)
+        if head.dtype.kind not in "biuf":
+            raise NpyError(f"{path} holds {head.dtype}, not real numbers or tokens")
+        if cells > MAX_RENDER_CELLS:
+            raise NpyError(
+                f"{path} has {cells:,} cells ({list(head.shape)}); render draws at most "
+                f"{MAX_RENDER_CELLS:,} per value"
+            )
+    except NpyError as e:
+        raise RunDirError(
+            f"cannot render {printable(str(e))}",
+            code="D042",
+            hint="render the other values with --value NAME",
+        ) from None
 
 
 def render_training(run_dir: Path, out: Path) -> int:
@@ -259,7 +288,7 @@ def as_text(arr: np.ndarray) -> str:
 
 
 def colours(vocab: int | None) -> np.ndarray:
-    """(vocab, 3) uint8 RGB per token."""
+    """(vocab, 3) uint8 RGB per token, for a vocabulary of at most :data:`MAX_COLOURS`."""
     import numpy as np
 
     from lmpm.models.world import RGB
@@ -268,7 +297,7 @@ def colours(vocab: int | None) -> np.ndarray:
         return np.array(RGB[:vocab], dtype=np.uint8)
     import matplotlib
 
-    n = max(vocab or 1, 1)
+    n = min(max(vocab or 1, 1), MAX_COLOURS)
     cmap = matplotlib.colormaps["tab20" if n <= 20 else "viridis"]
     rgb = [cmap(i % 20 if n <= 20 else i / max(n - 1, 1))[:3] for i in range(n)]
     return (np.array(rgb) * 255).astype(np.uint8)
@@ -276,6 +305,7 @@ def colours(vocab: int | None) -> np.ndarray:
 
 def to_rgb(grid: np.ndarray, vocab: int | None, scale: int) -> np.ndarray:
     """(W, H) tokens (x, y; -1 unset) → (H*scale, W*scale, 3) image, rows = y."""
+    import matplotlib
     import numpy as np
 
     img = grid.T  # rows are y
@@ -285,14 +315,17 @@ def to_rgb(grid: np.ndarray, vocab: int | None, scale: int) -> np.ndarray:
             np.nanmin(img) if (~unset).any() else 0.0,
             np.nanmax(img) if (~unset).any() else 1.0,
         )
-        import matplotlib
-
         norm = (np.nan_to_num(img) - lo) / max(hi - lo, 1e-9)
         rgb = (matplotlib.colormaps["viridis"](norm)[..., :3] * 255).astype(np.uint8)
     else:
         unset = img < 0
-        pal = colours(vocab if vocab is not None else int(img.max()) + 1)
-        rgb = pal[np.clip(img, 0, len(pal) - 1)]
+        n = vocab if vocab is not None else int(img.max()) + 1 if img.size else 1
+        if n > MAX_COLOURS:  # a token id of 10**12: colour along the map, no table of n entries
+            norm = np.clip(img, 0, n - 1).astype(np.float64) / (n - 1)
+            rgb = (matplotlib.colormaps["viridis"](norm)[..., :3] * 255).astype(np.uint8)
+        else:
+            pal = colours(n)
+            rgb = pal[np.clip(img, 0, len(pal) - 1)]
     rgb[unset] = UNSET_RGB
     s = max(int(scale), 1)
     return np.repeat(np.repeat(rgb, s, axis=0), s, axis=1)
@@ -417,22 +450,23 @@ def trace_db(run_dir: Path) -> Path | None:
 
 def _query(db: Path, sql: str) -> list[tuple[Any, ...]] | None:
     import sqlite3
-    import urllib.parse
 
     from lmpm.errors import RunDirError
-    from lmpm.runtime.rundir import attach_shards
-    from lmpm.runtime.runfiles import check_database
+    from lmpm.runtime.received import open_reader
+    from lmpm.runtime.rundir import attach_shards, log_schema
 
     try:
-        check_database(db, "read")  # SQLite follows links: never out of the run
-        uri = f"file:{urllib.parse.quote(str(db.resolve()))}?mode=ro"
-        con = sqlite3.connect(uri, uri=True)
-    except (sqlite3.Error, RunDirError):
+        con = open_reader(db, log_schema())
+    except RunDirError:
         return None
     try:
         attach_shards(con, db.parent)  # the per-cell tables of a multi-worker run
         return con.execute(sql).fetchall()
-    except (sqlite3.Error, RunDirError):
+    except sqlite3.Error:
+        return None
+    except RunDirError as e:
+        if e.code == "D041":  # the time budget: say so rather than draw nothing
+            raise
         return None
     finally:
         con.close()
@@ -471,6 +505,8 @@ def run_program(run_dir: Path) -> tuple[Any, dict[str, int]]:
     try:
         meta = {k: json.loads(v) for k, v in rows}
     except (ValueError, TypeError):  # a damaged meta entry: the kinds are guessed instead
+        meta = {str(k): json.loads(v) for k, v in rows}
+    except (TypeError, ValueError):
         return None, {}
     source = meta.get("source")
     params = meta.get("params") or {}
@@ -491,14 +527,17 @@ def violations_by_epoch(db: Path) -> dict[str, dict[int, int]] | None:
     """constraint → epoch → violated candidates (every rule, keep-current included)."""
     rows = _query(
         db,
-        "SELECT epoch, constraint_name, SUM(violations) FROM trace_named "
-        "GROUP BY epoch, constraint_name ORDER BY epoch",
+        "SELECT s.epoch, c.name, SUM(s.violations) FROM trace_summary s "
+        "JOIN constraint_defs c ON c.id = s.constraint_id GROUP BY s.epoch, c.name ORDER BY s.epoch",
     )
     if rows is None:
         return None
     out: dict[str, dict[int, int]] = {}
     for epoch, name, count in rows:
-        out.setdefault(str(name), {})[int(epoch)] = int(count or 0)
+        try:
+            out.setdefault(printable(str(name)), {})[int(epoch)] = int(count or 0)
+        except (TypeError, ValueError, OverflowError):
+            continue  # a value LMPM never writes: left out of the plot
     return out
 
 

@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import fields, replace
+from typing import TYPE_CHECKING
 
 from lmpm.errors import LmpmError, UsageError
+
+if TYPE_CHECKING:
+    from lmpm.train.log import TrainHistory
 
 HELP = "watch a training run: status, workers, loss curve, throughput, faults (live)"
 
@@ -49,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             f"--interval {args.interval}: give a positive number of seconds", code="U050"
         )
     console = Console(highlight=False)
-    history = read(args.run_dir)
+    history = _shown(read(args.run_dir))
     if args.once or not (console.is_terminal or args.follow):
         console.print(frame(history, width=console.width, now=time.time()))
         return 0
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             while run_status(history.meta) == "running":
                 time.sleep(args.interval)
                 try:
-                    history = read(args.run_dir)
+                    history = _shown(read(args.run_dir))
                     failures = 0
                 except LmpmError:  # a log being checkpointed or rewritten: try again
                     failures += 1
@@ -75,3 +80,12 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+def _shown(history: TrainHistory) -> TrainHistory:
+    """``history`` with every string from the log printable and markup-escaped: the dashboard
+    prints worker names, fault causes and constraint names it read (docs/security.md)."""
+    from lmpm.printable import printable_tree
+
+    shown = {f.name: printable_tree(getattr(history, f.name), markup=True) for f in fields(history)}
+    return replace(history, **shown)

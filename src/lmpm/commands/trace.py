@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lmpm.printable import printable_tree
+
 HELP = "report a run's constraint trace: blocked proposals, where, when; or one cell's story"
 
 
@@ -37,13 +39,13 @@ def run(args: argparse.Namespace) -> int:
     conn = connect(args.run_dir)
     try:
         if args.cell:
-            story = cell_story(conn, args.run_dir, args.cell)
+            story = printable_tree(cell_story(conn, args.run_dir, args.cell))
             if args.json:
                 sys.stdout.write(json.dumps(story, indent=1) + "\n")
             else:
-                _render_story(story, _console())
+                _render_story(printable_tree(story, markup=True), _console())
             return 0
-        rep = report(conn, args.run_dir)
+        rep = printable_tree(report(conn, args.run_dir))  # names from the log: no escapes
     finally:
         conn.close()
     if args.plot:
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         sys.stdout.write(json.dumps(rep, indent=1) + "\n")
     elif not args.plot:
-        _render_report(rep, _console())
+        _render_report(printable_tree(rep, markup=True), _console())
     return 0
 
 
@@ -68,11 +70,11 @@ def _training(args: argparse.Namespace) -> int:
             "(the loss curve) and `lmpm top RUN_DIR`",
             code="U095",
         )
-    rep = report(tlog.read(args.run_dir))
+    rep = printable_tree(report(tlog.read(args.run_dir)))
     if args.json:
         sys.stdout.write(json.dumps(rep, indent=1) + "\n")
     else:
-        render(rep, _console())
+        render(printable_tree(rep, markup=True), _console())
     return 0
 
 
@@ -111,10 +113,9 @@ def _stop_text(stop: dict[str, Any]) -> str:
 
 
 def _render_report(rep: dict[str, Any], console: Any) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
-    r = rep["run"]
+    r = rep["run"]  # every string already printable and markup-escaped (printable_tree)
     params = " ".join(f"{k}={v}" for k, v in (r["params"] or {}).items())
     workers = f"{r['workers']} worker{'s' if r['workers'] != 1 else ''}"
     replaced = len(rep["faults"])
@@ -132,7 +133,7 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
     if isinstance(stop, dict):
         console.print(_stop_text(stop), highlight=False)
     if r.get("error"):
-        console.print(f"[bold red]the run failed:[/] {escape(str(r['error']))}", highlight=False)
+        console.print(f"[bold red]the run failed:[/] {r['error']}", highlight=False)
     if r["trace"] == "off":
         console.print("the constraint trace was off (run with --trace summary or --trace cells)")
     else:
@@ -203,7 +204,6 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
             console.print(
                 f"  epoch {ch['epoch']}: {ch['change']} {ch['constraint']} by {ch['by']} "
                 f"(clock {ch['clock']}) -> active: {', '.join(ch['active']) or 'none'}",
-                markup=False,
             )
 
     if rep.get("faults"):
@@ -214,7 +214,6 @@ def _render_report(rep: dict[str, Any], console: Any) -> None:
             console.print(
                 f"  epoch {f['epoch']}: worker {f['worker']} {f['cause']}{where} "
                 f"(pid {f['pid']}), {f['seconds']:.2f} s lost",
-                markup=False,
             )
 
     if rep.get("dissent"):
@@ -350,5 +349,4 @@ def _print_dissent(console: Any, rows: list[dict[str, Any]]) -> None:
             f"  {value} replica {replica} on worker {worker}: {cells} cell"
             f"{'s' if cells != 1 else ''} in {len(epochs)} epoch{'s' if len(epochs) != 1 else ''} "
             f"({span})",
-            markup=False,
         )

@@ -174,6 +174,7 @@ def _stream_line(s: dict[str, Any]) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
+    from lmpm.printable import printable_tree
     from lmpm.runtime.rundir import connect
     from lmpm.vm.log import stream_report
 
@@ -184,7 +185,7 @@ def _status(args: argparse.Namespace) -> int:
         ).fetchone()[0]
         if not has_vm:
             raise UsageError(f"{args.run_dir} is not a workflow run (`lmpm vm run`)", code="U003")
-        rep = stream_report(conn, args.stream)
+        rep = printable_tree(stream_report(conn, args.stream))  # the log's strings: no escapes
     finally:
         conn.close()
     if args.json:

@@ -28,7 +28,14 @@ from typing import Any
 
 from torch import Tensor
 
-from lmpm.bindings import MAPPING, Bindings, bound_differences, bound_record, origin_words
+from lmpm.bindings import (
+    MAPPING,
+    Bindings,
+    bound_differences,
+    bound_record,
+    origin_words,
+    recorded_modules,
+)
 from lmpm.errors import (
     BindError,
     CheckError,
@@ -464,11 +471,6 @@ def make_tracer(run: Run, level: str, region_text: str | None) -> tuple[Any, str
     return Tracer(run.plan, level, region), None if region is None else str(region)
 
 
-MSG_BIND_RESUME = (
-    "{dir} was started with --bind {mods}. Resuming imports no Python module you did not name on "
-    "this command line (a run directory from elsewhere could name any module); nothing was changed."
-)
-
 # What resuming reads from the run's metadata, with the JSON type each must have.
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "params": (dict,),
@@ -684,21 +686,8 @@ def resume_bindings(
             code="D011",
             hint=f"drop {flag}, or {_new_run(cli)}",
         )
-    if stored and not given and not trust_bind:
-        mods = " --bind ".join(stored)
-        if cli:
-            raise UsageError(
-                MSG_BIND_RESUME.format(dir=run_dir, mods=mods),
-                code="U040",
-                hint=f"give --bind {mods} again (or --trust-bind to import what {run_dir} names)",
-            )
-        raise UsageError(
-            f"{run_dir} was started with bound modules {stored}; resume imports them only "
-            "when asked",
-            code="U040",
-            hint="pass bind=[...] naming them again, or trust_bind=True",
-        )
-    return Bindings(given or stored, dict(mapping or {}))
+    modules = recorded_modules(stored, where=str(run_dir), given=given, trust=trust_bind, cli=cli)
+    return Bindings(given or modules, dict(mapping or {}))
 
 
 def _stored_bound(meta: Mapping[str, Any]) -> dict[str, dict[str, str]]:

@@ -35,6 +35,7 @@ Schema (version :data:`SCHEMA`)::
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -48,6 +49,7 @@ from typing import Any
 
 from lmpm.errors import RunDirError
 from lmpm.runtime.lock import sqlite_error
+from lmpm.runtime.received import Schema, open_reader
 
 DB_NAME = "train.db"
 SCHEMA = "train-1"
@@ -332,9 +334,9 @@ def read(run_dir: str | Path) -> TrainHistory:
     """The whole log of a training run (read-only; safe while the run is alive)."""
     path = db_path(run_dir)
     _require(path, run_dir)
-    conn = _connect(path, readonly=True)
+    conn = open_reader(path, _schema())  # a received log: schema checked, a time budget
     try:
-        meta = {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
+        meta = {str(k): json.loads(v) for k, v in conn.execute("SELECT key, value FROM meta")}
         if meta.get("kind") != "train":
             raise RunDirError(f"{path} is not a training log", code="D002")
         return TrainHistory(
@@ -352,5 +354,13 @@ def read(run_dir: str | Path) -> TrainHistory:
         )
     except sqlite3.DatabaseError as e:
         raise sqlite_error(e, "read", path) from None
+    except (TypeError, ValueError) as e:
+        raise RunDirError(f"{path} holds a value LMPM never writes ({e})", code="D006") from None
     finally:
         conn.close()
+
+
+@functools.cache
+def _schema() -> Schema:
+    """The tables :func:`read` reads, with their columns."""
+    return Schema.of(_DDL)
