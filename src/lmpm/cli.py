@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from lmpm import commands
 from lmpm.errors import LmpmError, UsageError
+from lmpm.printable import escape_markup, printable_lines
 
 
 class _Parser(argparse.ArgumentParser):
@@ -78,14 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args))
     except UsageError as e:
         if e.span is not None:  # a command that does not fit the program: point at the line
-            err.print(e.render(), markup=False)
+            err.print(printable_lines(e.render()), markup=False)
             return 2
-        err.print(f"[bold red]usage error[/]: {e.message}", markup=True)
+        err.print(
+            f"[bold red]usage error[/]: {escape_markup(printable_lines(e.message))}", markup=True
+        )
         if e.hint:
-            err.print(f"  hint: {e.hint}", markup=False)
+            err.print(f"  hint: {printable_lines(e.hint)}", markup=False)
         return 2
-    except LmpmError as e:
-        err.print(e.render(), markup=False)
+    except LmpmError as e:  # messages may quote a received log or input: printable only
+        err.print(printable_lines(e.render()), markup=False)
         return 1
     except KeyboardInterrupt:
         err.print("interrupted", markup=False)
@@ -96,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("LMPM_DEBUG"):
             raise
         err.print(
-            f"internal error: {type(e).__name__}: {e}\n(this is a bug in LMPM; rerun with "
+            f"internal error: {type(e).__name__}: {printable_lines(str(e))}\n(this is a bug in LMPM; rerun with "
             "LMPM_DEBUG=1 for the traceback)",
             markup=False,
         )

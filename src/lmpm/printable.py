@@ -5,7 +5,7 @@ VM decision read from its log may hold terminal escapes (``ESC[2J`` clears the s
 writes the clipboard) or rich markup (``[link=...]``). Every string LMPM shows from such a source
 goes through :func:`printable` (one string) or :func:`printable_tree` (a report: dicts, lists,
 tuples), for tables and ``--json`` alike. Control and format characters are written as Python
-escapes; printable Unicode is kept. Imports nothing from LMPM (a leaf: the error printer uses it).
+escapes; printable Unicode is kept. Imports nothing from LMPM (a leaf: the error printer uses it), and rich only to escape markup.
 
 >>> printable("ok \\x1b[2J é")
 'ok \\\\x1b[2J é'
@@ -18,8 +18,6 @@ escapes; printable Unicode is kept. Imports nothing from LMPM (a leaf: the error
 from __future__ import annotations
 
 from typing import Any
-
-from rich.markup import escape
 
 
 def _escape_char(ch: str) -> str:
@@ -44,12 +42,20 @@ def printable_lines(text: str) -> str:
     return "\n".join(printable(line) for line in text.split("\n"))
 
 
+def escape_markup(text: str) -> str:
+    """``text`` with rich markup escaped (``[bold]`` shows as written). Imports rich on first use:
+    ``lmpm check`` never does."""
+    from rich.markup import escape
+
+    return escape(text)
+
+
 def printable_tree(obj: Any, *, markup: bool = False) -> Any:
     """``obj`` with :func:`printable` applied to every string in it (dict keys included);
     ``markup``: rich markup in the strings is escaped too (for text printed by a rich console)."""
     if isinstance(obj, str):
         out = printable(obj)
-        return escape(out) if markup else out
+        return escape_markup(out) if markup else out
     if isinstance(obj, dict):
         return {
             printable_tree(k, markup=markup): printable_tree(v, markup=markup)

@@ -91,12 +91,36 @@ def add_set(p: argparse.ArgumentParser) -> None:
     )
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """``--max-memory``: bytes, or a number with K, M, G or T (powers of 1024), e.g. ``8G``."""
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = raw[-1:] if raw[-1:] in _UNITS else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value * _UNITS[unit] > 2**62:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8G, 512M, 1000000)")
+    return int(value * _UNITS[unit])
+
+
+MSG_NOT_REGULAR = (
+    "{path} is not a regular file (a FIFO, a device or a socket); a program is read from a "
+    "regular file"
+)
+
+
 def program_path(path: str) -> Path:
     p = Path(path)
     if not p.exists():
         raise UsageError(f"no such file: {path}", code="U003")
     if p.is_dir():
         raise UsageError(f"{path} is a directory, not a .lmpm program", code="U003")
+    if not p.is_file():  # a FIFO would hang the read, /dev/zero would fill the memory
+        raise UsageError(MSG_NOT_REGULAR.format(path=path), code="U003")
     return p
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from lmpm.commands._common import (
     add_set,
     add_tokenizer,
+    memory_size,
     parse_inputs,
     parse_sets,
     parse_tokenizers,
@@ -95,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trust-bind",
         action="store_true",
         help="with --resume: import the --bind modules recorded in RUN_DIR without naming them",
+    )
+    p.add_argument(
+        "--max-memory",
+        type=memory_size,
+        metavar="BYTES",
+        help="refuse, before any work, a plan whose values and gather tables need more "
+        "(e.g. 8G, 512M; default: this machine's memory)",
     )
     p.add_argument(
         "--durable",
@@ -240,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         worker_timeout=args.worker_timeout,
         compile=args.compile,
         tokenizers=tokenizers,
+        max_memory=args.max_memory,
     )
     tracer, region = make_tracer(session, level, args.trace_region)
     info = RunInfo(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lmpm.errors import ParseError, Span, register_source
+from lmpm.errors import ParseError, Span, UsageError, register_source
 from lmpm.lang import ast, fast
 
 MAX_NESTING = fast.MAX_NESTING  # brackets deeper than this are refused (P004)
@@ -50,6 +50,12 @@ def parse_lark(text: str, file: str = "<input>") -> ast.Program:
 def parse_file(path: str | Path) -> ast.Program:
     """Read and parse a file; bytes that are not UTF-8 are a ParseError pointing at them."""
     p = Path(path)
+    if p.exists() and not p.is_file():  # a FIFO would hang the read, /dev/zero fill the memory
+        raise UsageError(
+            f"{path} is not a regular file (a FIFO, a device, a socket or a folder); a program is "
+            "read from a regular file",
+            code="U003",
+        )
     data = p.read_bytes()
     try:
         text = data.decode("utf-8")

@@ -189,13 +189,28 @@ def _visible(
 BYTES_PER_CELL = 64  # control-plane metadata + payload + coordinates per cell, a lower bound
 
 
-def _check_size(program: Program, env: dict[str, int]) -> None:
-    """Refuse values too big for this machine's memory *before* allocating anything (a huge
-    ``--set`` would otherwise try an absurd allocation, or swap the machine to a halt)."""
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
     import os
 
-    from lmpm.errors import UsageError
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
+
+def check_memory(program: Program, env: dict[str, int], limit: int | None = None) -> None:
+    """Refuse a plan too big for ``limit`` bytes (default: this machine's memory) *before*
+    allocating anything: the values' cells (U043; a huge ``--set`` would otherwise try an absurd
+    allocation, or swap the machine to a halt), then the gather tables the plan builds (U049;
+    ``param N = 20000`` with a causal ``visible`` needs 10 GB), counted from the clauses' boxes."""
+    from lmpm.errors import UsageError
+    from lmpm.visibility.gather import table_costs
+
+    ram = machine_memory() if limit is None else limit
+    if ram is None:
+        return
+    what = "this machine has" if limit is None else "--max-memory allows"
     sizes: dict[str, int] = {}
     for v in program.values:
         if v.shape == ShapeKind.SET:
@@ -205,18 +220,27 @@ def _check_size(program: Program, env: dict[str, int]) -> None:
             n *= evaluate(d, env)
         sizes[v.name] = n
     total = sum(sizes.values())
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return
     if total * BYTES_PER_CELL > ram:
         big = max(sizes, key=lambda k: sizes[k])
         raise UsageError(
             f"the values have {total:,} cells in all (`{big}`: {sizes[big]:,}); that needs at "
-            f"least {total * BYTES_PER_CELL / 2**30:,.1f} GiB, and this machine has "
+            f"least {total * BYTES_PER_CELL / 2**30:,.1f} GiB, and {what} "
             f"{ram / 2**30:,.1f} GiB",
             code="U043",
             hint="--set smaller dimensions",
+        )
+    costs = table_costs(program, env)
+    need = sum(c.nbytes() for c in costs) + total * BYTES_PER_CELL
+    if need > ram:
+        big = max(costs, key=lambda c: c.nbytes())
+        raise UsageError(
+            f"the plan's gather tables need about {need / 2**30:,.1f} GiB ({need:,} bytes) and "
+            f"{what} {ram / 2**30:,.1f} GiB: `{big.target}` reads up to {big.columns:,} cells "
+            f"of `{big.source}` at each of its {big.rows:,} cells ({big.nbytes() / 2**30:,.1f} "
+            "GiB)",
+            code="U049",
+            hint="--set smaller dimensions, or narrow the `visible` clause (a window "
+            "`t-W..t-1` instead of `0..t-1`)",
         )
 
 
@@ -226,13 +250,15 @@ def resolve(
     bindings: Bindings | None = None,
     *,
     epochs: int | None = None,
+    max_memory: int | None = None,
 ) -> Plan:
-    """Build the execution plan. Raises BindError for anything that cannot be bound."""
+    """Build the execution plan. Raises BindError for anything that cannot be bound, UsageError
+    (U043, U049) for a plan past ``max_memory`` bytes (default: the machine's memory)."""
     bindings = bindings or Bindings()
     env = bind_params(program, overrides, require_all=True)
     values: dict[str, ValuePlan] = {}
     policies = {cm.access.value: cm.policy for cm in program.commits}
-    _check_size(program, env)
+    check_memory(program, env, max_memory)
     linked = link(program, bindings, env)
     offset = 0
     for v in program.values:

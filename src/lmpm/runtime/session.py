@@ -123,6 +123,7 @@ class Run:
         topology: Any = None,
         compile: bool = False,
         tokenizers: Mapping[str, str | Path] | None = None,
+        max_memory: int | None = None,
     ) -> None:
         refuse_workflows(front)
         self.front = front
@@ -144,7 +145,9 @@ class Run:
         check_bindings(front, self.params, self.bindings, mapping)
         # what the run directory records of the names this run binds itself (resume checks it)
         self.bound = bound_record(self.bindings, {c.func for c in front.ir.calls()})
-        self.plan: Plan = resolve(front.ir, self.params, self.bindings, epochs=epochs)
+        self.plan: Plan = resolve(
+            front.ir, self.params, self.bindings, epochs=epochs, max_memory=max_memory
+        )
         self.workers = workers
         self.driver = pick_driver(workers, driver, cluster)
         if worker_timeout is not None and not worker_timeout > 0:
