@@ -52,8 +52,8 @@ def npy_header(path: Path) -> NpyHeader:
             start = f.tell()
     except NpyError:
         raise
-    except (OSError, ValueError, SyntaxError, TypeError) as e:
-        raise NpyError(f"{p} is not a .npy file ({e})") from None
+    except Exception as e:  # numpy's header parser raises ValueError, SyntaxError, TokenError...
+        raise NpyError(f"{p} is not a .npy file ({type(e).__name__}: {e})") from None
     if dtype.hasobject:
         raise NpyError(f"{p} holds Python objects ({dtype}); LMPM never unpickles a file")
     count = 1
@@ -74,4 +74,4 @@ def load_npy(path: Path) -> np.ndarray:
     try:
         return np.asarray(np.load(path, allow_pickle=False))
     except (OSError, ValueError, EOFError) as e:
-        raise NpyError(f"{path} is unreadable ({e})") from None
+        raise NpyError(f"{path} is unreadable ({type(e).__name__}: {e})") from None

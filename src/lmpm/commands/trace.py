@@ -34,18 +34,21 @@ def run(args: argparse.Namespace) -> int:
         return _training(args)
 
     from lmpm.runtime.control.trace import cell_story, plot, report
-    from lmpm.runtime.rundir import connect
+    from lmpm.runtime.received import interpreting
+    from lmpm.runtime.rundir import connect, db_path
 
     conn = connect(args.run_dir)
     try:
         if args.cell:
-            story = printable_tree(cell_story(conn, args.run_dir, args.cell))
+            with interpreting(db_path(args.run_dir)):
+                story = printable_tree(cell_story(conn, args.run_dir, args.cell))
             if args.json:
                 sys.stdout.write(json.dumps(story, indent=1) + "\n")
             else:
                 _render_story(printable_tree(story, markup=True), _console())
             return 0
-        rep = printable_tree(report(conn, args.run_dir))  # names from the log: no escapes
+        with interpreting(db_path(args.run_dir)):
+            rep = printable_tree(report(conn, args.run_dir))  # names from the log: no escapes
     finally:
         conn.close()
     if args.plot:
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 def _training(args: argparse.Namespace) -> int:
     """A training run's trace: epochs, constraints on the parameters, faults, resumes."""
     from lmpm.errors import UsageError
+    from lmpm.runtime.received import interpreting
     from lmpm.train import log as tlog
     from lmpm.train.tracereport import render, report
 
@@ -70,7 +74,8 @@ def _training(args: argparse.Namespace) -> int:
             "(the loss curve) and `lmpm top RUN_DIR`",
             code="U095",
         )
-    rep = printable_tree(report(tlog.read(args.run_dir)))
+    with interpreting(tlog.db_path(args.run_dir)):
+        rep = printable_tree(report(tlog.read(args.run_dir)))
     if args.json:
         sys.stdout.write(json.dumps(rep, indent=1) + "\n")
     else:

@@ -175,7 +175,8 @@ def _stream_line(s: dict[str, Any]) -> str:
 
 def _status(args: argparse.Namespace) -> int:
     from lmpm.printable import printable_tree
-    from lmpm.runtime.rundir import connect
+    from lmpm.runtime.received import interpreting
+    from lmpm.runtime.rundir import connect, db_path
     from lmpm.vm.log import stream_report
 
     conn = connect(args.run_dir, readonly=True)
@@ -185,7 +186,8 @@ def _status(args: argparse.Namespace) -> int:
         ).fetchone()[0]
         if not has_vm:
             raise UsageError(f"{args.run_dir} is not a workflow run (`lmpm vm run`)", code="U003")
-        rep = printable_tree(stream_report(conn, args.stream))  # the log's strings: no escapes
+        with interpreting(db_path(args.run_dir)):
+            rep = printable_tree(stream_report(conn, args.stream))  # the log's strings: no escapes
     finally:
         conn.close()
     if args.json:

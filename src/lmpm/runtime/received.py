@@ -27,10 +27,12 @@ checks (:func:`harden`) but no progress handler: the per-epoch write path is unc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
 import urllib.parse
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +197,38 @@ class ReaderConnection(sqlite3.Connection):
 
     def __exit__(self, *exc: object) -> None:  # type: ignore[override]
         self.close()
+
+
+# What reading a row LMPM never wrote raises in code that trusts the schema's types: a TEXT where
+# an INTEGER was, a JSON that is not LMPM's, a blob cut short, an index out of a table's range
+MALFORMED = (
+    TypeError,
+    ValueError,  # json.JSONDecodeError, UnicodeDecodeError, int("x"), a short unpacking
+    KeyError,
+    IndexError,
+    AttributeError,
+    OverflowError,
+    ZeroDivisionError,
+    RecursionError,
+    zlib.error,
+)
+
+
+@contextlib.contextmanager
+def interpreting(path: str | Path, what: str = "read") -> Iterator[None]:
+    """Turn the errors of code interpreting rows of the database at ``path`` (:data:`MALFORMED`)
+    into RunDirError D043: a received log can hold any value of any type in any column; the
+    readers (``lmpm trace``, ``vm status``, resume's restore) report it, coded, never as an
+    internal error."""
+    try:
+        yield
+    except MALFORMED as e:
+        raise RunDirError(
+            f"cannot {what} {printable(str(path))}: it holds a value LMPM never writes "
+            f"({type(e).__name__}: {printable(str(e))[:200]}); nothing was changed",
+            code="D043",
+            hint="ask for the run directory as `lmpm run` wrote it, or start a new run",
+        ) from None
 
 
 def harden(conn: sqlite3.Connection) -> None:

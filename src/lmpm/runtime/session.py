@@ -66,8 +66,9 @@ from lmpm.runtime.data.group import WorkerGroup
 from lmpm.runtime.data.raygroup import DEFAULT_TIMEOUT, RayGroup
 from lmpm.runtime.io import load_input, output_array, write_outputs
 from lmpm.runtime.lock import RunLock
+from lmpm.runtime.received import interpreting
 from lmpm.runtime.records import CHECKSUM_POLICIES, RunResult
-from lmpm.runtime.rundir import connect, holds_run, read_meta, remove_run
+from lmpm.runtime.rundir import connect, db_path, holds_run, read_meta, remove_run
 from lmpm.runtime.vocab import (
     Vocabulary,
     bind_vocabularies,
@@ -605,11 +606,12 @@ def _resume_locked(
 ) -> Run:
     conn = connect(run_dir, readonly=True, check=True)
     try:
-        meta = read_meta(conn)
-        check_epochs(conn, run_dir)
+        with interpreting(db_path(run_dir), "resume"):
+            meta = read_meta(conn)
+            check_epochs(conn, run_dir)
+            check_meta(meta, run_dir)
     finally:
         conn.close()
-    check_meta(meta, run_dir)
     params = dict(meta["params"])
     front = _resumed_front(meta, file, params, ())
     given = program_hash(front.ir)  # the IR does not depend on --set: compare before checking
@@ -811,7 +813,8 @@ def open_resumed(
         run.close()
         raise
     try:
-        restored = restore(run.engine, conn, run_dir)
+        with interpreting(db_path(run_dir), "resume"):  # the log's rows and checkpoints
+            restored = restore(run.engine, conn, run_dir)
         for op, name in ruleset:
             run.engine.change_ruleset(op, name, "cli")
     except BaseException:
