@@ -232,11 +232,11 @@ def check_memory(program: Program, env: dict[str, int], limit: int | None = None
     costs = table_costs(program, env)
     need = sum(c.nbytes() for c in costs) + total * BYTES_PER_CELL
     if need > ram:
-        big = max(costs, key=lambda c: c.nbytes())
+        top = max(costs, key=lambda c: c.nbytes())
         raise UsageError(
             f"the plan's gather tables need about {need / 2**30:,.1f} GiB ({need:,} bytes) and "
-            f"{what} {ram / 2**30:,.1f} GiB: `{big.target}` reads up to {big.columns:,} cells "
-            f"of `{big.source}` at each of its {big.rows:,} cells ({big.nbytes() / 2**30:,.1f} "
+            f"{what} {ram / 2**30:,.1f} GiB: `{top.target}` reads up to {top.columns:,} cells "
+            f"of `{top.source}` at each of its {top.rows:,} cells ({top.nbytes() / 2**30:,.1f} "
             "GiB)",
             code="U049",
             hint="--set smaller dimensions, or narrow the `visible` clause (a window "

@@ -175,7 +175,7 @@ class ReaderCursor(sqlite3.Cursor):
         except sqlite3.Error as e:
             raise _translate(self.connection, e) from None
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> ReaderCursor:
         return self
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from lmpm.errors import RunDirError
 from lmpm.runtime.lock import sqlite_error
+from lmpm.runtime.received import check_schema, harden
 from lmpm.runtime.rundir import (
     SHARDED,
     STORE_DIR,
@@ -46,6 +47,7 @@ from lmpm.runtime.rundir import (
     payload_tag,
     safetensors_bytes,
     store_path,
+    store_schema,
     write_checkpoint_file,
 )
 from lmpm.runtime.runfiles import check_database, folder
@@ -73,6 +75,12 @@ class PayloadStore:
         check_database(self.path)
         try:
             self.conn = sqlite3.connect(str(self.path), isolation_level=None)
+            harden(self.conn)  # a resumed run's store came with the directory: no trigger fires
+            try:
+                check_schema(self.conn, self.path, store_schema())
+            except RunDirError:
+                self.conn.close()
+                raise
             self.conn.execute("PRAGMA journal_mode=WAL")
             self.conn.execute("PRAGMA synchronous=NORMAL")
             self.conn.executescript(f"BEGIN;{STORE_SCHEMA}COMMIT;")  # each page once in the WAL
