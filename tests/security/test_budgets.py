@@ -54,6 +54,15 @@ def test_run_refuses_a_plan_past_max_memory_before_any_work(tmp_path: Path) -> N
     assert rc == 2 and "not a size" in err
 
 
+def test_check_counts_the_tables_when_asked(tmp_path: Path) -> None:
+    prog = tmp_path / "causal.lmpm"
+    prog.write_text(CAUSAL.format(n=3000))
+    rc, _, err = run_cli(["check", str(prog), "--max-memory", "100M"])
+    assert rc == 2 and "gather tables need about" in err, err
+    rc, _, err = run_cli(["check", str(prog), "--max-memory", "4G"])
+    assert rc == 0, err
+
+
 def test_an_npy_header_is_checked_before_its_data(tmp_path: Path) -> None:
     """A 2 GiB array in a sparse file: refused by its header's shape (R004), nothing loaded."""
     prog = tmp_path / "p.lmpm"

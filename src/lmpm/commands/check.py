@@ -11,6 +11,7 @@ from lmpm.commands._common import (
     add_set,
     add_tokenizer,
     fail_json,
+    memory_size,
     parse_sets,
     parse_tokenizers,
     print_diagnostics,
@@ -59,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--epochs", type=int, default=3, help="with --device: epochs to run (default 3)")
     add_tokenizer(p)
+    p.add_argument(
+        "--max-memory",
+        type=memory_size,
+        metavar="BYTES",
+        help="also count the bytes `lmpm run` would allocate for the values and gather tables "
+        "(imports torch) and fail past BYTES (e.g. 8G), as `lmpm run --max-memory` does",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,6 +112,11 @@ def run(args: argparse.Namespace) -> int:
     print_diagnostics(diagnostics, args.json)
     if front.errors or any(d.severity == "error" for d in diagnostics):
         return 1
+    if args.max_memory is not None:
+        from lmpm.ir.eval import bind_params
+        from lmpm.resolve.plan import check_memory
+
+        check_memory(front.ir, dict(bind_params(front.ir, overrides)), args.max_memory)
     if args.device:
         return _device_check(args, path, overrides, tokenizers)
     if args.emit_ir == "json":
