@@ -23,6 +23,9 @@ ROOT = SRC.parent.parent
 # after checking that it never takes modules from a run directory without recorded_modules.
 BINDINGS_BUILDERS = {
     "commands/vm.py",  # `lmpm vm run`: the command line's --bind
+    "commands/run.py",  # `lmpm run`: the command line's --bind
+    "api.py",  # lmpm.compile: the caller's bind= and bindings=
+    "bindings.py",  # Bindings.extended: the modules it holds and the ones given
     "runtime/session.py",  # Run(bind=...): the caller's --bind, or what recorded_modules allowed
     "runtime/data/raygroup.py",  # a Ray worker rebuilds the driver's Run bindings
     "runtime/devcheck.py",  # `lmpm check --device`: the command line's --bind
