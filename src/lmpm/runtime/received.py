@@ -211,6 +211,7 @@ MALFORMED = (
     ZeroDivisionError,
     RecursionError,
     zlib.error,
+    sqlite3.DatabaseError,  # a damaged page met while reading rows (the budget's are translated)
 )
 
 
@@ -274,6 +275,10 @@ def check_schema(
                 raise refuse(f"has a table {obj!r} without the column(s) {', '.join(missing)}")
 
 
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace")
+
+
 def uri(path: Path, *, readonly: bool) -> str:
     return f"file:{urllib.parse.quote(str(path.resolve()))}" + ("?mode=ro" if readonly else "")
 
@@ -294,6 +299,7 @@ def open_reader(path: Path, schema: Schema, *, seconds: float | None = None) -> 
         raise RunDirError(f"cannot open {printable(str(path))}: {e}", code="D002") from None
     assert isinstance(conn, ReaderConnection)
     conn.budget, conn.path = budget, path
+    conn.text_factory = _text  # TEXT that is not UTF-8 (LMPM writes only UTF-8): shown, not fatal
     conn.set_progress_handler(budget, PROGRESS_STEPS)
     try:
         harden(conn)
