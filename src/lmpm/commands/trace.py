@@ -38,26 +38,26 @@ def run(args: argparse.Namespace) -> int:
     from lmpm.runtime.rundir import connect, db_path
 
     conn = connect(args.run_dir)
-    try:
-        if args.cell:
-            with interpreting(db_path(args.run_dir)):
+    # the report and its rendering read values of the log: one LMPM never writes is D043
+    with interpreting(db_path(args.run_dir)):
+        try:
+            if args.cell:
                 story = printable_tree(cell_story(conn, args.run_dir, args.cell))
-            if args.json:
-                sys.stdout.write(json.dumps(story, indent=1) + "\n")
-            else:
-                _render_story(printable_tree(story, markup=True), _console())
-            return 0
-        with interpreting(db_path(args.run_dir)):
+                if args.json:
+                    sys.stdout.write(json.dumps(story, indent=1) + "\n")
+                else:
+                    _render_story(printable_tree(story, markup=True), _console())
+                return 0
             rep = printable_tree(report(conn, args.run_dir))  # names from the log: no escapes
-    finally:
-        conn.close()
-    if args.plot:
-        path = plot(rep, args.plot)
-        sys.stderr.write(f"wrote {path}\n")
-    if args.json:
-        sys.stdout.write(json.dumps(rep, indent=1) + "\n")
-    elif not args.plot:
-        _render_report(printable_tree(rep, markup=True), _console())
+        finally:
+            conn.close()
+        if args.plot:
+            path = plot(rep, args.plot)
+            sys.stderr.write(f"wrote {path}\n")
+        if args.json:
+            sys.stdout.write(json.dumps(rep, indent=1) + "\n")
+        elif not args.plot:
+            _render_report(printable_tree(rep, markup=True), _console())
     return 0
 
 
@@ -76,10 +76,10 @@ def _training(args: argparse.Namespace) -> int:
         )
     with interpreting(tlog.db_path(args.run_dir)):
         rep = printable_tree(report(tlog.read(args.run_dir)))
-    if args.json:
-        sys.stdout.write(json.dumps(rep, indent=1) + "\n")
-    else:
-        render(printable_tree(rep, markup=True), _console())
+        if args.json:
+            sys.stdout.write(json.dumps(rep, indent=1) + "\n")
+        else:
+            render(printable_tree(rep, markup=True), _console())
     return 0
 
 

@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "run":
         return _run(args)
     if args.action == "status":
-        return _status(args)
+        from lmpm.runtime.received import interpreting
+        from lmpm.runtime.rundir import db_path
+
+        with interpreting(db_path(args.run_dir)):  # the report and its lines read the log's values
+            return _status(args)
     raise UsageError("lmpm vm needs an action: run or status", code="U000")
 
 
