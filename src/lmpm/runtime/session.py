@@ -486,6 +486,8 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "backend": (str,),
     "trace": (str,),
     "checkpoint_every": (int,),
+    "epochs": (int, type(None)),  # None: the run was started without --epochs
+    "until": (str, type(None)),
 }
 
 
