@@ -503,10 +503,8 @@ def run_program(run_dir: Path) -> tuple[Any, dict[str, int]]:
     if not rows:
         return None, {}
     try:
-        meta = {k: json.loads(v) for k, v in rows}
-    except (ValueError, TypeError):  # a damaged meta entry: the kinds are guessed instead
         meta = {str(k): json.loads(v) for k, v in rows}
-    except (TypeError, ValueError):
+    except (ValueError, TypeError):  # a damaged meta entry: the kinds are guessed instead
         return None, {}
     source = meta.get("source")
     params = meta.get("params") or {}
