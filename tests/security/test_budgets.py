@@ -98,7 +98,7 @@ def test_render_refuses_a_bad_npy_with_a_code(tmp_path: Path) -> None:
     run = copy_run(tmp_path / "run")
     (run / "G.npy").write_bytes(b"\x93NUMPY\x01\x00{'descr': '<i8', 'shape': (")
     rc, _, err = run_cli(["render", str(run)])
-    assert rc == 1 and "[D042]" in err, err
+    assert rc == 1 and "[D035]" in err, err
 
 
 @pytest.mark.parametrize("kind", ["fifo", "device"])

@@ -172,7 +172,7 @@ def _image_bytes(image: Any, **options: Any) -> bytes:
 
 
 def _check_value(path: Path) -> None:
-    """A value's ``NAME.npy`` header, checked before its data (D042): numbers, at most
+    """A value's ``NAME.npy`` header, checked before its data (D035): numbers, at most
     :data:`MAX_RENDER_CELLS` cells, no more data than the file holds."""
     from lmpm.errors import RunDirError
     from lmpm.npyfile import NpyError, npy_header
@@ -190,7 +190,7 @@ def _check_value(path: Path) -> None:
     except NpyError as e:
         raise RunDirError(
             f"cannot render {printable(str(e))}",
-            code="D042",
+            code="D035",
             hint="render the other values with --value NAME",
         ) from None
 
