@@ -131,13 +131,7 @@ def _step_fn(core: Core, rebound: list[str]) -> Callable[..., tuple[Tensor, ...]
         assert sh.settled is not None
         flags = torch.stack((sh.finished.all().long(), sh.waiting.any().long(), sh.settled))
         return (
-            out.tokens,
-            out.active,
-            out.kind,
-            out.tags,
-            out.pc,
-            out.token_num,
-            out.triggers,
+            *_step_fields(out),
             *(getattr(sh, name) for name in rebound),
             torch.stack(sh.visits),
             torch.stack(sh.visits_mask),
@@ -149,6 +143,11 @@ def _step_fn(core: Core, rebound: list[str]) -> Callable[..., tuple[Tensor, ...]
         )
 
     return step
+
+
+def _step_fields(out: StepOut) -> tuple[Tensor, ...]:
+    """The ``StepOut`` fields a compiled step returns, in the order the replays read them back."""
+    return (out.tokens, out.active, out.kind, out.tags, out.pc, out.token_num, out.triggers)
 
 
 _FLAGS = 3  # per step: every stream done, a tool waits, streams waiting
@@ -176,13 +175,7 @@ def _sampled_step_fn(
         rebound[:] = [name for name, t in zip(STATE, ts[:n]) if getattr(sh, name) is not t]
         waiting = sh.waiting.long()
         return (
-            out.tokens,
-            out.active,
-            out.kind,
-            out.tags,
-            out.pc,
-            out.token_num,
-            out.triggers,
+            *_step_fields(out),
             *(getattr(sh, name) for name in rebound),
             torch.stack(sh.visits),
             torch.stack(sh.visits_mask),
