@@ -42,7 +42,7 @@ def test_text_compiles_with_its_spec_and_graph() -> None:
     proc = cli("show", str(EX / "text.lmpm"), "--compiled", "--graph")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "1 of 1 proposed value compiles" in out
+    assert "--compile: 1 of 1 value compiled" in out
     assert "Txt: compiled" in out
     assert "NextByte (rule 0) proposes it: ByteLM(context, k=8" in out
     assert "satisfy(max_constraints_then_score)" in out
@@ -72,9 +72,9 @@ def test_sudoku_grid_eager_cand_compiled() -> None:
     proc = cli("show", str(EX / "sudoku.lmpm"), "--compiled")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "1 of 2 proposed values compiles" in out
+    assert "--compile: 1 of 2 values compiled" in out
     assert "Cand: compiled" in out
-    assert "Grid: eager: constraint `Row` is a bound Python predicate" in out
+    assert "Grid: eager island: constraint `Row` is a bound Python predicate" in out
     assert "on cuda nothing of it is captured as a CUDA graph" in out
     assert "winner_takes_all" in out and "constraints  none checked at run time" in out
     # Cand's clock reads Grid's clocks: Grid's clock array is an input of Cand's graph
@@ -88,9 +88,9 @@ def test_latent_both_eager() -> None:
     proc = cli("show", str(EX / "latent.lmpm"), "--compiled")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "0 of 2 proposed values compile" in out
-    assert "Z: eager: constraint `Bounded` is a bound Python predicate" in out
-    assert "M: eager: 2 rules propose it (the compiled step takes one)" in out
+    assert "--compile: 0 of 2 values compiled" in out
+    assert "Z: eager island: constraint `Bounded` is a bound Python predicate" in out
+    assert "M: eager island: 2 rules propose it (the compiled step takes one)" in out
     assert "aten ops" not in out
 
 

@@ -15,6 +15,7 @@ replaced by a tracer, and the step stops before anything runs.
 from __future__ import annotations
 
 import inspect
+import io
 import textwrap
 from collections import Counter
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import LmpmError, RuntimeFault, UsageError
+from lmpm.runtime.data.coverage import Coverage, coverage
 
 if TYPE_CHECKING:
     from lmpm.ir import Frontend
@@ -83,18 +85,14 @@ def _report(run: Run, graph: bool) -> str:
     plan = run.plan
     rules = plan.rules_by_target
     live = plan.live_constraints
-    n, total = len(ce.specs), len(ce.reasons)
-    out = [
-        f"{run.front.ast.file}: the epoch step under --compile: {n} of {total} proposed "
-        f"value{'s' if total != 1 else ''} compile{'s' if n == 1 else ''}",
-        "",
-    ]
+    cov = coverage(plan, seed=run.seed)
+    out = [_overview(run, cov), ""]
     if not ce.reasons:
         out.append("no rule proposes a value: there is no epoch step to compile")
     open0 = run.engine.open_cells(0)
     for name, why in ce.reasons.items():
         if why is not None:
-            out.append(f"{name}: eager: {why}")
+            out.append(f"{name}: eager island: {why}")
             out.append("  (each epoch runs the ordinary propose, check, agree and apply steps;")
             out.append("  on cuda nothing of it is captured as a CUDA graph)")
             out.extend(_mask_lines(plan, name))
@@ -126,6 +124,33 @@ def _report(run: Run, graph: bool) -> str:
         if not graph:
             out.append("lmpm show --compiled --graph prints each traced graph.")
     return "\n".join(out).rstrip("\n") + "\n"
+
+
+def _overview(run: Run, cov: Coverage) -> str:
+    """The head of the report: a table of every value (compiled, eager island and why, or an
+    input) and one of the eager islands, drawn with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=WIDTH, record=True, file=io.StringIO(), color_system=None)
+    console.print(f"{run.front.ast.file}: --compile: {cov.summary()}", markup=False)
+    values = Table(title="values", title_justify="left")
+    values.add_column("value")
+    values.add_column("under --compile")
+    for v in cov.values:
+        values.add_row(v.value, v.status())
+    for name in cov.inputs:
+        values.add_row(name, "input: no rule proposes it (no decision to compile)")
+    console.print(values)
+    if cov.islands:
+        islands = Table(title="eager islands (run between compiled parts)", title_justify="left")
+        for col in ("kind", "name", "where", "value"):
+            islands.add_column(col)
+        for isl in cov.islands:
+            kind = isl.kind + (" (own lmpm_compile)" if isl.own_compile else "")
+            islands.add_row(kind, isl.name, isl.where, isl.value)
+        console.print(islands)
+    return "\n".join(line.rstrip() for line in console.export_text().rstrip("\n").splitlines())
 
 
 def _mask_lines(plan: Any, name: str) -> list[str]:

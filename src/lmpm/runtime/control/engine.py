@@ -34,6 +34,7 @@ from lmpm.resolve.schedules import epoch_horizon
 from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.data.dataplane import DataPlane
 from lmpm.runtime.data.guard import GuardedDataPlane, check_message, guarding
+from lmpm.runtime.data.validate import validator_for
 from lmpm.runtime.port import DataPlanePort
 from lmpm.runtime.protocol import EpochReport, EpochRequest
 from lmpm.runtime.records import (
@@ -132,6 +133,8 @@ class Engine:
         :mod:`lmpm.runtime.data.compiled`): the data plane becomes a fused one."""
         if self.compiled is None:
             self.compiled = self.dataplane.compile()
+            # LMPM_VALIDATE=eager: each epoch decided eagerly too, and compared
+            self.dataplane.validator = validator_for(self.dataplane)
         return self.compiled
 
     # ---- state -----------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -70,6 +70,9 @@ from lmpm.runtime.protocol import (
 )
 from lmpm.runtime.records import ValueEpoch
 from lmpm.workers import MaskSets, Results, VocabMask, WorkItem, get_backend, simcuda
+
+if TYPE_CHECKING:
+    from lmpm.runtime.data.validate import EagerValidator
 
 # splitmix64's multipliers as signed int64 (torch has no uint64 arithmetic); products wrap.
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
@@ -329,6 +332,9 @@ class DataPlane:
         # owner is the group's)
         self._owner = Owner(plan, self.seed) if decides else None
         self.compiled: CompiledEpoch | None = None  # a fused data plane's steps (compile)
+        # LMPM_VALIDATE=eager: checks each compiled epoch against the eager decision (set by
+        # Engine.compile; lmpm.runtime.data.validate)
+        self.validator: EagerValidator | None = None
         self._mirror: Mirror | None = None  # off the CPU: the metadata the captured steps read
         self._work_cells: dict[int, Tensor] = {}  # rule id -> this epoch's cells, on the host
         # what each user model asks of its reads (lmpm.runtime.data.reads: clocks, dense); the
@@ -360,7 +366,11 @@ class DataPlane:
         """Run one epoch on this worker's cells, which it owns (:meth:`Owner.epoch`)."""
         if self.count_bytes:
             self.traffic = Traffic()
+        if self.validator is not None:  # LMPM_VALIDATE=eager (lmpm.runtime.data.validate)
+            self.validator.begin()
         report = self.owner.epoch(self, req, self if self.compiled is not None else None)
+        if self.validator is not None:
+            self.validator.check(req, report)
         report.control_bytes = self.traffic.control_bytes
         report.message_bytes = self.traffic.message_bytes
         return report
@@ -405,6 +415,8 @@ class DataPlane:
             reply = self.propose(req)
             return reply, list(reply.values), {}
         per_value, model_seconds = self.run_models(req)
+        if self.validator is not None:  # the shadow decides from the same proposals
+            self.validator.proposed(per_value, model_seconds)
         self._staged = {}
         values = {}
         fused: dict[str, Proposal] = {}
