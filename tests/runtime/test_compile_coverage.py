@@ -148,9 +148,9 @@ def test_show_names_the_eager_islands_of_every_example() -> None:
         models = {(i.where, i.name) for i in c.islands if i.kind == "model"}
         assert len(models) == n_rules, program
     sudoku = cov["sudoku.lmpm"][0]
-    assert {(i.kind, i.name, i.where, i.value) for i in sudoku.islands if i.kind == "predicate"} == {
-        ("predicate", "Duplicate", f"constraint {c}", "Grid") for c in ("Row", "Column", "Box")
-    }
+    assert {
+        (i.kind, i.name, i.where, i.value) for i in sudoku.islands if i.kind == "predicate"
+    } == {("predicate", "Duplicate", f"constraint {c}", "Grid") for c in ("Row", "Column", "Box")}
     latent = cov["latent.lmpm"][0]
     assert ("predicate", "NormAtMost", "constraint Bounded", "Z") in {
         (i.kind, i.name, i.where, i.value) for i in latent.islands

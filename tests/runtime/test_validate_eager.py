@@ -8,6 +8,8 @@ example, random programs)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -112,3 +114,10 @@ def test_without_compile_nothing_is_validated(validate: None) -> None:
     run = Run.from_source(SRC, seed=2)
     assert run.engine.compiled is None
     assert run.run(2).epochs == 2
+
+
+def test_run_help_names_the_switch() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmpm.cli", "run", "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "LMPM_VALIDATE=eager" in " ".join(proc.stdout.split())

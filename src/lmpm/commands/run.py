@@ -67,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="run each value's epoch after its model as one compiled step (torch.compile; the "
-        "first epochs compile, later runs reuse the cache; commits are identical)",
+        "first epochs compile, later runs reuse the cache; commits are identical). Environment: "
+        "LMPM_VALIDATE=eager also decides each epoch eagerly and stops at the first cell where "
+        "the two differ (R085)",
     )
     p.add_argument("--out", metavar="RUN_DIR", help="write outputs here (default runs/<program>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

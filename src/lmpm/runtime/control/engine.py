@@ -133,8 +133,9 @@ class Engine:
         :mod:`lmpm.runtime.data.compiled`): the data plane becomes a fused one."""
         if self.compiled is None:
             self.compiled = self.dataplane.compile()
-            # LMPM_VALIDATE=eager: each epoch decided eagerly too, and compared
-            self.dataplane.validator = validator_for(self.dataplane)
+            if isinstance(self.dataplane, DataPlane):  # (a group does not compile: U101)
+                # LMPM_VALIDATE=eager: each epoch decided eagerly too, and compared
+                self.dataplane.validator = validator_for(self.dataplane)
         return self.compiled
 
     # ---- state -----------------------------------------------------------------------------------

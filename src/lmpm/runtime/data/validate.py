@@ -44,7 +44,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lmpm.errors import RuntimeFault, UsageError
@@ -128,7 +127,9 @@ class EagerValidator:
         shadow: the run's epoch may write into nothing it hands on, but a copy costs little)."""
         self._proposed = (
             {
-                name: [(rp, cells, rep, prop.clone(), sc.clone()) for rp, cells, rep, prop, sc in parts]
+                name: [
+                    (rp, cells, rep, prop.clone(), sc.clone()) for rp, cells, rep, prop, sc in parts
+                ]
                 for name, parts in per_value.items()
             },
             seconds,
@@ -240,10 +241,8 @@ def _cell_name(dp: DataPlane, name: str, cell: int) -> str:
     return f"{name}[{', '.join(map(str, reversed(idx)))}]"
 
 
-def validator_for(live: Any) -> EagerValidator | None:
+def validator_for(live: DataPlane) -> EagerValidator | None:
     """The validator ``LMPM_VALIDATE`` asks for on ``live`` (a fused data plane), or None."""
     if mode() is None:
         return None
-    assert isinstance(live, DataPlane)  # (--compile runs in one data plane: U101 otherwise)
     return EagerValidator(live)
-
