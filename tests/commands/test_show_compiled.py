@@ -75,6 +75,12 @@ def test_sudoku_grid_eager_cand_compiled() -> None:
     assert "--compile: 1 of 2 values compiled" in out
     assert "Cand: compiled" in out
     assert "Grid: eager island: constraint `Row` is a bound Python predicate" in out
+    # the tables: every value, and the eager islands (models, bound predicates)
+    assert "│ Cand  │ compiled " in out
+    assert "│ Grid  │ eager island: constraint `Row` is a bound Python predicate │" in out
+    assert "│ model     │ Candidates │ rule Notes        │ Cand  │" in out
+    for c in ("Row", "Column", "Box"):
+        assert f"│ predicate │ Duplicate  │ constraint {c:<6} │ Grid  │" in out
     assert "on cuda nothing of it is captured as a CUDA graph" in out
     assert "winner_takes_all" in out and "constraints  none checked at run time" in out
     # Cand's clock reads Grid's clocks: Grid's clock array is an input of Cand's graph
@@ -178,3 +184,24 @@ def test_run_compile_says_it_is_compiling(tmp_path: Path) -> None:
     assert quiet.returncode == 0, quiet.stderr
     assert "compiling the epoch step" not in quiet.stderr
     assert "compiled 1 of 1 values" in quiet.stderr
+
+
+def test_every_value_is_listed_inputs_too(tmp_path: Path) -> None:
+    """A value no rule proposes is listed as an input; the summary counts the proposed ones."""
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(
+        "value S : Token[4] shape Seq(3)\n"
+        "value A : Token[4] shape Seq(3)\n"
+        "visible A[t] <- S[t]\n"
+        "rule R:\n"
+        "  on A[t]\n"
+        "  read {s = S[t]}\n"
+        "  emit proposal A[t] := Uniform(s)\n"
+        "commit A[*] using satisfy\n"
+    )
+    rc, out, err = inproc("show", str(prog), "--compiled")
+    assert rc == 0, err
+    assert f"{prog}: --compile: 1 of 1 value compiled" in out
+    assert "│ A     │ compiled " in out
+    assert "│ S     │ input: no rule proposes it (no decision to compile) │" in out
+    assert "│ model │ Uniform │ rule R │ A     │" in out

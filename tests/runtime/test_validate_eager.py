@@ -8,8 +8,10 @@ example, random programs)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -121,3 +123,21 @@ def test_run_help_names_the_switch() -> None:
         [sys.executable, "-m", "lmpm.cli", "run", "--help"], capture_output=True, text=True
     )
     assert proc.returncode == 0 and "LMPM_VALIDATE=eager" in " ".join(proc.stdout.split())
+
+
+def test_the_cli_says_what_it_validated(tmp_path: Path) -> None:
+    """`LMPM_VALIDATE=eager lmpm run --compile` ends with how many epochs it decided both ways."""
+    prog = tmp_path / "p.lmpm"
+    prog.write_text(SRC)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmpm.cli", "run", str(prog), "--compile", "--epochs", "3"]
+        + ["--seed", "2", "--quiet", "--out", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "LMPM_VALIDATE": "eager"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "LMPM_VALIDATE=eager: 3 compiled epochs decided eagerly too, every cell the same" in (
+        " ".join(proc.stderr.split())
+    )

@@ -133,7 +133,6 @@ def _overview(run: Run, cov: Coverage) -> str:
     from rich.table import Table
 
     console = Console(width=WIDTH, record=True, file=io.StringIO(), color_system=None)
-    console.print(f"{run.front.ast.file}: --compile: {cov.summary()}", markup=False)
     values = Table(title="values", title_justify="left")
     values.add_column("value")
     values.add_column("under --compile")
@@ -150,7 +149,8 @@ def _overview(run: Run, cov: Coverage) -> str:
             kind = isl.kind + (" (own lmpm_compile)" if isl.own_compile else "")
             islands.add_row(kind, isl.name, isl.where, isl.value)
         console.print(islands)
-    return "\n".join(line.rstrip() for line in console.export_text().rstrip("\n").splitlines())
+    tables = [line.rstrip() for line in console.export_text().rstrip("\n").splitlines()]
+    return "\n".join([f"{run.front.ast.file}: --compile: {cov.summary()}", *tables])
 
 
 def _mask_lines(plan: Any, name: str) -> list[str]:

@@ -493,6 +493,8 @@ def _execute(
     cost = None
     if compiled is not None:
         note += compiled.summary() + "; "
+        if session.dataplane.validator is not None:  # LMPM_VALIDATE=eager
+            note += session.dataplane.validator.summary() + "; "
         st = compiled.stats
         cost = compile_cost(epoch_seconds, st.compile_seconds, st.compiles, st.cache_hits)
         rate = f"{res.attempts / max(cost.run_seconds, 1e-9):,.0f} attempts/s after compiling"

@@ -135,6 +135,14 @@ class EagerValidator:
             seconds,
         )
 
+    def summary(self) -> str:
+        """One line for the end of a run."""
+        n = self.epochs
+        return (
+            f"LMPM_VALIDATE=eager: {n} compiled epoch{'s' if n != 1 else ''} decided eagerly "
+            "too, every cell the same"
+        )
+
     def begin(self) -> None:
         """Before the live plane's epoch: give the shadow a copy of the state it starts from."""
         self._proposed = None
