@@ -129,9 +129,9 @@ def test_the_cli_says_what_it_validated(tmp_path: Path) -> None:
     """`LMPM_VALIDATE=eager lmpm run --compile` ends with how many epochs it decided both ways."""
     prog = tmp_path / "p.lmpm"
     prog.write_text(SRC)
+    argv = ["run", str(prog), "--compile", "--epochs", "3", "--seed", "2", "--quiet"]
     proc = subprocess.run(
-        [sys.executable, "-m", "lmpm.cli", "run", str(prog), "--compile", "--epochs", "3"]
-        + ["--seed", "2", "--quiet", "--out", str(tmp_path / "r")],
+        [sys.executable, "-m", "lmpm.cli", *argv, "--out", str(tmp_path / "r")],
         capture_output=True,
         text=True,
         timeout=300,
