@@ -89,11 +89,12 @@ class CellResult:
     score: float
     why: int | None  # why it stays unset (None: the value has no why-codes)
 
-    def text(self) -> str:
+    def text(self, why: bool) -> str:
+        """The fields in words (``why``: with the why-code, which only an unset cell needs)."""
         return (
             f"committed={self.committed} payload={self.payload} clock={self.clock} "
             f"rule={self.rule} epoch={self.epoch} score={self.score:g}"
-            + ("" if self.why is None else f" why={self.why}")
+            + (f" why={self.why}" if why and self.why is not None else "")
         )
 
 
@@ -193,11 +194,13 @@ class EagerValidator:
                 cell = int(bad.nonzero()[0, 0])
                 got, want = self._cell(self.live, name, cell), self._cell(self.shadow, name, cell)
                 field = next(f for f in FIELDS if getattr(got, f) != getattr(want, f))
+                n = int(bad.count_nonzero())
+                why = field == "why" or not (got.committed and want.committed)
                 raise ValidationError(
                     f"LMPM_VALIDATE=eager: epoch {e}: the compiled and the eager decision differ "
-                    f"at {_cell_name(self.live, name, cell)} ({field}; "
-                    f"{int(bad.count_nonzero())} cell{'s' if int(bad.count_nonzero()) != 1 else ''}"
-                    f" of `{name}` differ)\n  compiled: {got.text()}\n  eager:    {want.text()}",
+                    f"at {_cell_name(self.live, name, cell)} ({field}; {n} cell"
+                    f"{'s of' if n != 1 else ' of'} `{name}` differ{'' if n != 1 else 's'})\n"
+                    f"  compiled: {got.text(why)}\n  eager:    {want.text(why)}",
                     where={"value": name, "cell": cell, "epoch": e},
                     code="R085",
                     hint="a bug in --compile: please report it with the program; "
