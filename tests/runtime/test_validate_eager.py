@@ -138,6 +138,7 @@ def test_the_cli_says_what_it_validated(tmp_path: Path) -> None:
         env={**os.environ, "LMPM_VALIDATE": "eager"},
     )
     assert proc.returncode == 0, proc.stderr
-    assert "LMPM_VALIDATE=eager: 3 compiled epochs decided eagerly too, every cell the same" in (
-        " ".join(proc.stderr.split())
+    assert (
+        "LMPM_VALIDATE=eager: 3 epochs of the compiled run decided eagerly too, every cell the same"
+        in (" ".join(proc.stderr.split()))
     )

@@ -140,7 +140,7 @@ class EagerValidator:
         """One line for the end of a run."""
         n = self.epochs
         return (
-            f"LMPM_VALIDATE=eager: {n} compiled epoch{'s' if n != 1 else ''} decided eagerly "
+            f"LMPM_VALIDATE=eager: {n} epoch{'s' if n != 1 else ''} of the compiled run decided eagerly "
             "too, every cell the same"
         )
 
