@@ -95,6 +95,21 @@ def test_example_compiled_equals_eager(
     assert validator.epochs == (epochs if ce.specs else 0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("program", "inputs", "epochs"), EXAMPLES, ids=[e[0] for e in EXAMPLES])
+def test_example_compiled_by_inductor_validated(
+    program: str, inputs: dict[str, str], epochs: int, validate: None
+) -> None:
+    """The same with inductor's compiled steps on the CPU (code generation: slow with a cold
+    cache), validated epoch by epoch."""
+    run = Run(compile_file(EX / program), inputs=example_inputs(inputs), seed=0, compile=True)
+    run.run(epochs)
+    validator = run.engine.dataplane.validator
+    ce = run.engine.compiled
+    assert validator is not None and ce is not None
+    assert validator.epochs == (epochs if ce.specs else 0)
+
+
 def _three_ways(src: str, kw: dict[str, Any]) -> None:
     """Compiled (validated), eager and the reference: the same commits and cells every epoch."""
     front = compile_source(src, raise_errors=False)
@@ -137,7 +152,7 @@ def _example_coverage() -> dict[str, tuple[Any, int]]:
     return out
 
 
-def test_show_names_the_eager_islands_of_every_example() -> None:
+def test_coverage_names_the_eager_islands_of_every_example() -> None:
     """Each value is `compiled` or `eager island: <why>`; the islands are the models (and their
     scores) and the bound Python predicates, each named with its rule or constraint."""
     cov = _example_coverage()

@@ -11,16 +11,22 @@ programs, tests/runtime/test_compile_coverage.py asserts the rule.
 Example:
     >>> from lmpm.ir import compile_source
     >>> from lmpm.resolve.plan import resolve
-    >>> src = '''
-    ... value A : Token[4] shape Seq(3)
-    ... rule R:
-    ...   on A[t]
-    ...   emit proposal A[t] := Uniform()
-    ... commit A[*] using satisfy
-    ... '''
-    >>> cov = coverage(resolve(compile_source(src).ir))
-    >>> cov.summary(), [i.text() for i in cov.islands]
-    ('1 of 1 value compiled', ['model Uniform (rule R, proposes A)'])
+    >>> program = compile_source('''
+    ... value Prompt : Token[8] shape Seq(4)
+    ... value Out : Token[8] shape Seq(4)
+    ... visible Out[t] <- Prompt[t]
+    ... rule Echo:
+    ...   on Out[t]
+    ...   read {p = Prompt[t]}
+    ...   emit proposal Out[t] := Uniform(p, k=2)
+    ... constraint NoZero: forbid Out[t] in Set(0) priority 1
+    ... commit Out[*] using satisfy
+    ... ''')
+    >>> cov = coverage(resolve(program.ir))
+    >>> cov.summary(), cov.values[0].status(), cov.inputs
+    ('1 of 1 value compiled', 'compiled', ('Prompt',))
+    >>> [island.text() for island in cov.islands]
+    ['model Uniform (rule Echo, proposes Out)']
 """
 
 from __future__ import annotations
