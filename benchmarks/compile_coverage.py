@@ -1,6 +1,7 @@
-"""`--compile` coverage (issue 45): how many proposed values compile, over every bundled example that
-runs offline and N random programs (the differential tests' generators, tests/runtime/compile_cases.py),
-and how many satisfy the coverage rule (compiled, or eager only for a bound Python predicate).
+"""`--compile` coverage (issue 45): how many proposed values compile, over every bundled example
+that runs offline and N random programs (the differential tests' generators:
+tests/runtime/compile_cases.py), and how many satisfy the coverage rule (compiled, or eager only
+for a bound Python predicate).
 Nothing is run or timed: the coverage is read from each plan (lmpm.runtime.data.coverage).
 
 One JSON line:

@@ -47,6 +47,7 @@ from typing import Any
 from torch import Tensor
 
 from lmpm.errors import RuntimeFault, UsageError
+from lmpm.resolve.plan import Plan
 from lmpm.runtime.data.dataplane import DataPlane, Proposal
 from lmpm.runtime.protocol import EpochReport, EpochRequest, ProposeRequest
 from lmpm.runtime.records import CHECKSUM_POLICIES, CellState
@@ -102,7 +103,7 @@ class ShadowPlane(DataPlane):
     """The eager data plane a validated run decides each epoch again on: its models are not
     called; it replays the proposals the run's own models made this epoch (:attr:`replay`)."""
 
-    def __init__(self, plan: Any, backend: Any, seed: int, worker: str) -> None:
+    def __init__(self, plan: Plan, backend: Any, seed: int, worker: str) -> None:
         super().__init__(
             plan, backend=backend, seed=seed, worker=worker, checksum_policies=CHECKSUM_POLICIES
         )
@@ -124,8 +125,8 @@ class EagerValidator:
         self._proposed: tuple[dict[str, list[Proposal]], float] | None = None
 
     def proposed(self, per_value: Mapping[str, list[Proposal]], seconds: float) -> None:
-        """The run's models proposed ``per_value`` this epoch (kept, as copies, for the
-        shadow: the run's epoch may write into nothing it hands on, but a copy costs little)."""
+        """The run's models proposed ``per_value`` this epoch: kept for the shadow, as copies
+        (the run's epoch must not be able to change what the shadow decides from)."""
         self._proposed = (
             {
                 name: [
@@ -138,10 +139,10 @@ class EagerValidator:
 
     def summary(self) -> str:
         """One line for the end of a run."""
-        n = self.epochs
+        epochs = f"{self.epochs} epoch{'s' if self.epochs != 1 else ''}"
         return (
-            f"LMPM_VALIDATE=eager: {n} epoch{'s' if n != 1 else ''} of the compiled run decided eagerly "
-            "too, every cell the same"
+            f"LMPM_VALIDATE=eager: {epochs} of the compiled run decided eagerly too, "
+            "every cell the same"
         )
 
     def begin(self) -> None:
