@@ -62,6 +62,7 @@ from lmpm.runtime.control.commitlog import (
 )
 from lmpm.runtime.control.engine import Engine, Observer
 from lmpm.runtime.control.trace import Tracer, parse_region
+from lmpm.runtime.data import validate
 from lmpm.runtime.data.group import WorkerGroup
 from lmpm.runtime.data.raygroup import DEFAULT_TIMEOUT, RayGroup
 from lmpm.runtime.io import load_input, output_array, write_outputs
@@ -184,6 +185,8 @@ class Run:
         if compile:
             try:
                 self.engine.compile()
+                # LMPM_VALIDATE=eager: each compiled epoch decided eagerly too, and compared
+                validate.install(self.dataplane)
             except BaseException:
                 self.close()
                 raise

@@ -34,7 +34,6 @@ from lmpm.resolve.schedules import epoch_horizon
 from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.data.dataplane import DataPlane
 from lmpm.runtime.data.guard import GuardedDataPlane, check_message, guarding
-from lmpm.runtime.data.validate import validator_for
 from lmpm.runtime.port import DataPlanePort
 from lmpm.runtime.protocol import EpochReport, EpochRequest
 from lmpm.runtime.records import (
@@ -133,9 +132,6 @@ class Engine:
         :mod:`lmpm.runtime.data.compiled`): the data plane becomes a fused one."""
         if self.compiled is None:
             self.compiled = self.dataplane.compile()
-            if isinstance(self.dataplane, DataPlane):  # (a group does not compile: U101)
-                # LMPM_VALIDATE=eager: each epoch decided eagerly too, and compared
-                self.dataplane.validator = validator_for(self.dataplane)
         return self.compiled
 
     # ---- state -----------------------------------------------------------------------------------

@@ -333,7 +333,7 @@ class DataPlane:
         self._owner = Owner(plan, self.seed) if decides else None
         self.compiled: CompiledEpoch | None = None  # a fused data plane's steps (compile)
         # LMPM_VALIDATE=eager: checks each compiled epoch against the eager decision (set by
-        # Engine.compile; lmpm.runtime.data.validate)
+        # Run, lmpm.runtime.session; lmpm.runtime.data.validate)
         self.validator: EagerValidator | None = None
         self._mirror: Mirror | None = None  # off the CPU: the metadata the captured steps read
         self._work_cells: dict[int, Tensor] = {}  # rule id -> this epoch's cells, on the host

@@ -253,8 +253,8 @@ def _cell_name(dp: DataPlane, name: str, cell: int) -> str:
     return f"{name}[{', '.join(map(str, reversed(idx)))}]"
 
 
-def validator_for(live: DataPlane) -> EagerValidator | None:
-    """The validator ``LMPM_VALIDATE`` asks for on ``live`` (a fused data plane), or None."""
-    if mode() is None:
-        return None
-    return EagerValidator(live)
+def install(dataplane: Any) -> None:
+    """Give a fused data plane (``--compile``) the validator ``LMPM_VALIDATE`` asks for: none
+    when unset, U120 for an unknown mode. (A worker group never compiles: U101.)"""
+    if mode() is not None and isinstance(dataplane, DataPlane):
+        dataplane.validator = EagerValidator(dataplane)
