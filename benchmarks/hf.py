@@ -10,10 +10,11 @@ weights, greedy. Per N (prompt 8 tokens, N - 8 new ones):
 - outlines, when installed (skipped otherwise).
 
 With ``--constraint`` both sides carry ``require Txt[t] in Set(0..19999)`` (LMPM: the program's
-constraint; HF: a LogitsProcessor masking the same ids); exact only where the worker lowers set
-constraints into a vocabulary mask (issue 43, item 4). Then a batch of 16 prompts of different
-lengths: LMPM rows (one value per prompt in a Grid2D would need a per-row schedule; here the
-adapter's batched path, as the worker calls it) vs HF's left-padded batched generate.
+constraint; HF: a LogitsProcessor masking the same ids; the worker lowers the set constraint into
+a vocabulary mask, so k=1 is exact). Then LMPM's own time per token beside the model's forward, a
+run directory written (the log included), at N = 128 under the constraint; then a batch of 16
+prompts of different lengths: a real run of a ``Grid2D(16, N)`` under the ``frontier`` schedule
+(every row's next cell each epoch) vs HF's left-padded batched generate.
 
 Prints one JSON line per case: ms per token of each, the ratio LMPM/HF, LMPM's time per token
 outside the model, and whether the tokens were identical (asserted). Medians of ``--repeats``
@@ -26,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,72 +165,166 @@ def single(n: int, repeats: int, constrained: bool, loop: bool = True) -> dict[s
     }
 
 
+BATCH_PROGRAM = """
+param N = {n}
+param B = {rows}
+value Txt : Token[50257] shape Grid2D(B, N) clock Lamport
+value MaskPlan : Event shape Set() clock Lamport
+visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
+rule Next:
+  on Txt[b, t]
+  read {{context = Txt[b, 0..t-1]}}
+  emit proposal Txt[b, t] := GPT(context, k=1, pick="top")
+commit Txt[*] using satisfy(max_constraints_then_score)
+rule Schedule:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="frontier", k=1)
+"""
+
+
 def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
+    """``rows`` prompts of 4-23 tokens, each row of a ``Grid2D(rows, N)`` generated to N tokens by
+    a real run (the ``frontier`` schedule: the next cell of every row each epoch) vs HF's
+    left-padded batched generate of ``N - shortest prompt`` new tokens (the same number of steps;
+    its longer rows run past N and are cut there). ``N``: the longest prompt plus ``new``."""
+    import lmpm
     from lmpm.models.hf import HFCausalLM
-    from lmpm.runtime.data.reads import dense_read
-    from lmpm.workers.choose import choose
 
-    def no_noise(vocab: int) -> torch.Tensor:  # greedy draws no noise
-        raise AssertionError("pick='top' draws no noise")
-
-    net = make_model(128)
     gen = torch.Generator().manual_seed(7)
-    prompts = [
-        torch.randint(0, ALLOWED, (int(length),), generator=gen).tolist()
-        for length in torch.randint(4, 24, (rows,), generator=gen)
-    ]
-    lm, hf = [], []
-    for _ in range(repeats):
-        adapter = HFCausalLM(net)
-        seqs = [list(p) for p in prompts]
-        t0 = time.perf_counter()
-        for _ in range(new):  # what the worker hands the adapter each epoch: the dense rows
-            width = max(len(s) for s in seqs)
-            data = torch.zeros(rows, width, dtype=torch.int64)
-            mask = torch.zeros(rows, width, dtype=torch.bool)
-            for i, s in enumerate(seqs):
-                data[i, : len(s)] = torch.tensor(s)
-                mask[i, : len(s)] = True
-            index = torch.arange(width) + 1000 * torch.arange(rows).unsqueeze(1)
-            inputs = dense_read("context", data, mask, index, mask.to(torch.int64))
-            inputs = {k: v.to(DEVICE) for k, v in inputs.items()}
-            got = adapter(inputs, pick="top", generation=1)  # what the worker then does: choose
-            out = choose(got.logits, got.k, got.pick, got.temperature, no_noise, None)[
-                :, 0
-            ].tolist()
-            for s, tok in zip(seqs, out):
-                s.append(tok)
-        lm.append(time.perf_counter() - t0)
-        width = max(len(p) for p in prompts)
-        x = torch.zeros(rows, width, dtype=torch.int64)
-        att = torch.zeros(rows, width, dtype=torch.int64)
-        for i, p in enumerate(prompts):
-            x[i, width - len(p) :] = torch.tensor(p)
-            att[i, width - len(p) :] = 1
+    lengths = torch.randint(4, 24, (rows,), generator=gen).tolist()
+    prompts = [torch.randint(0, ALLOWED, (n,), generator=gen).tolist() for n in lengths]
+    n = max(lengths) + new  # every row generates at least ``new`` tokens
+    steps = n - min(lengths)  # HF's steps: its shortest row reaches N
+    net = make_model(max(n, 64))
+    ids = torch.zeros(rows, n, dtype=torch.int64)
+    given = torch.zeros(rows, n, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+        given[i, : len(p)] = True
+    width = max(lengths)
+    x = torch.zeros(rows, width, dtype=torch.int64)
+    att = torch.zeros(rows, width, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        x[i, width - len(p) :] = torch.tensor(p)
+        att[i, width - len(p) :] = 1
+    compiled = lmpm.compile(text=BATCH_PROGRAM.format(n=n, rows=rows))
+    lm, hf, outside = [], [], []
+    for _ in range(repeats):  # alternated
+        run = compiled.runner(bindings={"GPT": HFCausalLM(net)}, backend=DEVICE)
+        run.set_input("Txt", ids, given)
+        with _Forwards(net) as fw:
+            t0 = time.perf_counter()
+            run.run(until_stable=True)
+            wall = time.perf_counter() - t0
+        out = run.outputs()["Txt"]
+        run.close()
+        lm.append(wall)
+        outside.append(wall - fw.seconds)
         t0 = time.perf_counter()
         ref = net.generate(
             x.to(DEVICE),
             attention_mask=att.to(DEVICE),
-            max_new_tokens=new,
-            min_new_tokens=new,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
             do_sample=False,
             use_cache=True,
             pad_token_id=0,
         )
         hf.append(time.perf_counter() - t0)
-        for i, (p, s) in enumerate(zip(prompts, seqs)):
-            assert ref[i, width - len(p) :].tolist() == s, "batched tokens differ from HF's"
-    tokens = rows * new
+        for i, p in enumerate(prompts):
+            row = ref[i, width - len(p) :][:n].tolist()
+            assert out[i].tolist() == row, "the run's rows differ from HF's batched generate"
+    tokens = sum(n - len(p) for p in prompts)  # the tokens both sides must produce
+    ms = lambda xs: 1e3 * statistics.median(xs) / tokens  # noqa: E731
     return {
         "case": "batch",
         "rows": rows,
-        "new_tokens": new,
-        "lmpm_ms_per_token": round(1e3 * statistics.median(lm) / tokens, 3),
-        "hf_generate_ms_per_token": round(1e3 * statistics.median(hf) / tokens, 3),
+        "N": n,
+        "prompt_lengths": lengths,
+        "steps": steps,
+        "lmpm_ms_per_token": round(ms(lm), 3),
+        "hf_generate_ms_per_token": round(ms(hf), 3),
         "ratio": round(statistics.median(lm) / statistics.median(hf), 3),
+        "lmpm_outside_forward_ms_per_token": round(ms(outside), 3),
         "identical": True,
         "goal": 1.10,
-        "note": "the adapter's batched path as the worker calls it; shared CPU",
+        "repeats": repeats,
+        "note": "a real run of a Grid2D(rows, N) under the frontier schedule; per token of the "
+        "rows' common output (HF's longer rows run past N); median of alternated runs; shared CPU",
+    }
+
+
+class _Forwards:
+    """Sums the wall time of ``net``'s forward calls (hooks around the module call)."""
+
+    def __init__(self, net: Any) -> None:
+        self.net = net
+        self.seconds = 0.0
+        self.calls = 0
+        self._t0 = 0.0
+
+    def __enter__(self) -> _Forwards:
+        def before(*_: Any) -> None:
+            self._t0 = time.perf_counter()
+
+        def after(*_: Any) -> None:
+            self.seconds += time.perf_counter() - self._t0
+            self.calls += 1
+
+        self._hooks = [
+            self.net.register_forward_pre_hook(before),
+            self.net.register_forward_hook(after),
+        ]
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def outside(n: int, repeats: int, trace: str) -> dict[str, Any]:
+    """LMPM's own time per token beside the model's forward, log included: a run writing its run
+    directory (``trace`` as ``--trace``), greedy under ``require Txt[t] in Set(0..19999)`` at
+    V = 50257; the forward's time is measured by hooks on the model and taken out."""
+    import tempfile
+
+    import lmpm
+    from lmpm.models.hf import HFCausalLM
+
+    net = make_model(max(n, 64))
+    gen = torch.Generator().manual_seed(n)
+    prompt = torch.randint(0, ALLOWED, (PROMPT,), generator=gen)
+    ids = torch.zeros(n, dtype=torch.int64)
+    ids[:PROMPT] = prompt
+    compiled = lmpm.compile(text=PROGRAM.format(n=n, constraint=CONSTRAINT))
+    got, forward = [], []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp:
+            run = compiled.runner(
+                bindings={"GPT": HFCausalLM(net)},
+                backend=DEVICE,
+                run_dir=Path(tmp) / "run",
+                trace=trace,
+            )
+            run.set_input("Txt", ids, torch.arange(n) < PROMPT)
+            with _Forwards(net) as fw:
+                t0 = time.perf_counter()
+                run.run(until_stable=True)
+                run.close()  # the log flushed and the outputs written
+                wall = time.perf_counter() - t0
+        got.append((wall - fw.seconds) / (n - PROMPT))
+        forward.append(fw.seconds / (n - PROMPT))
+    return {
+        "case": "outside",
+        "N": n,
+        "vocab": 50257,
+        "trace": trace,
+        "outside_forward_ms_per_token": round(1e3 * statistics.median(got), 3),
+        "forward_ms_per_token": round(1e3 * statistics.median(forward), 3),
+        "goal_ms": 0.3,
+        "repeats": repeats,
+        "note": "run dir written (the log included), the model's forward taken out by hooks; "
+        "median of runs; shared CPU",
     }
 
 
@@ -241,6 +337,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (the model and LMPM's worker)")
     ap.add_argument("--sizes", type=int, nargs="*", help="N values (default: 128 512 1024 2048)")
     ap.add_argument("--no-loop", action="store_true", help="skip the (slow) no-cache loop")
+    ap.add_argument(
+        "--only", choices=("single", "outside", "batch"), help="one case (default: every one)"
+    )
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -248,12 +347,15 @@ def main() -> None:
     ap_sizes = args.sizes or ((64, 128) if args.quick else (128, 512, 1024, 2048))
     sizes = tuple(ap_sizes)
     repeats = 2 if args.quick else args.repeats
-    for n in sizes:
-        print(json.dumps(single(n, repeats, args.constraint, not args.no_loop)), flush=True)
-    if args.sizes:
+    if args.only in (None, "single"):
+        for n in sizes:
+            print(json.dumps(single(n, repeats, args.constraint, not args.no_loop)), flush=True)
+    if args.sizes and args.only is None:
         return
-    print(json.dumps(batch(16, 16 if args.quick else 64, repeats)), flush=True)
-
+    if args.only in (None, "outside"):
+        print(json.dumps(outside(128, max(repeats, 3), "summary")), flush=True)
+    if args.only in (None, "batch"):
+        print(json.dumps(batch(16, 16 if args.quick else 64, repeats)), flush=True)
 
 if __name__ == "__main__":
     main()

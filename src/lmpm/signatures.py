@@ -53,7 +53,7 @@ class Signature:
 _K = Param("k", INTEGER, minimum=1)  # candidates per cell
 _TEMPERATURE = Param("temperature", NUMBER, positive=True)
 
-STRATEGIES = ("all", "raster", "red-black", "independent", "random", "confidence")
+STRATEGIES = ("all", "raster", "frontier", "red-black", "independent", "random", "confidence")
 PALETTE_NAMES = ("blue-ish", "sky", "ground", "shapes", "all")  # lmpm.models.world.PALETTES
 SATISFY_MODES = ("max_constraints_then_score",)
 # a training program's module (`Params[M]`) and loss names (lmpm.train.modules.MODULES, LOSSES)
@@ -107,7 +107,7 @@ SIGNATURES: dict[str, Signature] = {
         doc='SampleTiles(strategy="red-black", epoch=e, k=1, steps=16)',
         returns="the schedule: which cells are open in each epoch. Strategies: "
         + ", ".join(STRATEGIES)
-        + " (docs/runtime.md, Schedules); `k`: cells per epoch (raster, random); `steps`: "
+        + " (docs/runtime.md, Schedules); `k`: cells per epoch (raster, random; per row: frontier); `steps`: "
         "epochs to set every cell in (confidence; default --epochs, else 16)",
         example='emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)',
     ),

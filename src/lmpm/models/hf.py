@@ -179,6 +179,8 @@ class HFCausalLM:
         n, width = ids.shape
         key = (generation, *index[:, 0].tolist())  # the rows: their first cells
         rows = self._rows.pop(key, None)
+        if rows is None:
+            rows = self._subset(key)
         start_col, keep = self._reuse(rows, index, clock, length)
         # per row, the first position to feed: those in columns before start_col stay cached
         first = keep  # (n,)
@@ -219,6 +221,30 @@ class HFCausalLM:
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
         return out.logits[:, -1, :]
+
+    def _subset(self, key: tuple[Any, ...]) -> _Rows | None:
+        """The cached rows of ``key`` taken out of a larger cached set holding them all (a
+        ``frontier`` schedule's rows finish at different epochs: the rest go on with their
+        caches), or None."""
+        want = key[1:]
+        for held in reversed(self._rows):  # the most recent first
+            if held[0] != key[0] or len(held) <= len(key):
+                continue
+            place = {first: i for i, first in enumerate(held[1:])}
+            if not all(first in place for first in want):
+                continue
+            rows = self._rows.pop(held)
+            pick = torch.tensor([place[first] for first in want], dtype=torch.int64)
+            rows.cache.batch_select_indices(pick.to(rows.attention.device))  # (in place)
+            return _Rows(
+                rows.cache,
+                rows.attention.index_select(0, pick.to(rows.attention.device)),
+                rows.index.index_select(0, pick),
+                rows.clock.index_select(0, pick),
+                rows.column.index_select(0, pick),
+                rows.length.index_select(0, pick),
+            )
+        return None
 
     @staticmethod
     def _reuse(

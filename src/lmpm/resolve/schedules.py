@@ -6,7 +6,8 @@ A schedule rule proposes the open set, e.g.::
       on MaskPlan
       emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)
 
-Strategies: ``all``, ``raster`` (``k`` first unset cells), ``red-black`` (parity of the coordinate
+Strategies: ``all``, ``raster`` (``k`` first unset cells), ``frontier`` (the ``k`` first unset cells of
+every row: ``B`` sequences of a ``Grid2D(B, N)`` generated side by side), ``red-black`` (parity of the coordinate
 sum: no two axis-adjacent cells open together), ``independent`` (a colouring of the visibility graph,
 so no two mutually visible cells are open together), ``random`` (``k`` cells), ``confidence``
 (MaskGIT: every unset cell proposes; the most confident commit, a cosine-scheduled share per epoch).
@@ -239,6 +240,41 @@ class Raster(Schedule):
         return max(1, -(-unset // self.k))  # every unset cell opened once
 
 
+class Frontier(Schedule):
+    """Per row, its first ``k`` unset cells: a value's rows (every axis but the last) are
+    generated side by side, each in causal order (``Grid2D(B, N)``: ``B`` sequences, one token of
+    each per epoch with k = 1, whatever their prompts' lengths). A value of one axis is one row
+    (as ``raster``)."""
+
+    name = "frontier"
+    opens_committed = False
+
+    def phase(self, value: str, e: int) -> int | None:
+        return None
+
+    def __init__(self, k: int, width: dict[str, int]) -> None:
+        super().__init__()
+        self.k = k
+        self._width = width  # value -> cells per row (the last axis; every cell for a Set)
+        self._longest = max(width.values(), default=1)
+
+    def open_cells(
+        self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
+    ) -> Tensor:
+        # each row passes over the cells it tried without a commit (as raster, row by row)
+        n = committed.numel()
+        width = self._width.get(value, n) or 1
+        unset = ~committed.view(-1, width)  # (rows, width)
+        rank = unset.cumsum(1) - 1  # (rows, width): the unset cell's place in its row
+        lo = skip * self.k
+        pick = unset & (rank >= lo) & (rank < lo + self.k)
+        return pick.view(-1).nonzero().squeeze(1)
+
+    def stable_after(self, unset: int) -> int:
+        # every unset cell opened once: the longest row's unset cells, k an epoch
+        return max(1, -(-min(unset, self._longest) // self.k))
+
+
 class Random(Schedule):
     """``k`` unset cells drawn by counter-based noise keyed by (seed, value, cell, epoch)."""
 
@@ -301,6 +337,8 @@ def make_schedule(
     match spec.strategy:
         case "raster":
             return Raster(spec.k)
+        case "frontier":
+            return Frontier(spec.k, {v: _row_width(c) for v, c in coords.items()})
         case "random":
             return Random(spec.k, seed)
         case "confidence":
@@ -311,6 +349,14 @@ def make_schedule(
             return Independent({v: colors[v] for v in coords if v in colors})
         case _:
             return Schedule()
+
+
+def _row_width(coords: Tensor) -> int:
+    """Cells per row of a value with ``coords`` (ncells, rank): its last axis's size (a value of
+    no axis: one row of every cell)."""
+    if coords.shape[1] == 0 or coords.shape[0] == 0:
+        return max(int(coords.shape[0]), 1)
+    return int(coords[:, -1].max()) + 1
 
 
 # ---- epoch-guarded triggers ----------------------------------------------------------------------
