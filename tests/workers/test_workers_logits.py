@@ -7,7 +7,7 @@ import torch
 
 from lmpm import Logits
 from lmpm.errors import ModelError
-from lmpm.workers import MaskSets, VocabMask, WorkItem, get_backend
+from lmpm.workers import MaskSets, VocabMask, WorkItem, choose, get_backend
 
 
 def _run(model, cells, vocab, mask=None, **keys):
@@ -104,3 +104,46 @@ def test_plain_logits_are_masked_too():
     alone = res.proposal[:, 1]
     assert set(alone.tolist()) == {0, 1, 2, 3}
     assert ((alone == res.proposal[:, 0]) | ((alone == 0) | (alone == 2))).all()
+
+
+def _general(logits: torch.Tensor, mask: VocabMask) -> torch.Tensor:
+    """The mask as ``allowed`` defines it, level by level (no shortcut)."""
+    return torch.where(choose.allowed(logits, mask), logits, -torch.inf)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_mask_shortcuts_choose_what_the_level_by_level_mask_does(seed: int) -> None:
+    """``masked``'s one-addition path and ``greedy``'s unmasked favourite agree with the general
+    mask on random logits (with -inf, +inf and NaN entries), sets, levels and rows a constraint
+    does not speak about; the favourite returned is the unmasked argmax."""
+    g = torch.Generator().manual_seed(seed)
+    n, vocab, sets = 5, 12, 3
+    logits = torch.randn(n, vocab, generator=g)
+    odd = torch.rand(n, vocab, generator=g)
+    logits[odd < 0.15] = -torch.inf
+    if seed % 4 == 0:
+        logits[0] = -torch.inf  # a row the model allows nothing in
+    if seed % 5 == 0:
+        logits[1, 3] = torch.nan
+    if seed % 7 == 0:
+        logits[2, 5] = torch.inf
+    ok = torch.rand(sets, vocab, generator=g) < (0.2 if seed % 3 == 0 else 0.8)
+    levels = ((0,), (1, 2)) if seed % 2 else ((0, 1), (2,))
+    hard = (2,) if seed % 6 == 0 else ()
+    levels = tuple(tuple(s for s in lv if s not in hard) for lv in levels)
+    levels = tuple(lv for lv in levels if lv)
+    applies = (
+        torch.ones(n, sets, dtype=torch.bool)
+        if seed % 2
+        else torch.rand(n, sets, generator=g) < 0.7
+    )
+    mask = VocabMask(MaskSets(ok, levels, hard), applies)
+    want = _general(logits, mask)
+    got = choose.masked(logits, mask)
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite] == -torch.inf, want[finite] == -torch.inf)
+    rows = ~torch.isnan(logits).any(dim=1)  # a NaN row is a fault the worker reports
+    top, alone = choose.greedy(logits, mask)
+    ref = want.argmax(dim=1, keepdim=True)
+    assert torch.equal(top[rows], ref[rows])
+    assert torch.equal(alone, logits.argmax(dim=1))

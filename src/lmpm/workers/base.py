@@ -85,6 +85,19 @@ class MaskSets:
         tuple[int, ...], ...
     ]  # soft constraints (indices into S) per level, highest first
     hard: tuple[int, ...] = ()  # the `hard` constraints (indices into S)
+    # (V,) bool: a token some constraint of ``hard`` or ``levels`` refuses, and (V,) float32 the
+    # same as 0 / -inf to add to logits (made once, here): where a row's allowed tokens include one
+    # that satisfies them all, masking is one addition (lmpm.workers.choose.masked)
+    drop: Tensor = field(init=False, repr=False, compare=False)
+    bias: Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        used = sorted({*self.hard, *(s for level in self.levels for s in level)})
+        ok = self.ok[used] if used else self.ok[:0]
+        drop = ~ok.all(dim=0) if ok.shape[0] else torch.zeros(self.ok.shape[1], dtype=torch.bool)
+        bias = torch.zeros(drop.shape, device=self.ok.device).masked_fill(drop, -torch.inf)
+        object.__setattr__(self, "drop", drop.to(self.ok.device))
+        object.__setattr__(self, "bias", bias)
 
 
 @dataclass(frozen=True, slots=True)

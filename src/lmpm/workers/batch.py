@@ -579,12 +579,21 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     )
                 return noise[0]
 
-            proposal = choose.choose(
-                logits, chosen.k, chosen.pick, chosen.temperature, gumbel, call.mask
-            )  # (n, k)
-            if call.mask is not None:  # the model alone's choice, checked and beaten in the trace
-                alone = choose.choose(logits, 1, chosen.pick, chosen.temperature, gumbel, None)
-                proposal = choose.alone_column(proposal, alone[:, 0])  # (n, k + 1)
+            if call.mask is None:
+                proposal = choose.choose(
+                    logits, chosen.k, chosen.pick, chosen.temperature, gumbel, None
+                )  # (n, k)
+            else:  # with the model alone's choice, checked and beaten in the trace
+                if chosen.pick == "top" and chosen.k == 1:
+                    proposal, alone = choose.greedy(logits, call.mask)  # (n, 1), (n,)
+                else:
+                    proposal = choose.choose(
+                        logits, chosen.k, chosen.pick, chosen.temperature, gumbel, call.mask
+                    )  # (n, k)
+                    alone = choose.choose(
+                        logits, 1, chosen.pick, chosen.temperature, gumbel, None
+                    )[:, 0]
+                proposal = choose.alone_column(proposal, alone)  # (n, k + 1)
             logp = torch.log_softmax(logits.float() / float(chosen.temperature), dim=-1)
         else:
             proposal = rng.categorical(
@@ -615,9 +624,10 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             score = logp.gather(1, proposal)
         else:  # (n,) of (n, V), or (n, k) of (n, k, V): one token per distribution
             score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
-        broken = torch.isnan(logits) | (logits == float("inf"))
-        all_masked = (logits == float("-inf")).all(-1)
-        bad |= (_rows_any(broken) | _rows_any(all_masked)).to(torch.int8) * BAD_LOGITS
+        # a NaN or +inf logit, or every token -inf: the distribution's max is not finite (amax
+        # propagates NaN): one reduction instead of three passes over the vocabulary
+        broken = ~torch.isfinite(logits.amax(dim=-1))  # (n,) | (n, k)
+        bad |= _rows_any(broken).to(torch.int8) * BAD_LOGITS
         score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
     else:
         assert proposal is not None

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from lmpm.workers.base import VocabMask
 
-__all__ = ["allowed", "alone_column", "choose", "keep_column", "masked"]
+__all__ = ["allowed", "alone_column", "choose", "greedy", "keep_column", "masked"]
 
 
 def allowed(logits: Tensor, mask: VocabMask) -> Tensor:
@@ -66,6 +66,15 @@ def masked(logits: Tensor, mask: VocabMask | None) -> Tensor:
     distributions of a cell share its mask)."""
     if mask is None:
         return logits
+    if logits.dim() == 2 and logits.device.type == "cpu" and bool(mask.applies.all()):
+        # Where a row's allowed tokens include one that satisfies every constraint, each step of
+        # ``allowed`` narrows to those tokens: the mask is one fill of the tokens some constraint
+        # refuses. (A NaN left in such a row makes its max NaN: the general path then runs.)
+        # Host tensors only: on an accelerator the check below would wait for the device.
+        # (Adding 0 / -inf: a +inf logit on a refused token turns NaN, which also falls back.)
+        fast = logits + mask.sets.bias.to(logits.dtype)
+        if bool((fast.amax(dim=1) > -torch.inf).all()):
+            return fast
     if logits.dim() == 3:
         n, k, v = logits.shape
         rows = VocabMask(
@@ -92,9 +101,9 @@ def choose(
     j's noise, so k=1 is the plain Gumbel-max draw of the same key). ``-inf`` logits are never
     chosen; a row with fewer than k tokens left repeats its first choice."""
     vocab = logits.shape[-1]
-    key = masked(logits, mask).to(torch.float64)
-    if pick == "sample":
-        key = key / float(temperature) + gumbel(vocab)  # -inf stays -inf
+    key = masked(logits, mask)
+    if pick == "sample":  # (float64: the noise is added at full precision)
+        key = key.to(torch.float64) / float(temperature) + gumbel(vocab)  # -inf stays -inf
     k = min(int(k), vocab)
     if k == 1:
         return key.argmax(dim=1, keepdim=True)  # the first of equal maxima: the lower id
@@ -103,6 +112,26 @@ def choose(
     left = (key > -torch.inf).sum(dim=1, keepdim=True)  # (n, 1) tokens that can be chosen
     slot = torch.arange(k, device=key.device)
     return torch.where(slot < left, order, order[:, :1])
+
+
+def greedy(logits: Tensor, mask: VocabMask) -> tuple[Tensor, Tensor]:
+    """``(choose(logits, 1, "top", ..., mask), the model alone's favourite (n,))``: the greedy
+    choice under the mask and without it, as the worker needs both (:func:`alone_column`).
+
+    Where a row's favourite (the first of its highest logits) satisfies every constraint, it is
+    also the first of the highest logits the mask keeps (the mask keeps it, and keeps nothing
+    higher): the row needs no mask. Only when some row's favourite is refused does the mask run.
+    """
+    alone = logits.argmax(dim=1)  # (n,) the first of equal maxima
+    if logits.device.type == "cpu":  # (on an accelerator the check would wait for the device)
+        best = logits.gather(1, alone.unsqueeze(1)).squeeze(1)  # NaN fails the test below
+        if bool(((best > -torch.inf) & ~mask.sets.drop[alone]).all()):
+            return alone.unsqueeze(1), alone
+
+    def no_noise(vocab: int) -> Tensor:
+        raise AssertionError("the greedy choice draws no noise")
+
+    return choose(logits, 1, "top", 1.0, no_noise, mask), alone
 
 
 def keep_column(proposal: Tensor, logits: Tensor, mask: VocabMask | None) -> Tensor:
