@@ -97,6 +97,23 @@ class Mistake:
         raise AssertionError(self.name)
 
 
+# B sequences along the FIRST axis of a Grid2D: the frontier schedule (rows = the first axis)
+# would open cells whose context is not generated yet
+GRID = """param N = 16
+value Txt : Token[Byte] shape Grid2D(N, 4) clock Lamport
+value MaskPlan : Event shape Set() clock Lamport
+visible Txt[t, b] <- Txt[0..t-1, b] when t > 0
+rule NextByte:
+  on Txt[t, b]
+  read {context = Txt[0..t-1, b]}
+  emit proposal Txt[t, b] := ByteLM(context, k=2)
+commit Txt[*] using satisfy(max_constraints_then_score)
+rule Schedule:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="frontier")
+"""
+
+
 def m(name: str, base: str, old: str, new: str, code: str, at: str, **kw: object) -> Mistake:
     return Mistake(name, base, old, new, code, at, **kw)  # type: ignore[arg-type]
 
@@ -115,6 +132,15 @@ MISTAKES = [
     m("schedule positional", TEXT, 'strategy="raster"', '"raster"', "E212", '"raster"'),
     m("schedule keyword typo", TEXT, "strategy=", "stratgy=", "E212", "stratgy"),
     m("schedule steps a decimal", TEXT, "k=1)", "steps=2.5)", "E212", "2.5"),
+    m("frontier given steps", TEXT, '"raster", k=1)', '"frontier", steps=4)', "E212", "steps"),
+    m(
+        "frontier on the first axis",
+        GRID,
+        '"frontier"',
+        '"frontier"',
+        "E212",
+        '"frontier"',
+    ),
     m("unknown model", TEXT, "ByteLM(", "ByteLm(", "W210", "ByteLm"),
     m(
         "model input missing",

@@ -195,3 +195,50 @@ def test_a_grid_of_rows_runs_as_one_batch_and_commits_what_generate_does() -> No
     for y in range(rows):
         assert out[:, y].tolist() == hf_greedy(net, prompts[:, y].tolist(), n - p)
     assert adapter.fed == rows * p + rows * (n - p - 1)  # one batch per epoch, cache reused
+
+
+FRONTIER = """
+param N = {n}
+param B = {rows}
+value Txt : Token[{v}] shape Grid2D(B, N) clock Lamport
+value MaskPlan : Event shape Set() clock Lamport
+visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
+rule Next:
+  on Txt[b, t]
+  read {{context = Txt[b, 0..t-1]}}
+  emit proposal Txt[b, t] := GPT(context, k=1, pick="top")
+commit Txt[*] using satisfy(max_constraints_then_score)
+rule Schedule:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="frontier")
+"""
+
+
+def test_the_frontier_schedule_generates_rows_of_different_lengths_as_generate_does() -> None:
+    """``Grid2D(B, N)`` with prompts of different lengths: each epoch opens the next cell of
+    every row still short of N; each row commits what ``generate`` does for its prompt, the rows
+    run as one batch, and a row that is done leaves the others' caches in place (each token is
+    fed once)."""
+    net = tiny_gpt2(5)
+    n, lengths = 12, [3, 7, 5, 11]
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, V, (p,), generator=gen).tolist() for p in lengths]
+    adapter = HFCausalLM(net)
+    run = lmpm.compile(text=FRONTIER.format(n=n, rows=len(lengths), v=V)).runner(
+        bindings={"GPT": adapter}
+    )
+    ids = torch.zeros(len(lengths), n, dtype=torch.int64)
+    given = torch.zeros(len(lengths), n, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+        given[i, : len(p)] = True
+    run.set_input("Txt", ids, given)
+    result = run.run(until_stable=True)
+    out = run.outputs()["Txt"]
+    run.close()
+    opened = [r.open_cells for r in result.records if r.open_cells]
+    assert opened == [sum(n > p + e for p in lengths) for e in range(n - min(lengths))]
+    for i, p in enumerate(prompts):
+        assert out[i].tolist() == hf_greedy(net, p, n - len(p))
+    # the prompts once, then every generated token but each row's last once
+    assert adapter.fed == sum(lengths) + sum(n - p - 1 for p in lengths)

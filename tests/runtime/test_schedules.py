@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lmpm.resolve.schedules import Raster
+from lmpm.resolve.schedules import Frontier, Raster, ScheduleSpec, make_schedule
+from lmpm.runtime.data.texpr import coords
 
 
 @settings(max_examples=200, deadline=None)
@@ -34,3 +35,30 @@ def test_raster_sees_commits_made_in_place() -> None:
     assert raster.open_cells("V", committed, 2).tolist() == []
     fresh = torch.zeros(5, dtype=torch.bool)  # a new state tensor (a restore): read anew
     assert raster.open_cells("V", fresh, 3).tolist() == [0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+    k=st.integers(1, 3),
+    skip=st.integers(0, 3),
+)
+def test_frontier_opens_the_next_k_unset_cells_of_every_row(
+    rows: int, width: int, seed: int, k: int, skip: int
+) -> None:
+    committed = torch.rand(rows * width, generator=torch.Generator().manual_seed(seed)) < 0.5
+    sched = make_schedule(ScheduleSpec("frontier", k), {"V": coords((rows, width))}, {}, 0)
+    assert isinstance(sched, Frontier)
+    got = sched.open_cells("V", committed, 0, skip)
+    want = []
+    for r in range(rows):  # each row on its own: raster over the row
+        unset = [r * width + i for i in range(width) if not committed[r * width + i]]
+        want += unset[skip * k : (skip + 1) * k]
+    assert got.dtype == torch.int64
+    assert got.tolist() == sorted(want)
+    # every unset cell is opened once within stable_after epochs of passing over them
+    assert sched.stable_after(int((~committed).sum())) * k >= max(
+        (int((~committed.view(rows, width)[r]).sum()) for r in range(rows)), default=0
+    )

@@ -10,7 +10,7 @@ import sys
 from lmpm.bindings import BUILTINS
 from lmpm.ir.check.facts import Facts, name_span, suggest
 from lmpm.ir.eval import EvalError, evaluate
-from lmpm.ir.nodes import Arg, ArgKind, Call, DType, Rule, RuleKind, Value
+from lmpm.ir.nodes import Arg, ArgKind, AxisKind, Call, DType, Expr, Rule, RuleKind, Value
 from lmpm.lang import ast
 from lmpm.signatures import POLICIES, SIGNATURES, Signature
 from lmpm.signatures import Param as SigParam
@@ -169,6 +169,47 @@ def _schedule(f: Facts, call: Call) -> None:
             )
             continue
         _keyword(f, "E212", call, i, a, sig)
+    _frontier(f, call)
+
+
+def _frontier(f: Facts, call: Call) -> None:
+    """`SampleTiles(strategy="frontier")` generates each value's rows (every axis but the last)
+    side by side, each along its last axis: `steps` is not its (E212), and a value whose cells
+    read their own value along a leading axis with the last one fixed (`Txt[t, b] <-
+    Txt[0..t-1, b]`: the sequence is the first axis) would open cells whose context is not
+    generated yet (E212: put the sequence axis last, or use raster)."""
+    keys = {a.key: (i, a) for i, a in enumerate(call.args) if a.key is not None}
+    hit = keys.get("strategy")
+    if hit is None or hit[1].value != "frontier":
+        return
+    if "steps" in keys:
+        f.sink.error(
+            "E212",
+            "`SampleTiles`: `steps` is the confidence schedule's; frontier opens the next `k` "
+            "cells of every row each epoch",
+            f.arg_span(call, keys["steps"][0]),
+            'remove it: SampleTiles(strategy="frontier", k=1)',
+        )
+    for s in f.p.stencils:
+        if s.target != s.source or s.target not in f.proposed or len(s.axes) < 2:
+            continue
+        last = s.axes[-1]
+        own = s.vars[-1] if s.vars else None
+        fixed_last = last.kind == AxisKind.AT and last.lo == Expr.var(own) if own else False
+        along_lead = any(
+            a.kind != AxisKind.AT or a.lo != Expr.var(v) for a, v in zip(s.axes, s.vars)
+        )
+        if fixed_last and along_lead:
+            f.sink.error(
+                "E212",
+                f"the frontier schedule generates the rows of `{s.target}` side by side along "
+                f"its last axis, but its cells read along a leading axis with the last one "
+                "fixed: a cell would open before the cells it reads are generated",
+                f.arg_span(call, hit[0], value=True),
+                f"put the sequence axis last (`{s.target}[b, t] <- {s.target}[b, 0..t-1]` on "
+                "Grid2D(B, N)), or use strategy=\"raster\"",
+            )
+            return
 
 
 def _model(f: Facts, r: Rule, call: Call) -> None:
