@@ -360,5 +360,6 @@ def main() -> None:
     if args.only in (None, "batch"):
         print(json.dumps(batch(16, 16 if args.quick else 64, repeats)), flush=True)
 
+
 if __name__ == "__main__":
     main()

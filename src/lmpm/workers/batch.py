@@ -590,9 +590,10 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     proposal = choose.choose(
                         logits, chosen.k, chosen.pick, chosen.temperature, gumbel, call.mask
                     )  # (n, k)
-                    alone = choose.choose(
+                    first = choose.choose(
                         logits, 1, chosen.pick, chosen.temperature, gumbel, None
-                    )[:, 0]
+                    )  # (n, 1)
+                    alone = first[:, 0]
                 proposal = choose.alone_column(proposal, alone)  # (n, k + 1)
             logp = torch.log_softmax(logits.float() / float(chosen.temperature), dim=-1)
         else:

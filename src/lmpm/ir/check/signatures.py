@@ -207,7 +207,7 @@ def _frontier(f: Facts, call: Call) -> None:
                 "fixed: a cell would open before the cells it reads are generated",
                 f.arg_span(call, hit[0], value=True),
                 f"put the sequence axis last (`{s.target}[b, t] <- {s.target}[b, 0..t-1]` on "
-                "Grid2D(B, N)), or use strategy=\"raster\"",
+                'Grid2D(B, N)), or use strategy="raster"',
             )
             return
 
