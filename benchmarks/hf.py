@@ -195,7 +195,7 @@ def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
     prompts = [torch.randint(0, ALLOWED, (n,), generator=gen).tolist() for n in lengths]
     n = max(lengths) + new  # every row generates at least ``new`` tokens
     steps = n - min(lengths)  # HF's steps: its shortest row reaches N
-    net = make_model(max(n, 64))
+    net = make_model(max(lengths) + steps)  # (HF's left-padded rows run past N)
     ids = torch.zeros(rows, n, dtype=torch.int64)
     given = torch.zeros(rows, n, dtype=torch.bool)
     for i, p in enumerate(prompts):
