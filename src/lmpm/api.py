@@ -41,39 +41,30 @@ class Compiled:
 
         return masks(self.ir, self.params, layout)
 
-    def runner(
-        self,
-        *,
-        run_dir: str | Path | None = None,
-        trace: str = "summary",
-        trace_region: str | None = None,
-        checkpoint_every: int | None = None,
-        force: bool = False,
-        **kw: Any,
-    ) -> Run:
-        """A :class:`lmpm.runtime.session.Run` (``bindings=``, ``inputs=``, ``seed=``, ``epochs=``,
-        ``backend=``, ``bind=``, ``compile=``...), checked as `lmpm run` checks before epoch 0. It
-        binds what :func:`compile` was given, and ``bind=``/``bindings=`` given here on top. With
-        ``run_dir=`` every epoch goes to RUN_DIR/lmpm.db, as `lmpm run --out RUN_DIR` writes it
-        (``trace=`` off/summary/cells, ``trace_region=``), and the outputs are written there when
-        the run ends; `lmpm trace RUN_DIR` and ``lmpm.resume(RUN_DIR)`` read it."""
+    def runner(self, *, run_dir: str | Path | None = None, **options: Any) -> Run:
+        """A :class:`lmpm.runtime.session.Run` with keyword ``options``, the fields of
+        :class:`lmpm.runtime.config.RunConfig` (``bindings=``, ``inputs=``, ``seed=``,
+        ``epochs=``, ``backend=``, ``bind=``, ``compile=``, ``workers=``...), checked as `lmpm run`
+        checks before epoch 0. It binds what :func:`compile` was given, and ``bind=``/``bindings=``
+        given here on top. With ``run_dir=`` every epoch goes to RUN_DIR/lmpm.db by the same path
+        as `lmpm run --out RUN_DIR` (``trace=`` off/summary/cells, ``trace_region=``,
+        ``checkpoint_every=``, ``durable=``, ``force=``; a run there that failed before its first
+        epoch is replaced), and the outputs are written there when the run ends
+        (``finish()``); `lmpm trace RUN_DIR` and ``lmpm.resume(RUN_DIR)`` read it."""
+        from lmpm.runtime.config import RunConfig
         from lmpm.runtime.session import Run
 
+        cfg = RunConfig(params=self.params).replace(**options)
         loaded = self.bindings
-        if kw.get("bind") or kw.get("bindings"):
-            loaded = loaded.extended(kw.pop("bind", ()), dict(kw.pop("bindings", None) or {}))
-        kw.pop("bind", None)
-        kw.pop("bindings", None)
-        run = Run(self.front, params=self.params, bindings=loaded, **kw)
+        if cfg.bind or cfg.bindings:
+            loaded = loaded.extended(cfg.bind, dict(cfg.bindings or {}))
+        run = Run(self.front, cfg.replace(bind=(), bindings=loaded))
         if run_dir is not None:
-            run.log_to(
-                run_dir,
-                trace=trace,
-                trace_region=trace_region,
-                checkpoint_every=checkpoint_every,
-                force=force,
-                source=self.source,
-            )
+            try:
+                run.log_to(run_dir, source=self.source)
+            except BaseException:
+                run.close()
+                raise
         return run
 
     @property
@@ -137,6 +128,7 @@ def resume(
     bind: Sequence[str] | None = None,
     bindings: Mapping[str, Any] | None = None,
     trust_bind: bool = False,
+    **options: Any,
 ) -> Run:
     """Continue the run in ``run_dir`` (written by `lmpm run --out` or ``runner(run_dir=...)``)
     from its last complete epoch, with the settings it was started with: what
@@ -144,24 +136,27 @@ def resume(
     as `--compile`). A run started with bound modules needs ``bind=[...]`` naming them again (as
     it was started), or ``trust_bind=True`` to import what the run directory names; a run started
     with ``bindings={...}`` needs them again (the same names with the same Python signatures, as
-    the run recorded them; a ``bind=`` module binding them will do too). Call ``.run()`` on the
-    result, then ``.finish()``::
+    the run recorded them; a ``bind=`` module binding them will do too). Other ``options`` are
+    the fields of :class:`lmpm.runtime.config.ResumeRequest` (``until=``, ``durable=``,
+    ``driver=``, ``worker_timeout=``...). Call ``.run()`` on the result, then ``.finish()``::
 
         run = lmpm.resume("runs/mine", epochs=30, bindings={"Neighbours": neighbours})
         run.run(run.epochs)
         run.finish()
     """
+    from lmpm.runtime.config import ResumeRequest
     from lmpm.runtime.session import resume as _resume
 
-    return _resume(
-        run_dir,
+    request = ResumeRequest.of(
         epochs=epochs,
         backend=backend,
         compile=compile,
         bind=bind,
         bindings=bindings,
         trust_bind=trust_bind,
+        **options,
     )
+    return _resume(run_dir, request=request)
 
 
 def _short(text: str) -> str:

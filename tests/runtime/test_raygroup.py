@@ -20,7 +20,13 @@ from lmpm.cli import main  # noqa: E402
 from lmpm.errors import UsageError  # noqa: E402
 from lmpm.resolve.topology import partition  # noqa: E402
 from lmpm.runtime.data.group import WorkerGroup  # noqa: E402
-from lmpm.runtime.data.raygroup import RayGroup, WorkerLost, parse_fault  # noqa: E402
+from lmpm.runtime.data.raygroup import (  # noqa: E402
+    RayGroup,
+    RayOptions,
+    Recipe,
+    WorkerLost,
+    parse_fault,
+)
 from lmpm.runtime.io import load_input  # noqa: E402
 from lmpm.runtime.records import CHECKSUM_POLICIES  # noqa: E402
 from lmpm.runtime.session import Run  # noqa: E402
@@ -59,8 +65,7 @@ def _run(
             topology=partition(run.plan, workers, replicate_bytes=0),
             seed=3,
             checksum_policies=CHECKSUM_POLICIES,
-            recipe=(run.front.ir, run.params, (), {}, None),
-            timeout=8.0,
+            options=RayOptions(recipe=Recipe(run.front.ir, run.params, (), {}, None), timeout=8.0),
         )
         run.engine.dataplane = run.dataplane = group
     try:
@@ -116,7 +121,8 @@ def test_ray_workers_count_the_messages_that_cross(tmp_path: Path) -> None:
         topo = partition(run.plan, 2, replicate_bytes=0)
         extra: dict[str, Any] = {}
         if driver is RayGroup:
-            extra = {"recipe": (run.front.ir, run.params, (), {}, None), "timeout": 8.0}
+            recipe = Recipe(run.front.ir, run.params, (), {}, None)
+            extra = {"options": RayOptions(recipe=recipe, timeout=8.0)}
         group = driver(run.plan, 2, topology=topo, seed=3, **extra)
         run.engine.dataplane = run.dataplane = group
         try:

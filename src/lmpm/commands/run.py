@@ -7,7 +7,6 @@ docs/trace.md); `lmpm run --resume RUN_DIR` continues a killed run from its last
 from __future__ import annotations
 
 import argparse
-import sqlite3
 import statistics
 import sys
 from collections.abc import Sequence
@@ -25,16 +24,12 @@ from lmpm.commands._common import (
     program_path,
 )
 from lmpm.commands.check import unknown_params
-from lmpm.errors import CheckError, ConstraintEvalError, LmpmError, ModelError, UsageError
+from lmpm.errors import CheckError, UsageError
+from lmpm.runtime.config import DEFAULT_CHECKPOINT_EVERY, ResumeRequest, RunConfig
 
 if TYPE_CHECKING:
-    from lmpm.runtime.control.commitlog import CommitLog
     from lmpm.runtime.session import Run
 
-DEFAULT_CHECKPOINT_EVERY = (
-    20  # mirrors lmpm.runtime.control.commitlog (not imported: keeps --help light)
-)
-MAX_EPOCHS = 2**31 - 1  # epochs numbered beyond this would not fit the log's and trace's counters
 
 HELP = "run a program: epochs of compute → propose → check → agree → commit"
 
@@ -160,21 +155,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _checkpoint_every(value: int | None) -> int:
-    if value is not None and value < 1:
-        raise UsageError("--checkpoint-every must be at least 1", code="U024")
-    return value or DEFAULT_CHECKPOINT_EVERY
+def config(args: argparse.Namespace, out_dir: Path | None) -> RunConfig:
+    """The run's config from the command's flags (validated once, in RunConfig)."""
+    return RunConfig(
+        params=parse_sets(args.set),
+        bind=tuple(args.bind),
+        inputs=parse_inputs(args.input),
+        tokenizers=parse_tokenizers(args.tokenizer),
+        seed=0 if args.seed is None else args.seed,
+        backend=args.backend or "cpu",
+        epochs=args.epochs,
+        until=args.until,
+        workers=1 if args.workers is None else args.workers,
+        driver=args.driver,
+        cluster=args.cluster,
+        worker_timeout=args.worker_timeout,
+        checkpoint_every=_every(args.checkpoint_every),
+        durable=args.durable,
+        trace=args.trace or "summary",
+        trace_region=args.trace_region,
+        compile=args.compile,
+        max_memory=args.max_memory,
+        keep_records=False,  # the commit log keeps them; a long run must not hold them all
+        out=out_dir,
+        force=args.force,
+    )
+
+
+def _every(k: int | None) -> int:
+    return DEFAULT_CHECKPOINT_EVERY if k is None else k
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.epochs is not None and not 1 <= args.epochs <= MAX_EPOCHS:
-        raise UsageError(
-            f"--epochs must be between 1 and {MAX_EPOCHS:,}, got {args.epochs}", code="U022"
-        )
     if args.trust_bind and not args.resume:
         raise UsageError("--trust-bind only applies to --resume", code="U041")
-    if args.seed is not None and not -(2**63) <= args.seed < 2**63:
-        raise UsageError(f"--seed must fit in 64 bits, got {args.seed}", code="U042")
     if args.ruleset and not args.resume:
         raise UsageError(
             "--enable/--disable change the RuleSet of a run between epochs: they apply to --resume",
@@ -182,42 +196,29 @@ def run(args: argparse.Namespace) -> int:
             hint="a new run starts with every constraint enabled",
         )
     if args.resume:
+        # the flags' values are checked as a new run's are (U022, U042, U024)
+        RunConfig(
+            epochs=args.epochs,
+            seed=0 if args.seed is None else args.seed,
+            checkpoint_every=_every(args.checkpoint_every),
+        )
         return _resume(args)
     if args.file is None:
         raise UsageError("give the .lmpm program to run, or --resume RUN_DIR", code="U023")
 
     from lmpm.bindings import Bindings
     from lmpm.ir import compile_file
-    from lmpm.runtime.control.commitlog import (
-        CommitLog,
-        RunInfo,
-        failed_before_first_epoch,
-        program_hash,
-        refuse_existing,
-    )
-    from lmpm.runtime.lock import RunLock
-    from lmpm.runtime.rundir import holds_run, remove_run
-    from lmpm.runtime.runfiles import claim_folder
-    from lmpm.runtime.session import Run, bind_specs, make_tracer
-    from lmpm.runtime.vocab import tokenizer_meta
+    from lmpm.runtime.session import Run, check_out
 
     path = program_path(args.file)
-    params = parse_sets(args.set)
-    level = args.trace or "summary"
-    if args.trace_region and level != "cells":
-        raise UsageError("--trace-region needs --trace cells", code="U025")
-    every = _checkpoint_every(args.checkpoint_every)
-    out_dir = Path(args.out) if args.out else Path("runs") / path.stem
-    claim_folder(out_dir)  # a folder of other files: refused before any work (D034)
-    if holds_run(out_dir) and not args.force:
-        RunLock(out_dir, create_dir=False).acquire().release()  # a live run: say so, not "exists"
-        if not failed_before_first_epoch(out_dir):
-            refuse_existing(out_dir)
+    cfg = config(args, Path(args.out) if args.out else Path("runs") / path.stem)
+    assert cfg.out is not None
+    check_out(cfg.out, cfg.force)  # before any work: a folder of other files, a run there
     # the --bind modules are loaded once, first: the program is checked against the names they
     # bind (one of them may override a built-in), as `lmpm check --bind` checks it
-    loaded = Bindings(args.bind)
+    loaded = Bindings(cfg.bind)
     front = compile_file(
-        path, overrides=params, raise_errors=False, bound_names=loaded.user_names()
+        path, overrides=dict(cfg.params), raise_errors=False, bound_names=loaded.user_names()
     )
     unknown_params(front)  # an unknown --set name is a usage error (exit 2), listing the params
     print_diagnostics([d for d in front.diagnostics if d.severity == "error"], False)
@@ -228,73 +229,22 @@ def run(args: argparse.Namespace) -> int:
     if is_training(front.ir):
         from lmpm.train.cli import run_training
 
-        spec = train_spec(front.ir, params)
+        spec = train_spec(front.ir, dict(cfg.params))
         assert spec is not None
-        return run_training(args, spec, path.read_text(encoding="utf-8"), params, out_dir)
-    inputs = parse_inputs(args.input)
-    tokenizers = parse_tokenizers(args.tokenizer)
-    seed = args.seed if args.seed is not None else 0
-    backend = args.backend or "cpu"
-    session = Run(
-        front,
-        params=params,
-        bindings=loaded,
-        inputs=inputs,
-        seed=seed,
-        backend=backend,
-        epochs=args.epochs,
-        keep_records=False,  # the commit log keeps them; a long run must not hold them all
-        workers=1 if args.workers is None else args.workers,
-        driver=args.driver,
-        cluster=args.cluster,
-        worker_timeout=args.worker_timeout,
-        compile=args.compile,
-        tokenizers=tokenizers,
-        max_memory=args.max_memory,
-    )
-    tracer, region = make_tracer(session, level, args.trace_region)
-    info = RunInfo(
-        program_hash=program_hash(front.ir),
-        program_file=str(path),
-        source=path.read_text(encoding="utf-8"),
-        params=params,
-        bind=bind_specs(args.bind),
-        bound=session.bound,
-        seed=seed,
-        backend=backend,
-        epochs=args.epochs,
-        until=args.until,
-        trace=level,
-        trace_region=region,
-        checkpoint_every=every,
-        inputs={k: str(Path(v).resolve()) for k, v in inputs.items()},
-        durable=args.durable,
-        workers=session.workers,
-        tokenizers=tokenizer_meta(front.ir, session.vocabularies),
-    )
-    # Every writer holds the directory's lock for the run's life; the checks above are repeated
-    # under it, since another process may have started a run there meanwhile.
-    with RunLock(out_dir, what="delete (--force)" if args.force else "write"):
-        replace = False  # a run that failed before its first epoch committed nothing
-        if holds_run(out_dir) and not args.force:
-            if not failed_before_first_epoch(out_dir):
-                refuse_existing(out_dir)
-            replace = True
-            if not args.quiet:
-                print(
-                    f"note: replacing {out_dir}: its run failed before its first epoch",
-                    file=sys.stderr,
-                )
-        if args.force or replace:
-            try:
-                remove_run(out_dir)
-            except OSError as e:
-                from lmpm.runtime.lock import os_error
-
-                raise os_error(e, "delete the old run in", out_dir) from None
-        log = CommitLog(out_dir, info, tracer=tracer, argv=sys.argv[1:])
-        session.save_tokenizers(out_dir)
-        return _execute(session, log, args, out_dir, args.epochs, args.until, quiet=0, note="")
+        return run_training(args, spec, path.read_text(encoding="utf-8"), dict(cfg.params), cfg.out)
+    session = Run(front, cfg.replace(bindings=loaded))
+    try:
+        session.log_to(
+            source=path.read_text(encoding="utf-8"),
+            program_file=str(path),
+            argv=sys.argv[1:],
+            quiet=args.quiet,
+            cli=True,
+        )
+    except BaseException:
+        session.close()
+        raise
+    return _execute(session, args, quiet=0, note="")
 
 
 def _resume(args: argparse.Namespace) -> int:
@@ -323,40 +273,38 @@ def _resume(args: argparse.Namespace) -> int:
             "--input is not needed with --resume: the inputs are in RUN_DIR's first checkpoint",
             code="U028",
         )
-    from lmpm.runtime.session import resume
+    from lmpm.runtime import session as sessions
 
+    request = ResumeRequest(
+        file=program_path(args.file) if args.file is not None else None,
+        epochs=args.epochs,
+        until=args.until,
+        backend=args.backend,
+        durable=args.durable,
+        trace_region=args.trace_region,
+        params=parse_sets(args.set) if args.set else None,
+        seed=args.seed,
+        trace=args.trace,
+        checkpoint_every=args.checkpoint_every,
+        workers=args.workers,
+        driver=args.driver,
+        cluster=args.cluster,
+        worker_timeout=args.worker_timeout,
+        compile=args.compile,
+        keep_records=False,
+        bind=tuple(args.bind),
+        trust_bind=args.trust_bind,
+        ruleset=tuple(args.ruleset or ()),
+        argv=tuple(sys.argv[1:]),
+        cli=True,
+    )
     try:
-        session = resume(
-            run_dir,
-            file=program_path(args.file) if args.file is not None else None,
-            epochs=args.epochs,
-            until=args.until,
-            backend=args.backend,
-            bind=args.bind,
-            trust_bind=args.trust_bind,
-            settings={
-                "params": ("--set", parse_sets(args.set) if args.set else None),
-                "seed": ("--seed", args.seed),
-                "trace": ("--trace", args.trace),
-                "checkpoint_every": ("--checkpoint-every", args.checkpoint_every),
-            },
-            workers=args.workers,
-            driver=args.driver,
-            cluster=args.cluster,
-            worker_timeout=args.worker_timeout,
-            compile=args.compile,
-            keep_records=False,
-            durable=args.durable,
-            trace_region=args.trace_region,
-            ruleset=args.ruleset or (),
-            argv=sys.argv[1:],
-            cli=True,
-        )
+        session = sessions.resume(run_dir, request=request)
     except CheckError as e:
         print_diagnostics(e.diagnostics, False)
         return 1
-    restored, log = session.restored, session.log
-    assert restored is not None and log is not None
+    restored = session.restored
+    assert restored is not None
     if args.epochs is None and session.epochs is not None and restored.epoch >= session.epochs:
         _at_the_limit(session, run_dir, restored.epoch, args.ruleset or ())
     note = (
@@ -365,20 +313,7 @@ def _resume(args: argparse.Namespace) -> int:
         + (f", {restored.skipped} damaged newer checkpoint(s) skipped" if restored.skipped else "")
         + "); "
     )
-    lock = session._lock
-    try:
-        return _execute(
-            session,
-            log,
-            args,
-            run_dir,
-            session.epochs,
-            session.until,
-            quiet=restored.quiet,
-            note=note,
-        )
-    finally:
-        lock.release()
+    return _execute(session, args, quiet=restored.quiet, note=note)
 
 
 def _at_the_limit(
@@ -400,24 +335,16 @@ def _at_the_limit(
     sys.stderr.write(f"note: {run_dir} had reached its limit of {epoch} epochs: {more}\n")
 
 
-def _execute(
-    session: Run,
-    log: CommitLog,
-    args: argparse.Namespace,
-    out_dir: Path,
-    epochs: int | None,
-    until: str | None,
-    *,
-    quiet: int,
-    note: str,
-) -> int:
+def _execute(session: Run, args: argparse.Namespace, *, quiet: int, note: str) -> int:
+    """Run ``session``'s epochs with a progress bar, then end it (:meth:`Run.finish`; a failure:
+    :meth:`Run.failed`, the API's end of a run too) and print what it did."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    if log not in session.engine.observers:  # (a resumed run's log is attached already)
-        session.engine.observers.append(log)
+    out_dir, epochs = session.run_dir, session.epochs
+    assert out_dir is not None
     console = Console(stderr=True)
-    try:
+    with session:  # a failure is marked in the log (Run.failed), the run closed
         with Progress(
             TextColumn("[bold]epoch {task.completed}"),
             BarColumn(),
@@ -454,36 +381,9 @@ def _execute(
                 )
 
             res = session.run(
-                epochs, until_stable=until == "stable", progress=progress, quiet=quiet
+                epochs, until_stable=session.until == "stable", progress=progress, quiet=quiet
             )
-        files = session.write(out_dir)
-        log.finish(files)
-    except LmpmError as e:
-        if isinstance(e, ModelError | ConstraintEvalError):
-            e.hint = _resumable(e.hint, out_dir, session.engine.epoch)
-        log.mark("failed", e.render())
-        raise
-    except KeyboardInterrupt:
-        log.mark("interrupted")
-        raise
-    except OSError as e:
-        from lmpm.runtime.lock import os_error
-
-        err = os_error(e, "write", out_dir)
-        log.mark("failed", err.render())
-        raise err from None
-    except sqlite3.Error as e:
-        from lmpm.runtime.lock import sqlite_error
-
-        err = sqlite_error(e, "write", out_dir / "lmpm.db")
-        log.mark("failed", err.render())
-        raise err from None
-    except BaseException as e:
-        log.mark("failed", f"internal error: {type(e).__name__}: {e}")
-        raise
-    finally:
-        log.close()
-        session.close()
+        files = session.finish()
     state = res.stop.message(detail=False) if res.stop is not None else "stopped"
     faults = getattr(session.dataplane, "faults", [])
     if faults:
@@ -507,19 +407,6 @@ def _execute(
     if res.stop is not None and res.stop.total_unset:
         console.print(_unset_note(res.stop.total_unset, res.stop.unset), highlight=False)
     return 0
-
-
-def _resumable(hint: str | None, out_dir: Path, epoch: int) -> str:
-    """A model's or a predicate's fault ended epoch ``epoch``: the epochs before it are in the
-    log, and the run goes on from there once the code is fixed (the hint of R050 and its kin)."""
-    if epoch == 0:
-        again = "after fixing it, run the same command again (no epoch was committed)"
-    else:
-        again = (
-            f"epochs 0..{epoch - 1} are in {out_dir}: after fixing it, `lmpm run --resume "
-            f"{out_dir}` goes on from epoch {epoch}"
-        )
-    return f"{hint}; {again}" if hint else again
 
 
 MSG_COMPILE_COST = (

@@ -21,6 +21,7 @@ True
 from __future__ import annotations
 
 import math
+import sqlite3
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -39,22 +40,26 @@ from lmpm.bindings import (
 from lmpm.errors import (
     BindError,
     CheckError,
+    ConstraintEvalError,
     DiagnosticSink,
     InputError,
     LmpmError,
+    ModelError,
     RunDirError,
     UsageError,
 )
 from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
 from lmpm.resolve.policies import POLICIES
+from lmpm.runtime.config import ResumeRequest, RunConfig
+from lmpm.runtime.config import bind_specs as bind_specs
 from lmpm.runtime.control.commitlog import (
-    DEFAULT_CHECKPOINT_EVERY,
     MSG_FOREIGN,
     CommitLog,
     Restored,
     RunInfo,
     check_epochs,
+    failed_before_first_epoch,
     file_sha256,
     program_hash,
     refuse_existing,
@@ -64,12 +69,13 @@ from lmpm.runtime.control.engine import Engine, Observer
 from lmpm.runtime.control.trace import Tracer, parse_region
 from lmpm.runtime.data import validate
 from lmpm.runtime.data.group import WorkerGroup
-from lmpm.runtime.data.raygroup import DEFAULT_TIMEOUT, RayGroup
+from lmpm.runtime.data.raygroup import RayGroup, RayOptions, Recipe
 from lmpm.runtime.io import load_input, output_array, write_outputs
-from lmpm.runtime.lock import RunLock
+from lmpm.runtime.lock import RunLock, os_error, sqlite_error
 from lmpm.runtime.received import interpreting
 from lmpm.runtime.records import CHECKSUM_POLICIES, RunResult
 from lmpm.runtime.rundir import connect, db_path, holds_run, read_meta, remove_run
+from lmpm.runtime.runfiles import claim_folder
 from lmpm.runtime.vocab import (
     Vocabulary,
     bind_vocabularies,
@@ -101,112 +107,93 @@ def refuse_workflows(front: Frontend) -> None:
     )
 
 
+# What Run.log_to may still change: the commit log's own settings.
+LOG_SETTINGS = ("trace", "trace_region", "checkpoint_every", "durable", "until", "force")
+
+
 class Run:
-    """A program bound to parameters, bindings, inputs and a seed, ready to run epochs."""
+    """A program bound to parameters, bindings, inputs and a seed, ready to run epochs.
+
+    ``config``: a :class:`~lmpm.runtime.config.RunConfig`; keyword ``options`` are its fields
+    (``params=``, ``bind=``, ``bindings=``, ``inputs=``, ``seed=``, ``epochs=``, ``workers=``,
+    ``compile=``...), given instead of it or on top of it. ``observers`` see every epoch;
+    ``topology``: the partition of a multi-worker run (default
+    :func:`lmpm.resolve.topology.partition`)."""
 
     def __init__(
         self,
         front: Frontend,
+        config: RunConfig | None = None,
+        /,
         *,
-        params: Mapping[str, int] | None = None,
-        bind: Sequence[str] = (),
-        bindings: Mapping[str, Any] | Bindings | None = None,
-        inputs: Mapping[str, str | Path] | None = None,
-        seed: int = 0,
-        backend: str = "cpu",
-        epochs: int | None = None,
         observers: Sequence[Observer] = (),
-        guard: bool = False,
-        keep_records: bool = True,
-        workers: int = 1,
-        driver: str | None = None,
-        cluster: str | None = None,
-        worker_timeout: float | None = None,
         topology: Any = None,
-        compile: bool = False,
-        tokenizers: Mapping[str, str | Path] | None = None,
-        max_memory: int | None = None,
+        **options: Any,
     ) -> None:
         refuse_workflows(front)
+        cfg = (config or RunConfig()).replace(**options)
         self.front = front
         # a tokenizer sizes its vocabulary (the parameter NAME of Token[NAME]): lmpm.runtime.vocab
-        self.vocabularies, self.params = bind_vocabularies(front.ir, tokenizers or {}, params or {})
-        self.given_params = dict(params or {})  # what the caller set (a run's stored settings)
+        self.vocabularies, self.params = bind_vocabularies(front.ir, cfg.tokenizers, cfg.params)
+        self.given_params = dict(cfg.params)  # what the caller set (a run's stored settings)
         require_sizes(front.ir, self.params)
-        self.seed = seed
-        self.backend = backend
-        self.epochs = epochs
         # ``bindings``: a mapping, or the Bindings of ``bind`` and a mapping already loaded (the
         # program was checked against them: `lmpm run`, lmpm.compile, resume)
-        if isinstance(bindings, Bindings):
-            self.bindings = bindings.extended(bind) if bind else bindings
-        else:
-            self.bindings = Bindings(bind, dict(bindings or {}))
+        self.bindings = _loaded(cfg)
+        self.config = cfg.replace(bind=self.bindings.modules, bindings=self.bindings)
+        self.seed, self.backend, self.epochs = cfg.seed, cfg.backend, cfg.epochs
         self.bind = self.bindings.modules
-        mapping = self.bindings.mapping
-        check_bindings(front, self.params, self.bindings, mapping)
+        check_bindings(front, self.params, self.bindings, self.bindings.mapping)
         # what the run directory records of the names this run binds itself (resume checks it)
         self.bound = bound_record(self.bindings, {c.func for c in front.ir.calls()})
         self.plan: Plan = resolve(
-            front.ir, self.params, self.bindings, epochs=epochs, max_memory=max_memory
+            front.ir, self.params, self.bindings, epochs=cfg.epochs, max_memory=cfg.max_memory
         )
-        self.workers = workers
-        self.driver = pick_driver(workers, driver, cluster)
-        if worker_timeout is not None and not worker_timeout > 0:
-            raise UsageError(
-                f"worker timeout {worker_timeout}: give a positive number of seconds", code="U083"
-            )
-        group = None
-        if self.driver != "single":
-            if guard:
-                raise UsageError("the payload guard checks one worker; use workers=1", code="U080")
-            group = make_group(
-                self.plan,
-                workers,
-                self.driver,
-                backend=backend,
-                seed=seed,
-                cluster=cluster,
-                timeout=worker_timeout,
-                topology=topology,
-                recipe=(front.ir, self.params, bind_specs(self.bind), mapping, epochs),
-            )
+        self.workers, self.driver = cfg.workers, cfg.driver_name
         self.engine = Engine(
             self.plan,
-            backend=backend,
-            seed=seed,
+            backend=cfg.backend,
+            seed=cfg.seed,
             observers=observers,
-            keep_records=keep_records,
-            guard=guard,
-            dataplane=group,
+            keep_records=cfg.keep_records,
+            guard=cfg.guard,
+            dataplane=self._group(topology),
         )
         # the concrete data plane (the API edge reaches its workers; the engine only its port)
         self.dataplane: Any = self.engine.dataplane
-        if compile:
-            try:
-                self.engine.compile()
-                # LMPM_VALIDATE=eager: each compiled epoch decided eagerly too, and compared
-                validate.install(self.dataplane)
-            except BaseException:
-                self.close()
-                raise
-        self.inputs = {name: str(path) for name, path in (inputs or {}).items()}
+        self.inputs = dict(cfg.inputs)
         self.restored: Restored | None = None  # set by resume()
-        self.until: str | None = None
+        self.until: str | None = cfg.until
         try:
-            for name, path in (inputs or {}).items():
-                vp = self.plan.values.get(name)
-                if vp is None:
-                    raise UsageError(
-                        f"--input {name}=...: the program has no value `{name}` with cells",
-                        hint="values: " + ", ".join(self.plan.values),
-                        code="U020",
-                    )
-                payload, mask = load_input(path, vp, self.value_vocabularies.get(name))
-                self.set_input(name, payload, mask)
+            self._prepare()
         except BaseException:
             self.close()  # worker processes started for this run
             raise
+
+    def _group(self, topology: Any) -> Any:
+        """The worker group of a multi-worker run (None: one worker, in this process)."""
+        if self.driver == "single":
+            return None
+        cfg = self.config
+        recipe = Recipe(self.front.ir, self.params, self.bind, self.bindings.mapping, cfg.epochs)
+        return make_group(self.plan, cfg, recipe=recipe, topology=topology)
+
+    def _prepare(self) -> None:
+        """Compile the epoch step (``compile``) and commit the ``inputs``."""
+        if self.config.compile:
+            self.engine.compile()
+            # LMPM_VALIDATE=eager: each compiled epoch decided eagerly too, and compared
+            validate.install(self.dataplane)
+        for name, path in self.config.inputs.items():
+            vp = self.plan.values.get(name)
+            if vp is None:
+                raise UsageError(
+                    f"--input {name}=...: the program has no value `{name}` with cells",
+                    hint="values: " + ", ".join(self.plan.values),
+                    code="U020",
+                )
+            payload, mask = load_input(path, vp, self.value_vocabularies.get(name))
+            self.set_input(name, payload, mask)
 
     @property
     def value_vocabularies(self) -> dict[str, Vocabulary]:
@@ -218,18 +205,24 @@ class Run:
         return save_tokenizers(run_dir, self.vocabularies)
 
     @classmethod
-    def from_source(cls, text: str, file: str = "<input>", **kw: Any) -> Run:
-        loaded = _loaded(kw)
-        front = compile_source(
-            text, file, overrides=kw.get("params"), bound_names=loaded.user_names()
-        )
-        return cls(front, bindings=loaded, **kw)
+    def from_source(
+        cls, text: str, file: str = "<input>", *, observers: Sequence[Observer] = (), **options: Any
+    ) -> Run:
+        """A Run of program ``text`` (checked against its ``bind=``/``bindings=`` first)."""
+        cfg = RunConfig().replace(**options)
+        loaded = _loaded(cfg)
+        front = compile_source(text, file, overrides=cfg.params, bound_names=loaded.user_names())
+        return cls(front, cfg.replace(bindings=loaded), observers=observers)
 
     @classmethod
-    def from_file(cls, path: str | Path, **kw: Any) -> Run:
-        loaded = _loaded(kw)
-        front = compile_file(path, overrides=kw.get("params"), bound_names=loaded.user_names())
-        return cls(front, bindings=loaded, **kw)
+    def from_file(
+        cls, path: str | Path, *, observers: Sequence[Observer] = (), **options: Any
+    ) -> Run:
+        """A Run of the program in ``path`` (checked against its ``bind=``/``bindings=`` first)."""
+        cfg = RunConfig().replace(**options)
+        loaded = _loaded(cfg)
+        front = compile_file(path, overrides=cfg.params, bound_names=loaded.user_names())
+        return cls(front, cfg.replace(bindings=loaded), observers=observers)
 
     def run(self, epochs: int | None = None, *, until_stable: bool = False, **kw: Any) -> RunResult:
         """Run epochs; ``RunResult.records`` holds one EpochRecord per epoch (``keep_records``)."""
@@ -277,55 +270,82 @@ class Run:
     # ---- the run directory (what `lmpm run --out` writes) --------------------------------------
     log: CommitLog | None = None
     run_dir: Path | None = None
+    _lock: RunLock | None = None  # the run directory's, held until the run ends
+    _ended = False  # the log says how the run ended
 
     def log_to(
         self,
-        run_dir: str | Path,
+        run_dir: str | Path | None = None,
         *,
         source: str,
         program_file: str | None = None,
-        trace: str = "summary",
-        trace_region: str | None = None,
-        checkpoint_every: int | None = None,
-        until: str | None = None,
-        force: bool = False,
         argv: Sequence[str] = (),
+        quiet: bool = False,
+        cli: bool = False,
+        **settings: Any,
     ) -> CommitLog:
-        """Append every epoch to RUN_DIR/lmpm.db (commit log + constraint trace at ``trace``)."""
-        if trace not in ("off", "summary", "cells"):
-            raise UsageError(f"trace={trace!r}: use off, summary or cells", code="U025")
-        if trace_region and trace != "cells":
-            raise UsageError("a trace region needs trace level cells", code="U025")
-        if checkpoint_every is not None and checkpoint_every < 1:
-            raise UsageError("checkpoint_every must be at least 1", code="U024")
-        out = Path(run_dir)
-        # the directory's lock, as `lmpm run` takes it, held until finish()
-        self._lock = RunLock(out, what="delete (force=True)" if force else "write").acquire()
-        if holds_run(out) and not force:
-            self._lock.release()
-            refuse_existing(out)
-        tracer, region = make_tracer(self, trace, trace_region)
-        info = RunInfo(
+        """Append every epoch to RUN_DIR/lmpm.db (default ``config.out``), with the commit log's
+        settings of :attr:`config` (trace, checkpoint_every, durable, until, force): the one
+        new-run path of `lmpm run` and ``Compiled.runner(run_dir=...)``. The directory's lock
+        is taken first and held until the run ends. A directory holding a run is refused (U030)
+        unless ``force``, or unless that run failed before its first epoch (it is replaced: a
+        note says so unless ``quiet``). ``cli``: messages name the command's flags. ``settings``:
+        the log's settings changed on the way (``trace=``, ``trace_region=``,
+        ``checkpoint_every=``, ``durable=``, ``until=``, ``force=``)."""
+        out = Path(run_dir) if run_dir is not None else self.config.out
+        if out is None:
+            raise UsageError("give the run directory (run_dir=, --out)", code="U027")
+        unknown = sorted(set(settings) - set(LOG_SETTINGS))
+        if unknown:
+            raise UsageError(
+                f"log_to() takes no {', '.join(f'{k}=' for k in unknown)}",
+                code="U107",
+                hint="the log's settings: " + ", ".join(f"{k}=" for k in LOG_SETTINGS),
+            )
+        self.config = self.config.replace(out=out, **settings)
+        if isinstance(self.dataplane, RayGroup):  # its workers checkpoint as the log does
+            self.dataplane.checkpoint_every = self.config.checkpoint_every
+        force = self.config.force
+        flag = "--force" if cli else "force=True"
+        lock = RunLock(out, what=f"delete ({flag})" if force else "write").acquire()
+        try:
+            log = self._new_log(out, source, program_file or self.front.ast.file, argv, quiet)
+        except BaseException:
+            lock.release()
+            raise
+        self._lock = lock
+        return self._attach(log, out)
+
+    def _new_log(
+        self, out: Path, source: str, program_file: str, argv: Sequence[str], quiet: bool
+    ) -> CommitLog:
+        """The commit log of a new run in ``out`` (its lock held): a run already there is
+        refused, replaced (it failed before its first epoch) or, with ``force``, deleted."""
+        replace = False
+        if holds_run(out) and not self.config.force:
+            if not failed_before_first_epoch(out):
+                refuse_existing(out)
+            replace = True
+            if not quiet:
+                print(
+                    f"note: replacing {out}: its run failed before its first epoch", file=sys.stderr
+                )
+        tracer, region = make_tracer(self, self.config.trace, self.config.trace_region)
+        info = run_info(
+            self.config,
             program_hash=program_hash(self.front.ir),
-            program_file=program_file or self.front.ast.file,
+            program_file=program_file,
             source=source,
-            params=self.given_params,
-            bind=bind_specs(self.bind),
             bound=self.bound,
-            seed=self.seed,
-            backend=self.backend,
-            epochs=self.epochs,
-            until=until,
-            trace=trace,
-            trace_region=region,
-            checkpoint_every=checkpoint_every or DEFAULT_CHECKPOINT_EVERY,
-            inputs={k: str(Path(v).resolve()) for k, v in self.inputs.items()},
-            workers=self.workers,
             tokenizers=tokenizer_meta(self.front.ir, self.vocabularies),
+            trace_region=region,
         )
-        if force:
-            remove_run(out)
-        log = self._attach(CommitLog(out, info, tracer=tracer, argv=list(argv)), out)
+        if self.config.force or replace:
+            try:
+                remove_run(out)
+            except OSError as e:
+                raise os_error(e, "delete the old run in", out) from None
+        log = CommitLog(out, info, tracer=tracer, argv=list(argv))
         self.save_tokenizers(out)
         return log
 
@@ -335,31 +355,43 @@ class Run:
         return log
 
     def finish(self) -> list[Path]:
-        """Write the outputs into the run directory and close its log (no-op without one), then
-        release the workers (:meth:`close`)."""
-        if self.log is None or self.run_dir is None:
-            self.close()
-            return []
-        try:
-            files = self.write(self.run_dir)
-            self.log.finish(files)
-        finally:
-            self.log.close()
-            lock = getattr(self, "_lock", None)
-            if lock is not None:
-                lock.release()
-            self.close()
+        """Write the outputs into the run directory and mark its log finished (no-op without
+        one), then release the workers (:meth:`close`). A failure here ends the run as
+        :meth:`failed` says."""
+        with self:
+            files = self.write(self.run_dir) if self.run_dir is not None else []
+            if self.log is not None:
+                self.log.finish(files)
+            self._ended = True
         return files
+
+    def failed(self, exc: BaseException) -> BaseException:
+        """Record in the log how the run ended (``interrupted``, or ``failed`` with the error)
+        and return the error to raise: an OS or SQLite error as the coded RunDirError it is, a
+        model's or predicate's fault with where the run goes on from. The one end of a run that
+        did not finish, for `lmpm run` and the API (``with Run(...)``, :meth:`finish`)."""
+        self._ended = True
+        if self.log is None or self.run_dir is None:
+            return exc
+        err = coded(exc, self.run_dir)
+        if isinstance(err, ModelError | ConstraintEvalError):
+            err.hint = resumable(err.hint, self.run_dir, self.engine.epoch)
+        if isinstance(err, KeyboardInterrupt):
+            self.log.mark("interrupted")
+        elif isinstance(err, LmpmError):
+            self.log.mark("failed", err.render())
+        else:
+            self.log.mark("failed", f"internal error: {type(err).__name__}: {err}")
+        return err
 
     def close(self) -> None:
         """Release the worker processes of a multi-worker run (the payload lives in them: read
-        the outputs first) and, for a run with a directory that did not :meth:`finish`, its log
-        and the directory's lock: every logged epoch stays, and `lmpm resume` goes on from it."""
+        the outputs first) and, for a run with a directory, its log and the directory's lock:
+        every logged epoch stays, and `lmpm resume` goes on from it."""
         if self.log is not None:
             self.log.close()
-            lock = getattr(self, "_lock", None)
-            if lock is not None:
-                lock.release()
+        if self._lock is not None:
+            self._lock.release()
         close = getattr(self.dataplane, "close", None)
         if close is not None:
             close()
@@ -367,11 +399,15 @@ class Run:
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, kind: object, exc: object, tb: object) -> None:
-        if exc is not None and self.log is not None:  # the log says how the run ended
-            err = exc.render() if isinstance(exc, LmpmError) else f"{type(exc).__name__}: {exc}"
-            self.log.mark("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed", err)
-        self.close()
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        """The log says how the run ended (:meth:`failed`); the run is closed."""
+        try:
+            if exc is not None and not self._ended:
+                err = self.failed(exc)
+                if err is not exc:
+                    raise err from None
+        finally:
+            self.close()
 
     def outputs(self) -> dict[str, Any]:
         """Committed values as numpy arrays (unset: -1 for tokens, NaN for numbers)."""
@@ -395,78 +431,51 @@ class Run:
         )
 
 
-def _loaded(kw: dict[str, Any]) -> Bindings:
-    """The Bindings of a Run's ``bind=`` and ``bindings=`` keywords (taken out of ``kw``), loaded
-    before the program is checked against them."""
-    bindings = kw.pop("bindings", None)
-    bind = kw.pop("bind", ())
-    if isinstance(bindings, Bindings):
-        return bindings.extended(bind) if bind else bindings
-    return Bindings(bind, dict(bindings or {}))
-
-
-DRIVERS = ("single", "process", "ray")
-
-
-def pick_driver(workers: int, driver: str | None, cluster: str | None) -> str:
-    """Which driver runs ``workers`` workers: ``single`` (one in-process worker, the default),
-    ``process`` (W partitioned workers in this process) or ``ray`` (one Ray actor per worker; the
-    default for W > 1 and with a cluster address)."""
-    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= 4096:
-        raise UsageError(f"workers={workers!r}: give a count from 1 to 4096", code="U080")
-    if driver is not None and driver not in DRIVERS:
-        raise UsageError(f"driver={driver!r}: one of {', '.join(DRIVERS)}", code="U084")
-    if cluster and driver not in (None, "ray"):
-        raise UsageError(f"a cluster address needs the ray driver, not {driver}", code="U084")
-    if driver is None:
-        return "ray" if workers > 1 or cluster else "single"
-    if driver == "single" and workers > 1:
-        raise UsageError(f"the single driver runs one worker, not {workers}", code="U084")
-    return driver
+def _loaded(cfg: RunConfig) -> Bindings:
+    """The Bindings of a config's ``bind=`` modules and ``bindings=`` (a mapping, or Bindings
+    already loaded: the modules it lacks are added), loaded before the program is checked."""
+    if isinstance(cfg.bindings, Bindings):
+        extra = [m for m in cfg.bind if m not in cfg.bindings.modules]
+        return cfg.bindings.extended(extra) if extra else cfg.bindings
+    return Bindings(cfg.bind, dict(cfg.bindings or {}))
 
 
 def make_group(
-    plan: Plan,
-    workers: int,
-    driver: str,
-    *,
-    backend: str,
-    seed: int,
-    cluster: str | None,
-    timeout: float | None,
-    recipe: tuple[Any, ...],
-    topology: Any = None,
+    plan: Plan, config: RunConfig, *, recipe: Recipe | None = None, topology: Any = None
 ) -> Any:
-    """The data plane of a multi-worker run: a WorkerGroup (``process``) or a RayGroup.
-    ``topology``: the partition (default :func:`lmpm.resolve.topology.partition`)."""
-
-    if driver == "process":
+    """The data plane of a multi-worker run (``config.workers``, ``config.driver_name``): a
+    WorkerGroup (``process``) or a RayGroup, which checkpoints its workers' payload every
+    ``config.checkpoint_every`` epochs as the log does. ``recipe``: how a Ray worker rebuilds
+    the plan; ``topology``: the partition (default :func:`lmpm.resolve.topology.partition`)."""
+    if config.driver_name == "process":
         return WorkerGroup(
             plan,
-            workers,
+            config.workers,
             topology=topology,
-            backend=backend,
-            seed=seed,
+            backend=config.backend,
+            seed=config.seed,
             checksum_policies=CHECKSUM_POLICIES,
         )
     return RayGroup(
         plan,
-        workers,
-        backend=backend,
-        seed=seed,
+        config.workers,
+        backend=config.backend,
+        seed=config.seed,
         topology=topology,
         checksum_policies=CHECKSUM_POLICIES,
-        cluster=cluster,
-        recipe=recipe,
-        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+        options=RayOptions.of(config, recipe),
     )
 
 
-def bind_specs(items: Sequence[str]) -> tuple[str, ...]:
-    """--bind specs as stored in a run: files as absolute paths, dotted modules as given."""
-    return tuple(
-        str(Path(b).resolve()) if b.endswith(".py") or Path(b).exists() else b for b in items
-    )
+def check_out(out: Path, force: bool) -> None:
+    """Before any work (`lmpm run` checks again under the directory's lock, :meth:`Run.log_to`):
+    ``out`` is no folder of the user's own files (D034), no live run's (its lock answers), and
+    holds no run unless ``force`` or that run failed before its first epoch (U030)."""
+    claim_folder(out)
+    if holds_run(out) and not force:
+        RunLock(out, create_dir=False).acquire().release()  # a live run: say so, not "exists"
+        if not failed_before_first_epoch(out):
+            refuse_existing(out)
 
 
 def make_tracer(run: Run, level: str, region_text: str | None) -> tuple[Any, str | None]:
@@ -476,6 +485,63 @@ def make_tracer(run: Run, level: str, region_text: str | None) -> tuple[Any, str
     if region_text:
         region = parse_region(region_text, {n: vp.dims for n, vp in run.plan.values.items()})
     return Tracer(run.plan, level, region), None if region is None else str(region)
+
+
+def run_info(
+    cfg: RunConfig,
+    *,
+    program_hash: str,
+    program_file: str,
+    source: str,
+    bound: dict[str, dict[str, str]],
+    tokenizers: dict[str, list[str]],
+    trace_region: str | None,
+) -> RunInfo:
+    """What the log stores of a run: the program's identity and its config's stored settings
+    (:meth:`RunConfig.stored`, which :meth:`RunConfig.from_meta` reads back on resume)."""
+    stored = cfg.stored()
+    return RunInfo(
+        program_hash=program_hash,
+        program_file=program_file,
+        source=source,
+        params=stored["params"],
+        bind=tuple(stored["bind"]),
+        bound=bound,
+        seed=cfg.seed,
+        backend=cfg.backend,
+        epochs=cfg.epochs,
+        until=cfg.until,
+        trace=cfg.trace,
+        trace_region=trace_region,
+        checkpoint_every=cfg.checkpoint_every,
+        inputs=stored["inputs"],
+        durable=cfg.durable,
+        workers=cfg.workers,
+        tokenizers=tokenizers,
+    )
+
+
+def coded(exc: BaseException, run_dir: Path) -> BaseException:
+    """The error that ends a run with a directory: an OS or SQLite error writing it as the coded
+    RunDirError it is (disk full, read-only...); any other error as itself."""
+    if isinstance(exc, OSError):
+        return os_error(exc, "write", run_dir)
+    if isinstance(exc, sqlite3.Error):
+        return sqlite_error(exc, "write", db_path(run_dir))
+    return exc
+
+
+def resumable(hint: str | None, out_dir: Path, epoch: int) -> str:
+    """A model's or a predicate's fault ended epoch ``epoch``: the epochs before it are in the
+    log, and the run goes on from there once the code is fixed (the hint of R050 and its kin)."""
+    if epoch == 0:
+        again = "after fixing it, run the same command again (no epoch was committed)"
+    else:
+        again = (
+            f"epochs 0..{epoch - 1} are in {out_dir}: after fixing it, `lmpm run --resume "
+            f"{out_dir}` goes on from epoch {epoch}"
+        )
+    return f"{hint}; {again}" if hint else again
 
 
 # What resuming reads from the run's metadata, with the JSON type each must have.
@@ -527,68 +593,28 @@ def check_meta(meta: Mapping[str, Any], run_dir: Path) -> None:
         )
 
 
-def resume(
-    run_dir: str | Path,
-    *,
-    file: str | Path | None = None,
-    epochs: int | None = None,
-    until: str | None = None,
-    backend: str | None = None,
-    bind: Sequence[str] | None = None,
-    bindings: Mapping[str, Any] | None = None,
-    trust_bind: bool = False,
-    settings: Mapping[str, tuple[str, Any]] | None = None,
-    workers: int | None = None,
-    driver: str | None = None,
-    cluster: str | None = None,
-    worker_timeout: float | None = None,
-    compile: bool = False,
-    keep_records: bool = True,
-    durable: bool = False,
-    trace_region: str | None = None,
-    ruleset: Sequence[tuple[str, str]] = (),
-    argv: Sequence[str] = (),
-    cli: bool = False,
-) -> Run:
-    """A :class:`Run` continuing RUN_DIR from its last complete epoch, with its stored settings:
-    the one resume path of `lmpm run --resume` and :func:`lmpm.resume`. ``run.restored`` says where
-    it resumed; ``run.epochs`` is the epoch count to run to; call ``run.run(run.epochs)`` then
+def resume(run_dir: str | Path, request: ResumeRequest | None = None, **options: Any) -> Run:
+    """A :class:`Run` continuing RUN_DIR from its last complete epoch, with its stored settings
+    (:meth:`RunConfig.from_meta`): the one resume path of `lmpm run --resume` and
+    :func:`lmpm.resume`. ``request``, or keyword ``options`` (its fields), says what changes
+    (:class:`~lmpm.runtime.config.ResumeRequest`). ``run.restored`` says where it resumed;
+    ``run.epochs`` is the epoch count to run to; call ``run.run(run.epochs)`` then
     ``run.finish()``. The directory's lock is taken first and held until ``finish()``.
 
     Refused, with nothing changed: a damaged meta table (D006), another program (D010), a program
-    with check errors (CheckError), a setting that differs from the stored one (``settings``:
-    key -> (flag as the caller names it, value or None); ``bind`` is one of them, D011). A run
-    started with bound modules imports them again only when ``bind`` names them (the stored ones,
-    D011 otherwise) or ``trust_bind=True`` says to import what the run directory names (U040): a
-    run directory received from someone else never executes code by itself. ``cli``: messages
-    name the command's flags (``--bind``, ``--trust-bind``) rather than the keywords."""
+    with check errors (CheckError), a stored setting named with another value (D011; ``bind``
+    too). A run started with bound modules imports them again only when ``bind`` names them (the
+    stored ones, D011 otherwise) or ``trust_bind=True`` says to import what the run directory
+    names (U040): a run directory received from someone else never executes code by itself.
+    ``cli``: messages name the command's flags (``--bind``, ``--trust-bind``) rather than the
+    keywords."""
+    req = ResumeRequest.of(request, **options)
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         connect(run_dir)  # raises the RunDirError for a missing run
     lock = RunLock(run_dir, what="resume", create_dir=False).acquire()
     try:
-        run = _resume_locked(
-            run_dir,
-            file=file,
-            epochs=epochs,
-            until=until,
-            backend=backend,
-            bind=bind,
-            bindings=bindings,
-            trust_bind=trust_bind,
-            settings=settings or {},
-            workers=workers,
-            driver=driver,
-            cluster=cluster,
-            worker_timeout=worker_timeout,
-            compile=compile,
-            keep_records=keep_records,
-            durable=durable,
-            trace_region=trace_region,
-            ruleset=ruleset,
-            argv=argv,
-            cli=cli,
-        )
+        run = _resume_locked(run_dir, req)
     except BaseException:
         lock.release()
         raise
@@ -596,19 +622,41 @@ def resume(
     return run
 
 
-def _resume_locked(
-    run_dir: Path,
-    *,
-    file: str | Path | None,
-    epochs: int | None,
-    until: str | None,
-    bind: Sequence[str] | None,
-    bindings: Mapping[str, Any] | None,
-    trust_bind: bool,
-    settings: Mapping[str, tuple[str, Any]],
-    cli: bool,
-    **opts: Any,
-) -> Run:
+def _resume_locked(run_dir: Path, req: ResumeRequest) -> Run:
+    meta = _checked_meta(run_dir)
+    params = dict(meta["params"])
+    front = _resumed_front(meta, req.file, params, ())
+    given = program_hash(front.ir)  # the IR does not depend on --set: compare before checking
+    if given != meta["program_hash"]:
+        raise RunDirError(
+            MSG_FOREIGN.format(dir=run_dir, stored=meta["program_hash"][:12], given=given[:12]),
+            code="D010",
+        )
+    for key, value in req.kept().items():
+        stored = meta.get(key)
+        if value != stored:
+            raise RunDirError(
+                f"{run_dir} was started with {req.flag(key)} {stored!r}; this command gives "
+                f"{value!r}. A resumed run keeps its settings; nothing was changed.",
+                code="D011",
+                hint=f"drop {req.flag(key)}, or {_new_run(req.cli)}",
+            )
+    loaded = resume_bindings(
+        meta, run_dir, req.bind, req.bindings, trust_bind=req.trust_bind, cli=req.cli
+    )
+    if loaded.user_names():  # checked against what the run binds, as it was started
+        front = _resumed_front(meta, req.file, params, loaded.user_names())
+    check_bound(meta, run_dir, loaded, {c.func for c in front.ir.calls()}, cli=req.cli)
+    if front.errors:
+        raise CheckError([d for d in front.diagnostics if d.severity == "error"])
+    for spec, sha in dict(meta.get("bind_sha256", {})).items():
+        if Path(spec).is_file() and file_sha256(spec) != sha:
+            sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
+    return open_resumed(front, meta, run_dir, loaded, req)
+
+
+def _checked_meta(run_dir: Path) -> dict[str, Any]:
+    """The run's meta table, checked (D006: damaged; D012: a gap in its epochs)."""
     conn = connect(run_dir, readonly=True, check=True)
     try:
         with interpreting(db_path(run_dir), "resume"):
@@ -617,41 +665,7 @@ def _resume_locked(
             check_meta(meta, run_dir)
     finally:
         conn.close()
-    params = dict(meta["params"])
-    front = _resumed_front(meta, file, params, ())
-    given = program_hash(front.ir)  # the IR does not depend on --set: compare before checking
-    if given != meta["program_hash"]:
-        raise RunDirError(
-            MSG_FOREIGN.format(dir=run_dir, stored=meta["program_hash"][:12], given=given[:12]),
-            code="D010",
-        )
-    for key, (flag, value) in settings.items():
-        stored = meta.get(key)
-        if value is not None and value != stored:
-            raise RunDirError(
-                f"{run_dir} was started with {flag} {stored!r}; this command gives {value!r}. "
-                "A resumed run keeps its settings; nothing was changed.",
-                code="D011",
-                hint=f"drop {flag}, or {_new_run(cli)}",
-            )
-    loaded = resume_bindings(meta, run_dir, bind, bindings, trust_bind=trust_bind, cli=cli)
-    if loaded.user_names():  # checked against what the run binds, as it was started
-        front = _resumed_front(meta, file, params, loaded.user_names())
-    check_bound(meta, run_dir, loaded, {c.func for c in front.ir.calls()}, cli=cli)
-    if front.errors:
-        raise CheckError([d for d in front.diagnostics if d.severity == "error"])
-    for spec, sha in dict(meta.get("bind_sha256", {})).items():
-        if Path(spec).is_file() and file_sha256(spec) != sha:
-            sys.stderr.write(f"note: {spec} changed since this run started; results may differ\n")
-    epochs = epochs if epochs is not None else meta["epochs"]
-    until = until or meta["until"]
-    run, log, restored = open_resumed(
-        front, meta, run_dir, loaded, epochs=epochs, until=until, **opts
-    )
-    run.restored = restored
-    run.epochs, run.until = log.info.epochs, log.info.until
-    run._attach(log, run_dir)
-    return run
+    return meta
 
 
 def _resumed_front(
@@ -764,88 +778,73 @@ def open_resumed(
     meta: Mapping[str, Any],
     run_dir: Path,
     loaded: Bindings,
-    *,
-    epochs: int | None = None,
-    until: str | None = None,
-    backend: str | None = None,
-    workers: int | None = None,
-    driver: str | None = None,
-    cluster: str | None = None,
-    worker_timeout: float | None = None,
-    compile: bool = False,
-    keep_records: bool = True,
-    durable: bool = False,
-    trace_region: str | None = None,
-    ruleset: Sequence[tuple[str, str]] = (),
-    argv: Sequence[str] = (),
-) -> tuple[Run, CommitLog, Restored]:
+    request: ResumeRequest,
+) -> Run:
     """The Run continuing RUN_DIR (its program checked against the stored one, its lock held by
-    the caller) restored to its last complete epoch, and its commit log open for the epochs to
-    come, with the run's stored settings: what `lmpm run --resume` and :func:`resume` share.
-    ``durable`` turns ``--durable`` on (a run started with it keeps it); ``trace_region`` must
-    name the stored region; ``ruleset``: (enable|disable, constraint) changes from now on."""
-    backend = backend or meta["backend"]
+    the caller) restored to its last complete epoch, with its commit log open and attached for
+    the epochs to come: the stored config (:meth:`RunConfig.from_meta`) changed as ``request``
+    asks (:meth:`ResumeRequest.config`). ``request.trace_region`` must name the stored region;
+    ``request.ruleset``: (enable|disable, constraint) changes from now on."""
+    stored_workers(meta, run_dir, request.workers)
+    stored = RunConfig.from_meta(meta, f"{run_dir}/lmpm.db")
+    cfg = request.config(stored)
     saved = saved_tokenizers(run_dir)
     run = Run(
         front,
-        params=dict(meta["params"]),
-        bindings=loaded,
-        tokenizers={name: saved[name] for name in meta.get("tokenizers", {}) if name in saved},
-        seed=int(meta["seed"]),
-        backend=backend,
-        epochs=meta.get("plan_epochs", meta["epochs"]),
-        keep_records=keep_records,
-        workers=stored_workers(meta, run_dir, workers),
-        driver=driver,
-        cluster=cluster,
-        worker_timeout=worker_timeout,
-        compile=compile,
+        # the plan's epochs are the run's first --epochs (they fix the confidence schedule)
+        cfg.replace(
+            epochs=meta.get("plan_epochs", meta["epochs"]),
+            bindings=loaded,
+            inputs={},  # in the first checkpoint
+            tokenizers={n: saved[n] for n in meta.get("tokenizers", {}) if n in saved},
+        ),
     )
     try:
-        region_text = meta.get("trace_region")
-        if trace_region:
-            mine = parse_region(trace_region, {n: vp.dims for n, vp in run.plan.values.items()})
-            if str(mine) != region_text:
-                raise RunDirError(
-                    f"{run_dir} was started with --trace-region {region_text!r}; this command "
-                    f"gives {str(mine)!r}; nothing was changed",
-                    code="D011",
-                )
-        tracer, region = make_tracer(run, meta["trace"], region_text)
-        durable = bool(durable or meta.get("durable", False))
-        conn = connect(run_dir, readonly=False, durable=durable)
+        log, restored = _resumed_log(run, meta, run_dir, cfg, request)
     except BaseException:
         run.close()
         raise
+    run.restored = restored
+    run.epochs, run.until = cfg.epochs, cfg.until
+    run._attach(log, run_dir)
+    return run
+
+
+def _resumed_log(
+    run: Run, meta: Mapping[str, Any], run_dir: Path, cfg: RunConfig, request: ResumeRequest
+) -> tuple[CommitLog, Restored]:
+    """Restore ``run`` from RUN_DIR's log and open it for the epochs to come (the caller closes
+    the run if this fails)."""
+    region_text = meta.get("trace_region")
+    if request.trace_region:
+        mine = parse_region(request.trace_region, {n: vp.dims for n, vp in run.plan.values.items()})
+        if str(mine) != region_text:
+            raise RunDirError(
+                f"{run_dir} was started with --trace-region {region_text!r}; this command "
+                f"gives {str(mine)!r}; nothing was changed",
+                code="D011",
+            )
+    tracer, region = make_tracer(run, cfg.trace, region_text)
+    conn = connect(run_dir, readonly=False, durable=cfg.durable)
     try:
         with interpreting(db_path(run_dir), "resume"):  # the log's rows and checkpoints
             restored = restore(run.engine, conn, run_dir)
-        for op, name in ruleset:
+        for op, name in request.ruleset:
             run.engine.change_ruleset(op, name, "cli")
     except BaseException:
         conn.close()
-        run.close()
         raise
-    info = RunInfo(
+    info = run_info(
+        cfg,
         program_hash=meta["program_hash"],
         program_file=meta["program_file"],
         source=meta["source"],
-        params=dict(meta["params"]),
-        bind=tuple(meta["bind"]),
         bound=_stored_bound(meta) if "bound" in meta else run.bound,
-        seed=int(meta["seed"]),
-        backend=backend,
-        epochs=epochs if epochs is not None else meta["epochs"],
-        until=until or meta["until"],
-        trace=meta["trace"],
+        tokenizers=tokenizer_meta(run.front.ir, run.vocabularies),
         trace_region=region,
-        checkpoint_every=int(meta["checkpoint_every"]),
-        inputs=dict(meta.get("inputs", {})),
-        durable=durable,
-        workers=run.workers,
-        tokenizers=tokenizer_meta(front.ir, run.vocabularies),
     )
-    return run, CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=list(argv)), restored
+    log = CommitLog(run_dir, info, tracer=tracer, conn=conn, argv=list(request.argv))
+    return log, restored
 
 
 def stored_workers(meta: Mapping[str, Any], run_dir: Path, asked: int | None = None) -> int:

@@ -97,9 +97,6 @@ if TYPE_CHECKING:
     from lmpm.runtime.control.trace import Tracer
     from lmpm.runtime.records import EpochRecord
 
-DEFAULT_CHECKPOINT_EVERY = (
-    20  # epochs between payload checkpoints; resume replays at most this many
-)
 KEEP_CHECKPOINTS = 2  # newest checkpoints kept besides epoch 0's (the inputs)
 
 MSG_FOREIGN = (

@@ -52,8 +52,10 @@ from torch import Tensor
 
 from lmpm.bindings import Bindings
 from lmpm.errors import LmpmError, RuntimeFault, UsageError
+from lmpm.ir.nodes import Program
 from lmpm.resolve.plan import Plan, resolve
 from lmpm.resolve.topology import Topology
+from lmpm.runtime.config import DEFAULT_CHECKPOINT_EVERY, RunConfig
 from lmpm.runtime.data.dataplane import DataPlane
 from lmpm.runtime.data.group import (
     CORRUPT,
@@ -105,6 +107,46 @@ class Fault:
             "seconds": round(self.seconds, 6),
             "pid": self.pid,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """How a worker process rebuilds the run's plan (sent instead of the plan, whose bound
+    models need not pickle): resolved again in the worker (:meth:`plan`)."""
+
+    ir: Program  # the checked program
+    params: Mapping[str, int]  # every parameter's value (the plan's, tokenizer sizes included)
+    bind: tuple[str, ...]  # the --bind modules (imported again in the worker)
+    mapping: Mapping[str, Any]  # the bindings= objects (pickled by Ray)
+    epochs: int | None  # the plan's epochs (they fix the confidence schedule)
+
+    def plan(self) -> Plan:
+        return resolve(
+            self.ir, dict(self.params), Bindings(self.bind, dict(self.mapping)), epochs=self.epochs
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class RayOptions:
+    """How a :class:`RayGroup` runs its actors."""
+
+    cluster: str | None = None  # a running Ray cluster's address; None: a local Ray instance
+    recipe: Recipe | None = None  # how a worker rebuilds the plan; None: the plan is sent (pickled)
+    timeout: float = DEFAULT_TIMEOUT  # seconds a worker may take for one phase before it is hung
+    threads: int = 1  # torch threads per worker
+    # epochs between the workers' payload checkpoints (what a replaced worker restores from):
+    # the run's --checkpoint-every, so a run with a log writes no shard the log does not name
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+
+    @classmethod
+    def of(cls, config: RunConfig, recipe: Recipe | None = None) -> RayOptions:
+        """The options a run's config gives (its cluster, worker timeout, checkpoint cadence)."""
+        return cls(
+            cluster=config.cluster,
+            recipe=recipe,
+            timeout=DEFAULT_TIMEOUT if config.worker_timeout is None else config.worker_timeout,
+            checkpoint_every=config.checkpoint_every,
+        )
 
 
 def _ray() -> Any:
@@ -182,7 +224,7 @@ class WorkerActor:
 
     def __init__(
         self,
-        recipe: Any,
+        recipe: Recipe | Plan,
         index: int,
         topology: Topology,
         seed: int,
@@ -192,7 +234,7 @@ class WorkerActor:
         store_dir: str | None,
     ) -> None:
         torch.set_num_threads(threads)
-        plan = recipe if isinstance(recipe, Plan) else _resolve(recipe)
+        plan = recipe if isinstance(recipe, Plan) else recipe.plan()
         self.index = index
         self.topology = topology
         self.dp = DataPlane(
@@ -337,12 +379,6 @@ class WorkerActor:
             time.sleep(10**6)
 
 
-def _resolve(recipe: tuple[Any, ...]) -> Plan:
-    """The plan from (IR, params, bind modules, bindings mapping, epochs), resolved here."""
-    ir, params, bind, mapping, epochs = recipe
-    return resolve(ir, params, Bindings(bind, dict(mapping)), epochs=epochs)
-
-
 @dataclass
 class Gathered:
     """What waiting for a round of worker calls found: ``out`` (answers, None where missing),
@@ -431,12 +467,8 @@ class _Failed(Exception):
 class RayGroup(WorkerGroup):
     """W workers, each a Ray actor in its own process (see the module doc).
 
-    ``cluster``: the address of a running Ray cluster (``ray start --head``); None starts a local
-    Ray instance bound to 127.0.0.1 (or uses the one this process already joined).
-    ``recipe``: how a worker rebuilds the plan: (IR, params, bind modules, bindings, epochs);
-    None sends the plan itself (it must pickle).
-    ``timeout``: seconds a worker may take for one phase before it counts as hung.
-    ``threads``: torch threads per worker.
+    ``options``: its Ray settings (:class:`RayOptions`: cluster, recipe, timeout, threads,
+    checkpoint cadence).
     """
 
     def __init__(
@@ -448,19 +480,20 @@ class RayGroup(WorkerGroup):
         backend: str = "cpu",
         seed: int = 0,
         checksum_policies: frozenset[str] = frozenset(),
-        cluster: str | None = None,
-        recipe: tuple[Any, ...] | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        threads: int = 1,
-        checkpoint_every: int = 20,
+        options: RayOptions | None = None,
     ) -> None:
-        if timeout <= 0:
-            raise UsageError(f"worker timeout {timeout}: must be positive", code="U083")
-        self.cluster = cluster
-        self.recipe = recipe
-        self.timeout = float(timeout)
-        self.threads = int(threads)
-        self.checkpoint_every = int(checkpoint_every)
+        opts = options or RayOptions()
+        if opts.timeout <= 0:
+            raise UsageError(f"worker timeout {opts.timeout}: must be positive", code="U083")
+        if opts.checkpoint_every < 1:
+            raise UsageError(
+                f"checkpoint every {opts.checkpoint_every} epochs: give at least 1", code="U024"
+            )
+        self.cluster = opts.cluster
+        self.recipe = opts.recipe
+        self.timeout = float(opts.timeout)
+        self.threads = int(opts.threads)
+        self.checkpoint_every = int(opts.checkpoint_every)
         self.faults: list[Fault] = []
         self._new_faults: list[Fault] = []
         self._owns_ray = False
@@ -870,6 +903,8 @@ __all__ = [
     "INJECT_ENV",
     "Fault",
     "RayGroup",
+    "RayOptions",
+    "Recipe",
     "WorkerActor",
     "WorkerLost",
     "parse_fault",
