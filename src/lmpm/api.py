@@ -30,6 +30,7 @@ class Compiled:
     front: Frontend
     params: dict[str, int] = field(default_factory=dict)
     bindings: Bindings = field(default_factory=Bindings, compare=False)
+    text: str | None = field(default=None, compare=False, repr=False)  # None: read the file
 
     @property
     def ir(self) -> Program:
@@ -69,12 +70,9 @@ class Compiled:
 
     @property
     def source(self) -> str:
-        """The program text (read from the file for a compiled path)."""
-        import linecache
-
-        lines = linecache.getlines(self.front.ast.file)
-        if lines:
-            return "".join(lines)
+        """The program text, as compiled (what a run's log stores, as `lmpm run` stores it)."""
+        if self.text is not None:
+            return self.text
         return Path(self.front.ast.file).read_text(encoding="utf-8")
 
 
@@ -107,7 +105,7 @@ def compile(
     bound = loaded.user_names()
     if text is not None:
         front = compile_source(text, file, overrides=params, bound_names=bound)
-        return Compiled(front, dict(params), loaded)
+        return Compiled(front, dict(params), loaded, text)
     p = Path(path)  # type: ignore[arg-type]  # not None here
     if "\n" in str(path) or not p.is_file():
         what = "looks like program text" if "\n" in str(path) else "is not a file"
@@ -116,7 +114,8 @@ def compile(
             code="U045",
             hint="pass program text as lmpm.compile(text=...)",
         )
-    return Compiled(compile_file(p, overrides=params, bound_names=bound), dict(params), loaded)
+    front = compile_file(p, overrides=params, bound_names=bound)
+    return Compiled(front, dict(params), loaded, p.read_text(encoding="utf-8"))
 
 
 def resume(

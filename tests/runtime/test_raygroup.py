@@ -374,3 +374,21 @@ def test_a_cluster_address_where_nothing_answers_fails_fast() -> None:
         _probe(f"127.0.0.1:{port}", timeout=2.0)
     assert e.value.code == "U090" and "nothing answers" in e.value.message
     _probe("auto")  # not host:port: left to Ray
+
+
+def test_checkpoint_every_reaches_the_ray_group(tmp_path: Path) -> None:
+    """The Ray workers checkpoint their payload (what a replaced worker restores from) every
+    --checkpoint-every epochs, not every 20: without a log, and with one, where they write no
+    shard the log does not name."""
+    gpt = EX / "gpt.lmpm"
+    with Run.from_file(gpt, params={"N": 12}, seed=1, workers=2, checkpoint_every=3) as run:
+        run.run(7)
+        assert isinstance(run.dataplane, RayGroup) and run.dataplane.checkpoint_every == 3
+        assert run.dataplane.checkpointed is not None and run.dataplane.checkpointed[0] == 6
+    out = tmp_path / "r"
+    # (cells still open at epoch 20, where a group checkpointing every 20 epochs would write)
+    args = ["run", str(gpt), "--set", "N=256", "--workers", "2", "--epochs", "25"]
+    assert main([*args, "--checkpoint-every", "30", "--out", str(out), "--quiet"]) == 0
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "epoch-00000000.w1.safetensors" in names, names  # the log's first, and last
+    assert not any(n.startswith("epoch-00000020.") for n in names), names

@@ -272,6 +272,7 @@ class Run:
     run_dir: Path | None = None
     _lock: RunLock | None = None  # the run directory's, held until the run ends
     _ended = False  # the log says how the run ended
+    _closed = False  # close() ran: the workers, the log and the lock are released
 
     def log_to(
         self,
@@ -387,7 +388,11 @@ class Run:
     def close(self) -> None:
         """Release the worker processes of a multi-worker run (the payload lives in them: read
         the outputs first) and, for a run with a directory, its log and the directory's lock:
-        every logged epoch stays, and `lmpm resume` goes on from it."""
+        every logged epoch stays, and `lmpm resume` goes on from it. Once: a second call does
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
         if self.log is not None:
             self.log.close()
         if self._lock is not None:
