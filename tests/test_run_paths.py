@@ -106,7 +106,9 @@ def test_the_cli_and_the_api_write_the_same_log(tmp_path: Path) -> None:
     cli, api = _dump(cli_dir / "lmpm.db"), _dump(api_dir / "lmpm.db")
     assert cli == api
     meta = dict(cli["meta"])
-    assert json.loads(str(meta["durable"])) is True and json.loads(str(meta["status"])) == "finished"
+    assert (
+        json.loads(str(meta["durable"])) is True and json.loads(str(meta["status"])) == "finished"
+    )
     assert len(cli["epochs"]) == 4 and cli["trace_cells"]
     assert _files(cli_dir) == _files(api_dir) and any("checkpoints" in f for f in _files(cli_dir))
 

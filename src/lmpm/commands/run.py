@@ -28,6 +28,9 @@ from lmpm.errors import CheckError, UsageError
 from lmpm.runtime.config import DEFAULT_CHECKPOINT_EVERY, ResumeRequest, RunConfig
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
+    from lmpm.runtime.records import EpochRecord, RunResult
     from lmpm.runtime.session import Run
 
 
@@ -339,51 +342,12 @@ def _execute(session: Run, args: argparse.Namespace, *, quiet: int, note: str) -
     """Run ``session``'s epochs with a progress bar, then end it (:meth:`Run.finish`; a failure:
     :meth:`Run.failed`, the API's end of a run too) and print what it did."""
     from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    out_dir, epochs = session.run_dir, session.epochs
-    assert out_dir is not None
     console = Console(stderr=True)
     with session:  # a failure is marked in the log (Run.failed), the run closed
-        with Progress(
-            TextColumn("[bold]epoch {task.completed}"),
-            BarColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=args.quiet or not console.is_terminal,
-            transient=False,
-        ) as bar:
-            task = bar.add_task("run", total=epochs, completed=session.engine.epoch, info="")
-            epoch_seconds: list[float] = []  # each epoch's wall time (compiling shows as outliers)
-            compiled = session.engine.compiled
-            if compiled is not None and not args.quiet:
-                # compiling a step takes seconds (more on a cold cache): say why the epoch waits
-                compiled.on_compile = lambda value, n: bar.console.print(
-                    compiling_note(value, n), highlight=False, markup=False
-                )
-
-            def progress(rec: object) -> None:
-                from lmpm.runtime.records import EpochRecord
-
-                assert isinstance(rec, EpochRecord)
-                epoch_seconds.append(rec.seconds)
-                rate = rec.attempts / rec.seconds if rec.seconds > 0 else 0.0
-                halo = ""
-                if rec.control_bytes or rec.halo_bytes:  # several workers: what crossed
-                    halo = f"  control {rec.control_bytes:,} B  halo {rec.halo_bytes:,} B"
-                faults = f"  [yellow]{len(rec.faults)} worker fault(s)[/]" if rec.faults else ""
-                bar.update(
-                    task,
-                    advance=1,
-                    info=f"open {rec.open_cells}  commits {rec.commits}  "
-                    f"violations {rec.violations}  {rate:,.0f} attempts/s{halo}{faults}",
-                )
-
-            res = session.run(
-                epochs, until_stable=session.until == "stable", progress=progress, quiet=quiet
-            )
+        res, epoch_seconds = _epochs(session, console, quiet=quiet, bar_off=args.quiet)
         files = session.finish()
+    out_dir = session.run_dir
     state = res.stop.message(detail=False) if res.stop is not None else "stopped"
     faults = getattr(session.dataplane, "faults", [])
     if faults:
@@ -407,6 +371,51 @@ def _execute(session: Run, args: argparse.Namespace, *, quiet: int, note: str) -
     if res.stop is not None and res.stop.total_unset:
         console.print(_unset_note(res.stop.total_unset, res.stop.unset), highlight=False)
     return 0
+
+
+def _epochs(
+    session: Run, console: Console, *, quiet: int, bar_off: bool
+) -> tuple[RunResult, list[float]]:
+    """Run the session's epochs under a progress bar (``bar_off``: none); the result and each
+    epoch's wall time (compiling shows as outliers). ``quiet``: the trailing epochs without a
+    commit a resumed run had (for the stability test)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("[bold]epoch {task.completed}"),
+        BarColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=bar_off or not console.is_terminal,
+        transient=False,
+    ) as bar:
+        task = bar.add_task("run", total=session.epochs, completed=session.engine.epoch, info="")
+        epoch_seconds: list[float] = []
+        compiled = session.engine.compiled
+        if compiled is not None and not bar_off:
+            # compiling a step takes seconds (more on a cold cache): say why the epoch waits
+            compiled.on_compile = lambda value, n: bar.console.print(
+                compiling_note(value, n), highlight=False, markup=False
+            )
+
+        def progress(rec: EpochRecord) -> None:
+            epoch_seconds.append(rec.seconds)
+            rate = rec.attempts / rec.seconds if rec.seconds > 0 else 0.0
+            halo = ""
+            if rec.control_bytes or rec.halo_bytes:  # several workers: what crossed
+                halo = f"  control {rec.control_bytes:,} B  halo {rec.halo_bytes:,} B"
+            faults = f"  [yellow]{len(rec.faults)} worker fault(s)[/]" if rec.faults else ""
+            bar.update(
+                task,
+                advance=1,
+                info=f"open {rec.open_cells}  commits {rec.commits}  "
+                f"violations {rec.violations}  {rate:,.0f} attempts/s{halo}{faults}",
+            )
+
+        until = session.until == "stable"
+        res = session.run(session.epochs, until_stable=until, progress=progress, quiet=quiet)
+    return res, epoch_seconds
 
 
 MSG_COMPILE_COST = (
