@@ -146,7 +146,7 @@ def test_the_config_is_stored_and_read_back(tmp_path: Path) -> None:
     assert back == RunConfig(
         seed=5, epochs=3, checkpoint_every=2, trace="off", durable=True, params={}
     )
-    assert back.stored() == {k: meta[k] for k in back.stored()}
+    assert back.stored() == {k: meta[k] for k in back.stored()}  # (bind: none here)
     again = lmpm.resume(tmp_path / "r", epochs=5)
     assert again.config.checkpoint_every == 2 and again.config.seed == 5
     again.run(again.epochs)

@@ -23,19 +23,25 @@ from lmpm.errors import RuntimeFault as RuntimeFault
 from lmpm.ir import Frontend as Frontend
 from lmpm.ir import compile_file as check_file
 from lmpm.ir import compile_source as check_source
+from lmpm.runtime.config import RunConfig as RunConfig
 from lmpm.version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from lmpm.runtime.session import Run as Run
     from lmpm.workers.base import Logits as Logits
 
 
 def __getattr__(name: str) -> Any:
-    """``lmpm.Logits`` on first use: importing it imports torch, which the CLI's light commands
-    (``lmpm check``, ``lmpm trace``) never do."""
+    """``lmpm.Logits`` and ``lmpm.Run`` on first use: importing them imports torch, which the
+    CLI's light commands (``lmpm check``, ``lmpm trace``) never do."""
     if name == "Logits":
         from lmpm.workers.base import Logits
 
         return Logits
+    if name == "Run":
+        from lmpm.runtime.session import Run
+
+        return Run
     raise AttributeError(f"module 'lmpm' has no attribute {name!r}")
 
 
@@ -48,6 +54,8 @@ __all__ = [
     "Logits",
     "ModelError",
     "ParseError",
+    "Run",
+    "RunConfig",
     "RuntimeFault",
     "__version__",
     "bind",

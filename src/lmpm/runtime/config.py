@@ -126,11 +126,12 @@ class RunConfig:
     def from_meta(cls, meta: Mapping[str, Any], where: str = "the run's log") -> RunConfig:
         """The config a run's log stores (``meta``, as :func:`lmpm.runtime.rundir.read_meta`
         reads it). Logs of earlier versions lack some keys: ``workers`` (1), ``durable``
-        (False), ``inputs`` ({}), ``trace_region`` (None). A value of the wrong type is D006."""
+        (False), ``inputs`` ({}), ``trace_region`` (None). A value of the wrong type is D006.
+        ``bind`` is left empty: the modules a run directory names are code, which a resume
+        imports only through :func:`lmpm.bindings.recorded_modules` (the session reads them)."""
         try:
             return cls(
                 params={str(k): int(v) for k, v in dict(meta["params"]).items()},
-                bind=tuple(str(b) for b in meta["bind"]),
                 inputs={str(k): str(v) for k, v in dict(meta.get("inputs") or {}).items()},
                 seed=int(meta["seed"]),
                 backend=str(meta["backend"]),

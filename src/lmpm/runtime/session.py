@@ -791,7 +791,9 @@ def open_resumed(
     asks (:meth:`ResumeRequest.config`). ``request.trace_region`` must name the stored region;
     ``request.ruleset``: (enable|disable, constraint) changes from now on."""
     stored_workers(meta, run_dir, request.workers)
-    stored = RunConfig.from_meta(meta, f"{run_dir}/lmpm.db")
+    # the stored --bind specs, as the log recorded them (`loaded`: what resume_bindings let
+    # load, through recorded_modules; the Run binds that and nothing else)
+    stored = RunConfig.from_meta(meta, f"{run_dir}/lmpm.db").replace(bind=tuple(meta["bind"]))
     cfg = request.config(stored)
     saved = saved_tokenizers(run_dir)
     run = Run(
@@ -799,6 +801,7 @@ def open_resumed(
         # the plan's epochs are the run's first --epochs (they fix the confidence schedule)
         cfg.replace(
             epochs=meta.get("plan_epochs", meta["epochs"]),
+            bind=loaded.modules,
             bindings=loaded,
             inputs={},  # in the first checkpoint
             tokenizers={n: saved[n] for n in meta.get("tokenizers", {}) if n in saved},
