@@ -16,16 +16,7 @@ from lmpm.cli import main
 from lmpm.errors import RunDirError, UsageError
 from lmpm.runtime.config import DEFAULT_CHECKPOINT_EVERY, ResumeRequest, RunConfig
 from lmpm.runtime.rundir import connect, read_meta
-
-PROG = """param N = 6
-value Txt : Token[Byte] shape Seq(N)
-visible Txt[t] <- Txt[0..t-1] when t > 0
-rule Gen:
-  on Txt[t]
-  read {ctx = Txt[0..t-1]}
-  emit proposal Txt[t] := Uniform(ctx, k=2)
-constraint Lower: require Txt[t] in Set(97..122) priority 10
-"""
+from test_api import PROG
 
 # a module whose `Uniform` fails at epoch 0: the run fails before its first epoch
 BROKEN = """def broken(inputs, **kw):

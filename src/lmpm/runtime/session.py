@@ -175,7 +175,9 @@ class Run:
         if self.driver == "single":
             return None
         cfg = self.config
-        recipe = Recipe(self.front.ir, self.params, self.bind, self.bindings.mapping, cfg.epochs)
+        # (--bind files as absolute paths: a worker process need not share this one's directory)
+        bind = bind_specs(self.bind)
+        recipe = Recipe(self.front.ir, self.params, bind, self.bindings.mapping, cfg.epochs)
         return make_group(self.plan, cfg, recipe=recipe, topology=topology)
 
     def _prepare(self) -> None:
