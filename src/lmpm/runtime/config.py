@@ -29,6 +29,7 @@ DEFAULT_CHECKPOINT_EVERY = (
 TRACE_LEVELS = ("off", "summary", "cells")
 DRIVERS = ("single", "process", "ray")
 MAX_WORKERS = 4096
+MAX_EPOCHS_PER_REPLAY = 64  # a window's graph holds K copies of the epoch's kernels
 MAX_EPOCHS = 2**31 - 1  # epochs numbered beyond this would not fit the log's and trace's counters
 
 # The settings a run's log stores (its ``meta`` keys) and a resume reads back; the other fields
@@ -75,6 +76,9 @@ class RunConfig:
     trace: str = "summary"  # constraint trace level: off | summary | cells
     trace_region: str | None = None  # with trace cells: only these cells ('Vid[0, 0..15]')
     compile: bool = False  # --compile: each value's epoch step as one compiled step
+    # --epochs-per-replay: K epochs per CUDA-graph replay where the run allows it (with compile on
+    # cuda; lmpm.runtime.data.kepochs); a power of two from 1 to MAX_EPOCHS_PER_REPLAY
+    epochs_per_replay: int = 1
     max_memory: int | None = None  # refuse a plan needing more bytes; None: this machine's
     keep_records: bool = True  # RunResult.records keeps every epoch (the CLI's log keeps them)
     guard: bool = False  # check every payload crossing into the worker (one worker only)
@@ -182,6 +186,23 @@ def check_config(cfg: RunConfig) -> None:
             f"worker timeout {cfg.worker_timeout}: give a positive number of seconds", code="U083"
         )
     _check_driver(cfg)
+    check_epochs_per_replay(cfg.epochs_per_replay, cfg.compile)
+
+
+def check_epochs_per_replay(k: Any, compile: bool = True) -> None:
+    """``k`` epochs per CUDA-graph replay: a power of two from 1 to 64, and with compile (U109)."""
+    if not _int(k) or not 1 <= k <= MAX_EPOCHS_PER_REPLAY or k & (k - 1):
+        raise UsageError(
+            f"--epochs-per-replay {k!r}: give a power of two from 1 to {MAX_EPOCHS_PER_REPLAY} "
+            "(1, 2, 4, 8, 16, ...)",
+            code="U109",
+            hint="1 replays one epoch at a time (the captured epoch); 8 or 16 suit long runs",
+        )
+    if k != 1 and not compile:
+        raise UsageError(
+            f"--epochs-per-replay {k} replays compiled epochs: add --compile (compile=True)",
+            code="U109",
+        )
 
 
 def _check_driver(cfg: RunConfig) -> None:

@@ -68,6 +68,7 @@ from lmpm.runtime.control.commitlog import (
 from lmpm.runtime.control.engine import Engine, Observer
 from lmpm.runtime.control.trace import Tracer, parse_region
 from lmpm.runtime.data import validate
+from lmpm.runtime.data.dataplane import DataPlane
 from lmpm.runtime.data.group import WorkerGroup
 from lmpm.runtime.data.raygroup import RayGroup, RayOptions, Recipe
 from lmpm.runtime.io import load_input, output_array, write_outputs
@@ -186,6 +187,11 @@ class Run:
             self.engine.compile()
             # LMPM_VALIDATE=eager: each compiled epoch decided eagerly too, and compared
             validate.install(self.dataplane)
+            k = self.config.epochs_per_replay
+            if k != 1:  # after compile: the data plane is a fused one
+                fused = self.engine.dataplane
+                assert isinstance(fused, DataPlane)  # (compile refuses a group, U101)
+                self.engine.windows = fused.epoch_windows(k, self.engine.epoch)
         for name, path in self.config.inputs.items():
             vp = self.plan.values.get(name)
             if vp is None:

@@ -76,12 +76,14 @@ class _CountMode(TorchFunctionMode):
         kwargs = kwargs or {}
         cost = self.cost
         if cost.device_work == 0:
+            # (under inference mode a tensor method on the simulated device arrives as its aten
+            # overload: `.cpu()` as `_to_copy.default`)
             name = getattr(func, "__name__", str(func))
             cost.calls += 1
             cost.by_name[name] += 1
             if name == "copy_" and len(args) > 1 and _on_device(args[0]) != _on_device(args[1]):
                 cost.copies += 1
-            elif name in ("to", "cuda", "cpu") and args:
+            elif name in ("to", "cuda", "cpu", "_to_copy.default") and args:
                 out = func(*args, **kwargs)
                 if _on_device(out) != _on_device(args[0]):
                     cost.copies += 1

@@ -115,6 +115,8 @@ class Engine:
         self.stop: StopReason | None = None
         self._started = False
         self.compiled: Any = None  # the fused data plane's CompiledEpoch (see compile())
+        # K epochs per CUDA-graph replay (lmpm.runtime.data.kepochs.EpochWindows; Run sets it)
+        self.windows: Any = None
 
     # ---- the owner's metadata, read by the observers beside it -------------------------------------
     @property
@@ -258,6 +260,8 @@ class Engine:
             if stop_when_stable and self.is_stable():
                 res.stable = True  # a resumed run that had already become stable
                 break
+            if self.windows is not None:
+                self._replay(limit, stop_when_stable)
             rec = self._step(records)
             res.epochs += 1
             res.commits += rec.commits
@@ -270,6 +274,20 @@ class Engine:
             if stop_when_stable and self.is_stable():
                 res.stable = True
                 break
+
+    def _replay(self, limit: int, stop_when_stable: bool) -> None:
+        """Run the next epochs on the device as one window where the run allows it; the loop
+        then settles them one by one (lmpm.runtime.data.kepochs)."""
+        w = self.windows
+        if stop_when_stable:
+            w.stop("the run stops when stable (a host decision after each epoch)")
+        elif self.guard:
+            w.stop("the payload guard checks each epoch")
+        elif self.record:
+            w.stop("candidates are traced (--trace cells)")
+        m = w.size(self.epoch, limit)
+        if m > 1:
+            w.replay(self.epoch, m, self._active)
 
     def stable_period(self) -> int:
         """Counted epochs without a commit that prove stability now: one full cycle of the

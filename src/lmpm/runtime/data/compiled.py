@@ -654,7 +654,7 @@ class CompiledEpoch:
     def step(
         self,
         value: str,
-        e: int,
+        e: int | Tensor,
         cells: Tensor,
         prop: Tensor,
         sc: Tensor,
@@ -666,7 +666,8 @@ class CompiledEpoch:
     ) -> tuple[Tensor, ...]:
         """Run ``value``'s compiled step on one epoch's proposals; returns (winner, changed, score,
         valid, violated, applies, new_clock, was) for the ``n`` open cells and (2,) int64: how
-        many commit, how many (cell, candidate) pairs violate a constraint."""
+        many commit, how many (cell, candidate) pairs violate a constraint. ``e`` a 0-d device
+        tensor: the step runs inside a window's capture (lmpm.runtime.data.kepochs), directly."""
         n = cells.numel()
         b = bucket(n)
         if b != n:  # pad by repeating row 0: identical rows decide and write identically
@@ -676,9 +677,13 @@ class CompiledEpoch:
             sc = torch.cat((sc, sc[:1].expand(pad, *sc.shape[1:])))
         spec = self.specs[value]
         vtables, where, index, valid = self.tables(value, dataplane)
-        self._e.fill_(e)
+        if isinstance(e, Tensor):
+            e_t = e
+        else:
+            self._e.fill_(e)
+            e_t = self._e
         args = (
-            self._e,
+            e_t,
             cells,
             prop.contiguous(),
             sc.contiguous(),
@@ -701,9 +706,11 @@ class CompiledEpoch:
         key = (value, b, prop.shape[1], prop.dtype)  # (the graph reads the proposals' dtype)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = self._compile(value, spec, args, e)
+            fn = self._fns[key] = self._compile(value, spec, args, e if isinstance(e, int) else -1)
             self.stats.buckets.setdefault(value, set()).add(b)
-        if self.captured is not None:  # on CUDA: replay the captured graph, records on the host
+        if (
+            self.captured is not None and e_t is self._e
+        ):  # on CUDA: replay the captured graph, records on the host
             out = self.captured.run(key, fn, args)
         else:
             out = fn(*args)

@@ -54,6 +54,7 @@ from lmpm.resolve.plan import (
 from lmpm.resolve.policies import aggregates
 from lmpm.runtime.data.captured import CapturedSteps, Mirror
 from lmpm.runtime.data.compiled import CompiledEpoch, ReadGathers
+from lmpm.runtime.data.kepochs import EpochWindows
 from lmpm.runtime.data.owner import Owner, pick
 from lmpm.runtime.data.reads import ReadClocks, dense_read, read_options
 from lmpm.runtime.data.store import PayloadStore
@@ -336,6 +337,7 @@ class DataPlane:
         # Run, lmpm.runtime.session; lmpm.runtime.data.validate)
         self.validator: EagerValidator | None = None
         self._mirror: Mirror | None = None  # off the CPU: the metadata the captured steps read
+        self.windows: EpochWindows | None = None  # K epochs per replay (epoch_windows)
         self._work_cells: dict[int, Tensor] = {}  # rule id -> this epoch's cells, on the host
         # what each user model asks of its reads (lmpm.runtime.data.reads: clocks, dense); the
         # write clocks are kept only for the values an opted-in model reads with clocks
@@ -368,7 +370,10 @@ class DataPlane:
             self.traffic = Traffic()
         if self.validator is not None:  # LMPM_VALIDATE=eager (lmpm.runtime.data.validate)
             self.validator.begin()
-        report = self.owner.epoch(self, req, self if self.compiled is not None else None)
+        fused: Any = self if self.compiled is not None else None
+        if self.windows is not None and self.windows.holds(req.epoch):
+            fused = self.windows.take(req)  # replayed already, in a window of K epochs
+        report = self.owner.epoch(self, req, fused)
         if self.validator is not None:
             self.validator.check(req, report)
         report.control_bytes = self.traffic.control_bytes
@@ -433,8 +438,7 @@ class DataPlane:
         """One compiled value's epoch: its step (payload and metadata written together), its
         commits appended to the store; its record, commits and violations."""
         assert self.compiled is not None
-        rp, cells, _, prop, sc = part
-        static = owner.static[name]
+        _, cells, _, prop, sc = part
         active = owner.active_mask(name, self.device)
         if self._host:  # the step writes the owner's metadata itself
             state, why = owner.state[name], owner.why[name]
@@ -448,6 +452,17 @@ class DataPlane:
             spec = self.compiled.specs[name]
             clocks = {s: mirror.get(s)[0].clock for s in spec.clock_sources if s != name}
         out = self.compiled.step(name, e, cells, prop, sc, self, state, why, active, clocks)
+        return self.settle_fused(owner, name, e, part, out, checksums)
+
+    def settle_fused(
+        self, owner: Owner, name: str, e: int, part: Proposal, out: Any, checksums: bool
+    ) -> tuple[ValueEpoch, int, int]:
+        """A compiled value's step records (``out``: :meth:`CompiledEpoch.step`'s) as its epoch:
+        its record (settled into the owner's host state after a captured step), commits appended
+        to the store; its record, commits and violations."""
+        assert self.compiled is not None
+        rp, cells, _, prop, _ = part
+        static = owner.static[name]
         winner, changed, score, valid, violated, applies, new_clock, was, counts = out
         if name in self.read_clocks.values:
             self.read_clocks.stamp(name, self.payload[name], cells[changed])
@@ -489,6 +504,56 @@ class DataPlane:
             return False
         self.store.sync(epoch)
         return True
+
+    def epoch_windows(self, k: int, start: int) -> EpochWindows:
+        """Replay K epochs per CUDA graph from epoch ``start`` on where the run allows it
+        (:mod:`lmpm.runtime.data.kepochs`; after :meth:`compile`)."""
+        self.windows = EpochWindows(self, k, start)
+        return self.windows
+
+    def work_cells(self, rule: int, cells: Tensor) -> None:
+        """The host copy of ``rule``'s cells in the epoch being settled (a replayed window's)."""
+        self._work_cells[rule] = cells
+
+    @property
+    def mirror(self) -> Mirror:
+        """The device's copy of the owner's metadata (a fused data plane off the CPU)."""
+        assert self._mirror is not None
+        return self._mirror
+
+    def read_options(self, rule: int) -> tuple[str, ...]:
+        """What rule ``rule``'s model asks of its reads (clocks, dense; lmpm.runtime.data.reads)."""
+        return tuple(self._read_opts.get(rule, ()))
+
+    def models_on_device(
+        self, rules: list[tuple[RulePlan, Tensor, Tensor]], phases: dict[str, int | None], e: Tensor
+    ) -> dict[str, tuple[RulePlan, Tensor, Tensor, Tensor, Tensor]]:
+        """Inside a window's capture (lmpm.runtime.data.kepochs): every rule's reads and its
+        capturable model on (host cells, device cells), ``e`` a 0-d device tensor: per value
+        (rule, host cells, cells, proposals (n, k, *cell), scores (n, k) float64)."""
+        self._phase = dict(phases)
+        out = {}
+        for rp, on_host, cells in rules:
+            model = (self.models.get(rp.id) or self._placed.get(rp.id) or (rp.model, None))[0]
+            vp = self.plan.values[rp.target]
+            inputs = self._inputs(rp, cells, on_host)
+            got = model(inputs, **{**self._kwargs(rp, vp, 0), "epoch": e})
+            if isinstance(got, Mapping):
+                got = (got.get("proposal"), got.get("score"))
+            if not (isinstance(got, tuple | list) and len(got) == 2):
+                got = (None, None)
+            prop, score = got
+            if not (isinstance(prop, Tensor) and isinstance(score, Tensor)):
+                raise ModelError(
+                    f"the model bound to rule '{rp.name}' declares lmpm_capture but did not "
+                    "return (proposal, score) tensors",
+                    where={"rule": rp.name, "worker": self.worker},
+                    code="R052",
+                    hint="a capturable model returns (proposal, score); else drop lmpm_capture",
+                )
+            prop, score = self._shape(rp, vp, prop, score)
+            out[rp.target] = (rp, on_host, cells, prop, score)
+        return out
 
     def compile_reads(self, stats: Any = None) -> None:
         """Gather the reads of LMPM's own models with compiled graphs from now on (``--compile``;

@@ -1,0 +1,164 @@
+"""K epochs per CUDA-graph replay (lmpm.runtime.data.kepochs), proven on the simulated device.
+
+A window of K epochs captures each epoch's reads, capturable models and compiled steps as one
+graph; the host settles the K epochs from one copy of their records. These tests hold windows of
+1..16 epochs to single captured epochs and to the eager CPU run (payload, metadata, why-codes and
+every epoch's record), the host's cost per window to one launch and one wait, and say why a run
+that cannot replay K epochs at a time runs single epochs."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lmpm.errors import UsageError
+from lmpm.ir import compile_file, compile_source
+from lmpm.runtime.session import Run
+from lmpm.workers import graphs
+from lmpm.workers.simcuda import simulated_cuda
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_compiled import EX, same_runs
+
+# Two values on a grid, red-black: A's model reads its neighbours and the epoch; B reads A and B
+# (its clocks read A's, committed first in the same epoch). A's constraint keeps some cells unset
+# each epoch (why-codes), and later epochs overwrite committed cells (opens_committed).
+PROG = """param W = 4
+value A : Token[16] shape Grid2D(W, W) clock Lamport
+value B : Token[16] shape Grid2D(W, W) clock Lamport
+value MaskPlan : Event shape Set() clock Lamport
+visible A[x,y] <- A[x+dx,y+dy] when (dx,dy) in N4
+visible B[x,y] <- A[x,y]
+visible B[x,y] <- B[x+dx,y+dy] when (dx,dy) in N4
+rule GenA:
+  on A[x,y]
+  read {nb in N4}
+  emit proposal A[x,y] := Mix(nb, k=3)
+rule GenB:
+  on B[x,y]
+  read {a = A[x,y], nb in N4}
+  emit proposal B[x,y] := Mix(a, nb, k=2)
+constraint Odd:
+  forbid A[x,y] in Set(1, 3, 5, 7, 9, 11) priority 10
+rule Schedule:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)
+"""
+
+
+def mix(inputs: dict[str, torch.Tensor], *, k: int = 1, epoch: Any = 0, **_: Any) -> Any:
+    """A capturable model: a pure torch function of its reads, the cells and the epoch (a 0-d
+    device tensor inside a window, an int in a single epoch)."""
+    cells = inputs["cells"]
+    total = cells * 5 + 3
+    for name, t in inputs.items():
+        if name.endswith("_mask"):
+            data = inputs[name.removesuffix("_mask")]
+            total = total + torch.where(t, data + 1, 0).sum(dim=1) * 3
+    j = torch.arange(int(k), device=cells.device)
+    raw = total[:, None] + j[None, :] * 7 + epoch * 11
+    prop = raw % 16
+    score = -((raw * 13) % 7).to(torch.float64)
+    return prop, score
+
+
+mix.lmpm_capture = True  # type: ignore[attr-defined]
+
+
+# torch calls the host makes per epoch settling a window's records of PROG's two values (measured:
+# see test_a_window_launches_once_and_waits_once)
+SETTLE_CALLS_PER_EPOCH = 200
+
+
+def _run(k: int, epochs: int, backend: str = "simcuda") -> tuple[Run, Any]:
+    front = compile_source(PROG, raise_errors=False)
+    assert not front.errors, front.errors
+    run = Run(
+        front,
+        bindings={"Mix": mix},
+        seed=2,
+        backend=backend,
+        compile=backend != "cpu",
+        epochs_per_replay=k,
+    )
+    return run, run.run(epochs)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 16])
+def test_windows_of_k_epochs_commit_as_single_epochs_and_as_eager(k: int) -> None:
+    """K = 1, 2, 4, 8, 16 over 21 epochs (the first cycle single, then windows cut at the run's
+    end: 16 + 2 and a single epoch for K = 16): the same payload, metadata, why-codes and records
+    as the eager CPU run."""
+    cpu, want = _run(1, 21, backend="cpu")
+    assert sum(r.commits for r in want.records) > 0
+    with simulated_cuda() as sim:
+        gpu, got = _run(k, 21)
+        same_runs(cpu, want, gpu, got)
+    assert not sim.errors
+    w = gpu.engine.windows
+    if k == 1:
+        assert w is None
+    else:
+        assert w.note is None, w.note
+        st = w.stats
+        # the schedule's first cycle (2 epochs) runs singly, then windows; the last epoch alone
+        assert st.epochs == 18 and max(st.sizes) == k
+        assert f"{k} epochs per replay ({st.epochs} epochs in {st.windows} replays" in w.summary()
+    assert gpu.engine.compiled.stats.steps == 2 * 21  # two values, every epoch
+
+
+def test_a_window_launches_once_and_waits_once() -> None:
+    """The host's cost of a window of 8 epochs: one graph launch, one wait (the records' one
+    copy), and a bounded number of torch calls per epoch for settling the records."""
+    with simulated_cuda():
+        run, _ = _run(8, 10)  # captured: windows of 8 from epoch 2
+        w = run.engine.windows
+        assert w.stats.windows == 1
+        with torch.inference_mode(), graphs.count_host() as cost:
+            assert w.replay(run.engine.epoch, 8, None)
+        assert cost.launches == 1 and cost.waits == 1 and cost.copies == 1
+        replay_calls = cost.calls
+        # the window's 8 epochs settled on the host, as the run loop does
+        with graphs.count_host() as settle:
+            run.run(run.engine.epoch + 8)
+    assert settle.launches == 0 and settle.waits == 0
+    # what we reach: the replay is 3 calls (the first epoch in, the launch's records out, their
+    # bytes' view) and one view per record (9 per value and epoch); settling the records on the
+    # host (the owner's bookkeeping, the same as a single captured epoch's) stays under a bound
+    assert replay_calls <= 3 + 9 * 2 * 8, dict(cost.by_name)
+    assert settle.calls / 8 <= SETTLE_CALLS_PER_EPOCH, dict(settle.by_name)
+
+
+def test_why_a_run_replays_single_epochs() -> None:
+    """The examples' models read on the host (ByteLM's `int(slot.max())`): K falls back to 1 and
+    the summary says why; so does a schedule that opens cells by the committed state."""
+    front = compile_file(EX / "text.lmpm")
+    prompt = {"Txt": str(EX / "text" / "prompt.txt")}
+    with simulated_cuda():
+        run = Run(front, inputs=prompt, backend="simcuda", compile=True, epochs_per_replay=8)
+        run.run(4)
+    w = run.engine.windows
+    assert w.stats.windows == 0
+    assert "1 epoch per replay, not 8" in w.summary() and "raster" in w.summary()
+    with simulated_cuda():
+        run, _ = _run(4, 6)
+        run.run(until_stable=True, max_epochs=12)
+    assert "stops when stable" in run.engine.windows.summary()
+
+
+@pytest.mark.parametrize("k", [0, 3, 128, -2])
+def test_a_bad_k_is_a_usage_error(k: int) -> None:
+    with pytest.raises(UsageError) as err:
+        _run(k, 1)
+    assert err.value.code == "U109"
+
+
+def test_k_needs_compile() -> None:
+    front = compile_source(PROG, raise_errors=False)
+    with pytest.raises(UsageError, match="add --compile") as err:
+        Run(front, bindings={"Mix": mix}, epochs_per_replay=4)
+    assert err.value.code == "U109"
