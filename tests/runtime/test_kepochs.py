@@ -17,7 +17,7 @@ import torch
 
 from lmpm.errors import UsageError
 from lmpm.ir import compile_file, compile_source
-from lmpm.runtime.session import Run
+from lmpm.runtime.session import Run, resume
 from lmpm.workers import graphs
 from lmpm.workers.simcuda import simulated_cuda
 
@@ -127,9 +127,9 @@ def test_a_window_launches_once_and_waits_once() -> None:
             run.run(run.engine.epoch + 8)
     assert settle.launches == 0 and settle.waits == 0
     # what we reach: the replay is 3 calls (the first epoch in, the launch's records out, their
-    # bytes' view) and one view per record (9 per value and epoch); settling the records on the
+    # bytes' view) and one view per record (10 per value and epoch); settling the records on the
     # host (the owner's bookkeeping, the same as a single captured epoch's) stays under a bound
-    assert replay_calls <= 3 + 9 * 2 * 8, dict(cost.by_name)
+    assert replay_calls <= 3 + 10 * 2 * 8, dict(cost.by_name)
     assert settle.calls / 8 <= SETTLE_CALLS_PER_EPOCH, dict(settle.by_name)
 
 
@@ -148,6 +148,38 @@ def test_why_a_run_replays_single_epochs() -> None:
         run, _ = _run(4, 6)
         run.run(until_stable=True, max_epochs=12)
     assert "stops when stable" in run.engine.windows.summary()
+
+
+def test_a_logged_run_replays_windows_up_to_each_checkpoint_and_resumes(tmp_path: Path) -> None:
+    """With a run directory (checkpoint every 5 epochs) a window ends at each checkpoint, the
+    store appends each epoch's committed rows as of that epoch (the payload travels with the
+    records), and a resume from the directory ends where the eager CPU run ends."""
+    cpu, _ = _run(1, 23, backend="cpu")
+    front = compile_source(PROG, raise_errors=False)
+    with simulated_cuda() as sim:
+        run = Run(
+            front,
+            bindings={"Mix": mix},
+            seed=2,
+            backend="simcuda",
+            compile=True,
+            epochs_per_replay=8,
+        )
+        run.log_to(tmp_path / "r", source=PROG, checkpoint_every=5)
+        run.run(17)
+        run.finish()
+        w = run.engine.windows
+        assert w.note is None and w.stats.sizes == {2, 4}  # windows 2-3, 5-8, 10-13, 15-16
+        again = resume(tmp_path / "r", compile=True, backend="simcuda", bindings={"Mix": mix})
+        assert again.restored is not None and again.restored.epoch == 17
+        again.run(23)
+        again.finish()
+    assert not sim.errors
+    for name in cpu.plan.values:
+        assert torch.equal(cpu.payload(name), again.payload(name).cpu()), name
+        for f in ("committed", "clock", "rule", "epoch", "score"):
+            a, b = getattr(cpu.engine.state[name], f), getattr(again.engine.state[name], f)
+            assert torch.equal(a, b), (name, f)
 
 
 @pytest.mark.parametrize("k", [0, 3, 128, -2])

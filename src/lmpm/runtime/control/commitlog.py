@@ -529,6 +529,7 @@ class CommitLog:
     # Observer protocol
     def on_start(self, engine: Engine) -> None:
         self._dataplane = engine.dataplane  # its store is closed with the log
+        engine.checkpoint_every = self.info.checkpoint_every  # (a window of epochs ends there)
         engine.checksums = True  # the committed rows' checksums go into the log
         # a worker group's owners write the per-cell rows into their stores (log shards): the
         # epoch records then carry counts only

@@ -117,6 +117,7 @@ class Engine:
         self.compiled: Any = None  # the fused data plane's CompiledEpoch (see compile())
         # K epochs per CUDA-graph replay (lmpm.runtime.data.kepochs.EpochWindows; Run sets it)
         self.windows: Any = None
+        self.checkpoint_every: int | None = None  # the commit log's (set in its on_start)
 
     # ---- the owner's metadata, read by the observers beside it -------------------------------------
     @property
@@ -285,6 +286,9 @@ class Engine:
             w.stop("the payload guard checks each epoch")
         elif self.record:
             w.stop("candidates are traced (--trace cells)")
+        if self.checkpoint_every:  # a checkpoint after epoch c reads the payload after c
+            every = self.checkpoint_every
+            limit = min(limit, self.epoch + (-(self.epoch + 1)) % every + 1)
         m = w.size(self.epoch, limit)
         if m > 1:
             w.replay(self.epoch, m, self._active)

@@ -455,11 +455,20 @@ class DataPlane:
         return self.settle_fused(owner, name, e, part, out, checksums)
 
     def settle_fused(
-        self, owner: Owner, name: str, e: int, part: Proposal, out: Any, checksums: bool
+        self,
+        owner: Owner,
+        name: str,
+        e: int,
+        part: Proposal,
+        out: Any,
+        checksums: bool,
+        written: Tensor | None = None,
     ) -> tuple[ValueEpoch, int, int]:
         """A compiled value's step records (``out``: :meth:`CompiledEpoch.step`'s) as its epoch:
         its record (settled into the owner's host state after a captured step), commits appended
-        to the store; its record, commits and violations."""
+        to the store; its record, commits and violations. ``written``: the open cells' payload
+        after the step, on the host (a replayed window's, whose later epochs moved the payload
+        on)."""
         assert self.compiled is not None
         rp, cells, _, prop, _ = part
         static = owner.static[name]
@@ -484,11 +493,14 @@ class DataPlane:
         if not self._host:
             owner.settle(name, e, rp.id, ve)
         if n_commits and (self.store is not None or checksums):
-            if self._host:
+            if written is not None:
+                rows, new = ve.cells[changed], written[changed]
+            elif self._host:
                 rows = cells if n_commits == cells.numel() else cells[changed]
             else:  # the committed rows picked on the host (no device-side mask and its wait)
                 rows = self._here(ve.cells if n_commits == cells.numel() else ve.cells[changed])
-            new = self.payload[name].index_select(0, rows)
+            if written is None:
+                new = self.payload[name].index_select(0, rows)
             if self.store is not None:
                 self.store.append_commits(e, name, rows, new)
             if checksums:

@@ -25,12 +25,14 @@ A window is possible when (:func:`reason` says why not):
   shape), returning ``(proposal, score)``; it gets ``epoch`` as a 0-d int64 device tensor. A
   capturable model's output is not checked for non-finite scores inside a window (single epochs
   check it);
-- the run stops after a number of epochs (``--until stable`` decides after each epoch), keeps no
-  store (a run directory appends each epoch's commits and checkpoints between epochs), runs no
+- the run stops after a number of epochs (``--until stable`` decides after each epoch), runs no
   payload guard, and traces no candidates.
 
-A window never runs past the run's end: the epochs left are run as windows of the largest power
-of two that fits, then single epochs (a window of 16 with 7 epochs left runs 4, 2, 1). The first
+A window never runs past the run's end or a checkpoint (which reads the payload after its epoch):
+the epochs left are run as windows of the largest power of two that fits, then single epochs (a
+window of 16 with 7 epochs left runs 4, 2, 1). The open cells' payload after each epoch's step
+travels with the records, so a run directory's store appends each epoch's committed rows as of
+that epoch. The first
 cycle of the schedule after the windows are set up runs singly, so that each value's step is
 compiled and each rule's static rows are kept before a window captures them. Where a capture
 finds a wait for the device (the simulated device checks every capture), the run goes on with
@@ -59,8 +61,9 @@ from lmpm.runtime.protocol import (
 from lmpm.runtime.records import ValueEpoch
 from lmpm.workers import graphs
 
-# the records of one value's step (CompiledEpoch.step's outputs)
-_RECORDS = 9
+# the records of one value's step: CompiledEpoch.step's 9 outputs and the open cells' payload
+# after it (the store appends the committed rows as of their epoch)
+_RECORDS = 10
 
 
 def check_k(k: int) -> int:
@@ -126,9 +129,9 @@ class Replayed:
     def step_fused(
         self, owner: Any, name: str, e: int, part: Any, checksums: bool
     ) -> tuple[ValueEpoch, int, int]:
-        out = self.records[name]
+        *out, written = self.records[name]
         self.dataplane.work_cells(part[0].id, part[1])
-        return self.dataplane.settle_fused(owner, name, e, part, out, checksums)
+        return self.dataplane.settle_fused(owner, name, e, part, out, checksums, written)
 
     def sync(self, epoch: int) -> bool:
         return bool(self.dataplane.sync(epoch))
@@ -193,9 +196,7 @@ class EpochWindows:
         if not self.on or e < self.ready_at or e in self._stash:
             return 1
         dp = self.dataplane
-        if dp.store is not None:
-            self.stop("the run keeps a store (a run directory appends commits after each epoch)")
-        elif dp.taps or dp.corrupt_from is not None:
+        if dp.taps or dp.corrupt_from is not None:
             self.stop("something watches the candidate tables (taps, fault drills)")
         if not self.on:
             return 1
@@ -309,7 +310,7 @@ class EpochWindows:
                     out = compiled.step(
                         name, e_t, cells, prop, sc, dp, st, why, actives[name], clocks
                     )
-                    flat += list(out)
+                    flat += [*out, dp.payload[name].index_select(0, cells)]
                     got[name] = (rp, cells_host, 0, prop, sc)
                 parts.append(got)
             compiled.stats.steps = steps  # (counted per replay)
