@@ -69,6 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "LMPM_VALIDATE=eager also decides each epoch eagerly and stops at the first cell where "
         "the two differ (R085)",
     )
+    p.add_argument(
+        "--epochs-per-replay",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --compile --backend cuda: replay K epochs (a power of two) per CUDA graph where "
+        "every model is capturable and the schedule needs no host decision between epochs; the "
+        "summary says why a run replays one (docs/runtime.md)",
+    )
     p.add_argument("--out", metavar="RUN_DIR", help="write outputs here (default runs/<program>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument(
@@ -178,6 +187,7 @@ def config(args: argparse.Namespace, out_dir: Path | None) -> RunConfig:
         trace=args.trace or "summary",
         trace_region=args.trace_region,
         compile=args.compile,
+        epochs_per_replay=args.epochs_per_replay,
         max_memory=args.max_memory,
         keep_records=False,  # the commit log keeps them; a long run must not hold them all
         out=out_dir,
@@ -199,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
             hint="a new run starts with every constraint enabled",
         )
     if args.resume:
+        if args.epochs_per_replay != 1:
+            raise UsageError(
+                "--epochs-per-replay applies to a new run; a resumed run replays one epoch at a time",
+                code="U109",
+            )
         # the flags' values are checked as a new run's are (U022, U042, U024)
         RunConfig(
             epochs=args.epochs,
@@ -359,6 +374,8 @@ def _execute(session: Run, args: argparse.Namespace, *, quiet: int, note: str) -
         note += compiled.summary() + "; "
         if session.dataplane.validator is not None:  # LMPM_VALIDATE=eager
             note += session.dataplane.validator.summary() + "; "
+        if session.engine.windows is not None:
+            note += session.engine.windows.summary() + "; "
         st = compiled.stats
         cost = compile_cost(epoch_seconds, st.compile_seconds, st.compiles, st.cache_hits)
         rate = f"{res.attempts / max(cost.run_seconds, 1e-9):,.0f} attempts/s after compiling"
