@@ -21,6 +21,11 @@ timed runs compile nothing), and checks that both commit the same outputs.
   ratios to eager (a short run like this one is quicker eager; `lmpm run --compile` says so).
 
     python benchmarks/compile.py [--quick] [--device cpu|cuda]
+    python benchmarks/compile.py --device cuda --epochs-per-replay 1,2,4,8,16
+
+``--epochs-per-replay K,...``: K epochs per CUDA-graph replay (lmpm.runtime.data.kepochs) of a
+capturable workload (two values on a 32×32 grid, red-black, a pure torch model): per K the time
+per epoch and its ratio to K = 1, and that every K commits what K = 1 commits.
 
 ``--device cuda`` runs the text and video examples with their payload on the GPU instead, eager
 and compiled (each value's step captured as a CUDA graph): the host time outside the model per
@@ -332,6 +337,107 @@ def _long_run(device: str, epochs: int) -> dict[str, Any]:
     }
 
 
+# A capturable workload for K epochs per replay (lmpm.runtime.data.kepochs): the bundled examples'
+# models read on the host, so none replays more than one epoch. Two values on a W×W grid, red-black,
+# a pure torch model of the neighbours and the epoch (tests/runtime/test_kepochs.py runs the same).
+K_PROG = """param W = {w}
+value A : Token[16] shape Grid2D(W, W) clock Lamport
+value B : Token[16] shape Grid2D(W, W) clock Lamport
+value MaskPlan : Event shape Set() clock Lamport
+visible A[x,y] <- A[x+dx,y+dy] when (dx,dy) in N4
+visible B[x,y] <- A[x,y]
+visible B[x,y] <- B[x+dx,y+dy] when (dx,dy) in N4
+rule GenA:
+  on A[x,y]
+  read {{nb in N4}}
+  emit proposal A[x,y] := Mix(nb, k=3)
+rule GenB:
+  on B[x,y]
+  read {{a = A[x,y], nb in N4}}
+  emit proposal B[x,y] := Mix(a, nb, k=2)
+constraint Odd:
+  forbid A[x,y] in Set(1, 3, 5, 7, 9, 11) priority 10
+rule Schedule:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)
+"""
+
+
+def mix(inputs: dict[str, torch.Tensor], *, k: int = 1, epoch: Any = 0, **_: Any) -> Any:
+    """A capturable model: proposals and scores from the neighbours, the cell and the epoch."""
+    cells = inputs["cells"]
+    total = cells * 5 + 3
+    for name, t in inputs.items():
+        if name.endswith("_mask"):
+            total = total + torch.where(t, inputs[name.removesuffix("_mask")] + 1, 0).sum(dim=1) * 3
+    raw = total[:, None] + torch.arange(int(k), device=cells.device)[None, :] * 7 + epoch * 11
+    return raw % 16, -((raw * 13) % 7).to(torch.float64)
+
+
+mix.lmpm_capture = True  # type: ignore[attr-defined]
+
+
+def per_replay(
+    device: str, ks: list[int], epochs: int, repeats: int, w: int
+) -> list[dict[str, Any]]:
+    """``--epochs-per-replay``: K = each of ``ks`` epochs per CUDA-graph replay of the capturable
+    workload above, ``epochs`` epochs per run, the Ks alternating per repeat in one process: per
+    K the wall time per epoch (best run; the host settles every epoch's records, so on a GPU this
+    is host time), the host's time in the replays per windowed epoch, the ratio to K = 1, and
+    whether the run committed what K = 1 committed. One JSON line per K."""
+    from lmpm.ir import compile_source
+    from lmpm.workers.simcuda import simulated_cuda
+
+    if device == "cuda" and not torch.cuda.is_available():
+        return [{"benchmark": "compile", "case": "epochs_per_replay", "skipped": "no CUDA device"}]
+    sim = simulated_cuda() if device == "simcuda" else contextlib.nullcontext()
+    front = compile_source(K_PROG.format(w=w), raise_errors=False)
+    best: dict[int, float] = {}
+    host: dict[int, float] = {}
+    same: dict[int, bool] = {}
+    with sim:
+        for rep in range(repeats + 1):  # the first round warms the graphs up, untimed
+            want = None
+            for k in ks:
+                run = Run(
+                    front,
+                    bindings={"Mix": mix},
+                    backend=device,
+                    compile=True,
+                    epochs_per_replay=k,
+                    keep_records=False,
+                )
+                t0 = time.perf_counter()
+                run.run(epochs)
+                dt = (time.perf_counter() - t0) / epochs
+                got = [run.payload(n).cpu() for n in ("A", "B")]
+                if want is None:
+                    want = got
+                same[k] = same.get(k, True) and all(torch.equal(a, b) for a, b in zip(want, got))
+                if rep:
+                    best[k] = min(best.get(k, dt), dt)
+                    ws = run.engine.windows
+                    if ws is not None and ws.stats.epochs:
+                        host[k] = ws.stats.host_seconds / ws.stats.epochs
+    rows = []
+    for k in ks:
+        rows.append(
+            {
+                "benchmark": "compile",
+                "case": f"epochs_per_replay_{device}",
+                "k": k,
+                "cells": 2 * w * w,
+                "epochs": epochs,
+                "epoch_us": round(best[k] * 1e6, 1),
+                "replay_host_us_per_epoch": round(host[k] * 1e6, 1) if k in host else None,
+                "ratio_vs_k1": round(best[ks[0]] / best[k], 2),
+                "same_commits_as_k1": same[k],
+                "device": device,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--repeats", type=int, default=6)
@@ -352,7 +458,22 @@ def main() -> None:
         help="--device: compiled text epochs run back to back, counting recompilations "
         "(default 10,000; 1,000 with --quick)",
     )
+    ap.add_argument(
+        "--epochs-per-replay",
+        default="",
+        metavar="K,...",
+        help="only K epochs per CUDA-graph replay (e.g. 1,2,4,8,16) of a capturable workload on "
+        "--device cuda or simcuda: per K the time per epoch and its ratio to the first K",
+    )
+    ap.add_argument("--k-width", type=int, default=32, help="--epochs-per-replay: the grid's side")
     a = ap.parse_args()
+    if a.epochs_per_replay:
+        ks = [int(k) for k in a.epochs_per_replay.split(",")]
+        # the first cycle single, then whole windows (a run captures its windows' graphs once)
+        epochs = 2 + (4 if a.quick else 16) * max(ks)
+        for row in per_replay(a.device, ks, epochs, 2 if a.quick else 4, a.k_width):
+            print(json.dumps(row), flush=True)
+        return
     if a.quick:
         a.repeats, a.epochs = 3, 6
     if a.long_epochs is None:

@@ -261,6 +261,16 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
                 else ("--device", "cuda", "--long-epochs", "10000")
             ),
         ),
+        bench(
+            "compile-k",
+            "K = 1..16 epochs per CUDA-graph replay of a capturable workload: time per epoch",
+            0.04,
+            "benchmarks/compile.py",
+            "--quick",
+            "--epochs-per-replay",
+            "1,2,4,8,16",
+            *(("--device", "simcuda", "--k-width", "8") if dry else ("--device", "cuda")),
+        ),
         Step(
             "tests",
             _tests_what(dry),

@@ -69,9 +69,10 @@ def mix(inputs: dict[str, torch.Tensor], *, k: int = 1, epoch: Any = 0, **_: Any
 mix.lmpm_capture = True  # type: ignore[attr-defined]
 
 
-# torch calls the host makes per epoch settling a window's records of PROG's two values (measured:
+# torch calls the host makes per epoch settling a window's records of PROG's two values (measured
+# 85 per epoch with the replay itself, against 387 for single captured epochs with eager models:
 # see test_a_window_launches_once_and_waits_once)
-SETTLE_CALLS_PER_EPOCH = 200
+SETTLE_CALLS_PER_EPOCH = 100
 
 
 def _run(k: int, epochs: int, backend: str = "simcuda") -> tuple[Run, Any]:
