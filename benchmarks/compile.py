@@ -470,8 +470,8 @@ def main() -> None:
     if a.epochs_per_replay:
         ks = [int(k) for k in a.epochs_per_replay.split(",")]
         # the first cycle single, then whole windows (a run captures its windows' graphs once)
-        epochs = 2 + (4 if a.quick else 16) * max(ks)
-        for row in per_replay(a.device, ks, epochs, 2 if a.quick else 4, a.k_width):
+        epochs = 2 + (2 if a.quick else 16) * max(ks)
+        for row in per_replay(a.device, ks, epochs, 1 if a.quick else 4, a.k_width):
             print(json.dumps(row), flush=True)
         return
     if a.quick:

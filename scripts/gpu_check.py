@@ -269,7 +269,7 @@ def python_steps(opts: Options, python: str, tests_python: str, plugins: Plugins
             "--quick",
             "--epochs-per-replay",
             "1,2,4,8,16",
-            *(("--device", "simcuda", "--k-width", "8") if dry else ("--device", "cuda")),
+            *(("--device", "simcuda", "--k-width", "4") if dry else ("--device", "cuda")),
         ),
         Step(
             "tests",
