@@ -26,7 +26,7 @@ A window is possible when (:func:`reason` says why not):
   capturable model's output is not checked for non-finite scores inside a window (single epochs
   check it);
 - the run stops after a number of epochs (``--until stable`` decides after each epoch), runs no
-  payload guard, and traces no candidates.
+  payload guard and no ``LMPM_VALIDATE=eager``, and traces no candidates.
 
 A window never runs past the run's end or a checkpoint (which reads the payload after its epoch):
 the epochs left are run as windows of the largest power of two that fits, then single epochs (a
@@ -198,6 +198,8 @@ class EpochWindows:
         dp = self.dataplane
         if dp.taps or dp.corrupt_from is not None:
             self.stop("something watches the candidate tables (taps, fault drills)")
+        elif dp.validator is not None:
+            self.stop("LMPM_VALIDATE=eager decides each epoch eagerly too")
         if not self.on:
             return 1
         m = min(self.k, limit - e)
