@@ -112,6 +112,17 @@ def test_windows_of_k_epochs_commit_as_single_epochs_and_as_eager(k: int) -> Non
     assert gpu.engine.compiled.stats.steps == 2 * 21  # two values, every epoch
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_windows_on_the_gpu_commit_as_eager_on_the_cpu() -> None:
+    """The real capture: windows of 8 epochs of inductor's Triton steps and the model's kernels,
+    replayed as CUDA graphs, commit what the eager CPU run commits."""
+    cpu, want = _run(1, 21, backend="cpu")
+    gpu, got = _run(8, 21, backend="cuda")
+    same_runs(cpu, want, gpu, got)
+    assert gpu.engine.windows.note is None and gpu.engine.windows.stats.windows >= 2
+
+
 def test_a_window_launches_once_and_waits_once() -> None:
     """The host's cost of a window of 8 epochs: one graph launch, one wait (the records' one
     copy), and a bounded number of torch calls per epoch for settling the records."""

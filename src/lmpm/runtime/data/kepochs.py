@@ -242,8 +242,8 @@ class EpochWindows:
         if g is None:
             try:
                 g = self._graphs[key] = self._capture(e, m, active)
-            except graphs.NotCapturable as exc:
-                self.stop(f"an epoch could not be captured ({exc})")
+            except (graphs.NotCapturable, RuntimeError) as exc:  # (a real capture's refusal)
+                self.stop(f"an epoch could not be captured ({str(exc).splitlines()[0]})")
                 return False
             self.stats.captures += 1
         g.base.fill_(e)
