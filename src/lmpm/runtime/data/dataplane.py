@@ -537,6 +537,11 @@ class DataPlane:
         """What rule ``rule``'s model asks of its reads (clocks, dense; lmpm.runtime.data.reads)."""
         return tuple(self._read_opts.get(rule, ()))
 
+    def model_of(self, rp: RulePlan) -> Any:
+        """The model this worker calls for ``rp``: compiled (compile_models), else moved to its
+        device, else as bound (what run_models calls)."""
+        return (self.models.get(rp.id) or self._placed.get(rp.id) or (rp.model, None))[0]
+
     def models_on_device(
         self, rules: list[tuple[RulePlan, Tensor, Tensor]], phases: dict[str, int | None], e: Tensor
     ) -> dict[str, tuple[RulePlan, Tensor, Tensor, Tensor, Tensor]]:
@@ -546,7 +551,7 @@ class DataPlane:
         self._phase = dict(phases)
         out = {}
         for rp, on_host, cells in rules:
-            model = (self.models.get(rp.id) or self._placed.get(rp.id) or (rp.model, None))[0]
+            model = self.model_of(rp)
             vp = self.plan.values[rp.target]
             inputs = self._inputs(rp, cells, on_host)
             got = model(inputs, **{**self._kwargs(rp, vp, 0), "epoch": e})

@@ -97,7 +97,7 @@ def reason(dataplane: Any) -> str | None:
     for rp in plan.rules:
         if rp.target not in plan.rules_by_target:
             continue
-        model = dataplane.models.get(rp.id, (rp.model, None))[0]
+        model = dataplane.model_of(rp)
         if dataplane.owner.triggered[rp.id]:
             return f"rule `{rp.name}` has a trigger (a host decision each epoch)"
         if rp.epoch_args:
