@@ -219,6 +219,60 @@ class _Constraints:
     levels: tuple[tuple[int, tuple[int, ...]], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class _Decisions:
+    """One value's epoch as the summary counts it (host NumPy arrays)."""
+
+    valid_t: np.ndarray  # (C, n) bool: valid candidates, candidate-major
+    violated: np.ndarray  # (n, C, K) bool
+    fav: np.ndarray  # (n,) the score favourite's column
+    winner: np.ndarray  # (n,) the winner's column
+    sub: np.ndarray  # (m,) the cells whose winner is not the favourite
+    resp: np.ndarray  # (m, K) bool: the constraints responsible for those decisions
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """The candidate columns grouped by the rule that proposed them."""
+
+    rules: list[int]  # (R,) the rules' ids, sorted (-1: keep-current)
+    col_r: np.ndarray  # (C,) each column's index into ``rules``
+    starts: np.ndarray  # where each run of one rule's columns starts
+    run_rule: list[int]  # each run's index into ``rules``
+
+    def by_rule(self, per_col: np.ndarray) -> list[int]:
+        """(C,) per-column counts summed per rule, (R,)."""
+        nr = len(self.rules)
+        # each rule's columns are one run in practice (keep-current, then each rule's proposals):
+        # sum the runs (np.add.reduceat, a pass over C); else weigh the columns by rule
+        if len(self.starts) != nr:
+            return [int(x) for x in np.bincount(self.col_r, weights=per_col, minlength=nr)]
+        out = [0] * nr
+        for r, x in zip(self.run_rule, np.add.reduceat(per_col, self.starts).tolist()):
+            out[r] = int(x)
+        return out
+
+
+def _checked_and_violations(
+    layout: _Layout, applies: np.ndarray, d: _Decisions, nk: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """(R, K) per rule: valid candidates in the cells each constraint covers (``applies``,
+    (n, K)), and those that violate it (a few NumPy passes per rule, whatever the number of
+    candidates)."""
+    nr = len(layout.rules)
+    viol_kc = np.ascontiguousarray(np.count_nonzero(d.violated, axis=0).T)  # (K, C)
+    viol_rk = [layout.by_rule(viol_kc[k]) for k in range(nk)]  # (K, R)
+    if applies.all():  # every constraint covers every open cell (the common case)
+        per_rule = layout.by_rule(np.count_nonzero(d.valid_t, axis=1))
+        checked = [[c] * nk for c in per_rule]
+    else:
+        checked_kc = applies.T.astype(np.int64) @ d.valid_t.T.astype(np.int64)  # (K, C)
+        checked_rk = [layout.by_rule(checked_kc[k]) for k in range(nk)]
+        checked = [[checked_rk[k][r] for k in range(nk)] for r in range(nr)]
+    viol = [[viol_rk[k][r] for k in range(nk)] for r in range(nr)]
+    return checked, viol
+
+
 def favourite(valid: np.ndarray, score: np.ndarray) -> np.ndarray:
     """(n,) the score favourite of each cell: the highest score among valid candidates, ties to the
     lowest column (0, keep-current, when no candidate is valid or a valid score is NaN).
@@ -311,7 +365,7 @@ class Tracer:
         self._constraints: dict[tuple[str, tuple[int, ...]], _Constraints] = {}
         self._coords: dict[str, np.ndarray] = {}  # (rank, ncells) per value, on first use
         # id(col_rule) -> (the tensor, its layout): see _layout
-        self._layouts: dict[int, tuple[Tensor, Any]] = {}
+        self._layouts: dict[int, tuple[Tensor, _Layout]] = {}
         self._regions: dict[str, Tensor] = {}
         if region is not None:
             dims = plan.values[region.value].dims
@@ -379,7 +433,7 @@ class Tracer:
         )  # (m, K)
         out.decided += int(np.count_nonzero(resp.any(axis=1)))
         if ids:
-            self._summary(ve, e, static, valid_t, violated, fav, winner, sub, resp, out)
+            self._summary(ve, e, static, _Decisions(valid_t, violated, fav, winner, sub, resp), out)
         if self.level == "cells":
             import torch
 
@@ -387,11 +441,10 @@ class Tracer:
             full[sub] = resp
             self._cells(ve, e, torch.from_numpy(fav), torch.from_numpy(full), out)
 
-    def _layout(self, col_rule: Tensor) -> tuple[list[int], np.ndarray, np.ndarray, list[int]]:
-        """The candidate columns' layout: the rules (sorted ids, -1 keep-current), each column's
-        index among them (C,), where each run of one rule's columns starts, and its rule index.
-        A worker hands the same ``col_rule`` tensor for the same layout every epoch: worked out
-        once per tensor (k = V columns would otherwise cost passes over them every epoch)."""
+    def _layout(self, col_rule: Tensor) -> _Layout:
+        """The candidate columns' layout by rule (:class:`_Layout`). A worker hands the same
+        ``col_rule`` tensor for the same layout every epoch: worked out once per tensor (k = V
+        columns would otherwise cost passes over them every epoch)."""
         hit = self._layouts.get(id(col_rule))
         if hit is not None and hit[0] is col_rule:
             return hit[1]
@@ -399,75 +452,52 @@ class Tracer:
         rule_ids = np.flatnonzero(np.bincount(cols + 1)) - 1  # sorted (-1: keep-current)
         col_r = np.searchsorted(rule_ids, cols).astype(np.int64)  # (C,) rule index
         starts = np.flatnonzero(np.diff(col_r, prepend=-1))
-        out = (rule_ids.tolist(), col_r, starts, col_r[starts].tolist())
+        out = _Layout(rule_ids.tolist(), col_r, starts, col_r[starts].tolist())
         if len(self._layouts) > 64:  # (layouts change with the rules that fire: keep a few)
             self._layouts.clear()
         self._layouts[id(col_rule)] = (col_rule, out)
         return out
 
     def _summary(
-        self,
-        ve: ValueEpoch,
-        e: int,
-        static: _Constraints,
-        valid_t: np.ndarray,
-        violated: np.ndarray,
-        fav: np.ndarray,
-        winner: np.ndarray,
-        sub: np.ndarray,
-        resp: np.ndarray,
-        out: TraceRows,
+        self, ve: ValueEpoch, e: int, static: _Constraints, d: _Decisions, out: TraceRows
     ) -> None:
         """Rows per constraint × rule, from per-column counts ((C, K): a handful of numbers)."""
         ids = static.ids
-        nk = len(ids)
-        rules, col_r, starts, run_rule = self._layout(ve.col_rule)
-        applies = ve.applies.cpu().numpy()  # (n, K)
-        # (R, K) per rule: valid candidates in the cells each constraint covers, violations (a
-        # few NumPy passes per rule, whatever the number of candidates)
-        nr = len(rules)
-        # each rule's columns are one run in practice (keep-current, then each rule's proposals):
-        # sum the runs (np.add.reduceat, a pass over C); else weigh the columns by rule
-        runs = len(starts) == nr
-
-        def by_rule(per_col: np.ndarray) -> list[int]:  # (C,) -> (R,) summed over each rule
-            if not runs:
-                return [int(x) for x in np.bincount(col_r, weights=per_col, minlength=nr)]
-            out = [0] * nr
-            for r, x in zip(run_rule, np.add.reduceat(per_col, starts).tolist()):
-                out[r] = int(x)
-            return out
-
-        viol_kc = np.ascontiguousarray(np.count_nonzero(violated, axis=0).T)  # (K, C)
-        viol_rk = [by_rule(viol_kc[k]) for k in range(nk)]  # (K, R)
-        if applies.all():  # every constraint covers every open cell (the common case)
-            per_rule = by_rule(np.count_nonzero(valid_t, axis=1))
-            checked = [[c] * nk for c in per_rule]
-        else:
-            checked_kc = applies.T.astype(np.int64) @ valid_t.T.astype(np.int64)  # (K, C)
-            checked_rk = [by_rule(checked_kc[k]) for k in range(nk)]
-            checked = [[checked_rk[k][r] for k in range(nk)] for r in range(nr)]
-        viol = [[viol_rk[k][r] for k in range(nk)] for r in range(nr)]
-        fr, wr = col_r[fav[sub]], col_r[winner[sub]]  # (m,) rule index of favourite / winner
-        won = [np.bincount(wr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
-        lost = [np.bincount(fr[resp[:, k]], minlength=len(rules)).tolist() for k in range(nk)]
+        layout = self._layout(ve.col_rule)
+        checked, viol = _checked_and_violations(layout, ve.applies.cpu().numpy(), d, len(ids))
+        fr, wr = layout.col_r[d.fav[d.sub]], layout.col_r[d.winner[d.sub]]  # (m,) rule indices
+        # (K, R): decisions won by the winner's rule / lost by the favourite's, per constraint
+        won = [
+            np.bincount(wr[d.resp[:, k]], minlength=len(layout.rules)).tolist()
+            for k in range(len(ids))
+        ]
+        lost = [
+            np.bincount(fr[d.resp[:, k]], minlength=len(layout.rules)).tolist()
+            for k in range(len(ids))
+        ]
         cells = ve.cells.cpu().numpy()
-        coords = self._coords.get(ve.value)
-        if coords is None:  # (rank, ncells): a box's bounds reduce along contiguous rows
-            coords = np.ascontiguousarray(self.plan.values[ve.value].coords.numpy().T)
-            self._coords[ve.value] = coords
-        for r, rule in enumerate(rules):
+        coords = self._value_coords(ve.value)
+        for r, rule in enumerate(layout.rules):
             for k, cid in enumerate(ids):
                 if checked[r][k] == 0:
                     continue
                 where = None
                 if lost[k][r]:
-                    sel = coords[:, cells[sub[resp[:, k] & (fr == r)]]]  # (rank, cells)
+                    sel = coords[:, cells[d.sub[d.resp[:, k] & (fr == r)]]]  # (rank, cells)
                     lo, hi = sel.min(axis=1).tolist(), sel.max(axis=1).tolist()
                     where = Box(ve.value, tuple(lo), tuple(hi))
                 out.summary.append(
                     (e, cid, rule, checked[r][k], viol[r][k], won[k][r], lost[k][r], where)
                 )
+
+    def _value_coords(self, value: str) -> np.ndarray:
+        """(rank, ncells) the value's cell coordinates, on first use: a box's bounds reduce along
+        contiguous rows."""
+        coords = self._coords.get(value)
+        if coords is None:
+            coords = np.ascontiguousarray(self.plan.values[value].coords.numpy().T)
+            self._coords[value] = coords
+        return coords
 
     def _cells(self, ve: ValueEpoch, e: int, fav: Tensor, resp: Tensor, out: TraceRows) -> None:
         import torch
@@ -571,8 +601,62 @@ def _union(boxes: Sequence[str]) -> str | None:
 def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]:
     """The whole trace of a run as plain data (what ``lmpm trace --json`` prints)."""
     meta = read_meta(conn)
-    rules = _rule_names(conn)
     epochs = epoch_rows(conn, EPOCH_FIELDS)
+    constraints = _constraint_totals(conn)
+    names = {c["id"]: c["name"] for c in constraints}
+    traced = meta.get("trace", "off") != "off"
+    return {
+        "run": _run_summary(conn, meta, run_dir, epochs, traced),
+        "constraints": constraints,
+        "blocked": _blocked(conn, names, _rule_names(conn)),
+        "never_fired": [
+            c["name"]
+            for c in constraints
+            if traced and c["status"] == "evaluated" and c["violations"] == 0
+        ],
+        "proved": [c["name"] for c in constraints if c["status"] == "proved"],
+        "epochs": epochs,
+        "violations_per_epoch": _violation_series(conn, constraints, epochs),
+        "ruleset": ruleset_changes(conn),
+        "faults": worker_faults(conn),
+        "dissent": quorum_dissent(conn),
+        # value -> its output as text, for a value of a tokenizer's vocabulary (--tokenizer)
+        "texts": run_texts(run_dir, meta) if run_dir else {},
+    }
+
+
+def _run_summary(
+    conn: sqlite3.Connection,
+    meta: Mapping[str, Any],
+    run_dir: str | Path,
+    epochs: Sequence[Mapping[str, Any]],
+    traced: bool,
+) -> dict[str, Any]:
+    """The report's ``run`` entry: the run's settings, status and totals over its epochs."""
+    return {
+        "dir": str(run_dir),
+        "program": meta.get("program_file"),
+        "program_hash": meta.get("program_hash"),
+        "seed": meta.get("seed"),
+        "params": meta.get("params"),
+        "status": meta.get("status"),
+        "error": meta.get("error"),  # why a failed run failed (None otherwise)
+        # why the run stopped and why cells stayed unset (None: an older run, or still running)
+        "stop": meta.get("stop"),
+        "trace": meta.get("trace"),
+        "trace_region": meta.get("trace_region"),
+        "epochs": completed_epochs(conn),
+        "commits": sum(int(ep["commits"]) for ep in epochs),
+        "attempts": sum(int(ep["attempts"]) for ep in epochs),
+        # commits no model attempt made: the VM's teacher-forced and tool tokens
+        "unattempted": _unattempted(conn),
+        "workers": int(meta.get("workers") or 1),  # --workers (the VM: one process)
+        "decided": sum(int(ep["decided"] or 0) for ep in epochs) if traced else None,
+    }
+
+
+def _constraint_totals(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    """Every constraint (highest priority first) with its totals over the run's trace."""
     totals = {
         int(r[0]): r[1:]
         for r in conn.execute(
@@ -608,7 +692,13 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
                 "epochs_fired": len(fired_epochs),
             }
         )
-    names = {c["id"]: c["name"] for c in constraints}
+    return constraints
+
+
+def _blocked(
+    conn: sqlite3.Connection, names: Mapping[int, str], rules: Mapping[int, str]
+) -> list[dict[str, Any]]:
+    """The decisions each constraint took from each rule, most first: where and when."""
     groups: dict[tuple[int, int], dict[str, Any]] = {}
     for cid, rule, e, lost, where in conn.execute(
         "SELECT constraint_id, rule, epoch, lost, blocked_where FROM trace_summary WHERE lost > 0 "
@@ -619,7 +709,7 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
         g["lost"] += lost
         if where:
             g["boxes"].append(where)
-    blocked = sorted(
+    return sorted(
         (
             {
                 "constraint": names.get(cid, str(cid)),
@@ -632,6 +722,15 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
         ),
         key=lambda b: -int(b["decisions"]),
     )
+
+
+def _violation_series(
+    conn: sqlite3.Connection,
+    constraints: Sequence[Mapping[str, Any]],
+    epochs: Sequence[Mapping[str, Any]],
+) -> dict[str, list[int]]:
+    """Each evaluated constraint's violations per logged epoch."""
+    names = {c["id"]: c["name"] for c in constraints}
     series: dict[str, list[int]] = {
         c["name"]: [0] * len(epochs) for c in constraints if c["status"] == "evaluated"
     }
@@ -641,44 +740,7 @@ def report(conn: sqlite3.Connection, run_dir: str | Path = "") -> dict[str, Any]
     ):
         if names.get(cid) in series and e in index:
             series[names[cid]][index[e]] = int(v)
-    traced = meta.get("trace", "off") != "off"
-    return {
-        "run": {
-            "dir": str(run_dir),
-            "program": meta.get("program_file"),
-            "program_hash": meta.get("program_hash"),
-            "seed": meta.get("seed"),
-            "params": meta.get("params"),
-            "status": meta.get("status"),
-            "error": meta.get("error"),  # why a failed run failed (None otherwise)
-            # why the run stopped and why cells stayed unset (None: an older run, or still running)
-            "stop": meta.get("stop"),
-            "trace": meta.get("trace"),
-            "trace_region": meta.get("trace_region"),
-            "epochs": completed_epochs(conn),
-            "commits": sum(int(ep["commits"]) for ep in epochs),
-            "attempts": sum(int(ep["attempts"]) for ep in epochs),
-            # commits no model attempt made: the VM's teacher-forced and tool tokens
-            "unattempted": _unattempted(conn),
-            "workers": int(meta.get("workers") or 1),  # --workers (the VM: one process)
-            "decided": sum(int(ep["decided"] or 0) for ep in epochs) if traced else None,
-        },
-        "constraints": constraints,
-        "blocked": blocked,
-        "never_fired": [
-            c["name"]
-            for c in constraints
-            if traced and c["status"] == "evaluated" and c["violations"] == 0
-        ],
-        "proved": [c["name"] for c in constraints if c["status"] == "proved"],
-        "epochs": epochs,
-        "violations_per_epoch": series,
-        "ruleset": ruleset_changes(conn),
-        "faults": worker_faults(conn),
-        "dissent": quorum_dissent(conn),
-        # value -> its output as text, for a value of a tokenizer's vocabulary (--tokenizer)
-        "texts": run_texts(run_dir, meta) if run_dir else {},
-    }
+    return series
 
 
 def _unattempted(conn: sqlite3.Connection) -> int:
@@ -719,6 +781,21 @@ def ruleset_changes(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Cell:
+    """The cell a story is about, and what reading its story needs from the run directory."""
+
+    run_dir: Path
+    value: str
+    cell: int  # its flat id
+    rules: Mapping[int, str]  # rule id -> name
+    workers: tuple[str, ...]  # the worker shards whose stores hold payloads
+    # the value's constraints, highest priority first: id, name, priority, kind, status
+    constraints: list[dict[str, Any]]
+    quorum: _Quorum | None  # the value's quorum policy, explained when replicas disagree
+    vocab: Vocabulary | None  # a tokenizer's vocabulary: payloads get strings
+
+
 def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict[str, Any]:
     """Every attempt on one cell: candidates, each constraint's verdict, the winner and why."""
     meta = read_meta(conn)
@@ -730,10 +807,56 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
             code="U031",
             hint="give one index per axis, e.g. Vid[3, 10, 12]",
         )
+    program = _stored_program(meta)
+    at = _story_cell(conn, meta, Path(run_dir), region, program)
+    # Payload lives in the workers' stores (lmpm.runtime.data.store); the log holds metadata.
+    committed_payload: dict[int, Any] = {}
+    for w in at.workers:
+        committed_payload.update(
+            {e: _val(a) for e, a in read_cell_payload(run_dir, w, at.value, at.cell).items()}
+        )
+    story: dict[str, Any] = {
+        "cell": str(region),
+        "value": at.value,
+        "id": at.cell,
+        "constraints": at.constraints,
+        "start": _start_state(conn, at),
+        "commits": _story_commits(conn, at, committed_payload),
+        "attempts": [],
+    }
+    # a value no rule proposes has no attempts to trace (None: no IR to tell)
+    story["proposed"] = (
+        None if program is None else any(r.target == at.value for r in program.rules)
+    )
+    covered = meta.get("trace") == "cells"
+    if covered and meta.get("trace_region"):
+        traced = parse_region(str(meta["trace_region"]), dims)
+        covered = traced.value == at.value and bool(traced.mask(dims[at.value])[at.cell])
+    story["traced"] = covered
+    if covered:
+        start = story["start"]["payload"] if story["start"] else None
+        after_of: dict[int, Any] = {}  # epoch -> the cell's payload after it
+        current = start
+        for e in range(completed_epochs(conn)):
+            current = committed_payload.get(e, current)
+            after_of[e] = current
+        cands = _traced_candidates(conn, at, after_of, start)
+        story["attempts"] = _attempts(conn, at, cands, after_of)
+    if at.vocab is not None:
+        story["vocabulary"] = at.vocab.name
+        _with_tokens([story["start"], *story["commits"], *story["attempts"]], at.vocab)
+    return story
+
+
+def _story_cell(
+    conn: sqlite3.Connection,
+    meta: Mapping[str, Any],
+    run_dir: Path,
+    region: Region,
+    program: Program | None,
+) -> _Cell:
+    """What the story of the one cell of ``region`` reads, gathered once."""
     value = region.value
-    cell = region.flat(dims[value])
-    rules = _rule_names(conn)
-    vocab = run_vocabularies(run_dir, meta).get(value)  # a tokenizer's: payloads get strings
     cons = [
         {"id": i, "name": n, "priority": p, "kind": k, "status": s}
         for i, n, p, k, s in conn.execute(
@@ -742,125 +865,137 @@ def cell_story(conn: sqlite3.Connection, run_dir: str | Path, text: str) -> dict
             (value,),
         )
     ]
-    by_id = {c["id"]: c for c in cons}
-    story: dict[str, Any] = {
-        "cell": str(region),
-        "value": value,
-        "id": cell,
-        "constraints": cons,
-        "start": None,
-        "commits": [],
-        "attempts": [],
-    }
-    # Payload lives in the workers' stores (lmpm.runtime.data.store); the log holds metadata.
-    workers = list(checkpoint_shards(Path(run_dir), _first_checkpoint(conn) or ""))
-    committed_payload: dict[int, Any] = {}
-    for w in workers:
-        committed_payload.update(
-            {e: _val(a) for e, a in read_cell_payload(run_dir, w, value, cell).items()}
-        )
-    # The state before epoch 0 (inputs), from the first checkpoint.
+    return _Cell(
+        run_dir=run_dir,
+        value=value,
+        cell=region.flat(_dims(conn)[value]),
+        rules=_rule_names(conn),
+        workers=tuple(checkpoint_shards(run_dir, _first_checkpoint(conn) or "")),
+        constraints=cons,
+        quorum=_quorum_of(program, value),
+        vocab=run_vocabularies(run_dir, meta).get(value),
+    )
+
+
+def _start_state(conn: sqlite3.Connection, at: _Cell) -> dict[str, Any] | None:
+    """The cell before epoch 0 (an input), from the first checkpoint; None when unset."""
     row = conn.execute("SELECT file, sha256 FROM checkpoints WHERE epoch = 0").fetchone()
-    if row is not None:
-        arrays = load_checkpoint(Path(run_dir), str(row[0]), str(row[1]))
-        if bool(arrays[f"{value}.committed"][cell]):
-            story["start"] = {
-                "payload": _shard_payload(Path(run_dir), str(row[0]), value, cell),
-                "clock": int(arrays[f"{value}.clock"][cell]),
-                "rule": rules.get(int(arrays[f"{value}.rule"][cell]), "input"),
-            }
+    if row is None:
+        return None
+    arrays = load_checkpoint(at.run_dir, str(row[0]), str(row[1]))
+    if not bool(arrays[f"{at.value}.committed"][at.cell]):
+        return None
+    return {
+        "payload": _shard_payload(at.run_dir, str(row[0]), at.value, at.cell),
+        "clock": int(arrays[f"{at.value}.clock"][at.cell]),
+        "rule": at.rules.get(int(arrays[f"{at.value}.rule"][at.cell]), "input"),
+    }
+
+
+def _story_commits(
+    conn: sqlite3.Connection, at: _Cell, payloads: Mapping[int, Any]
+) -> list[dict[str, Any]]:
+    """The cell's commits in epoch order (``payloads``: epoch -> the payload it committed)."""
+    out = []
     for e, rule, first, step, cmin, clocks, smin, scores in conn.execute(
         "SELECT epoch, rule, first, step, clock_min, clocks, score_min, scores "
         "FROM commits WHERE value = ? AND first <= ? AND last >= ? AND (? - first) % step = 0 "
         "ORDER BY epoch",
-        (value, cell, cell, cell),
+        (at.value, at.cell, at.cell, at.cell),
     ):
-        j = (cell - first) // step
-        story["commits"].append(
+        j = (at.cell - first) // step
+        out.append(
             {
                 "epoch": e,
-                "rule": rules.get(rule, str(rule)),
-                "payload": committed_payload.get(int(e)),
+                "rule": at.rules.get(rule, str(rule)),
+                "payload": payloads.get(int(e)),
                 "clock": int(cmin if clocks is None else cmin + int(decode(clocks)[j])),
                 "score": float(smin if scores is None else decode(scores)[j]),
             }
         )
-    program = _stored_program(meta)
-    quorum = _quorum_of(program, value)
-    # a value no rule proposes has no attempts to trace (None: no IR to tell)
-    story["proposed"] = None if program is None else any(r.target == value for r in program.rules)
-    covered = meta.get("trace") == "cells"
-    if covered and meta.get("trace_region"):
-        traced = parse_region(str(meta["trace_region"]), dims)
-        covered = traced.value == value and bool(traced.mask(dims[value])[cell])
-    story["traced"] = covered
-    if covered:
-        cands: dict[int, list[tuple[Any, ...]]] = {}
-        cand_payload: dict[tuple[int, int], Any] = {}
-        for w in workers:
-            cand_payload.update(
-                {k: _val(a) for k, a in read_candidates(run_dir, w, value, cell).items()}
-            )
-        current = story["start"]["payload"] if story["start"] else None
-        after_of: dict[int, Any] = {}
-        for e in range(completed_epochs(conn)):
-            current = committed_payload.get(e, current)
-            after_of[e] = current
-        for r in conn.execute(
-            "SELECT epoch, col, rule, score, violated FROM trace_candidates "
-            "WHERE value = ? AND cell = ? ORDER BY epoch, col",
-            (value, cell),
-        ):
-            e, col = int(r[0]), int(r[1])
-            before = after_of.get(e - 1, story["start"]["payload"] if story["start"] else None)
-            pay = cand_payload.get((e, col)) if (col or before is not None) else None
-            cands.setdefault(e, []).append((col, r[2], pay, r[3], r[4]))
-        for e, w, fav, committed, _after, clock, cov, dec in conn.execute(
-            "SELECT epoch, winner, favourite, committed, payload, clock, covered, decided_by "
-            "FROM trace_cells WHERE value = ? AND cell = ? ORDER BY epoch",
-            (value, cell),
-        ):
-            rows = []
-            for col, rule, payload, score, vbits in cands.get(e, []):
-                verdicts = {}
-                for c in cons:
-                    if c["status"] == "proved":
-                        verdicts[c["name"]] = "proved"
-                    elif not (cov >> c["id"]) & 1:
-                        verdicts[c["name"]] = "n/a"
-                    else:
-                        verdicts[c["name"]] = "violated" if (vbits >> c["id"]) & 1 else "ok"
-                rows.append(
-                    {
-                        "col": col,
-                        "rule": "keep" if col == 0 else rules.get(rule, str(rule)),
-                        "payload": payload,
-                        "score": score,
-                        "verdicts": verdicts,
-                        "winner": col == w,
-                        "favourite": col == fav,
-                    }
-                )
-            decided = [by_id[i]["name"] for i in json.loads(dec)] if dec else []
-            if vocab is not None:  # the token strings, also in the sentence saying why
-                _with_tokens(rows, vocab)
-            story["attempts"].append(
-                {
-                    "epoch": e,
-                    "candidates": rows,
-                    "winner": w,
-                    "favourite": fav,
-                    "committed": bool(committed),
-                    "payload": after_of.get(int(e)),
-                    "clock": clock,
-                    "decided_by": decided,
-                    "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, quorum),
-                }
-            )
-    if vocab is not None:
-        story["vocabulary"] = vocab.name
-        _with_tokens([story["start"], *story["commits"], *story["attempts"]], vocab)
-    return story
+    return out
+
+
+def _traced_candidates(
+    conn: sqlite3.Connection, at: _Cell, after_of: Mapping[int, Any], start: Any
+) -> dict[int, list[tuple[Any, ...]]]:
+    """epoch -> the cell's candidates (col, rule, payload, score, violation bits); keep-current
+    of a cell still unset has no payload."""
+    cand_payload: dict[tuple[int, int], Any] = {}
+    for w in at.workers:
+        cand_payload.update(
+            {k: _val(a) for k, a in read_candidates(at.run_dir, w, at.value, at.cell).items()}
+        )
+    cands: dict[int, list[tuple[Any, ...]]] = {}
+    for r in conn.execute(
+        "SELECT epoch, col, rule, score, violated FROM trace_candidates "
+        "WHERE value = ? AND cell = ? ORDER BY epoch, col",
+        (at.value, at.cell),
+    ):
+        e, col = int(r[0]), int(r[1])
+        before = after_of.get(e - 1, start)
+        pay = cand_payload.get((e, col)) if (col or before is not None) else None
+        cands.setdefault(e, []).append((col, r[2], pay, r[3], r[4]))
+    return cands
+
+
+def _attempts(
+    conn: sqlite3.Connection,
+    at: _Cell,
+    cands: Mapping[int, list[tuple[Any, ...]]],
+    after_of: Mapping[int, Any],
+) -> list[dict[str, Any]]:
+    """Each traced attempt on the cell: its candidates with their verdicts, and why it went so."""
+    by_id = {c["id"]: c for c in at.constraints}
+    out = []
+    for e, w, fav, committed, _after, clock, cov, dec in conn.execute(
+        "SELECT epoch, winner, favourite, committed, payload, clock, covered, decided_by "
+        "FROM trace_cells WHERE value = ? AND cell = ? ORDER BY epoch",
+        (at.value, at.cell),
+    ):
+        rows = [
+            {
+                "col": col,
+                "rule": "keep" if col == 0 else at.rules.get(rule, str(rule)),
+                "payload": payload,
+                "score": score,
+                "verdicts": _verdicts(at.constraints, cov, vbits),
+                "winner": col == w,
+                "favourite": col == fav,
+            }
+            for col, rule, payload, score, vbits in cands.get(e, [])
+        ]
+        decided = [by_id[i]["name"] for i in json.loads(dec)] if dec else []
+        if at.vocab is not None:  # the token strings, also in the sentence saying why
+            _with_tokens(rows, at.vocab)
+        out.append(
+            {
+                "epoch": e,
+                "candidates": rows,
+                "winner": w,
+                "favourite": fav,
+                "committed": bool(committed),
+                "payload": after_of.get(int(e)),
+                "clock": clock,
+                "decided_by": decided,
+                "why": _why(rows, w, fav, decided, bool(committed), by_id, dec, at.quorum),
+            }
+        )
+    return out
+
+
+def _verdicts(cons: Sequence[Mapping[str, Any]], covered: int, vbits: int) -> dict[str, str]:
+    """Each constraint's verdict on one candidate (``covered``, ``vbits``: bitmasks over the
+    constraint ids of those covering the cell, and of those the candidate violates)."""
+    verdicts = {}
+    for c in cons:
+        if c["status"] == "proved":
+            verdicts[c["name"]] = "proved"
+        elif not (covered >> c["id"]) & 1:
+            verdicts[c["name"]] = "n/a"
+        else:
+            verdicts[c["name"]] = "violated" if (vbits >> c["id"]) & 1 else "ok"
+    return verdicts
 
 
 def _with_tokens(entries: Sequence[dict[str, Any] | None], vocab: Vocabulary) -> None:
