@@ -661,19 +661,7 @@ class CommitLog:
                 hint="`lmpm resume` redoes it from the last logged epoch",
             )
         t0 = time.perf_counter()
-        if record.log is None:  # the per-cell rows come from the records
-            rows = commit_rows(record)
-            trace = self.tracer.record(engine, record) if self.tracer is not None else None
-            # (NumPy: torch's threaded count over a row of k = V candidates costs milliseconds)
-            candidates = sum(int(np.count_nonzero(ve.valid.cpu().numpy())) for ve in record.values)
-            checksum = committed_sum(record.values)
-        else:  # the owners wrote them into their stores; the summary is theirs, merged
-            rows = []
-            trace = None
-            if self.tracer is not None:
-                trace = TraceRows(summary=list(record.log.summary), decided=record.log.decided)
-            candidates = record.log.candidates
-            checksum = record.log.checksum
+        rows = self._epoch_rows(engine, record)
         label = record.epoch + 1
         ckpt = None
         if label % self.info.checkpoint_every == 0:
@@ -683,57 +671,16 @@ class CommitLog:
         conn.execute("BEGIN IMMEDIATE")
         try:
             self._log_ruleset(engine)
-            if record.faults:
-                now = time.time()
-                conn.executemany(
-                    "INSERT INTO worker_faults (epoch, worker, phase, cause, seconds, pid, at) "
-                    "VALUES (?,?,?,?,?,?,?)",
-                    [
-                        (f.epoch, f.worker, f.phase, f.cause, f.seconds, f.pid, now)
-                        for f in record.faults
-                    ],
-                )
-            if record.dissent:
-                conn.executemany(
-                    "INSERT INTO quorum_dissent (epoch, value, replica, worker, cells) "
-                    "VALUES (?,?,?,?,?)",
-                    [(record.epoch, d.value, d.replica, d.worker, d.cells) for d in record.dissent],
-                )
-            conn.executemany("INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-            if trace is not None:
-                trace.insert(conn)
-            if ckpt is not None:
-                conn.execute(
-                    "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)",
-                    (label, *ckpt, time.time()),
-                )
-                conn.execute(
-                    "DELETE FROM checkpoints WHERE epoch > 0 AND epoch NOT IN "
-                    "(SELECT epoch FROM checkpoints ORDER BY epoch DESC LIMIT ?)",
-                    (KEEP_CHECKPOINTS,),
-                )
-            seconds = time.perf_counter() - t0
-            conn.execute(
-                INSERT_EPOCH,
-                (
-                    record.epoch,
-                    record.open_cells,
-                    record.attempts,
-                    candidates,
-                    record.commits,
-                    record.violations,
-                    None if trace is None else trace.decided,
-                    record.seconds,
-                    record.model_seconds,
-                    seconds,
-                    maskplan,
-                    time.time(),
-                    record.control_bytes,
-                    record.halo_bytes,
-                    record.driver_cpu_s,
-                    checksum,
-                ),
+            _insert_faults(conn, record)
+            conn.executemany(
+                "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows.commits
             )
+            if rows.trace is not None:
+                rows.trace.insert(conn)
+            if ckpt is not None:
+                _insert_checkpoint(conn, label, ckpt)
+            seconds = time.perf_counter() - t0
+            conn.execute(INSERT_EPOCH, rows.epoch_row(record, seconds, maskplan))
             conn.execute("COMMIT")
         except BaseException as e:
             _rollback(conn)
@@ -748,6 +695,20 @@ class CommitLog:
             self._checkpointed = label
             self._prune_files()
         self.log_seconds += time.perf_counter() - t0
+
+    def _epoch_rows(self, engine: Engine, record: EpochRecord) -> _EpochRows:
+        """The epoch's per-cell rows and totals: from the records, or (``record.log``) the
+        owners' merged summary when they wrote the per-cell rows into their stores."""
+        if record.log is None:  # the per-cell rows come from the records
+            commits = commit_rows(record)
+            trace = self.tracer.record(engine, record) if self.tracer is not None else None
+            # (NumPy: torch's threaded count over a row of k = V candidates costs milliseconds)
+            candidates = sum(int(np.count_nonzero(ve.valid.cpu().numpy())) for ve in record.values)
+            return _EpochRows(commits, trace, candidates, committed_sum(record.values))
+        trace = None
+        if self.tracer is not None:
+            trace = TraceRows(summary=list(record.log.summary), decided=record.log.decided)
+        return _EpochRows([], trace, record.log.candidates, record.log.checksum)
 
     def _log_ruleset(self, engine: Engine) -> None:
         """Insert the RuleSet events made since the last epoch (inside the caller's transaction:
@@ -874,6 +835,66 @@ class CommitLog:
                 continue
             stale.append(name)
         remove_files(self.run_dir, CHECKPOINT_DIR, stale)
+
+
+@dataclass(frozen=True, slots=True)
+class _EpochRows:
+    """What one epoch adds to the log besides its record's own fields."""
+
+    commits: list[tuple[Any, ...]]  # the ``commits`` rows (none: the owners' stores hold them)
+    trace: TraceRows | None  # None: the run is not traced
+    candidates: int  # valid candidates over every open cell
+    checksum: int | None  # of the committed payloads (:func:`committed_sum`; None: not known)
+
+    def epoch_row(self, record: EpochRecord, seconds: float, maskplan: str) -> tuple[Any, ...]:
+        """The ``epochs`` row (:data:`INSERT_EPOCH`); ``seconds``: the time spent logging it."""
+        return (
+            record.epoch,
+            record.open_cells,
+            record.attempts,
+            self.candidates,
+            record.commits,
+            record.violations,
+            None if self.trace is None else self.trace.decided,
+            record.seconds,
+            record.model_seconds,
+            seconds,
+            maskplan,
+            time.time(),
+            record.control_bytes,
+            record.halo_bytes,
+            record.driver_cpu_s,
+            self.checksum,
+        )
+
+
+def _insert_faults(conn: sqlite3.Connection, record: EpochRecord) -> None:
+    """The epoch's worker faults and quorum dissent (inside the epoch's transaction)."""
+    if record.faults:
+        now = time.time()
+        conn.executemany(
+            "INSERT INTO worker_faults (epoch, worker, phase, cause, seconds, pid, at) "
+            "VALUES (?,?,?,?,?,?,?)",
+            [(f.epoch, f.worker, f.phase, f.cause, f.seconds, f.pid, now) for f in record.faults],
+        )
+    if record.dissent:
+        conn.executemany(
+            "INSERT INTO quorum_dissent (epoch, value, replica, worker, cells) VALUES (?,?,?,?,?)",
+            [(record.epoch, d.value, d.replica, d.worker, d.cells) for d in record.dissent],
+        )
+
+
+def _insert_checkpoint(conn: sqlite3.Connection, label: int, ckpt: tuple[str, int, str]) -> None:
+    """Log checkpoint ``ckpt`` (file, bytes, sha256) of epoch ``label``, keeping the newest
+    :data:`KEEP_CHECKPOINTS` besides epoch 0's."""
+    conn.execute(
+        "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?)", (label, *ckpt, time.time())
+    )
+    conn.execute(
+        "DELETE FROM checkpoints WHERE epoch > 0 AND epoch NOT IN "
+        "(SELECT epoch FROM checkpoints ORDER BY epoch DESC LIMIT ?)",
+        (KEEP_CHECKPOINTS,),
+    )
 
 
 def _rollback(conn: sqlite3.Connection) -> None:
