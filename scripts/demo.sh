@@ -53,10 +53,10 @@ $PY - <<'EOF'
 import json
 import numpy as np
 import torch
-from lmpm.models import _weights, world
+from lmpm.models import weights, world
 from lmpm.models.training import motion_ok, object_iou
 
-m = _weights.metadata(_weights.weights_dir() / "localgen.safetensors")["metrics"]
+m = weights.metadata(weights.weights_dir() / "localgen.safetensors")["metrics"]
 truth = torch.from_numpy(np.load("examples/video/heldout/scene.npy"))
 yellow = world.NAMES.index("yellow")
 for label, run in (("model alone", "runs/demo/video_alone"), ("constrained", "runs/demo/video")):

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmpm.models import _weights
+from lmpm.models import weights
 from lmpm.models.training import train_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def main() -> None:
         )
     else:
         model, metrics = train_lmpm(args.workers, args.epochs, args.seed, args.run_dir, args.inner)
-    path = _weights.save(model, args.out / "bytelm.safetensors", CONFIG, metrics=metrics)
+    path = weights.save(model, args.out / "bytelm.safetensors", CONFIG, metrics=metrics)
     metrics["file"] = str(path)
     metrics["bytes"] = path.stat().st_size
     print(json.dumps({"model": "bytelm", **metrics}), flush=True)

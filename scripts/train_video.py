@@ -25,7 +25,7 @@ import os
 import sys
 from pathlib import Path
 
-from lmpm.models import _weights
+from lmpm.models import weights
 from lmpm.models.training import TRAINED_PAIRS, heldout_generation, train_video
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "lmpm" / "models" / "weights"
@@ -49,15 +49,15 @@ def main() -> None:
         heldout=args.heldout,
         log=lambda s: print(s, file=sys.stderr, flush=True),
     )
-    p1 = _weights.save(local, args.out / "localgen.safetensors", {}, metrics=metrics)
-    p2 = _weights.save(coarse, args.out / "coarsegen.safetensors", {}, metrics=metrics)
+    p1 = weights.save(local, args.out / "localgen.safetensors", {}, metrics=metrics)
+    p2 = weights.save(coarse, args.out / "coarsegen.safetensors", {}, metrics=metrics)
     if not args.no_generate:  # with the weights just written
         os.environ["LMPM_WEIGHTS"] = str(args.out)
-        _weights.clear_cache()
+        weights.clear_cache()
         metrics["generation_heldout"] = heldout_generation()
         metrics["generation_trained"] = heldout_generation(TRAINED_PAIRS)
-        p1 = _weights.save(local, p1, {}, metrics=metrics)
-        p2 = _weights.save(coarse, p2, {}, metrics=metrics)
+        p1 = weights.save(local, p1, {}, metrics=metrics)
+        p2 = weights.save(coarse, p2, {}, metrics=metrics)
     metrics["bytes"] = {p1.name: p1.stat().st_size, p2.name: p2.stat().st_size}
     print(json.dumps({"model": "localgen+coarsegen", **metrics}), flush=True)
 

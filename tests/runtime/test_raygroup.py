@@ -365,15 +365,15 @@ def test_random_programs_commit_alike_on_ray_workers(
 def test_a_cluster_address_where_nothing_answers_fails_fast() -> None:
     import socket
 
-    from lmpm.runtime.data.raygroup import _probe
+    from lmpm.runtime.data.raygroup import probe_cluster
 
     with socket.socket() as s:  # a port nothing listens on once closed
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(UsageError) as e:
-        _probe(f"127.0.0.1:{port}", timeout=2.0)
+        probe_cluster(f"127.0.0.1:{port}", timeout=2.0)
     assert e.value.code == "U090" and "nothing answers" in e.value.message
-    _probe("auto")  # not host:port: left to Ray
+    probe_cluster("auto")  # not host:port: left to Ray
 
 
 def test_checkpoint_every_reaches_the_ray_group(tmp_path: Path) -> None:

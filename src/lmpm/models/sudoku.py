@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lmpm.models import _weights
+from lmpm.models import weights
 from lmpm.workers import rng
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def _tables(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         bits = torch.arange(9, dtype=torch.int64)  # bit d-1 marks digit d
         return bits + 1, bits, 1 << bits
 
-    tables: tuple[Tensor, Tensor, Tensor] = _weights.table("sudoku", make, device)
+    tables: tuple[Tensor, Tensor, Tensor] = weights.table("sudoku", make, device)
     return tables
 
 

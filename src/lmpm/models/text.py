@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lmpm.bindings import COMPILE_ATTR
-from lmpm.models import _weights
+from lmpm.models import weights
 from lmpm.models.compile import ModuleGraphs, bucket
 
 BYTES = 256
@@ -59,7 +59,7 @@ def program_mask(n: int, device: torch.device | str | None = None) -> Tensor:
     """
     size = max(64, 1 << max(n - 1, 0).bit_length())
     dev = torch.device("cpu" if device is None else device)
-    mask: Tensor = _weights.table(f"bytelm-mask-{size}", lambda: _program_mask(size), dev)
+    mask: Tensor = weights.table(f"bytelm-mask-{size}", lambda: _program_mask(size), dev)
     return mask[:n, :n]
 
 
@@ -148,7 +148,7 @@ class ByteLM(nn.Module):
 
 def load(device: torch.device | str | None = None) -> ByteLM:
     """The shipped ByteLM on ``device`` (default: the CPU), loaded and moved once per device."""
-    return _weights.load("bytelm", ByteLM, device)
+    return weights.load("bytelm", ByteLM, device)
 
 
 def _contexts(inputs: dict[str, Tensor], max_len: int) -> tuple[Tensor, Tensor]:
@@ -172,7 +172,7 @@ def _contexts(inputs: dict[str, Tensor], max_len: int) -> tuple[Tensor, Tensor]:
     return seq[:, :length].contiguous(), slot
 
 
-class _LastCall:
+class LastCall:
     """The log-probs of the last call, so a score over the same inputs needs no second forward."""
 
     def __init__(self) -> None:
@@ -189,7 +189,7 @@ class _LastCall:
         self.key, self.logp = key, logp
 
 
-_LAST = _LastCall()
+_LAST = LastCall()
 
 
 def _last_logp(forward: Callable[..., Tensor], seq: Tensor, slot: Tensor, mask: Tensor) -> Tensor:

@@ -328,7 +328,7 @@ def heldout_video(
 
 # ---- helpers ----------------------------------------------------------------------------------
 def _deterministic(seed: int, threads: int = 2) -> torch.Generator:
-    from lmpm.models._weights import deterministic
+    from lmpm.models.weights import deterministic
 
     return deterministic(seed, threads)
 

@@ -37,9 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lmpm.models import _weights
+from lmpm.models import weights
 from lmpm.models.compile import ModuleGraphs, bucket
-from lmpm.models.text import _LastCall
+from lmpm.models.text import LastCall
 from lmpm.models.world import K
 
 UNSET = K  # token id of "not visible / not committed" in the embeddings
@@ -144,12 +144,12 @@ class CoarseGen(nn.Module):
 
 def load_local(device: torch.device | str | None = None) -> LocalGen:
     """The shipped LocalGen on ``device`` (default: the CPU), moved once per device."""
-    return _weights.load("localgen", LocalGen, device)
+    return weights.load("localgen", LocalGen, device)
 
 
 def load_coarse(device: torch.device | str | None = None) -> CoarseGen:
     """The shipped CoarseGen on ``device`` (default: the CPU), moved once per device."""
-    return _weights.load("coarsegen", CoarseGen, device)
+    return weights.load("coarsegen", CoarseGen, device)
 
 
 def local_features(inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -170,7 +170,7 @@ def local_features(inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     return torch.cat(parts, 1), torch.cat(masks, 1)
 
 
-_LAST = _LastCall()
+_LAST = LastCall()
 
 
 def _logp(forward: Callable[..., Tensor], *args: Tensor) -> Tensor:

@@ -74,7 +74,7 @@ _LMPM = Path(__file__).resolve().parents[1]
 _RUNTIME_DIRS = (
     *(str(_LMPM / d) for d in ("runtime", "workers", "resolve", "vm")),
     # the built-in models' weights and tables, moved to a device once and cached (not per call)
-    str(_LMPM / "models" / "_weights.py"),
+    str(_LMPM / "models" / "weights" / "__init__.py"),
 )
 
 

@@ -34,7 +34,13 @@ import torch
 from torch import Tensor
 
 from lmpm.errors import LmpmError, RunDirError, UsageError
-from lmpm.runtime.data.raygroup import WorkerLost, _Failed, gather
+from lmpm.runtime.data.raygroup import (
+    WorkerLost,
+    WorkersFailed,
+    gather,
+    import_ray,
+    probe_cluster,
+)
 from lmpm.runtime.data.raylog import quiet_worker_deaths
 from lmpm.runtime.lock import atomic_write
 from lmpm.train.spec import TrainSpec
@@ -307,11 +313,9 @@ class RayDriver:
         checkpoint_dir: Path | None = None,
         threads: int | None = None,
     ) -> None:
-        from lmpm.runtime.data.raygroup import _probe, _ray
-
         if timeout <= 0:
             raise UsageError(f"worker timeout {timeout}: must be positive", code="U083")
-        ray = _ray()
+        ray = import_ray()
         self.size = workers
         self.timeout = float(timeout)
         self.faults: list[TrainFault] = []
@@ -327,7 +331,7 @@ class RayDriver:
         self._injected: list[tuple[int, str, int, str]] = []
         if not ray.is_initialized():
             if cluster:
-                _probe(cluster)
+                probe_cluster(cluster)
                 ray.init(address=cluster, logging_level=logging.ERROR)
             else:
                 ray.init(
@@ -355,7 +359,7 @@ class RayDriver:
             self._join()
             self._names = self._get([self.actors[0].names.remote()], START_LIMIT)[0]
             self._numel = self._get([self.actors[0].numel.remote()], START_LIMIT)[0]
-        except _Failed as f:
+        except WorkersFailed as f:
             self.close()
             raise WorkerLost(
                 f"the training workers could not start: {f.why or 'no answer'}",
@@ -382,7 +386,7 @@ class RayDriver:
     def _get(self, refs: list[Any], timeout: float | None = None) -> list[Any]:
         out, failed, why = self._gather(refs, timeout, grace=True)
         if failed:
-            raise _Failed(failed, why)
+            raise WorkersFailed(failed, why)
         return out
 
     def _gather(

@@ -490,7 +490,7 @@ def parameters(path: str | Path) -> dict[str, Tensor]:
 
 
 def load_init(path: str | Path) -> dict[str, Tensor]:
-    """A state dict from a safetensors file: a module's own weights (``_weights.save``), or an LMPM
+    """A state dict from a safetensors file: a module's own weights (``weights.save``), or an LMPM
     training checkpoint/output (``param/<name>`` keys)."""
     p = Path(path)
     if not p.is_file():

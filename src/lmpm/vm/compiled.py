@@ -380,7 +380,7 @@ class CompiledStep:
     ) -> tuple[Callable[..., Any], list[str]]:
         """The compiled ``make(rebound)`` for the signature of ``args`` (``key``: what else the
         graph depends on), and the names of the state fields it replaces."""
-        from lmpm.runtime.data.compiled import _signature, compile_graph, freeze_compiled
+        from lmpm.runtime.data.compiled import compile_graph, freeze_compiled, signature
 
         rebound: list[str] = []
         t0 = time.perf_counter()
@@ -397,7 +397,7 @@ class CompiledStep:
             # runs with the Python wrapper. On CUDA the wrapper is Python (it launches Triton
             # kernels, and the CUDA graph replays them without it).
             fn, gm, how = compile_graph(
-                (*key, _signature(args)),
+                (*key, signature(args)),
                 lambda: make(rebound),
                 args,
                 cpp_wrapper=self.core.B > 1 and not self.graphed,
@@ -511,9 +511,9 @@ class CompiledStep:
         self, fn: Callable[..., Any], rebound: list[str], args: tuple[Tensor, ...], steps: int
     ) -> _StepsReplay:
         """As :meth:`_adopt`, for the K-step graph."""
-        from lmpm.runtime.data.compiled import _signature
+        from lmpm.runtime.data.compiled import signature
 
-        key = (fn, steps, _signature(args))
+        key = (fn, steps, signature(args))
         rep = _STEPS_REPLAYS.get(key)
         if rep is None or (rep.owner is not None and rep.owner() is not None):
             t0 = time.perf_counter()
@@ -595,9 +595,9 @@ class CompiledStep:
     ) -> _Replay:
         """This core's graph: the process's captured one for these shapes when no live core
         owns it (its inputs take this core's state at the first replay), else a new capture."""
-        from lmpm.runtime.data.compiled import _signature
+        from lmpm.runtime.data.compiled import signature
 
-        key = (fn, _signature(args))
+        key = (fn, signature(args))
         rep = _REPLAYS.get(key)
         if rep is None or (rep.owner is not None and rep.owner() is not None):
             t0 = time.perf_counter()

@@ -465,7 +465,8 @@ def _flat(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Cal
 _GRAPHS: dict[tuple[Any, ...], tuple[Callable[..., Any], torch.fx.GraphModule]] = {}
 
 
-def _signature(args: Sequence[Tensor]) -> tuple[Any, ...]:
+def signature(args: Sequence[Tensor]) -> tuple[Any, ...]:
+    """What a compiled graph is specialised to in its inputs: dtype, shape, strides, device."""
     return tuple((t.dtype, tuple(t.shape), t.stride(), t.device) for t in args)
 
 
@@ -503,7 +504,7 @@ def compile_step(
 ) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
     """Trace ``spec``'s step on the shapes of ``args`` into one aten graph and compile it with
     inductor (:func:`compile_graph`)."""
-    key = (spec, _signature(args), lens)
+    key = (spec, signature(args), lens)
     return compile_graph(key, lambda: _flat(value_step(spec), lens), args)
 
 
@@ -738,7 +739,7 @@ class CompiledEpoch:
             self.on_compile(value, int(args[1].numel()))
         t0 = time.perf_counter()
         try:
-            sim = simulated((spec, _signature(args), lens), lambda: _flat(value_step(spec), lens))
+            sim = simulated((spec, signature(args), lens), lambda: _flat(value_step(spec), lens))
             if sim is not None:
                 fn, how = sim
             else:
@@ -824,7 +825,7 @@ class ReadGathers:
         if fn is None:
             cdims = tuple(dp.payload[rp.reads[j].source].dim() - 1 for j in reads)
             t0 = time.perf_counter()
-            key = ("gather", cdims, _signature(args))
+            key = ("gather", cdims, signature(args))
             sim = simulated(key, lambda: _gather_fn(cdims))
             if sim is not None:
                 fn, how = sim

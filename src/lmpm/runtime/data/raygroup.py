@@ -149,7 +149,8 @@ class RayOptions:
         )
 
 
-def _ray() -> Any:
+def import_ray() -> Any:
+    """The ``ray`` module, or U082 when Ray is not installed."""
     try:
         import ray
     except ImportError:
@@ -162,7 +163,7 @@ def _ray() -> Any:
     return ray
 
 
-def _probe(address: str, timeout: float = 3.0) -> None:
+def probe_cluster(address: str, timeout: float = 3.0) -> None:
     """Fail fast (U090) when nothing listens at a ``host:port`` cluster address (Ray itself would
     retry for minutes)."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
@@ -404,7 +405,7 @@ def gather(refs: list[Any], timeout: float, *, grace: bool = True) -> Gathered:
     caller replaces the worker, which ends it). ``grace``: once a worker died, the others get
     ``BLOCKED_GRACE`` seconds more and are *blocked* past it (waiting on the dead one in a halo
     exchange or a collective). An LMPM error raised in a worker is raised here as itself."""
-    ray = _ray()
+    ray = import_ray()
     from ray.exceptions import (
         ActorUnavailableError,
         GetTimeoutError,
@@ -457,7 +458,9 @@ def _last_line(e: BaseException) -> str:
     return lines[-1][:300] if lines else type(e).__name__
 
 
-class _Failed(Exception):
+class WorkersFailed(Exception):
+    """Workers that died or did not answer in time: (index, cause) each."""
+
     def __init__(self, failed: list[tuple[int, str]], why: str = "") -> None:
         super().__init__(failed)
         self.failed = failed
@@ -521,10 +524,10 @@ class RayGroup(WorkerGroup):
 
     # ---- starting and stopping -------------------------------------------------------------------
     def _start(self) -> list[Any]:
-        ray = _ray()
+        ray = import_ray()
         if not ray.is_initialized():
             if self.cluster:
-                _probe(self.cluster)
+                probe_cluster(self.cluster)
                 try:
                     ray.init(address=self.cluster, logging_level=logging.ERROR, log_to_driver=True)
                 except (ConnectionError, RuntimeError, ValueError) as e:
@@ -557,7 +560,7 @@ class RayGroup(WorkerGroup):
         try:
             self._pids = self._get([a.ping.remote() for a in actors], "start", -1, RESTART_LIMIT)
             self._join()
-        except _Failed as f:
+        except WorkersFailed as f:
             self.close()
             raise WorkerLost(
                 f"the workers could not start: {f.why or 'no answer'}",
@@ -584,7 +587,7 @@ class RayGroup(WorkerGroup):
         """Kill worker ``i`` (if its process still runs) and start a new one in its place; its
         constructor reopens the worker's store."""
         try:
-            _ray().kill(self.workers[i], no_restart=True)
+            import_ray().kill(self.workers[i], no_restart=True)
         except Exception:
             pass  # already gone
         self.workers[i] = self._spawn(i)
@@ -608,7 +611,7 @@ class RayGroup(WorkerGroup):
         )
 
     def close(self) -> None:
-        ray = _ray()
+        ray = import_ray()
         for w in getattr(self, "workers", []):
             try:
                 ray.kill(w, no_restart=True)
@@ -626,14 +629,14 @@ class RayGroup(WorkerGroup):
     def _get(
         self, refs: list[Any], phase: str, epoch: int, timeout: float | None = None
     ) -> list[Any]:
-        """Wait for every call; raise _Failed naming the workers that died, hung (no answer in
+        """Wait for every call; raise WorkersFailed naming the workers that died, hung (no answer in
         ``timeout``, default the group's) or were blocked on a dead peer. A user error raised in
         a worker (a model fault, ...) is raised here as itself."""
         self.round_trips += 1
         got = gather(refs, self.timeout if timeout is None else timeout, grace=True)
         if got.failed:
             # a worker whose halo exchange broke because a peer died is reset with it
-            raise _Failed(got.lost(), got.why)
+            raise WorkersFailed(got.lost(), got.why)
         if got.errors:
             raise got.errors[0][1]
         return got.out
@@ -660,7 +663,7 @@ class RayGroup(WorkerGroup):
         if self.checkpointed is None:  # nothing durable to restore a worker from yet
             try:
                 return once()
-            except _Failed as f:
+            except WorkersFailed as f:
                 raise WorkerLost(
                     f"worker {', '.join(f'w{i} ({c})' for i, c in f.failed)} failed before the "
                     f"run's first checkpoint{': ' + f.why if f.why else ''}",
@@ -733,7 +736,7 @@ class RayGroup(WorkerGroup):
                 if failed:
                     self._recover(failed, epoch, phase)
                 return call()
-            except _Failed as f:
+            except WorkersFailed as f:
                 tries += 1
                 failed = f.failed
                 if tries > MAX_RETRIES:
@@ -774,14 +777,14 @@ class RayGroup(WorkerGroup):
                 epoch,
                 PING,
             )
-        except _Failed as f:
+        except WorkersFailed as f:
             for i, _ in f.failed:
                 self._replace(i)
                 new.add(i)
                 failed = [(j, c) for j, c in failed if j != i] + [(i, "blocked")]
         try:
             pids = self._get([w.ping.remote() for w in self.workers], "ping", epoch, RESTART_LIMIT)
-        except _Failed as f:
+        except WorkersFailed as f:
             raise WorkerLost(
                 f"workers {', '.join(f'w{i}' for i, _ in f.failed)} did not come back after a "
                 f"fault in epoch {epoch}",

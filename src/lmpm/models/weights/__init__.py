@@ -1,7 +1,7 @@
 """Loading and saving the built-in models' weights: safetensors with the config in the metadata.
 
-Weights live in ``src/lmpm/models/weights/NAME.safetensors`` (committed; produced by
-``scripts/train_*.py``). They are loaded offline, on first use, and cached per process.
+Weights live beside this module, in ``src/lmpm/models/weights/NAME.safetensors`` (committed;
+produced by ``scripts/train_*.py``). They are loaded offline, on first use, and cached per process.
 ``LMPM_WEIGHTS`` overrides the directory (tests of the training scripts, experiments).
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 from lmpm.errors import BindError
 from lmpm.workers.simcuda import active
 
-WEIGHTS = Path(__file__).with_name("weights")
+WEIGHTS = Path(__file__).parent  # the committed NAME.safetensors files
 
 M = TypeVar("M", bound=nn.Module)
 
