@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 from lmpm.models import weights
-from lmpm.models.training import TRAINED_PAIRS, heldout_generation, train_video
+from lmpm.models.training import TRAINED_PAIRS, VideoRecipe, heldout_generation, train_video
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "src" / "lmpm" / "models" / "weights"
 
@@ -44,9 +44,7 @@ def main() -> None:
     local, coarse, metrics = train_video(
         args.steps,
         args.seed,
-        threads=args.threads,
-        scenes=args.scenes,
-        heldout=args.heldout,
+        VideoRecipe(threads=args.threads, scenes=args.scenes, heldout=args.heldout),
         log=lambda s: print(s, file=sys.stderr, flush=True),
     )
     p1 = weights.save(local, args.out / "localgen.safetensors", {}, metrics=metrics)

@@ -31,15 +31,10 @@ def test_caption_determines_the_video_up_to_textures() -> None:
     # the stage is fixed: a scene's shape cells are exactly the staged scene's of its caption words
     for s in world.generate(30, seed=4).scenes:
         (shape,) = s.shapes
-        again = world.staged(
-            shape.colour,
-            shape.kind,
-            shape.direction,
-            speed=shape.speed,
-            ground=s.ground,
-            cloud=s.cloud is not None,
-            seed=s.seed + 1,  # other textures
+        said = world.Description(
+            shape.colour, shape.kind, shape.direction, shape.speed, s.ground, s.cloud is not None
         )
+        again = world.staged(said, seed=s.seed + 1)  # other textures
         tok = world.NAMES.index(shape.colour)
         assert torch.equal(world.render(s) == tok, world.render(again) == tok)
         cap = world.caption(s)

@@ -196,24 +196,33 @@ def _focus_cells(g: torch.Generator, videos: Tensor, frames: int, m: int, focus:
     return torch.multinomial(weights, m, replacement=True, generator=g)
 
 
+@dataclass(frozen=True, slots=True)
+class VideoRecipe:
+    """How :func:`train_video` trains LocalGen and CoarseGen (the committed weights: these)."""
+
+    scenes: int = 2000  # training scenes of the world generator
+    batch: int = 16  # videos per LocalGen step
+    cells_per_video: int = 512  # cells predicted per video per step
+    lr: float = 2e-3  # peak learning rate (cosine schedule), both models
+    focus: float = 20.0  # extra weight of cells near a shape when sampling them (0: uniform)
+    coarse_steps: int | None = None  # CoarseGen's steps (None: a third of LocalGen's)
+    heldout: int = 100  # held-out scenes for the metrics
+    threads: int = 2  # torch threads (the thread count changes how torch sums)
+
+
 def train_video(
     steps: int,
     seed: int = 0,
+    recipe: VideoRecipe = VideoRecipe(),
     *,
-    scenes: int = 2000,
-    batch: int = 16,
-    cells_per_video: int = 512,
-    lr: float = 2e-3,
-    focus: float = 20.0,
-    coarse_steps: int | None = None,
-    heldout: int = 100,
-    threads: int = 2,
     log: Callable[[str], None] = print,
 ) -> tuple[LocalGen, CoarseGen, dict[str, Any]]:
-    g = _deterministic(seed, threads)
+    r = recipe
+    batch, cells_per_video, lr = r.batch, r.cells_per_video, r.lr
+    g = _deterministic(seed, r.threads)
     tables = video_tables()
     t0 = time.perf_counter()
-    w = world.generate(scenes, TRAIN_WORLD, split="train")  # no held-out (colour, direction) pair
+    w = world.generate(r.scenes, TRAIN_WORLD, split="train")  # no held-out (colour, direction) pair
     n_videos = w.videos.shape[0]
     videos = w.videos.reshape(n_videos, -1)
     coarse = w.coarse.reshape(n_videos, -1)
@@ -228,7 +237,7 @@ def train_video(
         _cosine(opt, lr, step, steps)
         vid = torch.randint(0, n_videos, (batch,), generator=g)
         committed, coarse_committed = _masks(g, batch, n, nc)
-        cells = _focus_cells(g, videos[vid], frames, cells_per_video, focus)
+        cells = _focus_cells(g, videos[vid], frames, cells_per_video, r.focus)
         tokens, visible, coords = local_batch(
             tables, videos[vid], coarse[vid], committed, coarse_committed, cells
         )
@@ -252,7 +261,7 @@ def train_video(
 
     coarse_model = CoarseGen()
     copt = torch.optim.AdamW(coarse_model.parameters(), lr=lr, weight_decay=0.01)
-    csteps = coarse_steps if coarse_steps is not None else max(steps // 3, 1)
+    csteps = r.coarse_steps if r.coarse_steps is not None else max(steps // 3, 1)
     for step in range(csteps):
         _cosine(copt, lr, step, csteps)
         vid = torch.randint(0, n_videos, (64,), generator=g)
@@ -265,7 +274,7 @@ def train_video(
         if step % 200 == 0 or step == csteps - 1:
             log(f"coarse step {step}: nll {loss.item():.3f}")
     coarse_model.eval()
-    metrics = heldout_video(model, coarse_model, tables, scenes=heldout)
+    metrics = heldout_video(model, coarse_model, tables, scenes=r.heldout)
     metrics.update(
         steps=steps,
         coarse_steps=csteps,
@@ -417,7 +426,7 @@ def heldout_generation(
     captions = []
     for i, (colour, direction) in enumerate(pairs):
         kind = world.SHAPE_KINDS[i % len(world.SHAPE_KINDS)]
-        scene = world.staged(colour, kind, direction, T=T, W=W, H=H)
+        scene = world.staged(world.Description(colour, kind, direction), T=T, W=W, H=H)
         captions.append(world.caption(scene).decode())
         video, truth, tok = _generated(scene, program=program, epochs=epochs, seed=seed)
         iou = object_iou(video, truth, tok)
@@ -453,7 +462,7 @@ def heldout_sweep(*, epochs: int = 16, seed: int = 3) -> dict[str, Any]:
     for (colour, direction), kind, speed, (ground, cloud) in itertools.product(
         sorted(world.HELDOUT_PAIRS), world.SHAPE_KINDS, (1, 2), SETTINGS
     ):
-        scene = world.staged(colour, kind, direction, speed=speed, ground=ground, cloud=cloud)
+        scene = world.staged(world.Description(colour, kind, direction, speed, ground, cloud))
         video, truth, tok = _generated(scene, epochs=epochs, seed=seed)
         iou = float(object_iou(video, truth, tok).mean())
         moved = motion_ok(video, tok, direction)

@@ -300,34 +300,41 @@ def generate(
     )
 
 
-def staged(
-    colour: str,
-    kind: str,
-    direction: str,
-    *,
-    speed: int = 1,
-    ground: str = "grass",
-    cloud: bool = False,
-    seed: int = 2024,
-    T: int = 4,
-    W: int = 32,
-    H: int = 32,
-) -> Scene:
+@dataclass(frozen=True, slots=True)
+class Description:
+    """What a caption says about a scene: its one shape, the ground, whether a cloud floats."""
+
+    colour: str
+    kind: str  # one of SHAPE_KINDS
+    direction: str  # a key of DIRECTIONS
+    speed: int = 1  # cells per frame (2: "fast")
+    ground: str = "grass"
+    cloud: bool = False
+
+
+def staged(what: Description, *, seed: int = 2024, T: int = 4, W: int = 32, H: int = 32) -> Scene:
     """The scene a caption describes, on the world's stage (:func:`layout`): what
     :func:`sample_scene` draws for these attributes, with ``seed`` choosing only the textures."""
     horizon, size, row = layout(T, W, H)
-    dx, dy = DIRECTIONS[direction]
-    travel = speed * (T - 1) // 2
+    dx, dy = DIRECTIONS[what.direction]
+    travel = what.speed * (T - 1) // 2
     shape = Shape(
-        kind, colour, size, (W - size) // 2 - dx * travel, row - dy * travel, direction, speed
+        what.kind,
+        what.colour,
+        size,
+        (W - size) // 2 - dx * travel,
+        row - dy * travel,
+        what.direction,
+        what.speed,
     )
+    cloud = what.cloud
     c = (W * 5 // 8, max(sky_rows(H) // 6, 0), max(sky_rows(H) * 5 // 12, 3)) if cloud else None
-    return Scene(seed, T, W, H, horizon, ground, c, (shape,))
+    return Scene(seed, T, W, H, horizon, what.ground, c, (shape,))
 
 
 def demo_scene(T: int = 4, W: int = 32, H: int = 32) -> Scene:
     """The seed's scene (``examples/video/caption.txt``): a red square moves left under a blue sky."""
-    return staged("red", "square", "left", T=T, W=W, H=H)
+    return staged(Description("red", "square", "left"), T=T, W=W, H=H)
 
 
 HELDOUT_CAPTION = b"a yellow circle moves right under a cloudy blue sky"
@@ -336,4 +343,4 @@ HELDOUT_CAPTION = b"a yellow circle moves right under a cloudy blue sky"
 def heldout_scene(T: int = 4, W: int = 32, H: int = 32) -> Scene:
     """The README demo's scene (``examples/video/heldout/``), a held-out pair
     (:data:`HELDOUT_PAIRS`): :data:`HELDOUT_CAPTION`."""
-    return staged("yellow", "circle", "right", cloud=True, T=T, W=W, H=H)
+    return staged(Description("yellow", "circle", "right", cloud=True), T=T, W=W, H=H)

@@ -254,14 +254,20 @@ WORKFLOW_STREAMS = 8  # streams a workflow's check runs (the step is the same fo
 WORKFLOW_STEPS = 32  # VM steps per epoch of --epochs
 
 
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    """How the checked program runs, as ``lmpm run`` would run it."""
+
+    params: Mapping[str, int] | None  # the --set overrides
+    loaded: Bindings  # the --bind modules, loaded
+    inputs: Mapping[str, str] | None  # --input NAME=PATH
+    epochs: int  # epochs to run (a workflow: × WORKFLOW_STEPS steps; training: × TRAINING_STEPS)
+    seed: int
+    tokenizers: Mapping[str, str | Path] | None  # --tokenizer NAME=PATH
+
+
 def _check_workflow(
-    front: Any,
-    report: DeviceReport,
-    params: Mapping[str, int] | None,
-    loaded: Bindings,
-    epochs: int,
-    seed: int,
-    diags: list[Diagnostic],
+    front: Any, report: DeviceReport, setup: _Setup, diags: list[Diagnostic]
 ) -> DeviceReport:
     """A program with a workflow runs on the token-stream VM (`lmpm vm run`): its model and the
     VM's step on the device, a few streams for ``epochs`` × WORKFLOW_STEPS steps."""
@@ -275,9 +281,9 @@ def _check_workflow(
         with ctx as sim:
             run = WorkflowRun(
                 front.ir,
-                overrides=params,
-                bindings=loaded,
-                seed=seed,
+                overrides=setup.params,
+                bindings=setup.loaded,
+                seed=setup.seed,
                 streams=WORKFLOW_STREAMS,
                 device="cuda",
             )
@@ -285,7 +291,7 @@ def _check_workflow(
             calls = _Calls({run.rule_name: rule}, {})
             sim.locate = calls
             try:
-                while not run.vm.done and steps < epochs * WORKFLOW_STEPS:
+                while not run.vm.done and steps < setup.epochs * WORKFLOW_STEPS:
                     run.step()
                     steps += 1
             finally:
@@ -304,12 +310,7 @@ TRAINING_STEPS = 2  # inner steps per epoch of --epochs (a training rule's H is 
 
 
 def _check_training(
-    front: Any,
-    report: DeviceReport,
-    params: Mapping[str, int] | None,
-    inputs: Mapping[str, str],
-    epochs: int,
-    diags: list[Diagnostic],
+    front: Any, report: DeviceReport, setup: _Setup, diags: list[Diagnostic]
 ) -> DeviceReport:
     """A training program (a `Params` value proposed by `minimize(...)`): one worker's inner
     loop — forward, loss, backward, optimizer step, the proposal's norms and checksums, the
@@ -318,9 +319,9 @@ def _check_training(
     from lmpm.train.frontend import train_spec
     from lmpm.train.worker import TrainWorker
 
-    spec = train_spec(front.ir, dict(params or {}))
+    spec = train_spec(front.ir, dict(setup.params or {}))
     assert spec is not None  # (is_training)
-    data, init = load_data(spec, dict(inputs))
+    data, init = load_data(spec, dict(setup.inputs or {}))
     name = spec.rule.rule
     ctx = _watch(report.simulated)
     events: Sequence[simcuda.DeviceEvent] = ()
@@ -328,10 +329,16 @@ def _check_training(
     try:
         with ctx as sim:
             worker = TrainWorker(
-                spec, 0, 1, data, total_steps=epochs * TRAINING_STEPS, init=init, device="cuda"
+                spec,
+                0,
+                1,
+                data,
+                total_steps=setup.epochs * TRAINING_STEPS,
+                init=init,
+                device="cuda",
             )
             try:
-                for e in range(epochs):
+                for e in range(setup.epochs):
                     worker.propose(e, steps=TRAINING_STEPS)
                     worker.evaluate()
                     ran += 1
@@ -390,13 +397,14 @@ def check_device(
         simulate,
         0,
     )
+    setup = _Setup(params, loaded, inputs, epochs, seed, tokenizers)
     if front.ir.workflows:
-        return _check_workflow(front, report, params, loaded, epochs, seed, diags)
+        return _check_workflow(front, report, setup, diags)
     from lmpm.train.frontend import is_training
 
     if is_training(front.ir):
-        return _check_training(front, report, params, inputs or {}, epochs, diags)
-    return _check_cells(front, report, params, loaded, inputs, epochs, seed, diags, tokenizers)
+        return _check_training(front, report, setup, diags)
+    return _check_cells(front, report, setup, diags)
 
 
 def _watch(simulated: bool) -> Any:
@@ -406,15 +414,7 @@ def _watch(simulated: bool) -> Any:
 
 
 def _check_cells(
-    front: Any,
-    report: DeviceReport,
-    params: Mapping[str, int] | None,
-    loaded: Bindings,
-    inputs: Mapping[str, str] | None,
-    epochs: int,
-    seed: int,
-    diags: list[Diagnostic],
-    tokenizers: Mapping[str, str | Path] | None = None,
+    front: Any, report: DeviceReport, setup: _Setup, diags: list[Diagnostic]
 ) -> DeviceReport:
     """A program of cell values: ``epochs`` epochs of the engine with its worker on the device."""
     from lmpm.runtime.session import Run
@@ -427,17 +427,17 @@ def _check_cells(
         with _watch(report.simulated) as sim:
             run = Run(
                 front,
-                params=params,
-                bindings=loaded,
-                inputs=inputs,
-                seed=seed,
+                params=setup.params,
+                bindings=setup.loaded,
+                inputs=setup.inputs,
+                seed=setup.seed,
                 backend="simcuda" if report.simulated else "cuda",
-                tokenizers=tokenizers,
+                tokenizers=setup.tokenizers,
             )
             backend = run.dataplane.backend = _Recording(run.dataplane.backend)
             calls = sim.locate = _Calls(*_names(run.plan))
             try:
-                for _ in range(epochs):
+                for _ in range(setup.epochs):
                     run.run(1)
                     report.epochs += 1
             finally:

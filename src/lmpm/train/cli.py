@@ -160,7 +160,8 @@ def run_training(
             "inputs_sha256": {k: _sha256(Path(v)) for k, v in inputs.items()},
             "seed": spec.rule.seed,
         }
-        return _train(args, spec, data, init, out_dir, workers, args.epochs, meta, resume=False)
+        job = _Job(spec, data, init, out_dir, workers, args.epochs, meta, resume=False)
+        return _train(args, job)
 
 
 def resume_training(args: argparse.Namespace, run_dir: Path) -> int:
@@ -209,7 +210,7 @@ def resume_training(args: argparse.Namespace, run_dir: Path) -> int:
         if args.driver is None:
             args.driver = meta.get("driver")
         extra = {"argv": sys.argv[1:]}
-        return _train(args, spec, data, init, run_dir, workers, epochs, extra, resume=True)
+        return _train(args, _Job(spec, data, init, run_dir, workers, epochs, extra, resume=True))
 
 
 def _remove_runs(out_dir: Path) -> None:
@@ -271,18 +272,21 @@ def _meta(meta: dict[str, Any], key: str, kind: type, run_dir: Path) -> Any:
     return value
 
 
-def _train(
-    args: argparse.Namespace,
-    spec: TrainSpec,
-    data: dict[str, Any],
-    init: Any,
-    out_dir: Path,
-    workers: int,
-    epochs: int,
-    meta: dict[str, Any],
-    *,
-    resume: bool,
-) -> int:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Job:
+    """A training run the CLI starts or resumes, as :class:`~lmpm.train.run.Trainer` takes it."""
+
+    spec: TrainSpec
+    data: dict[str, Any]  # each data value's (rows, length) tokens
+    init: Any  # a state dict to start from (None: the module's seeded initialisation)
+    run_dir: Path
+    workers: int
+    epochs: int
+    meta: dict[str, Any]  # what the log records besides the trainer's own fields
+    resume: bool  # continue the log in ``run_dir`` from its last checkpoint
+
+
+def _train(args: argparse.Namespace, job: _Job) -> int:
     """Run the trainer under a progress bar; the closing line."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -291,7 +295,7 @@ def _train(
     from lmpm.train.run import EpochReport, Trainer
 
     fault = os.environ.get("LMPM_INJECT_FAULT")
-    planned = parse_fault(fault, workers) if fault else None
+    planned = parse_fault(fault, job.workers) if fault else None
     console = Console(stderr=True)
     with Progress(
         TextColumn("[bold]epoch {task.completed}/{task.total}"),
@@ -301,7 +305,7 @@ def _train(
         console=console,
         disable=args.quiet or not console.is_terminal,
     ) as bar:
-        task = bar.add_task("train", total=epochs, info="starting workers")
+        task = bar.add_task("train", total=job.epochs, info="starting workers")
 
         def progress(r: EpochReport) -> None:
             ev = "" if r.eval_loss is None else f"  held-out {_bits(r.eval_loss)}"
@@ -315,18 +319,18 @@ def _train(
             )
 
         trainer = Trainer(
-            spec,
-            data,
-            epochs=epochs,
-            workers=workers,
+            job.spec,
+            job.data,
+            epochs=job.epochs,
+            workers=job.workers,
             driver=args.driver,
-            run_dir=out_dir,
-            init=init,
+            run_dir=job.run_dir,
+            init=job.init,
             cluster=args.cluster,
             worker_timeout=args.worker_timeout,
-            meta=meta,
+            meta=job.meta,
             progress=progress,
-            resume=resume,
+            resume=job.resume,
         )
         bar.update(task, completed=trainer.first - 1)
         if planned is not None:
@@ -335,11 +339,11 @@ def _train(
         res = trainer.run()
     ev = "" if res.eval_loss is None else f", held-out {_bits(res.eval_loss)}"
     fl = f"; {len(res.faults)} worker fault(s) survived" if res.faults else ""
-    what = f"resumed at epoch {trainer.first}, " if resume else ""
+    what = f"resumed at epoch {trainer.first}, " if job.resume else ""
     sys.stderr.write(
-        f"{what}trained {len(res.epochs)} epochs × {spec.rule.steps} steps on {workers} "
+        f"{what}trained {len(res.epochs)} epochs × {job.spec.rule.steps} steps on {job.workers} "
         f"worker(s): loss {_bits(res.loss)}{ev}; {res.tokens:,} tokens, {_human(res.bytes)} "
-        f"exchanged, {res.seconds:.1f} s{fl}; wrote {res.output} (watch: lmpm top {out_dir})\n"
+        f"exchanged, {res.seconds:.1f} s{fl}; wrote {res.output} (watch: lmpm top {job.run_dir})\n"
     )
     return 0
 

@@ -294,9 +294,18 @@ class EpochLost(Exception):
     """The commit of an epoch failed and the workers are back at its start: redo it."""
 
 
+@dataclass(frozen=True, slots=True)
+class RayOptions:
+    """Where and how :class:`RayDriver` runs its workers."""
+
+    # a running Ray cluster's address; None starts a local Ray instance on 127.0.0.1 for the run
+    cluster: str | None = None
+    timeout: float = DEFAULT_TIMEOUT  # seconds a worker's inner loop may take before it is hung
+    checkpoint_dir: Path | None = None  # the recovery checkpoints' folder (None: a temporary one)
+
+
 class RayDriver:
-    """W workers as Ray actors (see the module doc). ``cluster``: a running Ray cluster's address;
-    None starts a local Ray instance on 127.0.0.1 for the run."""
+    """W workers as Ray actors (see the module doc), placed and timed by ``options``."""
 
     backend = "cpu"
 
@@ -308,16 +317,15 @@ class RayDriver:
         *,
         total_steps: int,
         init: dict[str, Tensor] | None = None,
-        cluster: str | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
-        checkpoint_dir: Path | None = None,
         threads: int | None = None,
+        options: RayOptions = RayOptions(),
     ) -> None:
-        if timeout <= 0:
-            raise UsageError(f"worker timeout {timeout}: must be positive", code="U083")
+        cluster, checkpoint_dir = options.cluster, options.checkpoint_dir
+        if options.timeout <= 0:
+            raise UsageError(f"worker timeout {options.timeout}: must be positive", code="U083")
         ray = import_ray()
         self.size = workers
-        self.timeout = float(timeout)
+        self.timeout = float(options.timeout)
         self.faults: list[TrainFault] = []
         self._new: list[TrainFault] = []
         self.restarts = [0] * workers

@@ -30,10 +30,12 @@ from lmpm.errors import InputError, RunDirError, RuntimeFault, UsageError
 from lmpm.runtime.runfiles import claim_folder, folder, log_name, read_file
 from lmpm.train import log as tlog
 from lmpm.train.driver import (
+    DEFAULT_TIMEOUT,
     MAX_RETRIES,
     EpochLost,
     LocalDriver,
     RayDriver,
+    RayOptions,
     TrainFault,
     WorkerLost,
 )
@@ -220,15 +222,15 @@ class Trainer:
         ckdir = folder(self.run_dir, CHECKPOINTS, create=True) if self.run_dir is not None else None
         try:
             if self.driver_name == "ray":
-                kw: dict[str, Any] = {
-                    "cluster": cluster,
-                    "checkpoint_dir": ckdir,
-                    "threads": threads,
-                }
-                if worker_timeout is not None:
-                    kw["timeout"] = worker_timeout
+                timeout = DEFAULT_TIMEOUT if worker_timeout is None else worker_timeout
                 self.driver: LocalDriver | RayDriver = RayDriver(
-                    spec, workers, data, total_steps=total, init=init, **kw
+                    spec,
+                    workers,
+                    data,
+                    total_steps=total,
+                    init=init,
+                    threads=threads,
+                    options=RayOptions(cluster, timeout, ckdir),
                 )
             else:
                 self.driver = LocalDriver(

@@ -39,6 +39,7 @@ from lmpm.ir.eval import bind_params
 from lmpm.ir.nodes import Program
 from lmpm.visibility._stencil import (
     Clause,
+    ClauseSpec,
     Space,
     cell_coords,
     cell_stencils,
@@ -377,6 +378,7 @@ def compile_masks(src: str | Path, *, layout: str = "auto", **params: int) -> Ma
 
 __all__ = [
     "BlockCounts",
+    "ClauseSpec",
     "Degenerate",
     "GatherTable",
     "Layout",

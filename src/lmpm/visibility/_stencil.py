@@ -426,15 +426,28 @@ def _clip_hi(v: Val, size: int) -> Val:
     return v if v.numel() == 0 or int(v.max()) <= size - 1 else v.clamp(max=size - 1)
 
 
+@dataclass(frozen=True, slots=True)
+class ClauseSpec:
+    """One ``visible`` clause or rule read before expansion: each cell ``target[vars]`` sees the
+    boxes ``source[axes]`` for every binding of ``binders`` where ``guard`` holds."""
+
+    target: str
+    source: str
+    axes: tuple[Axis, ...]  # one per source axis
+    binders: tuple[Binder, ...]
+    guard: Expr | None  # None: every cell (a rule read)
+    vars: tuple[str, ...]  # the target's variables, one per target axis
+
+    @classmethod
+    def of(cls, s: Stencil) -> ClauseSpec:
+        """The spec of a ``visible`` clause."""
+        return cls(s.target, s.source, s.axes, s.binders, s.guard, s.vars)
+
+
 def expand_clause(
     program: Program,
     env: Mapping[str, int],
-    target: str,
-    source: str,
-    axes: tuple[Axis, ...],
-    binders: tuple[Binder, ...],
-    guard: Expr | None,
-    target_vars: tuple[str, ...],
+    clause: ClauseSpec,
     sp: Space | None = None,
     rows: slice | Tensor | None = None,
     static: bool = False,
@@ -449,6 +462,7 @@ def expand_clause(
     expressions, :func:`~lmpm.visibility._expr.bounds`) and never read a tensor's value: no
     host sync on a GPU, and the same boxes for any ``rows`` (none dropped for being empty there);
     each box carries ``most``, the host bound of its extents."""
+    target, source, guard, target_vars = clause.target, clause.source, clause.guard, clause.vars
     sp = sp if sp is not None else space(program, env)
     if target not in sp.dims or source not in sp.dims:
         missing = target if target not in sp.dims else source
@@ -459,7 +473,7 @@ def expand_clause(
             f"`{target}` has {len(tdims)} axes but {len(target_vars)} variables were given",
             code="B013",
         )
-    specs = dim_specs(axes, len(sdims), source)
+    specs = dim_specs(clause.axes, len(sdims), source)
     coords = list(coords) if coords is not None else cell_coords(tdims, rows)
     n = int(coords[0].numel()) if coords else math.prod(tdims)
     base_env: dict[str, Val] = dict(env)
@@ -471,7 +485,7 @@ def expand_clause(
         spans = {k: (v, v) for k, v in env.items()}
         spans.update((v, (0, max(d - 1, 0))) for v, d in zip(target_vars, tdims))
     boxes: list[Box] = []
-    for combo in binder_combos(binders, base_env, spans):
+    for combo in binder_combos(clause.binders, base_env, spans):
         local = dict(base_env)
         local.update(combo.values)
         defined: list[Val] = []
@@ -611,20 +625,10 @@ def _int_val(x: Val) -> Val:
 
 
 def expand(
-    program: Program,
-    env: Mapping[str, int],
-    target: str,
-    source: str,
-    axes: tuple[Axis, ...],
-    binders: tuple[Binder, ...],
-    guard: Expr | None,
-    target_vars: tuple[str, ...],
-    sp: Space | None = None,
+    program: Program, env: Mapping[str, int], clause: ClauseSpec, sp: Space | None = None
 ) -> Boxes:
-    """The boxes of one clause (or rule read) at every cell of ``target`` (dense form)."""
-    return expand_clause(
-        program, env, target, source, axes, binders, guard, target_vars, sp
-    ).materialize()
+    """The boxes of one clause (or rule read) at every cell of its target (dense form)."""
+    return expand_clause(program, env, clause, sp).materialize()
 
 
 def cell_stencils(program: Program, sp: Space) -> list[Stencil]:
@@ -642,20 +646,7 @@ def expand_stencil(
     coords: Sequence[Tensor] | None = None,
 ) -> Clause:
     """:func:`expand_clause` of a ``visible`` clause."""
-    return expand_clause(
-        program,
-        env,
-        s.target,
-        s.source,
-        s.axes,
-        s.binders,
-        s.guard,
-        s.vars,
-        sp,
-        rows,
-        static,
-        coords,
-    )
+    return expand_clause(program, env, ClauseSpec.of(s), sp, rows, static, coords)
 
 
 def clause_boxes(program: Program, env: Mapping[str, int], sp: Space) -> list[Clause]:

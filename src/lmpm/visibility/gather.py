@@ -28,6 +28,7 @@ from lmpm.visibility._expr import Val
 from lmpm.visibility._stencil import (
     Box,
     Clause,
+    ClauseSpec,
     Space,
     expand_clause,
     serial,
@@ -202,7 +203,8 @@ def gather_table(
     ([[0, 0, 0], [0, 0, 0], [0, 1, 0], [0, 1, 2]], [0, 1, 2, 3])
     """
     sp = space(program, env)
-    cl = expand_clause(program, env, target, source, axes, binders, guard, target_vars, sp)
+    spec = ClauseSpec(target, source, axes, binders, guard, target_vars)
+    cl = expand_clause(program, env, spec, sp)
     return table_from_clauses([cl], sp.size(target), sp.dims[source])
 
 
@@ -210,7 +212,7 @@ def union_clauses(
     program: Program, env: Mapping[str, int], sp: Space, target: str, source: str
 ) -> list[Clause]:
     return [
-        expand_clause(program, env, s.target, s.source, s.axes, s.binders, s.guard, s.vars, sp)
+        expand_clause(program, env, ClauseSpec.of(s), sp)
         for s in program.stencils
         if s.target == target and s.source == source
     ]
@@ -288,8 +290,7 @@ def table_costs(program: Program, env: Mapping[str, int]) -> list[TableCost]:
             if rd.kind.value == "visible" or r.target not in sp.dims or rd.source not in sp.dims:
                 continue
             n = sp.size(r.target)
-            cl = expand_clause(
-                program, env, r.target, rd.source, rd.axes, rd.binders, None, r.vars, sp
-            )
+            spec = ClauseSpec(r.target, rd.source, rd.axes, rd.binders, None, r.vars)
+            cl = expand_clause(program, env, spec, sp)
             out.append(TableCost(r.target, rd.source, n, sum(box_width(b, n) for b in cl.boxes)))
     return out
