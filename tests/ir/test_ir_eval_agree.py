@@ -2,7 +2,7 @@
 
 - :func:`lmpm.ir.eval.evaluate` (the checker, constant folding) and its compiled form
   :func:`lmpm.ir.eval.compile_expr` (the probes),
-- :func:`lmpm.visibility._expr.evaluate` on plain ints (folding in the visibility compiler) and on
+- :func:`lmpm.visibility.expr.evaluate` on plain ints (folding in the visibility compiler) and on
   tensors of cells (stencils, ``mask_mod``, the runtime's triggers via :mod:`lmpm.runtime.data.texpr`).
 
 Division by zero: the int evaluators raise; the tensor evaluator marks the cell undefined.
@@ -18,7 +18,7 @@ from lmpm.errors import BindError
 from lmpm.ir.eval import EvalError, compile_expr, evaluate
 from lmpm.ir.nodes import Expr, Op
 from lmpm.runtime.data.texpr import mask_of
-from lmpm.visibility import _expr
+from lmpm.visibility import expr
 
 BIN = [Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MOD, Op.LT, Op.LE, Op.GT, Op.GE, Op.EQ, Op.NE]
 BIN += [Op.AND, Op.OR]
@@ -56,12 +56,12 @@ def test_the_evaluators_agree(e: Expr, p: int) -> None:
     compiled = compile_expr(e, ("x", "y", "P"))
     xs = torch.tensor([pt[0] for pt in POINTS])
     ys = torch.tensor([pt[1] for pt in POINTS])
-    defined: list[_expr.Val] = []
+    defined: list[expr.Val] = []
     try:
-        tensor = _expr.evaluate(e, {"x": xs, "y": ys, "P": p}, defined)
+        tensor = expr.evaluate(e, {"x": xs, "y": ys, "P": p}, defined)
     except BindError:  # a division by a constant zero: the int evaluators fail at every point
         tensor = None
-    ok = _expr.all_defined(defined)
+    ok = expr.all_defined(defined)
     for k, (x, y) in enumerate(POINTS):
         env = {"x": x, "y": y, "P": p}
         want = _int_eval(e, env)
@@ -71,7 +71,7 @@ def test_the_evaluators_agree(e: Expr, p: int) -> None:
             got_compiled = None
         assert got_compiled == want
         try:
-            got_plain: int | None = int(_expr.evaluate(e, env))  # type: ignore[call-overload]
+            got_plain: int | None = int(expr.evaluate(e, env))  # type: ignore[call-overload]
         except BindError:
             got_plain = None
         if want is not None:
@@ -98,9 +98,9 @@ def test_runtime_masks_are_the_guards_truth(e: Expr) -> None:
         mask = mask_of(e, {"x": xs, "y": ys, "P": 1}, len(POINTS))
     except BindError:
         return
-    defined: list[_expr.Val] = []
-    _expr.evaluate(e, {"x": xs, "y": ys, "P": 1}, defined)
-    ok = _expr.all_defined(defined)
+    defined: list[expr.Val] = []
+    expr.evaluate(e, {"x": xs, "y": ys, "P": 1}, defined)
+    ok = expr.all_defined(defined)
     for k, (x, y) in enumerate(POINTS):
         want = _int_eval(e, {"x": x, "y": y, "P": 1})
         cell_ok = bool(ok[k]) if isinstance(ok, torch.Tensor) else bool(ok)

@@ -1,4 +1,4 @@
-"""Host bounds of index expressions (``lmpm.visibility._expr.bounds``): the static BlockMask build
+"""Host bounds of index expressions (``lmpm.visibility.expr.bounds``): the static BlockMask build
 sizes its tensors with them, so they must contain every value the expression takes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lmpm.ir.eval import evaluate as eval_int
 from lmpm.ir.nodes import Expr, Op
-from lmpm.visibility._expr import bounds, difference
+from lmpm.visibility.expr import bounds, difference
 
 NAMES = ("x", "y", "P")
 ARITH = (Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MOD)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmpm.commands._common import (
+from lmpm.commands.common import (
     add_set,
     add_tokenizer,
     fail_json,
@@ -163,7 +163,7 @@ def _device_check(
     args: argparse.Namespace, path: Path, overrides: dict[str, int], tokenizers: dict[str, str]
 ) -> int:
     """`--device cuda`: run the program there (or on the simulated device) and report."""
-    from lmpm.commands._common import parse_inputs
+    from lmpm.commands.common import parse_inputs
     from lmpm.runtime.devcheck import check_device
 
     if args.epochs < 1:

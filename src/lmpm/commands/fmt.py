@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lmpm.commands._common import program_path
+from lmpm.commands.common import program_path
 
 HELP = "format a program canonically (idempotent, keeps comments); --check only reports"
 

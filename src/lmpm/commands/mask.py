@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmpm.commands._common import add_set, parse_sets, program_path
+from lmpm.commands.common import add_set, parse_sets, program_path
 from lmpm.errors import UsageError
 
 if TYPE_CHECKING:

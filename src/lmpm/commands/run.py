@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from lmpm.commands._common import (
+from lmpm.commands.check import unknown_params
+from lmpm.commands.common import (
     add_set,
     add_tokenizer,
     memory_size,
@@ -23,7 +24,6 @@ from lmpm.commands._common import (
     print_diagnostics,
     program_path,
 )
-from lmpm.commands.check import unknown_params
 from lmpm.errors import CheckError, UsageError
 from lmpm.runtime.config import DEFAULT_CHECKPOINT_EVERY, ResumeRequest, RunConfig
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from typing import Any
 
-from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
 from lmpm.commands.check import unknown_params
+from lmpm.commands.common import add_set, parse_sets, print_diagnostics, program_path
 from lmpm.errors import LmpmError, UsageError
 
 HELP = "show a program as a graph: values, visibility, rules, constraints, commits"

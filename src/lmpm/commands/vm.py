@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lmpm.commands._common import add_set, parse_sets, print_diagnostics, program_path
+from lmpm.commands.common import add_set, parse_sets, print_diagnostics, program_path
 from lmpm.errors import BackendUnavailable, UsageError
 
 HELP = "run a workflow on the token-stream VM (run), or show a run's streams (status)"

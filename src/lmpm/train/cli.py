@@ -124,7 +124,7 @@ def check_init(spec: TrainSpec, init: dict[str, Any], file: str) -> None:
 def run_training(
     args: argparse.Namespace, spec: TrainSpec, source: str, params: dict[str, int], out_dir: Path
 ) -> int:
-    from lmpm.commands._common import parse_inputs
+    from lmpm.commands.common import parse_inputs
     from lmpm.runtime.lock import RunLock
 
     refuse_cell_options(args)

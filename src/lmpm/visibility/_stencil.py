@@ -34,7 +34,7 @@ from lmpm.ir.nodes import (
     ShapeKind,
     Stencil,
 )
-from lmpm.visibility._expr import (
+from lmpm.visibility.expr import (
     Linear,
     Span,
     Val,
@@ -320,7 +320,7 @@ class Box:
     (meaningless elsewhere). ``point``: per axis, statically a single index (``AT``: lo is hi).
     ``most``: per axis, at most this many cells along it where ``ok``, known on the host (a
     static expansion sets it; empty: not known). ``lo_linear``: per axis, ``lo`` as a linear
-    form in the target's variables (:func:`~lmpm.visibility._expr.linear`; None: not one, or
+    form in the target's variables (:func:`~lmpm.visibility.expr.linear`; None: not one, or
     clipped), so positions of boxes that differ by constants share one tensor.
     """
 
@@ -459,7 +459,7 @@ def expand_clause(
     into one target share them).
 
     ``static``: decide what can be decided from the program and its sizes alone (bounds of the
-    expressions, :func:`~lmpm.visibility._expr.bounds`) and never read a tensor's value: no
+    expressions, :func:`~lmpm.visibility.expr.bounds`) and never read a tensor's value: no
     host sync on a GPU, and the same boxes for any ``rows`` (none dropped for being empty there);
     each box carries ``most``, the host bound of its extents."""
     target, source, guard, target_vars = clause.target, clause.source, clause.guard, clause.vars

@@ -48,8 +48,8 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from lmpm.visibility._expr import Val, and_, not_
 from lmpm.visibility._stencil import Box, Clause, Space, dev, on_device, serial, strides
+from lmpm.visibility.expr import Val, and_, not_
 from lmpm.visibility.layout import Layout
 from lmpm.visibility.maskmod import MaskMod
 

@@ -24,7 +24,6 @@ import torch
 from torch import Tensor
 
 from lmpm.ir.nodes import Axis, Binder, Expr, Program
-from lmpm.visibility._expr import Val
 from lmpm.visibility._stencil import (
     Box,
     Clause,
@@ -36,6 +35,7 @@ from lmpm.visibility._stencil import (
     strides,
     vec,
 )
+from lmpm.visibility.expr import Val
 
 
 @dataclass(frozen=True, slots=True)

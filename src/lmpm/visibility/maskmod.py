@@ -37,8 +37,8 @@ from torch import Tensor
 
 from lmpm.ir.nodes import Axis, AxisKind, Binder, Expr, Op, Program
 from lmpm.visibility._emit import emit_mask_mod
-from lmpm.visibility._expr import Val, all_defined, and_, evaluate, or_
 from lmpm.visibility._stencil import DimSpec, Space, binder_combos, cell_coords, dim_specs, strides
+from lmpm.visibility.expr import Val, all_defined, and_, evaluate, or_
 from lmpm.visibility.layout import Layout
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]

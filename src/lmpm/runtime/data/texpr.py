@@ -1,6 +1,6 @@
 """IR expressions over tensors of coordinates, for the runtime (triggers, constraint cell masks).
 
-The evaluator itself is the visibility compiler's (:mod:`lmpm.visibility._expr`): one tensor
+The evaluator itself is the visibility compiler's (:mod:`lmpm.visibility.expr`): one tensor
 evaluator for stencils, ``mask_mod`` and the runtime, so guards mean the same thing everywhere.
 """
 
@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 
 from lmpm.ir.nodes import Expr
-from lmpm.visibility._expr import Val
-from lmpm.visibility._expr import evaluate as eval_tensor
+from lmpm.visibility.expr import Val
+from lmpm.visibility.expr import evaluate as eval_tensor
 
 __all__ = ["coords", "eval_tensor", "mask_of"]
 
