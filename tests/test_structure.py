@@ -3,10 +3,9 @@
 over 8 parameters except the public entry points of :data:`PUBLIC_ENTRY_POINTS` (documented API
 that takes keyword options), no private name or module of LMPM imported from outside its owner.
 
-The ``*_BEING_SPLIT`` sets are today's offenders in files other sessions of issue 45 are rewriting
-(d45: the decision core in ``runtime/data``; c45: the API edge in ``runtime/session.py`` and
-``raygroup``), by qualified name. The test fails on a new offender, and on an entry that no
-longer offends (delete it: the sets only shrink).
+The ``*_BEING_SPLIT`` sets are today's offenders in the files another session of issue 45 is
+rewriting (d45: the decision core in ``runtime/data``), by qualified name. The test fails on a new
+offender, and on an entry that no longer offends (delete it: the sets only shrink).
 """
 
 from __future__ import annotations
@@ -22,9 +21,6 @@ import structure as st
 # Public entry points that may take more than MAX_PARAMS keyword options (issue 45 allows them:
 # "at most the public entry points ... have more than 8 parameters").
 PUBLIC_ENTRY_POINTS = {
-    # lmpm.Run and lmpm.resume: the issue's own examples (c45 builds one RunConfig from them)
-    "runtime/session.py::Run.__init__",
-    "runtime/session.py::resume",
     # lmpm.vm.WorkflowRun(program, workflow=, tools=, seed=, streams=, device=, compile=, ...):
     # docs/vm.md, `lmpm vm run`'s Python twin
     "vm/runner.py::WorkflowRun.__init__",
@@ -36,7 +32,7 @@ PUBLIC_ENTRY_POINTS = {
     "runtime/devcheck.py::check_device",
 }
 
-# Being split in issue 45 (d45: runtime/data; c45: session.py, raygroup): shrink after merging.
+# Being split in issue 45 (d45: runtime/data): shrink after merging.
 LONG_FUNCTIONS_BEING_SPLIT = {
     "runtime/data/compiled.py::value_step",  # d45
     "runtime/data/compiled.py::value_step.step",  # d45
@@ -44,8 +40,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "runtime/data/dataplane.py::DataPlane._candidates",  # d45
     "runtime/data/shard.py::merge_candidates",  # d45
     "runtime/control/commitlog.py::_restore",  # d45
-    "runtime/session.py::Run.__init__",  # c45
-    "runtime/session.py::open_resumed",  # c45
 }
 LONG_CLASSES_BEING_SPLIT = {
     "runtime/data/dataplane.py::DataPlane",  # d45
@@ -56,11 +50,6 @@ MANY_PARAMS_BEING_SPLIT = {
     "runtime/data/dataplane.py::DataPlane._check",  # d45
     "runtime/data/dataplane.py::DataPlane._violations",  # d45
     "runtime/data/clocks.py::Clocks.advance",  # d45
-    "runtime/data/raygroup.py::RayGroup.__init__",  # c45
-    "runtime/session.py::_resume_locked",  # c45
-    "runtime/session.py::open_resumed",  # c45
-    "runtime/session.py::make_group",  # c45
-    "runtime/session.py::Run.log_to",  # c45
 }
 PRIVATE_IMPORTS_BEING_SPLIT = {
     "runtime/data/shard.py: lmpm.runtime.data.owner._Pending",  # d45
