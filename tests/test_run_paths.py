@@ -176,7 +176,6 @@ def test_an_old_logs_settings_read_back() -> None:
         ({"workers": 0}, "U080"),
         ({"worker_timeout": 0}, "U083"),
         ({"driver": "threads"}, "U084"),
-        ({"workers": 2, "driver": "single"}, "U084"),
         ({"guard": True, "workers": 2}, "U080"),
         ({"checkpoints": 3}, "U107"),
     ],
@@ -188,6 +187,18 @@ def test_a_bad_setting_is_one_coded_error(options: dict[str, object], code: str)
     with pytest.raises(UsageError) as e:  # the API's keyword options are the same record
         lmpm.compile(text=PROG).runner(**options)
     assert e.value.code == code
+
+
+def test_the_single_driver_runs_one_epoch_worker() -> None:
+    """`single` with W > 1 is refused by an epoch run (U084), not by the record: a training
+    run's single driver holds its W replicas in one process (tests/train/test_train_cli.py)."""
+    cfg = RunConfig().replace(workers=2, driver="single")
+    with pytest.raises(UsageError) as e:
+        cfg.epoch_driver()
+    assert e.value.code == "U084"
+    with pytest.raises(UsageError) as e:
+        lmpm.compile(text=PROG).runner(workers=2, driver="single")
+    assert e.value.code == "U084"
 
 
 def test_one_default_checkpoint_cadence() -> None:

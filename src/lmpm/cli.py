@@ -25,9 +25,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, code="U000")
 
 
+# Modules of lmpm.commands that are shared by the commands, not commands themselves.
+_SHARED = frozenset({"common"})
+
+
 def _command_names() -> list[str]:
     return sorted(
-        m.name for m in pkgutil.iter_modules(commands.__path__) if not m.name.startswith("_")
+        m.name
+        for m in pkgutil.iter_modules(commands.__path__)
+        if not m.name.startswith("_") and m.name not in _SHARED
     )
 
 

@@ -108,6 +108,13 @@ class RunConfig:
             return self.driver
         return "ray" if self.workers > 1 or self.cluster else "single"
 
+    def epoch_driver(self) -> str:
+        """:attr:`driver_name` for an epoch run, whose ``single`` driver runs one worker (a
+        training run's ``single`` driver holds its replicas in one process: it may have more)."""
+        if self.driver == "single" and self.workers > 1:
+            raise UsageError(f"the single driver runs one worker, not {self.workers}", code="U084")
+        return self.driver_name
+
     def stored(self) -> dict[str, Any]:
         """The settings the log stores (JSON values, under their ``meta`` keys): what
         :meth:`from_meta` reads back. ``bind`` files and ``inputs`` as absolute paths."""
@@ -210,8 +217,6 @@ def _check_driver(cfg: RunConfig) -> None:
         raise UsageError(f"driver={cfg.driver!r}: one of {', '.join(DRIVERS)}", code="U084")
     if cfg.cluster and cfg.driver not in (None, "ray"):
         raise UsageError(f"a cluster address needs the ray driver, not {cfg.driver}", code="U084")
-    if cfg.driver == "single" and cfg.workers > 1:
-        raise UsageError(f"the single driver runs one worker, not {cfg.workers}", code="U084")
     if cfg.guard and cfg.driver_name != "single":
         raise UsageError("the payload guard checks one worker; use workers=1", code="U080")
 

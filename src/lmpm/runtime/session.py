@@ -150,7 +150,7 @@ class Run:
         self.plan: Plan = resolve(
             front.ir, self.params, self.bindings, epochs=cfg.epochs, max_memory=cfg.max_memory
         )
-        self.workers, self.driver = cfg.workers, cfg.driver_name
+        self.workers, self.driver = cfg.workers, cfg.epoch_driver()
         self.engine = Engine(
             self.plan,
             backend=cfg.backend,
