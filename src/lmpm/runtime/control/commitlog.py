@@ -279,6 +279,8 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
 def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
     import torch  # not at import: commands import this module before a run needs torch
 
+    from lmpm.runtime.data.decide import write_meta  # imports torch
+
     d = Path(run_dir)
     nxt = check_epochs(conn, d)
     rows = conn.execute(
@@ -329,8 +331,12 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         ).fetchall()
     finally:
         detach_shards(conn)
+    # the checkpoint's arrays seen as tensors (shared memory): the replay writes through them
+    cells = {
+        n: CellState(*(torch.from_numpy(v[f]) for f in STATE_FIELDS)) for n, v in state.items()
+    }
     for epoch, value, first, step, count, rule, cmin, clocks, smin, scores, sums, crc in replay:
-        into = state.get(value)
+        into = cells.get(value)
         if into is None or not isinstance(sums, bytes) or zlib.crc32(sums[1:]) != crc:
             raise RunDirError(
                 f"commit of epoch {epoch} for `{value}` is corrupt (checksum mismatch)", code="D006"
@@ -338,18 +344,16 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         idx = first + step * np.arange(count)
         commits.setdefault((epoch, value), []).append(idx)
         data = decode(sums)
-        n = into["committed"].size
+        n = into.committed.numel()
         if count < 1 or data.size != count or int(idx.min()) < 0 or int(idx.max()) >= n:
             raise RunDirError(
                 f"commit of epoch {epoch} for `{value}` does not fit the value ({count} cells from "
                 f"{first} step {step}; {n} cells)",
                 code="D006",
             )
-        into["committed"][idx] = True
-        into["clock"][idx] = cmin if clocks is None else cmin + decode(clocks).astype(np.int64)
-        into["rule"][idx] = rule
-        into["epoch"][idx] = epoch
-        into["score"][idx] = smin if scores is None else decode(scores)
+        clock = np.full(count, cmin) if clocks is None else cmin + decode(clocks).astype(np.int64)
+        score = float(smin) if scores is None else torch.from_numpy(decode(scores)).double()
+        write_meta(into, torch.from_numpy(idx), torch.from_numpy(clock).long(), rule, epoch, score)
         replayed += 1
     engine.dataplane.open_store(d)
     try:
@@ -364,8 +368,7 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
     except BaseException:
         engine.dataplane.close_store()
         raise
-    for name, vals in state.items():
-        cs = CellState(*(torch.from_numpy(vals[f]) for f in STATE_FIELDS))
+    for name, cs in cells.items():
         engine.restore(name, cs)
     engine.epoch = nxt
     mp = ORSet("control")

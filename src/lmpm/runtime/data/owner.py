@@ -32,10 +32,20 @@ from torch import Tensor
 
 from lmpm.ir.nodes import TRUE
 from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan
-from lmpm.resolve.policies import aggregates, quorum, quorum_eligible, quorum_k
+from lmpm.resolve.policies import aggregates, quorum, quorum_k
 from lmpm.resolve.schedules import Schedule, make_schedule
 from lmpm.runtime.data.agree import Agreed, agree
 from lmpm.runtime.data.clocks import Clocks
+from lmpm.runtime.data.decide import (
+    Pending,
+    applied_changed,
+    blocked_why,
+    contributions,
+    count_violations,
+    newly_set,
+    quorum_lost,
+    write_meta,
+)
 from lmpm.runtime.data.texpr import mask_of
 from lmpm.runtime.protocol import (
     Applied,
@@ -47,15 +57,12 @@ from lmpm.runtime.protocol import (
     ProposeReply,
     ProposeRequest,
     RuleWork,
-    ValueDecision,
 )
 from lmpm.runtime.records import (
     HELD,
     INPUT_RULE,
     NEVER_OPENED,
-    NO_QUORUM,
     NO_SOURCE,
-    NO_WINNER,
     NOT_FIRED,
     UNKNOWN,
     CellState,
@@ -141,45 +148,6 @@ def dissent(cand: Any, winner: Tensor, changed: Tensor) -> list[tuple[int, int]]
         if n:
             out.append((int(p), n))
     return out
-
-
-def _newly_set(ve: ValueEpoch) -> int:
-    """Cells of the record committed for the first time."""
-    return int((ve.changed & ~ve.was_committed).count_nonzero())
-
-
-def _violations(violated: Tensor) -> int:
-    """Candidates (n, C, K) that violate some constraint."""
-    k = violated.shape[2]
-    if not k:
-        return 0
-    return int((violated if k == 1 else violated.any(dim=2)).count_nonzero())
-
-
-@dataclass(slots=True)
-class _Pending:
-    """One value agreed on, waiting for the workers' apply."""
-
-    cand: Candidates
-    score: Tensor
-    winner: Tensor
-    changed: Tensor
-    weights: Tensor | None
-    rows: Tensor | None  # the committing rows (None: every row)
-    was: Tensor
-    commits: int
-    disagreed: Tensor | None = None  # (n,) bool, under a quorum: no proposal had its k votes
-
-    def decision(self) -> ValueDecision:
-        """What the workers write: the committing rows and their winners (or weights)."""
-        if self.rows is None:
-            return ValueDecision(None, self.winner, self.weights)
-        w = self.weights
-        return ValueDecision(
-            self.rows,
-            self.winner.index_select(0, self.rows),
-            None if w is None else w.index_select(0, self.rows),
-        )
 
 
 def schedule_of(plan: Plan, seed: int) -> Schedule:
@@ -286,10 +254,9 @@ class Owner:
     def mark_input(self, value: str, cells: Tensor) -> None:
         """Record ``cells`` of ``value`` as committed from an input (provenance INPUT, clock 1)."""
         st = self.state[value]
-        st.committed[cells] = True
-        st.clock[cells] = torch.maximum(st.clock[cells], torch.ones_like(st.clock[cells]))
-        st.rule[cells] = INPUT_RULE
-        st.score[cells] = 0.0
+        idx = cells.nonzero().squeeze(1) if cells.dtype == torch.bool else cells
+        clock = st.clock.index_select(0, idx).clamp_min(1)
+        write_meta(st, idx, clock, INPUT_RULE, st.epoch.index_select(0, idx), 0.0)
         self._unset[value] = self._count_unset(value)
         self.version[value] += 1
 
@@ -415,10 +382,10 @@ class Owner:
                 if self.quorum[name]:
                     for rep, n in dissent(p.cand, p.winner, ve.changed):
                         dissents.append(Dissent(name, rep, workers.replica_worker(name, rep), n))
-                n_viol = _violations(p.cand.violated)
+                n_viol = count_violations(p.cand.violated)
             values.append(ve)
             if n_commits:  # the cells set for the first time (fresh: every committing cell)
-                self._unset[name] -= n_commits if self.fresh[name] else _newly_set(ve)
+                self._unset[name] -= n_commits if self.fresh[name] else newly_set(ve)
             commits += n_commits
             attempts += int(ve.cells.numel())
             violations += n_viol
@@ -450,7 +417,7 @@ class Owner:
             if seen is None or seen.numel() != cells.numel():
                 self.why[name].index_fill_(0, cells, NOT_FIRED)
 
-    def _agree(self, name: str, e: int, cand: Candidates) -> _Pending:
+    def _agree(self, name: str, e: int, cand: Candidates) -> Pending:
         """Agree on one value's candidates; record why the cells that stay unset do."""
         quota = self._quota(name, e)
         ag, was = self._policy(name, e, cand, quota)
@@ -487,7 +454,7 @@ class Owner:
 
     def _pending(
         self, name: str, cand: Candidates, ag: Agreed, was: Tensor, quota: int | None
-    ) -> _Pending:
+    ) -> Pending:
         """The agreed value waiting for its apply; why the cells that stay unset do."""
         n = cand.cells.numel()
         commits = int(ag.changed.count_nonzero())
@@ -500,19 +467,14 @@ class Owner:
                 cells = cand.cells
                 self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
         rows = None if commits == n else ag.changed.nonzero().squeeze(1)
-        return _Pending(
+        return Pending(
             cand, ag.score, ag.winner, ag.changed, ag.weights, rows, was, commits, disagreed
         )
 
     def _disagreed(self, name: str, cand: Candidates) -> Tensor | None:
-        """(n,) bool under a quorum: the cells where some replica proposed but no proposed
-        payload had the k votes the policy needs (None: the value has no quorum)."""
+        """(n,) bool under a quorum: the cells where no proposed payload had its k votes."""
         vp = self.plan.values[name]
-        k = quorum_k(vp.policy, vp.policy_args)
-        if k is None or cand.checksum is None:
-            return None
-        agreed = quorum_eligible(cand.checksum, cand.valid, cand.col_rule, cand.col_slot, k)
-        return cand.valid[:, 1:].any(dim=1) & ~agreed[:, 1:].any(dim=1)
+        return quorum_lost(cand, quorum_k(vp.policy, vp.policy_args))
 
     def _blocked(
         self,
@@ -522,87 +484,35 @@ class Owner:
         rows: Tensor,
         disagreed: Tensor | None = None,
     ) -> None:
-        """Record why the proposed cells at ``rows`` stay unset: under a quorum whose replicas
-        disagreed (no payload had its k votes), NO_QUORUM; else the highest-priority constraint
-        that every valid proposal violates, else one that some proposal violates, else
-        NO_WINNER."""
+        """Record why the proposed cells at ``rows`` stay unset (:func:`blocked_why`)."""
         if not rows.numel():
             return
-        why = torch.full((rows.numel(),), NO_WINNER, dtype=torch.int64)
-        k = cand.violated.shape[2]
-        if k:
-            # (n, C-1) proposals only (column 0 is keep-current)
-            valid = cand.valid.index_select(0, rows)[:, 1:]
-            viol = cand.violated.index_select(0, rows)[:, 1:, :]  # (n, C-1, K)
-            order = torch.sort(-static.priority, stable=True).indices  # highest priority first
-            some = valid.any(dim=1, keepdim=True)  # (n, 1)
-            every = ((viol | ~valid.unsqueeze(2)).all(dim=1) & some)[:, order]  # (n, K)
-            anyv = (viol & valid.unsqueeze(2)).any(dim=1)[:, order]  # (n, K)
-            ids = static.constraint_ids[order]
-            for hit in (anyv, every):  # `every` overrides `some`
-                first = hit.to(torch.uint8).argmax(dim=1)
-                why = torch.where(hit.any(dim=1), ids[first], why)
-        if disagreed is not None:
-            # no proposal had its k votes: the replicas' disagreement, not a constraint, is why
-            lost = disagreed.index_select(0, rows).to(why.device)
-            why = torch.where(lost, NO_QUORUM, why)
+        why = blocked_why(
+            cand.valid.index_select(0, rows),
+            cand.violated.index_select(0, rows),
+            static.priority,
+            static.constraint_ids,
+            None if disagreed is None else disagreed.index_select(0, rows),
+        )
         self.why[name].index_put_((cand.cells.index_select(0, rows),), why)
 
     def _commit(
-        self, name: str, e: int, p: _Pending, got: Applied, phase: int | None
+        self, name: str, e: int, p: Pending, got: Applied, phase: int | None
     ) -> tuple[ValueEpoch, int]:
         """Advance clocks and provenance of the committing cells; the value's record and its
         number of commits. ``got``: what the workers wrote (an aggregate equal to the committed
         payload is no commit); ``phase``: the schedule's phase of the open cells (None: they
         vary)."""
-        changed, commits, rows = p.changed, p.commits, p.rows
-        if got.changed is not None:
-            if rows is None:
-                changed = changed & got.changed
-            else:
-                changed = changed.clone()
-                changed[rows] = got.changed
-            commits = int(changed.count_nonzero())
-            rows = None  # the committing rows are no longer those the policy chose
-        cand, winner, weights = p.cand, p.winner, p.weights
+        changed, commits, rows = applied_changed(p, got)
+        cand = p.cand
         st = self.state[name]
-        static = self.static[name]
         cells = cand.cells
         fresh = self.fresh[name]
         n = cells.numel()
         own = self._const("own", n, torch.int64, 0) if fresh else st.clock.index_select(0, cells)
         new_clock = own
         if commits:
-            contributed: dict[int, Tensor] | None = None
-            won_rule: Tensor | None = None  # (n,) each cell's winning rule (several rules)
-            if len(static.rules) > 1:
-                won_rule = cand.col_rule.index_select(0, winner)
-                if weights is None:  # the winner's rule
-                    contributed = {rp.id: won_rule == rp.id for rp in static.rules}
-                else:  # every rule whose proposals the aggregate weighs
-                    used = weights > 0
-                    contributed = {
-                        rp.id: used[:, cand.col_rule == rp.id].any(dim=1) for rp in static.rules
-                    }
-            new_clock = self.clocks.advance(
-                self.state, static.rules, own, cells, changed, commits, contributed, phase, fresh
-            )
-            fields = [cells, new_clock, pick(p.score, winner)]
-            if won_rule is not None:
-                fields.append(won_rule)
-            if commits < n:
-                keep = rows if rows is not None else changed.nonzero().squeeze(1)
-                fields = [t.index_select(0, keep) for t in fields]
-            idx, clock, won, *rule = fields
-            st.committed.index_fill_(0, idx, True)
-            st.clock.index_put_((idx,), clock)
-            if rule:
-                st.rule.index_put_((idx,), rule[0])
-            else:  # one rule: every committing column is that rule's
-                st.rule.index_fill_(0, idx, static.rules[0].id)
-            st.epoch.index_fill_(0, idx, e)
-            st.score.index_put_((idx,), won)
-            self.version[name] += 1
+            new_clock = self._write(name, e, p, own, changed, commits, rows, phase)
         ve = ValueEpoch(
             name,
             cells,
@@ -610,8 +520,8 @@ class Owner:
             p.score,
             cand.col_rule,
             cand.violated,
-            static.constraint_ids,
-            winner,
+            self.static[name].constraint_ids,
+            p.winner,
             changed,
             new_clock,
             p.was,
@@ -625,19 +535,51 @@ class Owner:
         self.note_broken(ve)
         return ve, commits
 
+    def _write(
+        self,
+        name: str,
+        e: int,
+        p: Pending,
+        own: Tensor,
+        changed: Tensor,
+        commits: int,
+        rows: Tensor | None,
+        phase: int | None,
+    ) -> Tensor:
+        """Advance the committing cells' clocks and write their metadata; (n,) the new clocks."""
+        static = self.static[name]
+        cells = p.cand.cells
+        contributed, won_rule = contributions(static.rules, p.cand, p.winner, p.weights)
+        new_clock = self.clocks.advance(
+            self.state,
+            static.rules,
+            own,
+            cells,
+            changed,
+            commits,
+            contributed,
+            phase,
+            self.fresh[name],
+        )
+        fields = [cells, new_clock, pick(p.score, p.winner)]
+        if won_rule is not None:
+            fields.append(won_rule)
+        if commits < cells.numel():
+            keep = rows if rows is not None else changed.nonzero().squeeze(1)
+            fields = [t.index_select(0, keep) for t in fields]
+        idx, clock, won, *rule = fields
+        # one rule: every committing column is that rule's
+        write_meta(self.state[name], idx, clock, rule[0] if rule else static.rules[0].id, e, won)
+        self.version[name] += 1
+        return new_clock
+
     def settle(self, name: str, e: int, rule: int, ve: ValueEpoch) -> None:
         """Apply a step that ran on the device (the captured step on CUDA, which wrote the
         device's mirror of this state) to the host state: its commits, and why the cells it
         left unset stay unset."""
-        st = self.state[name]
         changed = ve.changed
-        idx = ve.cells[changed]
-        if idx.numel():
-            st.committed.index_fill_(0, idx, True)
-            st.clock.index_put_((idx,), ve.new_clock[changed])
-            st.rule.index_fill_(0, idx, rule)
-            st.epoch.index_fill_(0, idx, e)
-            st.score.index_put_((idx,), pick(ve.score, ve.winner)[changed])
+        won = pick(ve.score, ve.winner)[changed]
+        write_meta(self.state[name], ve.cells[changed], ve.new_clock[changed], rule, e, won)
         self._blocked(name, ve, self.static[name], (~changed & ~ve.was_committed).nonzero()[:, 0])
 
     def _const(self, kind: str, n: int, dtype: torch.dtype, fill: Any) -> Tensor:

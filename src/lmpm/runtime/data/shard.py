@@ -43,10 +43,9 @@ from torch import Tensor
 from lmpm.resolve.plan import Plan
 from lmpm.resolve.topology import Topology
 from lmpm.runtime.data.agree import Agreed, keep_top
+from lmpm.runtime.data.decide import Pending, count_violations, newly_set, write_meta
 from lmpm.runtime.data.owner import (
     Owner,
-    _Pending,
-    _violations,
     broken_counts,
     dissent,
     reasons,
@@ -515,10 +514,10 @@ class ShardOwner(Owner):
 
     def _agree_all(
         self, e: int, cands: Mapping[str, Candidates]
-    ) -> Generator[Gather, list[Part], dict[str, _Pending]]:
+    ) -> Generator[Gather, list[Part], dict[str, Pending]]:
         """Agree on every value this worker has candidates for; a quota over the whole value
         (``quota:V``: every worker takes part, candidates or not)."""
-        pending: dict[str, _Pending] = {}
+        pending: dict[str, Pending] = {}
         for name in self.order:
             cand = cands.get(name)
             if self.schedule.has_quota and not self.spread[name]:
@@ -533,7 +532,7 @@ class ShardOwner(Owner):
     def _commit_all(
         self,
         e: int,
-        pending: Mapping[str, _Pending],
+        pending: Mapping[str, Pending],
         merged: Mapping[str, Merged],
         applied: ApplyReply,
         sel_of: Mapping[str, Tensor],
@@ -559,7 +558,7 @@ class ShardOwner(Owner):
             ve, n_commits = self._commit(name, e, p, got_applied, phases[name])
             ve.col_replica, ve.col_slot = p.cand.col_replica, p.cand.col_slot
             if n_commits:
-                self._unset[name] -= n_commits if self.fresh[name] else _newly(ve)
+                self._unset[name] -= n_commits if self.fresh[name] else newly_set(ve)
             if self.urgent[name]:
                 got = yield Gather(f"meta:{name}", self._meta_part(name, ve))
                 self._take_meta(name, e, got)
@@ -570,7 +569,7 @@ class ShardOwner(Owner):
             if self.quorum[name]:
                 for rep, n in dissent(p.cand, p.winner, ve.changed):
                     tally.dissents.append(Dissent(name, rep, self.replica_worker(name, rep), n))
-            tally.add(ve, n_commits, _violations(p.cand.violated))
+            tally.add(ve, n_commits, count_violations(p.cand.violated))
         if self.deferred:  # one exchange for every value no later value of the epoch reads
             got = yield Gather("meta", later)
             for name in self.deferred:
@@ -590,7 +589,7 @@ class ShardOwner(Owner):
         cand: Candidates,
         agreed: tuple[Agreed, Tensor],
         got: list[Part],
-    ) -> _Pending:
+    ) -> Pending:
         """Agree with the quota kept over every worker's would-be commits: the most confident
         ``quota`` cells of the whole value (ties: lower cell), as one owner keeps them."""
         quota = self._quota(name, e)
@@ -604,7 +603,7 @@ class ShardOwner(Owner):
         return self._pending(name, cand, ag, was, quota)
 
     # ---- spread values: every worker decides, the winning replica's worker writes ----------------
-    def _my_rows(self, mg: Merged, p: _Pending) -> tuple[ValueDecision, Tensor] | None:
+    def _my_rows(self, mg: Merged, p: Pending) -> tuple[ValueDecision, Tensor] | None:
         """The decision of a spread value for the rows this worker writes, in its own rows and
         columns, and those rows' positions in the decision."""
         if self.rank not in mg.workers:
@@ -625,7 +624,7 @@ class ShardOwner(Owner):
         every = d.rows is None and local.numel() == mg.rows[s].numel()
         return ValueDecision(None if every else local, winner, weights), sel
 
-    def _applied_all(self, p: _Pending | None, parts: list[Part]) -> Applied | None:
+    def _applied_all(self, p: Pending | None, parts: list[Part]) -> Applied | None:
         """Every writer's part of a spread value as one Applied over the decision rows."""
         if p is None:
             return None
@@ -672,11 +671,7 @@ class ShardOwner(Owner):
             self._unset[name] -= int(
                 idx.numel() - st.committed.index_select(0, idx).count_nonzero()
             )
-            st.committed.index_fill_(0, idx, True)
-            st.clock.index_put_((idx,), part["clock"])
-            st.rule.index_put_((idx,), part["rule"])
-            st.epoch.index_fill_(0, idx, e)
-            st.score.index_put_((idx,), part["score"])
+            write_meta(st, idx, part["clock"], part["rule"], e, part["score"])
             self.version[name] += 1
 
 
@@ -701,10 +696,6 @@ def _applied_part(sel: Tensor | None, got: Applied | None) -> Part:
     if got.checksum is not None:
         part["sums"] = got.checksum
     return part
-
-
-def _newly(ve: ValueEpoch) -> int:
-    return int((ve.changed & ~ve.was_committed).count_nonzero())
 
 
 def lockstep(gens: Sequence[Decide]) -> list[EpochReport]:
