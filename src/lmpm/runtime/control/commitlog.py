@@ -352,7 +352,9 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
                 code="D006",
             )
         clock = np.full(count, cmin) if clocks is None else cmin + decode(clocks).astype(np.int64)
-        score = float(smin) if scores is None else torch.from_numpy(decode(scores).astype(np.float64))
+        score = (
+            float(smin) if scores is None else torch.from_numpy(decode(scores).astype(np.float64))
+        )
         write_meta(into, torch.from_numpy(idx), torch.from_numpy(clock).long(), rule, epoch, score)
         replayed += 1
     engine.dataplane.open_store(d)
