@@ -339,7 +339,7 @@ def _long_run(device: str, epochs: int) -> dict[str, Any]:
 
 # A capturable workload for K epochs per replay (lmpm.runtime.data.kepochs): the bundled examples'
 # models read on the host, so none replays more than one epoch. Two values on a W×W grid, red-black,
-# a pure torch model of the neighbours and the epoch (tests/runtime/test_kepochs.py runs the same).
+# a pure torch model of the neighbours and the epoch (tests/runtime/test_kepochs.py imports it).
 K_PROG = """param W = {w}
 value A : Token[16] shape Grid2D(W, W) clock Lamport
 value B : Token[16] shape Grid2D(W, W) clock Lamport

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from benchmarks.compile import K_PROG, mix
 
 from lmpm.errors import UsageError
 from lmpm.ir import compile_file, compile_source
@@ -27,46 +28,9 @@ from test_compiled import EX, same_runs
 # Two values on a grid, red-black: A's model reads its neighbours and the epoch; B reads A and B
 # (its clocks read A's, committed first in the same epoch). A's constraint keeps some cells unset
 # each epoch (why-codes), and later epochs overwrite committed cells (opens_committed).
-PROG = """param W = 4
-value A : Token[16] shape Grid2D(W, W) clock Lamport
-value B : Token[16] shape Grid2D(W, W) clock Lamport
-value MaskPlan : Event shape Set() clock Lamport
-visible A[x,y] <- A[x+dx,y+dy] when (dx,dy) in N4
-visible B[x,y] <- A[x,y]
-visible B[x,y] <- B[x+dx,y+dy] when (dx,dy) in N4
-rule GenA:
-  on A[x,y]
-  read {nb in N4}
-  emit proposal A[x,y] := Mix(nb, k=3)
-rule GenB:
-  on B[x,y]
-  read {a = A[x,y], nb in N4}
-  emit proposal B[x,y] := Mix(a, nb, k=2)
-constraint Odd:
-  forbid A[x,y] in Set(1, 3, 5, 7, 9, 11) priority 10
-rule Schedule:
-  on MaskPlan
-  emit proposal MaskPlan := SampleTiles(strategy="red-black", epoch=e)
-"""
-
-
-def mix(inputs: dict[str, torch.Tensor], *, k: int = 1, epoch: Any = 0, **_: Any) -> Any:
-    """A capturable model: a pure torch function of its reads, the cells and the epoch (a 0-d
-    device tensor inside a window, an int in a single epoch)."""
-    cells = inputs["cells"]
-    total = cells * 5 + 3
-    for name, t in inputs.items():
-        if name.endswith("_mask"):
-            data = inputs[name.removesuffix("_mask")]
-            total = total + torch.where(t, data + 1, 0).sum(dim=1) * 3
-    j = torch.arange(int(k), device=cells.device)
-    raw = total[:, None] + j[None, :] * 7 + epoch * 11
-    prop = raw % 16
-    score = -((raw * 13) % 7).to(torch.float64)
-    return prop, score
-
-
-mix.lmpm_capture = True  # type: ignore[attr-defined]
+# The workload is benchmarks/compile.py's (one definition): `mix`, a pure torch model marked
+# `lmpm_capture`.
+PROG = K_PROG.format(w=4)
 
 
 # torch calls the host makes per epoch settling a window's records of PROG's two values (measured
