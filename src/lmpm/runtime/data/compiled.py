@@ -48,7 +48,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -80,6 +80,7 @@ class _Check:
     in_set: bool  # else change()
     covers_all: bool  # speaks about every cell (no row mask)
     needs_inputs: bool  # `inputs()` region: masked by the cells committed from an input
+    hard: bool  # a proposal violating it is not eligible
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +116,6 @@ def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
     for cp in plan.live_constraints.get(value, []):
         if cp.pred not in (PredKind.IN_SET, PredKind.CHANGE):
             return f"constraint `{cp.name}` is a bound Python predicate"
-        if cp.ir.hard:
-            return f"constraint `{cp.name}` is hard"
     if quota:
         return "the schedule commits a quota of the cells"
     return None
@@ -141,6 +140,7 @@ def step_spec(plan: Plan, value: str) -> StepSpec:
                 cp.pred == PredKind.IN_SET,
                 bool(cp.cells.all()) and not cp.needs_inputs_region,
                 cp.needs_inputs_region,
+                cp.ir.hard,
             )
             for cp in cps
         ),
@@ -154,23 +154,22 @@ def step_spec(plan: Plan, value: str) -> StepSpec:
     )
 
 
+class _Cols(NamedTuple):
+    """One value's candidate table inside the step, unrolled by column (column 0: keep-current)."""
+
+    cols: list[Tensor]  # per column (n, *cell) payload
+    score: list[Tensor]  # per column (n,) float64
+    valid: list[Tensor]  # per column (n,) bool
+    was: Tensor  # (n,) bool: the open cell was committed before the epoch
+    kept: Tensor  # (n,) float64: its committed score
+
+
 def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
     """The plain (uncompiled) function of one value's epoch after its model: what
     :class:`CompiledEpoch` hands to ``torch.compile``. It writes the payload and the metadata in
-    place and returns the epoch's metadata."""
-    checks = spec.checks
-    k = len(checks)
-    priority = list(spec.priority)
-    order = list(spec.order)
-    ids = list(spec.ids)
-    cdims = spec.cdims
-    dtype = spec.dtype
-    satisfy = spec.policy == "satisfy"
-    rule_id = spec.rule
-    uniform = spec.clock_uniform
-    masked = spec.clock_masked
-    tracks_inputs = spec.tracks_inputs
-    own_read = [src == spec.value for src in spec.clock_sources]
+    place and returns the epoch's metadata. The stages are the eager owner's (fold, check,
+    agree, apply, clocks, why), unrolled over the candidate columns: every operation is
+    elementwise over the open cells (a compiled loop reduces a row of 2..9 columns poorly)."""
 
     def step(
         e: Tensor,  # () int64
@@ -193,120 +192,199 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
         clock_valid: Sequence[Tensor],  # per masked clock read: (N, K) bool
         clock_src: Sequence[Tensor],  # per clock read of another value: its (M,) clocks
     ) -> tuple[Tensor, ...]:
-        # Shape-specific code: the candidate columns (keep-current + k proposals) are unrolled, so
-        # every operation below is elementwise over the open cells (no reduction over a
-        # dimension of 2..9 columns, which a compiled loop handles poorly).
-        n = cells.shape[0]
-        ncol = 1 + prop.shape[1]
-        current = payload.index_select(0, cells)  # (n, *cell)
-        was = committed.index_select(0, cells)
-        kept = kept_score.index_select(0, cells)
-        cols = [current] + [prop[:, j].to(dtype) for j in range(ncol - 1)]
-        scs = [sc[:, j] for j in range(ncol - 1)]
-
-        def equal(x: Tensor, y: Tensor) -> Tensor:
-            eq = x == y
-            return eq.flatten(1).all(dim=1) if cdims else eq
-
-        # a proposal equal to the committed payload is keep-current, freshly scored
-        same = [equal(col, current) & was for col in cols[1:]]
-        refreshed = _any(same)
-        best_same = _max([torch.where(m, x, -torch.inf) for m, x in zip(same, scs)])
-        score = [torch.where(refreshed, best_same, kept), *scs]
-        valid = [torch.ones_like(was)] + [~m for m in same]
-        # constraints: per column (n,) verdicts, masked by the cells they speak about and the RuleSet
-        verdicts: list[list[Tensor]] = []  # [constraint][column]
-        applies: list[Tensor] = []
-        vt = iter(vtables)
-        wt = iter(where_tables)
-        for j, ck in enumerate(checks):
-            if ck.in_set:
-                vtab = next(vt)
-                hi = vtab.numel() - 2
-                viol = [
-                    vtab.take((c if c.dtype == torch.int64 else c.long()).clamp(-1, hi))
-                    for c in cols
-                ]
-            else:
-                holds = [torch.zeros_like(was)] + [~equal(c, current) & was for c in cols[1:]]
-                viol = holds if ck.forbid else [~h for h in holds]
-            # keep-current of an unset cell satisfies every forbid, violates every require
-            viol[0] = viol[0] & was if ck.forbid else viol[0] | ~was
-            on = active[j].expand(n)
-            if not ck.covers_all:
-                on = on & next(wt).index_select(0, cells)
-                if ck.needs_inputs:
-                    on = on & from_input.index_select(0, cells)
-            verdicts.append([v & ok & on for v, ok in zip(viol, valid)])
-            applies.append(on)
-        # agree
-        if satisfy:
-            eligible = _narrow(verdicts, valid, priority)
-        else:
-            eligible = [torch.zeros_like(was), *valid[1:]]
-        winner = _best(score, eligible)
-        if not satisfy:
-            winner = torch.where(_any(eligible[1:]), winner, torch.zeros_like(winner))
+        c = _fold(spec, cells, prop, sc, payload, committed, kept_score)
+        tables = (vtables, where_tables, active, from_input)
+        verdicts, applies = _check(spec, c, cells, tables)
+        winner = _agree(spec, c, verdicts)
         changed = winner != 0
         # apply: a cell that keeps writes back its own payload (column 0)
-        new = _pick(cols, winner, cdims)
-        payload.index_put_((cells,), new)
-        now = was | changed
+        payload.index_put_((cells,), _pick(c.cols, winner, spec.cdims))
+        now = c.was | changed
         committed.index_put_((cells,), now)
         dp_committed.index_put_((cells,), now)
-        if tracks_inputs:
+        if spec.tracks_inputs:
             from_input.index_put_((cells,), from_input.index_select(0, cells) & ~changed)
-        # Lamport clocks: 1 + max(own, every clock the rule read)
+        reads = (clock_index, clock_valid, clock_src)
         own = clock.index_select(0, cells)
-        top = own
-        ci = iter(clock_valid)
-        cs = iter(clock_src)
-        for j in range(len(uniform)):
-            src = clock if own_read[j] else next(cs)  # a value's own clocks: no aliased input
-            if uniform[j]:
-                got = src.index_select(0, clock_index[j]).amax().expand(n)
-            else:
-                g = src.take(clock_index[j].index_select(0, cells).long())
-                if masked[j]:
-                    g = g * next(ci).index_select(0, cells)
-                # a few reads unrolled (a compiled loop reduces a short row poorly); a causal
-                # context's dozens of reads as one reduction (an unrolled graph would grow with N)
-                width = g.shape[1]
-                got = _max([g[:, i] for i in range(width)]) if width <= 8 else g.amax(dim=1)
-            top = torch.maximum(top, got)
-        new_clock = torch.where(changed, top + 1, own)
-        clock.index_put_((cells,), new_clock)
-        rule.index_put_((cells,), torch.where(changed, rule_id, rule.index_select(0, cells)))
-        epoch.index_put_((cells,), torch.where(changed, e, epoch.index_select(0, cells)))
-        won = _pick(score, winner, 0)
-        kept_score.index_put_((cells,), torch.where(changed, won, kept))
-        # why a proposed cell stays unset: the highest-priority constraint every valid proposal
-        # violates, else one some proposal violates, else no winner
-        code = torch.full_like(cells, NO_WINNER)
-        if k:
-            some = _any(valid[1:])
-            every = [
-                _all([v | ~ok for v, ok in zip(verdicts[i][1:], valid[1:])]) & some for i in order
-            ]
-            anyv = [_any([v & ok for v, ok in zip(verdicts[i][1:], valid[1:])]) for i in order]
-            for hit in (anyv, every):  # `every` overrides `some`
-                for i in reversed(range(len(order))):  # the first hit (highest priority) last
-                    code = torch.where(hit[i], ids[i], code)
-        stays = ~changed & ~was
-        why.index_put_((cells,), torch.where(stays, code, why.index_select(0, cells)))
-        score_t = torch.stack(score, dim=1)
-        valid_t = torch.stack(valid, dim=1)
-        if k:
-            violated = torch.stack([torch.stack(v, dim=1) for v in verdicts], dim=2)
-            applies_t = torch.stack(applies, dim=1)
-        else:
-            violated = torch.zeros((n, ncol, 0), dtype=torch.bool, device=cells.device)
-            applies_t = torch.ones((n, 0), dtype=torch.bool, device=cells.device)
-        n_viol = _sum([_any([v[c] for v in verdicts]) for c in range(ncol)]).sum() if k else e * 0
-        counts = torch.stack((changed.sum(), n_viol))
-        return winner, changed, score_t, valid_t, violated, applies_t, new_clock, was, counts
+        new_clock = torch.where(changed, _clock_top(spec, cells, clock, reads) + 1, own)
+        meta = (clock, rule, epoch, kept_score)
+        _write_meta(spec, cells, meta, (changed, new_clock, e, _pick(c.score, winner, 0)))
+        stays = ~changed & ~c.was
+        code = torch.where(stays, _why(spec, c, verdicts), why.index_select(0, cells))
+        why.index_put_((cells,), code)
+        return (
+            winner,
+            changed,
+            *_records(spec, c, verdicts, applies, changed),
+            new_clock,
+            c.was,
+            _counts(c, verdicts, changed, e),
+        )
 
     return step
+
+
+def _fold(
+    spec: StepSpec,
+    cells: Tensor,
+    prop: Tensor,
+    sc: Tensor,
+    payload: Tensor,
+    committed: Tensor,
+    kept_score: Tensor,
+) -> _Cols:
+    """Stage 2, fold candidates: the open cells' current payload as column 0, the proposals as
+    columns 1..k; a proposal equal to the committed payload is keep-current, freshly scored."""
+    current = payload.index_select(0, cells)  # (n, *cell)
+    was = committed.index_select(0, cells)
+    kept = kept_score.index_select(0, cells)
+    cols = [current] + [prop[:, j].to(spec.dtype) for j in range(prop.shape[1])]
+    scs = [sc[:, j] for j in range(prop.shape[1])]
+    same = [_equal(col, current, spec.cdims) & was for col in cols[1:]]
+    refreshed = _any(same)
+    best_same = _max([torch.where(m, x, -torch.inf) for m, x in zip(same, scs)])
+    score = [torch.where(refreshed, best_same, kept), *scs]
+    valid = [torch.ones_like(was)] + [~m for m in same]
+    return _Cols(cols, score, valid, was, kept)
+
+
+def _equal(x: Tensor, y: Tensor, cdims: int) -> Tensor:
+    eq = x == y
+    return eq.flatten(1).all(dim=1) if cdims else eq
+
+
+def _check(
+    spec: StepSpec, c: _Cols, cells: Tensor, tables: tuple[Any, ...]
+) -> tuple[list[list[Tensor]], list[Tensor]]:
+    """Stage 3, check: per constraint, per column (n,) verdicts, masked by the cells the
+    constraint speaks about and the RuleSet; and per constraint the (n,) cells it applies to."""
+    vtables, where_tables, active, from_input = tables
+    n = cells.shape[0]
+    was = c.was
+    verdicts: list[list[Tensor]] = []  # [constraint][column]
+    applies: list[Tensor] = []
+    vt = iter(vtables)
+    wt = iter(where_tables)
+    for j, ck in enumerate(spec.checks):
+        if ck.in_set:
+            vtab = next(vt)
+            hi = vtab.numel() - 2
+            viol = [
+                vtab.take((x if x.dtype == torch.int64 else x.long()).clamp(-1, hi)) for x in c.cols
+            ]
+        else:
+            current = c.cols[0]
+            holds = [torch.zeros_like(was)]
+            holds += [~_equal(x, current, spec.cdims) & was for x in c.cols[1:]]
+            viol = holds if ck.forbid else [~h for h in holds]
+        # keep-current of an unset cell satisfies every forbid, violates every require
+        viol[0] = viol[0] & was if ck.forbid else viol[0] | ~was
+        on = active[j].expand(n)
+        if not ck.covers_all:
+            on = on & next(wt).index_select(0, cells)
+            if ck.needs_inputs:
+                on = on & from_input.index_select(0, cells)
+        verdicts.append([v & ok & on for v, ok in zip(viol, c.valid)])
+        applies.append(on)
+    return verdicts, applies
+
+
+def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> Tensor:
+    """Stage 4, agree (:func:`lmpm.runtime.data.agree.agree`, unrolled): a proposal violating a
+    `hard` constraint is not eligible; then the policy's (n,) winning column (0: keep)."""
+    valid = c.valid
+    hard = [v for v, ck in zip(verdicts, spec.checks) if ck.hard]
+    if hard:
+        valid = [valid[0]] + [
+            ok & ~_any([v[col] for v in hard]) for col, ok in enumerate(valid) if col
+        ]
+    if spec.policy == "satisfy":
+        return _best(c.score, _narrow(verdicts, valid, list(spec.priority)))
+    eligible = [torch.zeros_like(c.was), *valid[1:]]
+    winner = _best(c.score, eligible)
+    return torch.where(_any(eligible[1:]), winner, torch.zeros_like(winner))
+
+
+def _clock_top(
+    spec: StepSpec, cells: Tensor, clock: Tensor, reads: tuple[Sequence[Tensor], ...]
+) -> Tensor:
+    """Stage 6, advance clocks: (n,) max(own clock, every clock the rule read); a committing
+    cell's new clock is one more."""
+    clock_index, clock_valid, clock_src = reads
+    n = cells.shape[0]
+    top = clock.index_select(0, cells)
+    ci = iter(clock_valid)
+    cs = iter(clock_src)
+    for j, uniform in enumerate(spec.clock_uniform):
+        own_read = spec.clock_sources[j] == spec.value
+        src = clock if own_read else next(cs)  # a value's own clocks: no aliased input
+        if uniform:
+            got = src.index_select(0, clock_index[j]).amax().expand(n)
+        else:
+            g = src.take(clock_index[j].index_select(0, cells).long())
+            if spec.clock_masked[j]:
+                g = g * next(ci).index_select(0, cells)
+            # a few reads unrolled (a compiled loop reduces a short row poorly); a causal
+            # context's dozens of reads as one reduction (an unrolled graph would grow with N)
+            width = g.shape[1]
+            got = _max([g[:, i] for i in range(width)]) if width <= 8 else g.amax(dim=1)
+        top = torch.maximum(top, got)
+    return top
+
+
+def _write_meta(
+    spec: StepSpec, cells: Tensor, meta: tuple[Tensor, ...], new: tuple[Tensor, ...]
+) -> None:
+    """Stage 7, write metadata (:func:`lmpm.runtime.data.decide.write_meta`, as a graph over the
+    open cells): clock, provenance, epoch and score of the committing ones."""
+    clock, rule, epoch, kept_score = meta
+    changed, new_clock, e, won = new
+    clock.index_put_((cells,), new_clock)
+    rule.index_put_((cells,), torch.where(changed, spec.rule, rule.index_select(0, cells)))
+    epoch.index_put_((cells,), torch.where(changed, e, epoch.index_select(0, cells)))
+    kept = kept_score.index_select(0, cells)
+    kept_score.index_put_((cells,), torch.where(changed, won, kept))
+
+
+def _why(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> Tensor:
+    """Stage 8, record why (:func:`lmpm.runtime.data.decide.blocked_why`, unrolled): the
+    highest-priority constraint every valid proposal violates, else one some proposal violates,
+    else no winner."""
+    code = torch.full_like(c.was, NO_WINNER, dtype=torch.int64)
+    if not spec.checks:
+        return code
+    valid = c.valid[1:]
+    some = _any(valid)
+    every = [_all([v | ~ok for v, ok in zip(verdicts[i][1:], valid)]) & some for i in spec.order]
+    anyv = [_any([v & ok for v, ok in zip(verdicts[i][1:], valid)]) for i in spec.order]
+    for hit in (anyv, every):  # `every` overrides `some`
+        for i in reversed(range(len(spec.order))):  # the first hit (highest priority) last
+            code = torch.where(hit[i], spec.ids[i], code)
+    return code
+
+
+def _records(
+    spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]], applies: list[Tensor], changed: Tensor
+) -> tuple[Tensor, ...]:
+    """The epoch's record tensors: score (n, C), valid (n, C), violated (n, C, K), applies (n, K)."""
+    n = changed.shape[0]
+    ncol = len(c.cols)
+    if verdicts:
+        violated = torch.stack([torch.stack(v, dim=1) for v in verdicts], dim=2)
+        applies_t = torch.stack(applies, dim=1)
+    else:
+        violated = torch.zeros((n, ncol, 0), dtype=torch.bool, device=changed.device)
+        applies_t = torch.ones((n, 0), dtype=torch.bool, device=changed.device)
+    return torch.stack(c.score, dim=1), torch.stack(c.valid, dim=1), violated, applies_t
+
+
+def _counts(c: _Cols, verdicts: list[list[Tensor]], changed: Tensor, e: Tensor) -> Tensor:
+    """(2,) int64: how many cells commit, how many (cell, candidate) pairs violate a constraint."""
+    if verdicts:
+        n_viol = _sum([_any([v[col] for v in verdicts]) for col in range(len(c.cols))]).sum()
+    else:
+        n_viol = e * 0
+    return torch.stack((changed.sum(), n_viol))
 
 
 def _any(xs: Sequence[Tensor]) -> Tensor:
