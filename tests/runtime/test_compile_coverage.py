@@ -244,3 +244,22 @@ def test_hard_constraints_compile(policy: str, hard: str, validate: None) -> Non
         # no committed token breaks the hard bound
         st = eager.engine.state["Txt"]
         assert not (st.committed & (eager.payload("Txt") <= 1)).any()
+
+
+def test_average_compiles(validate: None) -> None:
+    """The average policy inside the compiled step (the mean of the valid proposals, no commit
+    where it equals the committed payload): random one-rule programs that average, compiled,
+    equal eager and the reference every epoch."""
+    cases = [
+        (src, kw)
+        for src, kw in random_programs(200, max_side=5)
+        if "using average" in src and "quorum" not in src and src.count("emit proposal") == 2
+    ]
+    assert cases
+    src, kw = cases[0]
+    front = compile_source(src)
+    run = Run(front, bindings=bindings_for(front), seed=kw["seed"])
+    assert coverage(run.plan, seed=kw["seed"]).values[0].status() == "compiled", src
+    run.close()
+    for seed in range(4):
+        _three_ways(src, {**kw, "seed": seed, "epochs": 6})

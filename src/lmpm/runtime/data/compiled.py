@@ -91,7 +91,7 @@ class StepSpec:
     rule: int  # the one rule proposing the value
     cdims: int  # len(cell_shape)
     dtype: torch.dtype
-    policy: str  # satisfy | winner_takes_all
+    policy: str  # satisfy | winner_takes_all | average
     checks: tuple[_Check, ...]
     priority: tuple[int, ...]  # per constraint
     # blocked reasons: constraint columns from the highest priority down, and their ids
@@ -103,6 +103,14 @@ class StepSpec:
     tracks_inputs: bool  # the worker keeps the value's input flags (an `inputs()` constraint)
 
 
+# the policies the compiled step expresses, by the name StepSpec bakes in
+_POLICIES = {
+    policies.satisfy: "satisfy",
+    policies.winner_takes_all: "winner_takes_all",
+    policies.average: "average",
+}
+
+
 def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
     """Why ``value`` runs eagerly under ``--compile`` (None: it compiles)."""
     rules = plan.rules_by_target.get(value, [])
@@ -111,8 +119,10 @@ def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
         return f"{len(rules)} rules propose it (the compiled step takes one)"
     if rules[0].replicas != 1:
         return f"{rules[0].replicas} quorum replicas propose it"
-    if vp.policy not in (policies.satisfy, policies.winner_takes_all):
-        return f"its policy {vp.policy_text} is not satisfy or winner_takes_all"
+    if vp.policy not in _POLICIES:
+        return f"its policy {vp.policy_text} is not satisfy, winner_takes_all or average"
+    if vp.policy is policies.average and not vp.dtype.is_floating_point:
+        return "average of a value that holds tokens (the eager epoch reports B031)"
     for cp in plan.live_constraints.get(value, []):
         if cp.pred not in (PredKind.IN_SET, PredKind.CHANGE):
             return f"constraint `{cp.name}` is a bound Python predicate"
@@ -133,7 +143,7 @@ def step_spec(plan: Plan, value: str) -> StepSpec:
         rp.id,
         len(vp.cell_shape),
         vp.dtype,
-        "satisfy" if vp.policy is policies.satisfy else "winner_takes_all",
+        _POLICIES[vp.policy],
         tuple(
             _Check(
                 cp.kind == "forbid",
@@ -195,10 +205,10 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
         c = _fold(spec, cells, prop, sc, payload, committed, kept_score)
         tables = (vtables, where_tables, active, from_input)
         verdicts, applies = _check(spec, c, cells, tables)
-        winner = _agree(spec, c, verdicts)
+        winner, new = _agree(spec, c, verdicts)
         changed = winner != 0
         # apply: a cell that keeps writes back its own payload (column 0)
-        payload.index_put_((cells,), _pick(c.cols, winner, spec.cdims))
+        payload.index_put_((cells,), new)
         now = c.was | changed
         committed.index_put_((cells,), now)
         dp_committed.index_put_((cells,), now)
@@ -289,9 +299,10 @@ def _check(
     return verdicts, applies
 
 
-def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> Tensor:
+def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> tuple[Tensor, Tensor]:
     """Stage 4, agree (:func:`lmpm.runtime.data.agree.agree`, unrolled): a proposal violating a
-    `hard` constraint is not eligible; then the policy's (n,) winning column (0: keep)."""
+    `hard` constraint is not eligible; then the policy's (n,) winning column (0: keep) and the
+    (n, *cell) payload each cell writes (the winner's; average: the mean of the proposals)."""
     valid = c.valid
     hard = [v for v, ck in zip(verdicts, spec.checks) if ck.hard]
     if hard:
@@ -299,10 +310,32 @@ def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> Tensor:
             ok & ~_any([v[col] for v in hard]) for col, ok in enumerate(valid) if col
         ]
     if spec.policy == "satisfy":
-        return _best(c.score, _narrow(verdicts, valid, list(spec.priority)))
-    eligible = [torch.zeros_like(c.was), *valid[1:]]
-    winner = _best(c.score, eligible)
-    return torch.where(_any(eligible[1:]), winner, torch.zeros_like(winner))
+        winner = _best(c.score, _narrow(verdicts, valid, list(spec.priority)))
+    elif spec.policy == "winner_takes_all":
+        eligible = [torch.zeros_like(c.was), *valid[1:]]
+        winner = _best(c.score, eligible)
+        winner = torch.where(_any(eligible[1:]), winner, torch.zeros_like(winner))
+    else:  # average: the first valid proposal names the rule, the payload is the mean
+        return _average(spec, c, valid)
+    return winner, _pick(c.cols, winner, spec.cdims)
+
+
+def _average(spec: StepSpec, c: _Cols, valid: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`lmpm.resolve.policies.average` and the worker's weighted write
+    (:meth:`lmpm.runtime.data.dataplane.DataPlane.apply`), the same float64 sums: the mean of
+    the valid proposals; a mean equal to the committed payload is no commit (winner 0)."""
+    winner = torch.zeros_like(c.was, dtype=torch.int64)
+    for j in reversed(range(1, len(valid))):
+        winner = torch.where(valid[j], j, winner)
+    w = torch.stack([torch.zeros_like(c.score[0]), *(v.to(torch.float64) for v in valid[1:])], 1)
+    wv = w.reshape(*w.shape, *([1] * spec.cdims))
+    table = torch.stack(c.cols, dim=1).to(torch.float64)
+    count = w.sum(dim=1).clamp(min=1e-300).reshape(-1, *([1] * spec.cdims))
+    new = ((wv * table).sum(dim=1) / count).to(spec.dtype)
+    current = c.cols[0]
+    winner = torch.where(_equal(new, current, spec.cdims) & c.was, 0, winner)
+    hit = (winner != 0).reshape(-1, *([1] * spec.cdims))
+    return winner, torch.where(hit, new, current)
 
 
 def _clock_top(
