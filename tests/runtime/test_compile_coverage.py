@@ -263,3 +263,45 @@ def test_average_compiles(validate: None) -> None:
     run.close()
     for seed in range(4):
         _three_ways(src, {**kw, "seed": seed, "epochs": 6})
+
+
+_CONFIDENCE = """param N = 12
+value A : Token[8] shape Seq(N)
+value MaskPlan : Event shape Set()
+visible A[t] <- A[0..t-1] when t > 0
+rule R:
+  on A[t]
+  read {{ctx = A[0..t-1]}}
+  emit proposal A[t] := Uniform(ctx, k=2)
+constraint Low: forbid A[t] in Set(0) priority 5{hard}
+commit A[*] using {policy}
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="confidence", steps=4)
+"""
+
+
+@pytest.mark.parametrize("policy", ["satisfy(max_constraints_then_score)", "winner_takes_all"])
+@pytest.mark.parametrize("hard", ["", " hard"])
+def test_confidence_quota_compiles(policy: str, hard: str, validate: None) -> None:
+    """A confidence schedule's quota inside the compiled step (the eager `keep_top`, traced): the
+    most confident winners commit, the others are held back (why-code HELD), as eager and the
+    reference do; 12 open cells pad to a bucket of 16, and the padding takes no quota."""
+    src = _CONFIDENCE.format(policy=policy, hard=hard)
+    front = compile_source(src)
+    run = Run(front, bindings=bindings_for(front), seed=0)
+    assert coverage(run.plan, seed=0).values[0].status() == "compiled"
+    run.close()
+    for seed in range(3):
+        if hard:  # (the reference does not model `hard` in its agreement)
+            eager = Run(front, bindings=bindings_for(front), seed=seed)
+            with simulated_cuda():
+                compiled = Run(
+                    front, bindings=bindings_for(front), seed=seed, compile=True, backend="simcuda"
+                )
+                for e in range(5):
+                    assert compiled.engine.step().commits == eager.engine.step().commits
+                    _same(_states(compiled), _states(eager), (seed, e))
+                    assert torch.equal(compiled.engine.why["A"], eager.engine.why["A"])
+        else:
+            _three_ways(src, {"target": "A", "seed": seed, "epochs": 5})

@@ -82,12 +82,15 @@ def agree(
     return Agreed(score, winner, changed, decision.weights)
 
 
-def keep_top(conf: Tensor, quota: int) -> Tensor:
+def keep_top(conf: Tensor, quota: int | Tensor) -> Tensor:
     """(n,) bool: the ``quota`` rows of highest confidence ``conf`` (rows in cell order; ties:
-    the lower cell first)."""
-    keep = torch.zeros(conf.numel(), dtype=torch.bool)
-    keep[torch.sort(-conf, stable=True).indices[:quota]] = True
-    return keep
+    the lower cell first). ``quota`` an int, or a 0-d int64 tensor (the compiled step's input:
+    the same function traced)."""
+    order = torch.sort(-conf, stable=True).indices
+    rank = torch.empty_like(order).scatter_(
+        0, order, torch.arange(conf.numel(), device=conf.device)
+    )
+    return rank < quota
 
 
 def _fields(a: Agree) -> tuple[object, ...]:

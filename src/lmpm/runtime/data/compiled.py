@@ -57,8 +57,9 @@ from lmpm.errors import RuntimeFault
 from lmpm.ir.nodes import PredKind
 from lmpm.resolve import policies
 from lmpm.resolve.plan import Plan
+from lmpm.runtime.data.agree import keep_top
 from lmpm.runtime.data.clocks import clock_reads
-from lmpm.runtime.records import NO_WINNER
+from lmpm.runtime.records import HELD, NO_WINNER
 from lmpm.workers import simcuda
 
 # The compiled steps' inductor cache (kept across runs: a warm cache skips code generation).
@@ -101,7 +102,10 @@ class StepSpec:
     clock_uniform: tuple[bool, ...]
     clock_masked: tuple[bool, ...]
     tracks_inputs: bool  # the worker keeps the value's input flags (an `inputs()` constraint)
+    quota: bool  # the schedule commits a quota of the cells (confidence)
 
+
+_NO_QUOTA = 2**62  # a quota no epoch reaches
 
 # the policies the compiled step expresses, by the name StepSpec bakes in
 _POLICIES = {
@@ -126,12 +130,10 @@ def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
     for cp in plan.live_constraints.get(value, []):
         if cp.pred not in (PredKind.IN_SET, PredKind.CHANGE):
             return f"constraint `{cp.name}` is a bound Python predicate"
-    if quota:
-        return "the schedule commits a quota of the cells"
     return None
 
 
-def step_spec(plan: Plan, value: str) -> StepSpec:
+def step_spec(plan: Plan, value: str, *, quota: bool = False) -> StepSpec:
     (rp,) = plan.rules_by_target[value]
     vp = plan.values[value]
     cps = plan.live_constraints.get(value, [])
@@ -161,6 +163,7 @@ def step_spec(plan: Plan, value: str) -> StepSpec:
         tuple(cr.uniform for cr in reads),
         tuple(cr.valid is not None for cr in reads),
         any(cp.needs_inputs_region for cp in cps),
+        quota,
     )
 
 
@@ -196,6 +199,7 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
         kept_score: Tensor,  # (N,) float64
         why: Tensor,  # (N,) int64
         active: Tensor,  # (K,) bool: the constraint is in the RuleSet
+        limit: Tensor,  # (2,) int64: the schedule's quota this epoch, the open cells unpadded
         vtables: Sequence[Tensor],  # per IN_SET check: (vocab + 2,) violation table
         where_tables: Sequence[Tensor],  # per check not covering all cells: (N,) bool
         clock_index: Sequence[Tensor],  # per clock read: (R,) uniform, else (N, K) source index
@@ -205,10 +209,10 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
         c = _fold(spec, cells, prop, sc, payload, committed, kept_score)
         tables = (vtables, where_tables, active, from_input)
         verdicts, applies = _check(spec, c, cells, tables)
-        winner, new = _agree(spec, c, verdicts)
-        changed = winner != 0
+        winner, changed, new = _agree(spec, c, verdicts, limit)
         # apply: a cell that keeps writes back its own payload (column 0)
-        payload.index_put_((cells,), new)
+        hit = changed.reshape(-1, *([1] * spec.cdims))
+        payload.index_put_((cells,), torch.where(hit, new, c.cols[0]))
         now = c.was | changed
         committed.index_put_((cells,), now)
         dp_committed.index_put_((cells,), now)
@@ -220,7 +224,10 @@ def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
         meta = (clock, rule, epoch, kept_score)
         _write_meta(spec, cells, meta, (changed, new_clock, e, _pick(c.score, winner, 0)))
         stays = ~changed & ~c.was
-        code = torch.where(stays, _why(spec, c, verdicts), why.index_select(0, cells))
+        code = _why(spec, c, verdicts)
+        if spec.quota:  # winners the quota held back: not "no candidate"
+            code = torch.where(winner != 0, HELD, code)
+        code = torch.where(stays, code, why.index_select(0, cells))
         why.index_put_((cells,), code)
         return (
             winner,
@@ -299,10 +306,13 @@ def _check(
     return verdicts, applies
 
 
-def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> tuple[Tensor, Tensor]:
+def _agree(
+    spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]], limit: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """Stage 4, agree (:func:`lmpm.runtime.data.agree.agree`, unrolled): a proposal violating a
-    `hard` constraint is not eligible; then the policy's (n,) winning column (0: keep) and the
-    (n, *cell) payload each cell writes (the winner's; average: the mean of the proposals)."""
+    `hard` constraint is not eligible; then the policy's (n,) winning column (0: keep), (n,)
+    which cells commit (a quota keeps the most confident: :func:`_quota`) and the (n, *cell)
+    payload a committing cell writes (the winner's; average: the mean of the proposals)."""
     valid = c.valid
     hard = [v for v, ck in zip(verdicts, spec.checks) if ck.hard]
     if hard:
@@ -315,15 +325,33 @@ def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> tuple[Tens
         eligible = [torch.zeros_like(c.was), *valid[1:]]
         winner = _best(c.score, eligible)
         winner = torch.where(_any(eligible[1:]), winner, torch.zeros_like(winner))
-    else:  # average: the first valid proposal names the rule, the payload is the mean
-        return _average(spec, c, valid)
-    return winner, _pick(c.cols, winner, spec.cdims)
+    if spec.policy == "average":  # the first valid proposal names the rule, the payload the mean
+        winner, new = _average(spec, c, valid)
+    else:
+        new = _pick(c.cols, winner, spec.cdims)
+    changed = winner != 0
+    if spec.quota:
+        changed = _quota(changed, _pick(c.score, winner, 0), limit)
+    if spec.policy == "average":  # (after the quota, as the worker's write)
+        changed = changed & ~(_equal(new, c.cols[0], spec.cdims) & c.was)
+    return winner, changed, new
+
+
+def _quota(changed: Tensor, won: Tensor, limit: Tensor) -> Tensor:
+    """A schedule's quota (:func:`lmpm.runtime.data.agree.keep_top`, the eager function): when
+    more cells would commit than ``limit[0]`` allows, the most confident ones. ``limit[1]``: the
+    open cells before padding; the padded rows (copies of row 0) decide as row 0."""
+    real = torch.arange(changed.shape[0], device=changed.device) < limit[1]
+    conf = torch.where(changed & real, won, -torch.inf)
+    some = changed & real
+    kept = torch.where(some.sum() > limit[0], some & keep_top(conf, limit[0]), some)
+    return torch.where(real, kept, kept[0].expand(kept.shape[0]))
 
 
 def _average(spec: StepSpec, c: _Cols, valid: list[Tensor]) -> tuple[Tensor, Tensor]:
     """:func:`lmpm.resolve.policies.average` and the worker's weighted write
-    (:meth:`lmpm.runtime.data.dataplane.DataPlane.apply`), the same float64 sums: the mean of
-    the valid proposals; a mean equal to the committed payload is no commit (winner 0)."""
+    (:meth:`lmpm.runtime.data.dataplane.DataPlane.apply`), the same float64 sums: the first
+    valid proposal's column and the mean of the valid proposals."""
     winner = torch.zeros_like(c.was, dtype=torch.int64)
     for j in reversed(range(1, len(valid))):
         winner = torch.where(valid[j], j, winner)
@@ -331,11 +359,7 @@ def _average(spec: StepSpec, c: _Cols, valid: list[Tensor]) -> tuple[Tensor, Ten
     wv = w.reshape(*w.shape, *([1] * spec.cdims))
     table = torch.stack(c.cols, dim=1).to(torch.float64)
     count = w.sum(dim=1).clamp(min=1e-300).reshape(-1, *([1] * spec.cdims))
-    new = ((wv * table).sum(dim=1) / count).to(spec.dtype)
-    current = c.cols[0]
-    winner = torch.where(_equal(new, current, spec.cdims) & c.was, 0, winner)
-    hit = (winner != 0).reshape(-1, *([1] * spec.cdims))
-    return winner, torch.where(hit, new, current)
+    return winner, ((wv * table).sum(dim=1) / count).to(spec.dtype)
 
 
 def _clock_top(
@@ -553,6 +577,7 @@ STEP_HEAD = (
     "kept_score",
     "why",
     "active",
+    "limit",
 )
 _HEAD = len(STEP_HEAD)
 
@@ -695,7 +720,9 @@ class CompiledEpoch:
             name: eligibility(plan, name, quota=quota) for name in plan.rules_by_target
         }
         self.specs = {
-            name: step_spec(plan, name) for name, why in self.reasons.items() if why is None
+            name: step_spec(plan, name, quota=quota)
+            for name, why in self.reasons.items()
+            if why is None
         }
         self._rules = {name: plan.rules_by_target[name][0] for name in self.specs}
         self._tables: dict[str, tuple[list[Tensor], ...]] = {}
@@ -704,6 +731,8 @@ class CompiledEpoch:
         self._fns: dict[tuple[str, int, int, torch.dtype], Callable[..., Any]] = {}
         self._cols: dict[tuple[int, int], Tensor] = {}
         self._e = torch.zeros((), dtype=torch.int64, device=device)
+        # the steps' (2,) quota input: the schedule's quota, the open cells before padding
+        self._limit = torch.zeros(2, dtype=torch.int64, device=device)
         # off the CPU: the steps captured as CUDA graphs (lmpm.runtime.data.captured)
         self.captured: Any = None
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))
@@ -775,11 +804,13 @@ class CompiledEpoch:
         why: Tensor,
         active: Tensor,
         clocks: dict[str, Tensor],
+        quota: int | None = None,
     ) -> tuple[Tensor, ...]:
         """Run ``value``'s compiled step on one epoch's proposals; returns (winner, changed, score,
         valid, violated, applies, new_clock, was) for the ``n`` open cells and (2,) int64: how
         many commit, how many (cell, candidate) pairs violate a constraint. ``e`` a 0-d device
-        tensor: the step runs inside a window's capture (lmpm.runtime.data.kepochs), directly."""
+        tensor: the step runs inside a window's capture (lmpm.runtime.data.kepochs), directly.
+        ``quota``: the schedule's (:meth:`lmpm.runtime.data.owner.Owner.quota`), when it has one."""
         n = cells.numel()
         b = bucket(n)
         if b != n:  # pad by repeating row 0: identical rows decide and write identically
@@ -788,6 +819,8 @@ class CompiledEpoch:
             prop = torch.cat((prop, prop[:1].expand(pad, *prop.shape[1:])))
             sc = torch.cat((sc, sc[:1].expand(pad, *sc.shape[1:])))
         spec = self.specs[value]
+        if spec.quota:  # written in place: a captured graph reads it at its address
+            self._limit.copy_(torch.tensor((_NO_QUOTA if quota is None else quota, n)))
         vtables, where, index, valid = self.tables(value, dataplane)
         if isinstance(e, Tensor):
             e_t = e
@@ -809,6 +842,7 @@ class CompiledEpoch:
             state.score,
             why,
             active,
+            self._limit,
             *vtables,
             *where,
             *index,

@@ -451,7 +451,8 @@ class DataPlane:
             why = got
             spec = self.compiled.specs[name]
             clocks = {s: mirror.get(s)[0].clock for s in spec.clock_sources if s != name}
-        out = self.compiled.step(name, e, cells, prop, sc, self, state, why, active, clocks)
+        quota = owner.quota(name, e)
+        out = self.compiled.step(name, e, cells, prop, sc, self, state, why, active, clocks, quota)
         return self.settle_fused(owner, name, e, part, out, checksums)
 
     def settle_fused(

@@ -419,11 +419,11 @@ class Owner:
 
     def _agree(self, name: str, e: int, cand: Candidates) -> Pending:
         """Agree on one value's candidates; record why the cells that stay unset do."""
-        quota = self._quota(name, e)
+        quota = self.quota(name, e)
         ag, was = self._policy(name, e, cand, quota)
         return self._pending(name, cand, ag, was, quota)
 
-    def _quota(self, name: str, e: int) -> int | None:
+    def quota(self, name: str, e: int) -> int | None:
         """How many more cells of ``name`` may commit in epoch ``e`` (a schedule's quota: a share
         of the cells to generate, inputs not counted), or None."""
         if not self.schedule.has_quota:
@@ -462,10 +462,8 @@ class Owner:
         if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
             unset = (~ag.changed & ~was).nonzero().squeeze(1)
             self._blocked(name, cand, self.static[name], unset, disagreed)
-            if quota is not None:  # winners the quota held back: not "no candidate"
-                held = (ag.winner != 0) & ~ag.changed & ~was
-                cells = cand.cells
-                self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
+            if quota is not None:
+                self._held(name, cand.cells, ag.winner, ag.changed, was)
         rows = None if commits == n else ag.changed.nonzero().squeeze(1)
         return Pending(
             cand, ag.score, ag.winner, ag.changed, ag.weights, rows, was, commits, disagreed
@@ -581,6 +579,13 @@ class Owner:
         won = pick(ve.score, ve.winner)[changed]
         write_meta(self.state[name], ve.cells[changed], ve.new_clock[changed], rule, e, won)
         self._blocked(name, ve, self.static[name], (~changed & ~ve.was_committed).nonzero()[:, 0])
+        if self.schedule.has_quota:
+            self._held(name, ve.cells, ve.winner, changed, ve.was_committed)
+
+    def _held(self, name: str, cells: Tensor, winner: Tensor, changed: Tensor, was: Tensor) -> None:
+        """Record the winners a schedule's quota held back (why-code HELD, not "no candidate")."""
+        held = (winner != 0) & ~changed & ~was
+        self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
 
     def _const(self, kind: str, n: int, dtype: torch.dtype, fill: Any) -> Tensor:
         """A filled (n,) tensor made once: the metadata of unset cells. Only ever read (records

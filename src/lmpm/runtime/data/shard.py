@@ -592,7 +592,7 @@ class ShardOwner(Owner):
     ) -> Pending:
         """Agree with the quota kept over every worker's would-be commits: the most confident
         ``quota`` cells of the whole value (ties: lower cell), as one owner keeps them."""
-        quota = self._quota(name, e)
+        quota = self.quota(name, e)
         ag, was = agreed
         cells = torch.cat([p["cells"] for p in got if p] or [torch.zeros(0, dtype=torch.int64)])
         if quota is not None and cells.numel() > quota:
