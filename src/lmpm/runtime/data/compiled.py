@@ -14,7 +14,8 @@ guards run per epoch (a plan of work on handles, realized by the worker).
 What is baked into a value's graph is static for the run: the cell shape and dtype, the commit
 policy, the constraints' kinds and priorities, the clock reads, the number of candidate columns
 (unrolled: every operation is elementwise over the open cells). What changes per epoch is an
-input: the open cells, the proposals and their scores, the epoch, the RuleSet (a (K,) bool mask).
+input: the open cells, the proposals and their scores, the epoch, the RuleSet (a (K,) bool mask),
+a schedule's quota (with the open-cell count before padding: a padded row takes no quota).
 Shapes are bucketed (the open-cell count rounded up to a power of two, padded by repeating the
 first row: identical rows make identical decisions and write identical bytes), so a run compiles
 each value once per bucket, not once per epoch; :attr:`CompileStats.compiles` counts them, and
@@ -24,9 +25,11 @@ A value runs eagerly (the ordinary propose/agree/apply protocol) when the compil
 express it; :func:`eligibility` says why, and ``lmpm show --compiled`` prints it:
 
 - more than one rule (or quorum replicas) proposes it;
-- its policy is not ``satisfy`` or ``winner_takes_all`` (aggregates, quorum, user policies);
-- a constraint on it is a bound Python predicate (user code);
-- the schedule commits a quota of the cells (confidence).
+- its policy is not ``satisfy``, ``winner_takes_all`` or ``average`` (quorum, user policies);
+- a constraint on it is a bound Python predicate (user code).
+
+``hard`` constraints and a schedule's quota (confidence: :func:`lmpm.runtime.data.agree.keep_top`,
+traced) are decided inside the step.
 
 An epoch also runs eagerly while candidates are being recorded (``--trace cells``), a tap watches
 the candidate tables, or a fault is injected. Compiled and eager runs commit the same payload, the
