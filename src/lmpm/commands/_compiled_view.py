@@ -177,6 +177,14 @@ def _proposals(rp: RulePlan) -> tuple[int, bool]:
     return 1, False
 
 
+# what the step does with the policy, beyond its name
+_POLICY_NOTE = {
+    "satisfy": "",
+    "winner_takes_all": " (the best-scored proposal, soft constraints ignored)",
+    "average": " (the mean of the valid proposals)",
+}
+
+
 def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan]) -> list[str]:
     """What the graph bakes in, in words."""
     from lmpm.ir.printer import call_str
@@ -194,9 +202,10 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
         f"  rule         {rp.name} (rule {spec.rule}) proposes it: {call_str(rp.ir.proposal)}",
         *_read_lines(run, rp),
         f"  cells        {shape}, {cell}",
-        f"  policy       {vp.policy_text}"
-        + ("" if spec.policy == "satisfy" else " (the best-scored proposal, constraints ignored)"),
+        f"  policy       {vp.policy_text}" + _POLICY_NOTE[spec.policy],
     ]
+    if spec.quota:
+        lines.append("  quota        the schedule's: the most confident winners commit")
     if not spec.checks:
         lines.append("  constraints  none checked at run time")
     else:
@@ -212,7 +221,7 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
                 where = f"on {int(cp.cells.count_nonzero())} of {vp.ncells} cells"
             lines.append(
                 f"    {cp.name:<{width}}  {cp.kind} {_pred(cp)}  priority {spec.priority[j]}, "
-                f"{where}"
+                f"{where}" + (", hard" if ck.hard else "")
             )
     if not spec.clock_sources:
         lines.append("  clock reads  none (a commit's clock is 1 + its own)")
