@@ -305,3 +305,22 @@ def test_confidence_quota_compiles(policy: str, hard: str, validate: None) -> No
                     assert torch.equal(compiled.engine.why["A"], eager.engine.why["A"])
         else:
             _three_ways(src, {"target": "A", "seed": seed, "epochs": 5})
+
+
+@pytest.mark.slow
+def test_hard_quota_and_average_compiled_by_inductor_validated(validate: None) -> None:
+    """The widened step (hard, quota, average) compiled by inductor on the CPU, where the step
+    writes the owner's metadata and why-codes itself, validated against eager every epoch."""
+    srcs = [_CONFIDENCE.format(policy="satisfy(max_constraints_then_score)", hard=" hard")]
+    srcs += [
+        src
+        for src, _ in random_programs(200, max_side=5)
+        if "using average" in src and "quorum" not in src and src.count("emit proposal") == 2
+    ][:1]
+    for src in srcs:
+        front = compile_source(src)
+        run = Run(front, bindings=bindings_for(front), seed=1, compile=True)
+        run.run(5)
+        validator, ce = run.engine.dataplane.validator, run.engine.compiled
+        assert validator is not None and ce is not None and ce.specs
+        assert validator.epochs == 5
