@@ -9,8 +9,9 @@ so hundreds of programs need no inductor build each; tests/runtime/test_compiled
 examples with inductor on the CPU.
 
 The coverage rule ("every value compiles, except where a bound Python predicate runs; models are
-eager islands") does not hold today: the xfail(strict) tests below flip when the wider compiled
-step lands (d45, issue 45).
+eager islands") does not hold yet: `hard` constraints, confidence quotas and the average policy
+compile, several rules per value and quorum replicas do not; the xfail(strict) tests below flip
+when they do (issue 45).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ from compile_cases import (
 from reference import Reference
 from test_runtime_differential import BINDINGS, _state
 
-WIDENED = pytest.mark.xfail(strict=True, reason="d45: eligibility widened in issue 45")
+WIDENED = pytest.mark.xfail(
+    strict=True, reason="issue 45: several rules per value and quorum replicas still run eagerly"
+)
 
 
 @pytest.fixture
