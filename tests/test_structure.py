@@ -34,8 +34,6 @@ PUBLIC_ENTRY_POINTS = {
 
 # Being split in issue 45 (d45: runtime/data): shrink after merging.
 LONG_FUNCTIONS_BEING_SPLIT = {
-    "runtime/data/compiled.py::value_step",  # d45
-    "runtime/data/compiled.py::value_step.step",  # d45
     "runtime/data/dataplane.py::DataPlane.__init__",  # d45
     "runtime/data/dataplane.py::DataPlane._candidates",  # d45
     "runtime/data/shard.py::merge_candidates",  # d45
