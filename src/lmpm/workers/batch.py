@@ -355,6 +355,8 @@ def batch_items(
     items bring their own masks, synthesized over the padded dims otherwise. With ``device``, inputs
     end up there (``transfer`` moves a tensor, e.g. through pinned memory).
     """
+    if len(items) == 1:  # one call (no key to work out)
+        return [_build_call(items, [0], device, transfer)]
     groups: dict[Hashable, list[int]] = {}
     for i, item in enumerate(items):
         groups.setdefault(_group_key(item), []).append(i)
@@ -429,14 +431,27 @@ def _rows_any(flag: Tensor) -> Tensor:
     return flag.flatten(1).any(1) if flag.dim() > 1 else flag
 
 
+def _finite(t: Tensor) -> bool:
+    """Every element of ``t`` is finite, as far as the host can tell without waiting for a
+    device (False on an accelerator: the caller then works it out on the device). A few
+    elements (a row's max, k scores) are read as numbers: cheaper than a reduction."""
+    if t.device.type != "cpu":
+        return False
+    if t.numel() <= _FEW:
+        return all(math.isfinite(x) for x in t.reshape(-1).tolist())
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+_FEW = 64  # elements read as Python numbers rather than reduced (_finite)
+
+
 def _mark_nonfinite(bad: Tensor, t: Tensor, code: int) -> None:
     """``bad |= code`` on the rows of ``t`` holding NaN or ±inf. On the host, where looking costs
     no device sync, one min/max pass (both NaN when any element is) says whether there are any;
     the rows are only worked out when there are."""
-    if bad.device.type == "cpu" and t.numel() and not t.is_complex():
-        lo, hi = torch.aminmax(t)
-        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
-            return
+    if bad.device.type == "cpu" and t.numel() and not t.is_complex() and _finite(t):
+        return
     bad |= _rows_any(~torch.isfinite(t)).to(torch.int8) * code
 
 
@@ -459,7 +474,10 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
     output has the wrong type, shape or dtype (host metadata only; this never syncs a device).
     """
     try:
-        with torch.no_grad():
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = call.model(call.inputs, **call.kwargs)
+        else:  # (an epoch runs in inference mode: no context to enter)
             out = call.model(call.inputs, **call.kwargs)
     except Exception as e:
         raise ModelError(
@@ -526,6 +544,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 hint=HINT_DEVICE,
             )
     bad = torch.zeros(n, dtype=torch.int8, device=device)
+    scored = False  # the scores are known finite
 
     if proposal is None and logits is None:
         raise ModelError(
@@ -595,7 +614,9 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     )  # (n, 1)
                     alone = first[:, 0]
                 proposal = choose.alone_column(proposal, alone)  # (n, k + 1)
-            logp = torch.log_softmax(logits.float() / float(chosen.temperature), dim=-1)
+            temp = float(chosen.temperature)
+            wide = logits.float()  # (float32 logits: the same tensor; / 1.0 changes nothing)
+            logp = torch.log_softmax(wide / temp if temp != 1.0 else wide, dim=-1)
         else:
             proposal = rng.categorical(
                 choose.masked(logits, call.mask),
@@ -627,9 +648,12 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
         # a NaN or +inf logit, or every token -inf: the distribution's max is not finite (amax
         # propagates NaN): one reduction instead of three passes over the vocabulary
-        broken = ~torch.isfinite(logits.amax(dim=-1))  # (n,) | (n, k)
-        bad |= _rows_any(broken).to(torch.int8) * BAD_LOGITS
-        score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
+        rowmax = logits.amax(dim=-1)  # (n,) | (n, k)
+        if not _finite(rowmax):
+            bad |= _rows_any(~torch.isfinite(rowmax)).to(torch.int8) * BAD_LOGITS
+        if not _finite(score):
+            score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
+        scored = True  # (finite: no need to look again below)
     else:
         assert proposal is not None
         if call.dtype is not None and proposal.dtype != call.dtype:
@@ -680,7 +704,9 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             _mark_outside(bad, proposal, call.vocab)
     if call.score is not None:
         proposal, score = _rule_score(call, proposal, backend, worker)
-    _mark_nonfinite(bad, score, BAD_SCORE)
+        scored = False
+    if not scored:
+        _mark_nonfinite(bad, score, BAD_SCORE)
     result = GroupResult(
         rule=call.rule,
         cells=call.cells,

@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -114,6 +115,9 @@ def choose(
     return torch.where(slot < left, order, order[:, :1])
 
 
+_FEW = 64  # rows whose greedy choice is checked as Python numbers rather than tensor ops
+
+
 def greedy(logits: Tensor, mask: VocabMask) -> tuple[Tensor, Tensor]:
     """``(choose(logits, 1, "top", ..., mask), the model alone's favourite (n,))``: the greedy
     choice under the mask and without it, as the worker needs both (:func:`alone_column`).
@@ -122,10 +126,17 @@ def greedy(logits: Tensor, mask: VocabMask) -> tuple[Tensor, Tensor]:
     also the first of the highest logits the mask keeps (the mask keeps it, and keeps nothing
     higher): the row needs no mask. Only when some row's favourite is refused does the mask run.
     """
-    alone = logits.argmax(dim=1)  # (n,) the first of equal maxima
+    best, alone = logits.max(dim=1)  # (n,) each row's max and the first of its maxima
     if logits.device.type == "cpu":  # (on an accelerator the check would wait for the device)
-        best = logits.gather(1, alone.unsqueeze(1)).squeeze(1)  # NaN fails the test below
-        if bool(((best > -torch.inf) & ~mask.sets.drop[alone]).all()):
+        if alone.numel() <= _FEW:  # a few rows: looked up as numbers (NaN fails the test)
+            drop = mask.sets.drop_host
+            kept = all(
+                b > -math.inf and not drop[i]
+                for b, i in zip(best.tolist(), alone.tolist(), strict=True)
+            )
+        else:
+            kept = bool(((best > -torch.inf) & ~mask.sets.drop[alone]).all())
+        if kept:
             return alone.unsqueeze(1), alone
 
     def no_noise(vocab: int) -> Tensor:
@@ -155,6 +166,6 @@ def alone_column(proposal: Tensor, alone: Tensor) -> Tensor:
     like any candidate, violates the constraints that excluded it and loses to the first choice,
     so the trace attributes the decision to them as it does for k = V. It never changes a winner:
     the first choice is what the policy commits out of all V tokens, the favourite among them."""
-    first = proposal[:, 0]
-    extra = torch.where(alone == first, first, alone)
-    return torch.cat((proposal, extra.unsqueeze(1)), dim=1)
+    # (where the favourite is the first choice, the extra column is that choice again: in both
+    # cases it is the favourite)
+    return torch.cat((proposal, alone.unsqueeze(1)), dim=1)

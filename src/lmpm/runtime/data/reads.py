@@ -130,6 +130,9 @@ def dense_read(
     n, k = mask.shape
     length = mask.sum(1)  # (n,)
     width = int(length.max()) if n and k else 0
+    left = torch.arange(k, device=mask.device) < length.unsqueeze(1)  # (n, K)
+    if torch.equal(mask, left):  # the visible slots come first (a causal prefix): no scatter
+        return _leading(name, data, index, clock, length, left.narrow(1, 0, width))
     # each visible slot's place in its row (slot order); the others go to a sink column, dropped
     place = torch.where(mask, mask.cumsum(1) - 1, width)  # (n, K)
 
@@ -142,6 +145,32 @@ def dense_read(
 
     out = {
         f"{name}_dense": dense(data),  # (n, L, *cell)
+        f"{name}_length": length,
+        f"{name}_dense_index": dense(index),
+    }
+    if clock is not None:
+        out[f"{name}_dense_clock"] = dense(clock)
+    return out
+
+
+def _leading(
+    name: str, data: Tensor, index: Tensor, clock: Tensor | None, length: Tensor, real: Tensor
+) -> Mapping[str, Tensor]:
+    """:func:`dense_read` of slots whose visible ones lead each row: the first ``width`` slots,
+    0 past each row's length (``real`` (n, width): the entries within it). Rows of one length
+    (one open cell: a decode step) are the slots themselves, narrowed."""
+    width = real.shape[1]
+    ragged = not bool(real.all())
+
+    def dense(t: Tensor) -> Tensor:
+        t = t.narrow(1, 0, width)
+        if not ragged:
+            return t
+        keep = real.reshape(*real.shape, *([1] * (t.dim() - 2)))
+        return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    out = {
+        f"{name}_dense": dense(data),
         f"{name}_length": length,
         f"{name}_dense_index": dense(index),
     }
