@@ -272,3 +272,22 @@ def test_the_dense_layout_is_the_visible_slots_in_order_then_zeros(seed: int) ->
             m = seen.shape[0]
             assert torch.equal(out[row, :m], seen)
             assert not out[row, m:].any()  # the rest is 0
+
+
+def test_a_row_left_alone_after_a_batch_keeps_its_padding_masked() -> None:
+    """A row decoded in a batch with a longer one has padding columns in its cache; carried on
+    alone (the other row finished), its one-token steps still mask them: the logits of a full
+    forward of its prefix, every step."""
+    net = tiny_gpt2(4)
+    adapter = HFCausalLM(net)
+    rows = [[4, 9, 1], [7, 7, 2, 30, 11, 5, 6, 8]]
+    for _ in range(2):
+        out = adapter(_dense_inputs(rows), pick="top", generation=3).logits
+        for r, tok in zip(rows, out.argmax(dim=-1).tolist()):
+            r.append(tok)
+    alone = rows[0]
+    for _ in range(4):
+        out = adapter(_dense_inputs([alone]), pick="top", generation=3).logits
+        ref = net(torch.tensor([alone])).logits[0, -1]
+        torch.testing.assert_close(out[0], ref, rtol=1e-4, atol=1e-5)
+        alone.append(int(out[0].argmax()))

@@ -62,6 +62,7 @@ class _Rows:
     clock: Tensor  # (rows, Lc) host int64: its write clock when fed
     column: Tensor  # (rows, Lc) host int64: the cache column holding each position
     length: Tensor  # (rows,) host int64: cached positions per row
+    full: bool = False  # every column of ``attention`` holds a token (no padding)
 
 
 class HFCausalLM:
@@ -224,7 +225,8 @@ class HFCausalLM:
             column[torch.arange(width + 1).unsqueeze(0) >= first.unsqueeze(1)] = 0
         column.scatter_(1, torch.where(real, pos, width), col_new)
         column = column[:, :width]
-        self._rows[key] = _Rows(cache, attention, index, clock, column, length)
+        full = bool(attention.all())
+        self._rows[key] = _Rows(cache, attention, index, clock, column, length, full)
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
         return out.logits[:, -1, :]
@@ -260,7 +262,9 @@ class HFCausalLM:
         attention = torch.cat([rows.attention, rows.attention.new_ones(n, 1)], dim=1)
         out = self.model(
             input_ids=ids.gather(1, pos),
-            attention_mask=attention,
+            # no padding: the mask is all ones, which transformers would look over only to drop
+            # it (one query a row, no padding: SDPA needs no mask)
+            attention_mask=None if rows.full else attention,
             position_ids=pos,
             cache=rows.cache,  # (filled in place)
             use_cache=True,
@@ -271,7 +275,7 @@ class HFCausalLM:
         column = torch.zeros(n, width, dtype=torch.int64)
         column[:, : rows.column.shape[1]] = rows.column
         column.scatter_(1, last, end)
-        self._rows[key] = _Rows(rows.cache, attention, index, clock, column, length)
+        self._rows[key] = _Rows(rows.cache, attention, index, clock, column, length, rows.full)
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
         return out.logits[:, -1, :]
