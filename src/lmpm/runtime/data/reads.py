@@ -18,7 +18,9 @@ collection of the extras it wants (:data:`READ_OPTIONS`)::
 - ``"dense"``: per read ``x``, its visible committed cells in slot order, left-aligned: ``x_dense``
   (n, L[, *cell]) payload, ``x_length`` (n,) int64 (row i's entries are ``[:x_length[i]]``; the
   rest is 0), ``x_dense_index`` (n, L) flat cell ids, and with ``"clocks"``, ``x_dense_clock`` (n,
-  L). A causal read ``Txt[0..t-1]`` arrives as the prefix a language model takes.
+  L). A causal read ``Txt[0..t-1]`` arrives as the prefix a language model takes: its visible
+  slots lead each row, so the dense tensors are the slots narrowed to L (views: they share memory
+  with ``x``, ``x_index`` and ``x_clock``, the call's own tensors).
 
 A model that does not opt in gets neither, and the worker keeps no clocks for it: the default path
 costs nothing. docs/models.md, "Bring your own model", has the protocol for a cache.
