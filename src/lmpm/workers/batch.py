@@ -226,12 +226,63 @@ def _row_key(values: list[int], sizes: list[int], device: torch.device | None) -
     return torch.repeat_interleave(per_item, torch.tensor(sizes)).to(device or "cpu")
 
 
+def _build_one(
+    item: WorkItem, item_ids: list[int], device: torch.device | None, transfer: Transfer | None
+) -> BatchedCall:
+    """:func:`_build_call` of one item (an epoch's one rule firing: the common case): its inputs
+    as they are (placed on ``device``), nothing to concatenate or pad."""
+    rule, n = item.rule, item.n
+    inputs: dict[str, Tensor] = {}
+    for name, t in item.inputs.items():
+        if not isinstance(t, Tensor):
+            raise UsageError(
+                f"rule '{rule}': input '{name}' is a {type(t).__name__}; resolve Refs through "
+                "a backend's dispatch, and pass tensors otherwise"
+            )
+        if t.dim() == 0 or t.shape[0] != n:
+            raise UsageError(
+                f"rule '{rule}': input '{name}' has shape {tuple(t.shape)} but the item has "
+                f"{n} cells; inputs are batched over cells along dim 0"
+            )
+        inputs[name] = _place(t, device, transfer)
+    if item.cells.dim() != 1 or item.cells.dtype != torch.int64:
+        raise UsageError(
+            f"rule '{rule}': cells must be an int64 tensor of shape (n,), got "
+            f"{item.cells.dtype} {tuple(item.cells.shape)}"
+        )
+    value = item.value or item.rule
+    key = _KEYS.get(value)
+    if key is None:
+        key = _KEYS[value] = rng.key_of(value)
+    return BatchedCall(
+        rule=rule,
+        model=item.model,
+        mask=_merge_masks((item,), device, transfer),
+        kwargs=item.kwargs,
+        vocab=item.vocab,
+        dtype=item.dtype,
+        group=item.group,
+        inputs=inputs,
+        cells=_place(item.cells, device, transfer),
+        keys=RowKeys(seed=item.seed, value=key, epoch=item.epoch, replica=item.replica),
+        item_ids=tuple(item_ids),
+        offsets=(0, n),
+        score=item.score,
+        score_inputs=item.score_inputs,
+    )
+
+
+_KEYS: dict[str, int] = {}  # rng.key_of of the value names seen (a hash each: kept)
+
+
 def _build_call(
     items: Sequence[WorkItem],
     item_ids: list[int],
     device: torch.device | None,
     transfer: Transfer | None,
 ) -> BatchedCall:
+    if len(items) == 1:
+        return _build_one(items[0], item_ids, device, transfer)
     head = items[0]
     rule = head.rule
     sizes = [it.n for it in items]
