@@ -117,7 +117,8 @@ def test_the_mask_shortcuts_choose_what_the_level_by_level_mask_does(seed: int) 
     mask on random logits (with -inf, +inf and NaN entries), sets, levels and rows a constraint
     does not speak about; the favourite returned is the unmasked argmax."""
     g = torch.Generator().manual_seed(seed)
-    n, vocab, sets = 5, 12, 3
+    # (more rows than greedy reads as numbers: its check as tensor ops)
+    n, vocab, sets = 5 if seed % 8 else 70, 12, 3
     logits = torch.randn(n, vocab, generator=g)
     odd = torch.rand(n, vocab, generator=g)
     logits[odd < 0.15] = -torch.inf
