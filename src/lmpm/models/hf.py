@@ -236,12 +236,14 @@ class HFCausalLM:
         """Every row holds its cached positions unchanged (same cells, same clocks) and one
         more after them: the step of a decode, one token per row."""
         lc = rows.index.shape[1]
-        return (
-            index.shape[1] >= lc
-            and torch.equal(length, rows.length + 1)
-            and torch.equal(rows.index, index[:, :lc])
-            and torch.equal(rows.clock, clock[:, :lc])
-        )
+        if index.shape[1] < lc or not torch.equal(length, rows.length + 1):
+            return False
+        now_index, now_clock = index[:, :lc], clock[:, :lc]
+        if int(rows.length.min()) < lc:  # rows of several lengths: a row's new token lies
+            # within the cached width, where its cached entries are 0 (the dense read's rest)
+            cached = torch.arange(lc) < rows.length.unsqueeze(1)
+            now_index, now_clock = now_index * cached, now_clock * cached
+        return torch.equal(rows.index, now_index) and torch.equal(rows.clock, now_clock)
 
     def _append(
         self,
