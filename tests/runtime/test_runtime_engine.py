@@ -348,11 +348,11 @@ constraint S: {kind} A[t] in Set(0, 5) priority 3
 """
     run = Run.from_source(src)
     worker = run.dataplane
-    cp = worker._tables["A"].constraints[0]
-    table = worker._tables["A"].tables[0]
+    cp = worker.tables["A"].constraints[0]
+    table = worker.tables["A"].tables[0]
     payload = torch.tensor([[0, -7, -1, 5, 6, 99], [4, 0, 5, 1, 2, 3]])
     committed = torch.tensor([True, False])
-    viol = worker._violations(
+    viol = worker.checks.violations(
         cp,
         run.plan.values["A"],
         torch.tensor([0, 1]),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copyreg
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # torch-free at import: `lmpm trace` and the run directory's reader use it
     from torch import Tensor
@@ -64,6 +64,30 @@ class CellState:
             torch.full((n,), -1, dtype=torch.int64),
             torch.full((n,), -torch.inf, dtype=torch.float64),
         )
+
+
+class AccessInput(NamedTuple):
+    """One further access argument of a predicate call, per open cell: the K cells it reads."""
+
+    payload: Tensor  # (n, K[, *cell]) their payload
+    mask: Tensor  # (n, K) bool: the cell exists and is committed
+    cells: Tensor  # (n, K) int64 their flat cell index within the accessed value
+
+
+@dataclass(frozen=True, slots=True)
+class PredicateInput:
+    """What a user-bound predicate receives (n open cells, C candidates each). Copies: a predicate
+    that writes into them changes nothing."""
+
+    candidates: Tensor  # (n, C, *cell) candidate payloads
+    valid: Tensor  # (n, C) bool
+    current: Tensor  # (n, *cell) committed payload (undefined where not committed)
+    committed: Tensor  # (n,) bool
+    cells: Tensor  # (n,) flat cell index within the value
+    coords: Tensor  # (n, rank)
+    accesses: tuple[AccessInput, ...]  # per further access argument (P(A, B): B's)
+    args: tuple[Any, ...]  # literal arguments
+    epoch: int
 
 
 @dataclass
