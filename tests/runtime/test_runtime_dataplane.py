@@ -394,7 +394,7 @@ def test_a_kept_read_of_an_input_value_follows_every_change_to_it() -> None:
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_pick_takes_each_rows_winning_column(n: int) -> None:
-    from lmpm.runtime.data.dataplane import pick
+    from lmpm.runtime.data.owner import pick
 
     table = torch.arange(4 * n * 5, dtype=torch.float64).reshape(n, 5, 4)[:, :, 1]  # strided
     winner = torch.tensor([4, 0, 2][:n])

@@ -58,13 +58,11 @@ from lmpm.runtime.protocol import (
     Traffic,
     checksum,
 )
-from lmpm.runtime.records import AccessInput, PredicateInput, ValueEpoch
+from lmpm.runtime.records import ValueEpoch
 from lmpm.workers import get_backend, simcuda
 
 if TYPE_CHECKING:
     from lmpm.runtime.data.validate import EagerValidator
-
-__all__ = ["AccessInput", "DataPlane", "PredicateInput", "Proposal", "checksum", "pick"]
 
 # A worker's model results stay where its payload lives: the CUDA backend's default copies them to
 # the host (for callers outside a run), which would mix devices in the worker's checks and commits.
