@@ -37,8 +37,6 @@ LONG_FUNCTIONS_BEING_SPLIT = {
     "runtime/data/compiled.py::value_step",  # d45
     "runtime/data/compiled.py::value_step.step",  # d45
     "runtime/data/candidates.py::Staging.build",  # s45
-    "runtime/data/shard.py::merge_candidates",  # d45
-    "runtime/control/commitlog.py::_restore",  # d45
 }
 LONG_CLASSES_BEING_SPLIT: set[str] = set()
 MANY_PARAMS_BEING_SPLIT = {
