@@ -36,15 +36,11 @@ PUBLIC_ENTRY_POINTS = {
 LONG_FUNCTIONS_BEING_SPLIT = {
     "runtime/data/compiled.py::value_step",  # d45
     "runtime/data/compiled.py::value_step.step",  # d45
-    "runtime/data/candidates.py::Staging.build",  # s45
 }
 LONG_CLASSES_BEING_SPLIT: set[str] = set()
 MANY_PARAMS_BEING_SPLIT = {
     "runtime/data/compiled.py::value_step.step",  # d45
     "runtime/data/compiled.py::CompiledEpoch.step",  # d45
-    "runtime/data/checks.py::Checks.check",  # s45
-    "runtime/data/checks.py::Checks.violations",  # s45
-    "runtime/data/clocks.py::Clocks.advance",  # d45
 }
 PRIVATE_IMPORTS_BEING_SPLIT: set[str] = set()
 

@@ -6,7 +6,7 @@ bound predicate called with copies), and the masks a lowered constraint puts on 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,6 +34,22 @@ class ValueTables:
     checksums: bool  # the value's policy compares payloads (quorum, user policies)
     folds: bool  # a proposal equal to the committed payload folds into keep-current (not for
     #              aggregating policies: it counts in the aggregate like any proposal)
+
+
+class CandidateTable(NamedTuple):
+    """One value's candidate table as the checks see it: ``n`` open cells, ``C`` candidates each
+    (column 0 keep-current), in epoch ``epoch``."""
+
+    name: str
+    vp: ValuePlan
+    epoch: int
+    cells: Tensor  # (n,) flat cell ids
+    table: Tensor  # (n, C, *cell) candidate payloads
+    valid: Tensor  # (n, C) bool: the candidate exists
+    current: Tensor  # (n, *cell) committed payload (undefined where not committed)
+    committed: Tensor  # (n,) bool before the epoch
+    any_committed: bool  # some open cell is committed
+    all_valid: bool  # every candidate exists (``valid`` all True)
 
 
 def value_tables(
@@ -92,22 +108,11 @@ class Checks:
             if cp.predicate is not None and not ours(cp.predicate)
         }
 
-    def check(
-        self,
-        name: str,
-        vp: ValuePlan,
-        tabs: ValueTables,
-        e: int,
-        cells: Tensor,
-        table: Tensor,
-        valid: Tensor,
-        current: Tensor,
-        committed: Tensor,
-        any_committed: bool,
-        all_valid: bool,
-    ) -> tuple[Tensor, Tensor]:
-        """(n, C, K) violations, masked by the cells each constraint speaks about and by the
-        candidates that exist, and the (n, K) applies mask."""
+    def check(self, ct: CandidateTable, tabs: ValueTables) -> tuple[Tensor, Tensor]:
+        """(n, C, K) violations of ``ct``'s candidates (its value's constraints: ``tabs``), masked
+        by the cells each constraint speaks about and by the candidates that exist, and the (n, K)
+        applies mask."""
+        name, cells, valid = ct.name, ct.cells, ct.valid
         n, ncol = valid.shape
         k = len(tabs.constraints)
         res = self.res
@@ -130,9 +135,7 @@ class Checks:
                 applies_cols.append(torch.zeros(n, dtype=torch.bool, device=dev))
                 everywhere = False
                 continue
-            verdict = self.violations(
-                cp, vp, cells, table, valid, current, committed, any_committed, e, vtable
-            )
+            verdict = self.violations(cp, ct, vtable)
             if whole:
                 where = None
             else:
@@ -142,7 +145,7 @@ class Checks:
                     where = where & res.from_input[name].index_select(0, cells)
                 verdict = verdict & where.unsqueeze(1)
                 everywhere = False
-            if not all_valid:
+            if not ct.all_valid:
                 verdict = verdict & valid
             verdicts.append(verdict)
             applies_cols.append(where)
@@ -154,21 +157,11 @@ class Checks:
             applies = torch.stack([ones if a is None else a for a in applies_cols], dim=1)
         return violated, applies
 
-    def violations(
-        self,
-        cp: ConstraintPlan,
-        vp: ValuePlan,
-        cells: Tensor,
-        table: Tensor,
-        valid: Tensor,
-        current: Tensor,
-        committed: Tensor,
-        any_committed: bool,
-        e: int,
-        vtable: Tensor | None,
-    ) -> Tensor:
-        """(n, C) bool: candidate violates the constraint, before masking. Keep-current of an
-        unset cell satisfies every `forbid` and violates every `require`."""
+    def violations(self, cp: ConstraintPlan, ct: CandidateTable, vtable: Tensor | None) -> Tensor:
+        """(n, C) bool: candidate violates the constraint, before masking (``vtable``: its
+        :attr:`ValueTables.tables` entry). Keep-current of an unset cell satisfies every `forbid`
+        and violates every `require`."""
+        table, committed = ct.table, ct.committed
         forbid = cp.kind == "forbid"
         if cp.pred == PredKind.IN_SET:
             assert vtable is not None
@@ -176,15 +169,15 @@ class Checks:
             viol = vtable.take(tok.clamp(-1, vtable.numel() - 2))
         else:
             if cp.pred == PredKind.CHANGE:
-                differs = table != current.unsqueeze(1)
-                if vp.cell_shape:
+                differs = table != ct.current.unsqueeze(1)
+                if ct.vp.cell_shape:
                     differs = differs.flatten(2).any(dim=2)
                 holds = differs & committed.unsqueeze(1)
                 holds[:, 0] = False  # keep-current changes nothing (even a NaN payload)
             else:
-                holds = self.user_predicate(cp, vp, cells, table, valid, current, committed, e)
+                holds = self.user_predicate(cp, ct)
             viol = holds if forbid else ~holds
-        if any_committed:
+        if ct.any_committed:
             if forbid:
                 viol[:, 0] &= committed
             else:
@@ -193,18 +186,10 @@ class Checks:
             viol.select(1, 0).fill_(not forbid)
         return viol
 
-    def user_predicate(
-        self,
-        cp: ConstraintPlan,
-        vp: ValuePlan,
-        cells: Tensor,
-        table: Tensor,
-        valid: Tensor,
-        current: Tensor,
-        committed: Tensor,
-        e: int,
-    ) -> Tensor:
-        """(n, C) bool: a user's bound predicate holds, called with copies (:class:`PredicateInput`)."""
+    def user_predicate(self, cp: ConstraintPlan, ct: CandidateTable) -> Tensor:
+        """(n, C) bool: a user's bound predicate holds on ``ct``'s candidates, called with copies
+        (:class:`~lmpm.runtime.records.PredicateInput`)."""
+        vp, cells, valid, e = ct.vp, ct.cells, ct.valid, ct.epoch
         res = self.res
         accesses = []
         payload = res.payload[vp.name]
@@ -214,10 +199,10 @@ class Checks:
             data = payload.index_select(0, idx.reshape(-1)).reshape(*idx.shape, *vp.cell_shape)
             accesses.append(AccessInput(data, mask, idx))
         ctx = PredicateInput(
-            table.clone(),
+            ct.table.clone(),
             valid.clone(),
-            current.clone(),
-            committed.clone(),
+            ct.current.clone(),
+            ct.committed.clone(),
             cells.clone(),
             res.rows(vp.coords, cells),
             tuple(accesses),

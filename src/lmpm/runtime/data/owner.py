@@ -35,7 +35,7 @@ from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan
 from lmpm.resolve.policies import aggregates, quorum, quorum_k
 from lmpm.resolve.schedules import Schedule, make_schedule
 from lmpm.runtime.data.agree import Agreed, agree
-from lmpm.runtime.data.clocks import Clocks
+from lmpm.runtime.data.clocks import Clocks, Opened
 from lmpm.runtime.data.decide import (
     Pending,
     applied_changed,
@@ -550,16 +550,9 @@ class Owner:
         static = self.static[name]
         cells = p.cand.cells
         contributed, won_rule = contributions(static.rules, p.cand, p.winner, p.weights)
+        opened = Opened(own, cells, phase, self.fresh[name])
         new_clock = self.clocks.advance(
-            self.state,
-            static.rules,
-            own,
-            cells,
-            changed,
-            commits,
-            contributed,
-            phase,
-            self.fresh[name],
+            self.state, static.rules, opened, changed, commits, contributed
         )
         fields = [cells, new_clock, pick(p.score, p.winner)]
         if won_rule is not None:
