@@ -1,5 +1,5 @@
 """The model calls of a worker: every fired rule's work items (inputs gathered by
-:mod:`lmpm.runtime.data.gather`, the logit masks of :mod:`lmpm.runtime.data.checks`) dispatched
+:mod:`lmpm.runtime.data.inputs`, the logit masks of :mod:`lmpm.runtime.data.checks`) dispatched
 to the backend together before any is collected, and each replica's proposals and scores shaped
 as (n, k, *cell) and (n, k) float64.
 
@@ -20,7 +20,7 @@ from lmpm.errors import ModelError
 from lmpm.models.compile import compiled_model
 from lmpm.resolve.plan import Plan, RulePlan, ValuePlan
 from lmpm.runtime.data.checks import Checks
-from lmpm.runtime.data.gather import Gather
+from lmpm.runtime.data.inputs import ModelInputs
 from lmpm.runtime.data.resident import Resident, ours, placed
 from lmpm.runtime.protocol import ProposeRequest
 from lmpm.workers import Results, WorkItem
@@ -56,13 +56,19 @@ class ModelCalls:
     """A worker's model calls on ``backend`` (see the module doc)."""
 
     def __init__(
-        self, plan: Plan, res: Resident, backend: Any, worker: str, gather: Gather, checks: Checks
+        self,
+        plan: Plan,
+        res: Resident,
+        backend: Any,
+        worker: str,
+        inputs: ModelInputs,
+        checks: Checks,
     ) -> None:
         self.plan = plan
         self.res = res
         self.backend = backend
         self.worker = worker
-        self.gather = gather
+        self.inputs = inputs
         self.checks = checks
         # rule id -> (model, score) the worker calls instead of the plan's (compile_models)
         self.models: dict[int, tuple[Any, Any]] = {}
@@ -83,7 +89,7 @@ class ModelCalls:
         replica's (rule, cells, replica, proposals (n, k, *cell), scores (n, k)); and the seconds
         the models took. From epoch ``corrupt_from`` on every proposal is corrupted."""
         e = req.epoch
-        res, gather = self.res, self.gather
+        res, gather = self.res, self.inputs
         res.phase = dict(req.phases or {})
         res.active = req.active
         items: list[WorkItem] = []
@@ -99,7 +105,7 @@ class ModelCalls:
             clocked = "clocks" in gather.read_opts.get(rp.id, ())
             if clocked:  # the write clock of this rule's previous call (-1: none this generation)
                 gather.since[rp.id] = gather.read_clocks.since(rp.id)
-            inputs = gather.inputs(rp, cells, rw.cells)
+            inputs = gather.gather(rp, cells, rw.cells)
             kwargs = gather.kwargs(rp, vp, e)
             if clocked:
                 kwargs = {**kwargs, "generation": gather.read_clocks.generation}
@@ -200,8 +206,8 @@ class ModelCalls:
         for rp, on_host, cells in rules:
             model = self.model_of(rp)
             vp = self.plan.values[rp.target]
-            inputs = self.gather.inputs(rp, cells, on_host)
-            got = model(inputs, **{**self.gather.kwargs(rp, vp, 0), "epoch": e})
+            inputs = self.inputs.gather(rp, cells, on_host)
+            got = model(inputs, **{**self.inputs.kwargs(rp, vp, 0), "epoch": e})
             if isinstance(got, Mapping):
                 got = (got.get("proposal"), got.get("score"))
             if not (isinstance(got, tuple | list) and len(got) == 2):

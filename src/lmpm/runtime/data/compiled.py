@@ -765,7 +765,7 @@ def _int32(index: Tensor) -> Tensor:
 
 
 def _gather_fn(cdims: tuple[int, ...]) -> Callable[..., tuple[Tensor, ...]]:
-    """A rule's non-uniform reads for its open cells, as :meth:`Gather.inputs` gathers them
+    """A rule's non-uniform reads for its open cells, as :meth:`ModelInputs.gather` gathers them
     eagerly: per read (its payload's cell rank in ``cdims``) the read cells' payload, mask and
     index. Inputs: the open cells, then per read its (N, K) index and valid tables and the
     source's payload and committed flags."""

@@ -5,7 +5,7 @@ on its backend's device for the whole run, and answers its owner's messages
 (:mod:`lmpm.runtime.protocol`; the owner of the cells decides them, :mod:`lmpm.runtime.data.owner`):
 
 - ``propose``: gather every fired rule's reads from the resident payload (the plan's gather tables,
-  :mod:`lmpm.runtime.data.gather`), dispatch all models (and their scores) to the backend before
+  :mod:`lmpm.runtime.data.inputs`), dispatch all models (and their scores) to the backend before
   collecting any (:mod:`lmpm.runtime.data.calls`), build each value's candidate table (column 0
   keep-current, a proposal equal to the committed payload folded into it,
   :mod:`lmpm.runtime.data.candidates`), evaluate every constraint on every candidate
@@ -42,7 +42,7 @@ from lmpm.runtime.data.candidates import Staging
 from lmpm.runtime.data.captured import CapturedSteps, Mirror
 from lmpm.runtime.data.checks import Checks, ValueTables
 from lmpm.runtime.data.compiled import CompiledEpoch, ReadGathers
-from lmpm.runtime.data.gather import Gather
+from lmpm.runtime.data.inputs import ModelInputs
 from lmpm.runtime.data.kepochs import EpochWindows
 from lmpm.runtime.data.owner import Owner, pick
 from lmpm.runtime.data.resident import Resident
@@ -76,7 +76,7 @@ class DataPlane:
     """One worker: resident payload, models, constraint checks, commits. See the module doc.
 
     Its parts, each over the same :class:`~lmpm.runtime.data.resident.Resident` state:
-    ``gather`` (model inputs), ``checks`` (constraints), ``calls`` (models), ``staging``
+    ``inputs`` (model inputs), ``checks`` (constraints), ``calls`` (models), ``staging``
     (candidate tables)."""
 
     def __init__(
@@ -102,16 +102,16 @@ class DataPlane:
         self._host = res.host  # replies need no copy to the host
         # the same dicts as the resident state's (the transports and the compiled steps write them)
         self.payload, self.committed, self.from_input = res.payload, res.committed, res.from_input
-        self.gather = Gather(plan, res, self.seed)
+        self.inputs = ModelInputs(plan, res, self.seed)
         self.checks = Checks(plan, res, self.worker, checksum_policies)
-        self.calls = ModelCalls(plan, res, self.backend, self.worker, self.gather, self.checks)
+        self.calls = ModelCalls(plan, res, self.backend, self.worker, self.inputs, self.checks)
         # Worker-side instrumentation: tap(epoch, value, cells, table (n, C, *cell), valid (n, C))
         # sees every candidate table where the payload lives (benchmarks, debugging).
         self.taps: list[Any] = []
         self.staging = Staging(plan, res, self.checks, self.taps)
         # rule id -> (model, score) the worker calls instead of the plan's (compile_models)
         self.models = self.calls.models
-        self.read_clocks = self.gather.read_clocks
+        self.read_clocks = self.inputs.read_clocks
         # values whose `inputs()` region some constraint reads: the only ones whose input flags
         # the worker must keep up to date
         self._tracks_inputs = {cp.target for cp in plan.constraints if cp.needs_inputs_region}
@@ -138,7 +138,7 @@ class DataPlane:
     def trusts(self, rp: RulePlan) -> bool:
         """The rule's model and score are LMPM's own: they get views of the payload, not copies
         (and their reads are gathered by compiled graphs under ``--compile``)."""
-        return rp.id in self.gather.trusted
+        return rp.id in self.inputs.trusted
 
     def dev(self, t: Tensor) -> Tensor:
         """The device copy of a static plan table (made once; the CPU tensor itself on CPU)."""
@@ -330,7 +330,7 @@ class DataPlane:
 
     def read_options(self, rule: int) -> tuple[str, ...]:
         """What rule ``rule``'s model asks of its reads (clocks, dense; lmpm.runtime.data.reads)."""
-        return tuple(self.gather.read_opts.get(rule, ()))
+        return tuple(self.inputs.read_opts.get(rule, ()))
 
     def model_of(self, rp: RulePlan) -> Any:
         """The model this worker calls for ``rp``: compiled (compile_models), else moved to its
@@ -347,11 +347,11 @@ class DataPlane:
     def compile_reads(self, stats: Any = None) -> None:
         """Gather the reads of LMPM's own models with compiled graphs from now on (``--compile``;
         :class:`lmpm.runtime.data.compiled.ReadGathers`; ``stats``: the run's CompileStats)."""
-        gather = self.gather
+        gather = self.inputs
         if gather.read_gathers is None:
             gather.read_gathers = ReadGathers(stats)
             for rp in self.plan.rules:
-                if rp.id in gather.trusted:  # the rules whose reads it gathers (Gather.inputs)
+                if rp.id in gather.trusted:  # the rules whose reads it gathers (ModelInputs.gather)
                     gather.read_gathers.prepare(rp, self.resident)
 
     def compile_models(self) -> dict[str, tuple[Any, Any]]:

@@ -2,7 +2,7 @@
 device copies of the plan's static tables, and this epoch's schedule (phase, RuleSet).
 
 A :class:`Resident` is shared by the parts of a data plane (:mod:`lmpm.runtime.data.dataplane`):
-the gather of model inputs (:mod:`lmpm.runtime.data.gather`), the model calls
+the gather of model inputs (:mod:`lmpm.runtime.data.inputs`), the model calls
 (:mod:`lmpm.runtime.data.calls`), the constraint checks (:mod:`lmpm.runtime.data.checks`) and the
 candidate tables (:mod:`lmpm.runtime.data.candidates`). The data plane's own ``payload``,
 ``committed`` and ``from_input`` are these same dicts.

@@ -1,4 +1,4 @@
-"""The gather of a model's inputs on a worker: per read of a fired rule, the read cells' payload,
+"""A model's inputs on a worker, gathered: per read of a fired rule, the read cells' payload,
 mask and index from the resident payload (the plan's static gather tables, kept per schedule
 phase), what an opted-in model asks beyond them (clocks, dense layout,
 :mod:`lmpm.runtime.data.reads`), and the model call's keyword arguments.
@@ -23,7 +23,7 @@ from lmpm.runtime.data.reads import ReadClocks, dense_read, read_options
 from lmpm.runtime.data.resident import Resident, ours
 
 
-class Gather:
+class ModelInputs:
     """The model inputs of a worker over the resident state ``res`` (see the module doc)."""
 
     def __init__(self, plan: Plan, res: Resident, seed: int) -> None:
@@ -56,7 +56,7 @@ class Gather:
             for rd in rp.reads
         )
 
-    def inputs(
+    def gather(
         self, rp: RulePlan, cells: Tensor, on_host: Tensor | None = None
     ) -> dict[str, Tensor]:
         """The model's inputs for ``cells``: per read, payload / mask / index, each (n, K[, *cell]).
