@@ -293,7 +293,16 @@ class Owner:
         its payload (a constraint not in the RuleSet, or not speaking about the cell, is violated
         by nothing)."""
         broken = self.broken.get(ve.value)
-        if broken is None or not ve.cells.numel():
+        n = ve.cells.numel()
+        if broken is None or not n:
+            return
+        if n == 1:  # one open cell (causal generation): its row, without gathers and scatters
+            changed = bool(ve.changed)
+            row = broken[int(ve.cells)]
+            if changed or bool(ve.was_committed):
+                row.copy_(ve.violated[0, int(ve.winner) if changed else 0])
+            else:
+                row.fill_(False)
             return
         violated = ve.violated.cpu()  # (n, C, K)
         winner = torch.where(ve.changed.cpu(), ve.winner.cpu(), 0)  # (n,)
