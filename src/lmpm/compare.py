@@ -30,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from lmpm.errors import RunDirError, UsageError
+from lmpm.errors import LmpmError, RunDirError, UsageError
 from lmpm.printable import printable
+from lmpm.runtime.lock import sqlite_error
 from lmpm.runtime.rundir import connect, read_meta
 from lmpm.runtime.runfiles import check_database, read_file
 
@@ -215,6 +216,16 @@ def compare(
         texts = {
             cid: text for cid, text in conns[1].execute("SELECT id, text FROM constraint_defs")
         }
+    except LmpmError:
+        raise
+    except sqlite3.DatabaseError as e:  # a runaway view interrupted by the time budget, a bad page
+        raise sqlite_error(e, "read", dirs[1] / "lmpm.db") from None
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # a log is data: any value
+        raise RunDirError(
+            f"{printable(str(dirs[0]))} or {printable(str(dirs[1]))} holds a value LMPM never "
+            f"writes ({type(e).__name__}: {printable(str(e))})",
+            code="D006",
+        ) from None
     finally:
         for c in conns:
             c.close()
