@@ -267,10 +267,13 @@ class StopReason:
 
     ``kind``: ``"stable"`` (:meth:`Engine.is_stable`: a full schedule cycle without a commit,
     after every epoch-guarded trigger has settled) or ``"epochs"`` (the epoch limit came first).
-    ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell:
-    ``"never opened by the schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it
-    unset"``, ``"held back by the schedule's quota ..."`` (confidence), ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked
-    the cell's proposals) or ``"not attempted since the resume"``."""
+    ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell
+    (:func:`lmpm.runtime.control.engine.why_text` words them): ``"never opened by the
+    schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it unset"``, ``"held
+    back by the schedule's quota ..."`` (confidence), ``"the quorum's replicas disagreed ..."``,
+    ``"no rule proposes it and no input gave it"``, ``"not attempted since the resume"``, or
+    ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked the
+    cell's proposals)."""
 
     kind: str
     epoch: int  # epochs complete when the run ended
