@@ -14,6 +14,10 @@ with the same program ``P``:
     python benchmarks/epoch_overhead.py --program examples/video.lmpm --epochs 12 \
         --input Txt=examples/video/caption.txt --input Vid=examples/video/patch.npy
 
+``--ops`` adds two counts that do not depend on the machine's load: the tensor operations (aten
+ops, counted by a ``TorchDispatchMode``) and the Python calls (cProfile) per epoch outside the model,
+over one more run with every epoch but the first counted.
+
 The outside-model *share* also depends on the model's speed. ``--bind NAME=FILE:FUNC`` binds a
 model loaded from a file, so both trees can run one model (e.g. the pre-redesign tree's ByteLM):
 
@@ -26,11 +30,15 @@ model loaded from a file, so both trees can run one model (e.g. the pre-redesign
 from __future__ import annotations
 
 import argparse
+import cProfile
 import importlib.util
 import json
+import pstats
 import statistics
 from pathlib import Path
 from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmpm.ir import compile_file
 from lmpm.runtime.session import Run
@@ -59,6 +67,54 @@ def load(spec: str, modules: dict[str, Any]) -> tuple[str, Any]:
     return name, getattr(mod, func)
 
 
+class OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while ``counting`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counting = True
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += self.counting
+        return func(*args, **(kwargs or {}))
+
+
+def count(run: Run, epochs: int | None, kind: str) -> float:
+    """``kind`` (aten_ops, py_calls) per epoch of ``run`` after its first, outside the model (the
+    backend's dispatch, which runs the models, is not counted)."""
+    run.run(1)
+    backend = run.engine.dataplane.calls.backend
+    dispatch = backend.dispatch
+    mode, prof = OpCount(), cProfile.Profile()
+    profiled = kind == "py_calls"
+
+    def pause(items: Any) -> Any:
+        mode.counting = False
+        if profiled:
+            prof.disable()
+        try:
+            return dispatch(items)
+        finally:
+            mode.counting = True
+            if profiled:
+                prof.enable()
+
+    backend.dispatch = pause
+    rest = None if epochs is None else epochs - 1
+    if not profiled:
+        with mode:
+            res = run.run(rest)
+        return mode.ops / max(res.epochs, 1)
+    prof.enable()
+    res = run.run(rest)
+    prof.disable()
+    stats: Any = pstats.Stats(prof).stats  # (file, line, name) -> (cc, calls, ...)
+    # not counted: the profiler's own switch and the wrapper above
+    n = sum(v[1] for k, v in stats.items() if "_lsprof" not in k[2] and k[2] != "pause")
+    return n / max(res.epochs, 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--program", default=str(EX / "text.lmpm"))
@@ -78,6 +134,11 @@ def main() -> None:
         help="bind NAME to FUNC of the Python file FILE (loaded once, shared by every run)",
     )
     ap.add_argument("--quick", action="store_true", help="3 repeats")
+    ap.add_argument(
+        "--ops",
+        action="store_true",
+        help="also count the aten ops and Python calls per epoch outside the model",
+    )
     a = ap.parse_args()
     if a.quick:
         a.repeats = 3
@@ -107,6 +168,10 @@ def main() -> None:
         "epoch_us_median": round(statistics.median(whole), 1),
         "outside_share_p10": round(pct(outside, 0.1) / pct(whole, 0.1), 4),
     }
+    if a.ops:
+        for kind in ("aten_ops", "py_calls"):
+            run = Run(front, inputs=inputs, seed=0, bindings=bindings)
+            out[f"{kind}_per_epoch"] = round(count(run, a.epochs, kind), 1)
     print(json.dumps(out), flush=True)
 
 

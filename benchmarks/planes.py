@@ -77,7 +77,7 @@ def measure(typ: str, epochs: int) -> dict[str, float]:
         out = propose(req)
         sent["control"] += nbytes(req) + nbytes(out)
         # what a plane that shipped the candidate table would move on top
-        for st in dp._staged.values():
+        for st in dp.staging.staged.values():
             sent["payload"] += st.table.numel() * st.table.element_size()
         return out
 

@@ -58,6 +58,30 @@ WHEELS = (
     "referencing==0.37.0",
     "rpds-py==2026.9.1",
     "attrs==26.1.0",
+    # the `hf` extra (tests/models/test_hf*.py and tests/runtime/test_tokenizer_io.py skip without
+    # it, and with them the Hugging Face adapter's CUDA check): transformers, tokenizers and what
+    # they import that a PyTorch image lacks (its numpy, packaging, filelock, fsspec, rich are used)
+    "transformers==5.24.0",
+    "tokenizers==0.23.3",
+    "huggingface-hub==2.4.0",
+    "hf-xet==1.8.0",
+    "httpx2==2.16.2",
+    "httpcore2==2.16.2",
+    "h11==0.16.0",
+    "anyio==4.16.0",
+    "idna==3.20",
+    "truststore==0.10.5",
+    "pyyaml==6.0.4",
+    "regex==2026.11.19",
+    "tqdm==4.70.1",
+    "typer==0.29.2",
+    "click==8.5.1",
+    "shellingham==1.5.4",
+    "annotated-doc==0.0.7",
+    "pydantic==2.14.4",
+    "pydantic-core==2.50.5",
+    "annotated-types==0.8.0",
+    "typing-inspection==0.4.5",
 )
 WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "any")
 # The GPU image's Python is not known in advance (the first one had 3.12): rpds-py is compiled per

@@ -33,21 +33,11 @@ PUBLIC_ENTRY_POINTS = {
 }
 
 # Being split in issue 45 (d45: runtime/data): shrink after merging.
-LONG_FUNCTIONS_BEING_SPLIT = {
-    "runtime/data/dataplane.py::DataPlane.__init__",  # d45
-    "runtime/data/dataplane.py::DataPlane._candidates",  # d45
-    "runtime/data/shard.py::merge_candidates",  # d45
-    "runtime/control/commitlog.py::_restore",  # d45
-}
-LONG_CLASSES_BEING_SPLIT = {
-    "runtime/data/dataplane.py::DataPlane",  # d45
-}
+LONG_FUNCTIONS_BEING_SPLIT: set[str] = set()
+LONG_CLASSES_BEING_SPLIT: set[str] = set()
 MANY_PARAMS_BEING_SPLIT = {
     "runtime/data/compiled.py::value_step.step",  # d45
     "runtime/data/compiled.py::CompiledEpoch.step",  # d45
-    "runtime/data/dataplane.py::DataPlane._check",  # d45
-    "runtime/data/dataplane.py::DataPlane._violations",  # d45
-    "runtime/data/clocks.py::Clocks.advance",  # d45
 }
 PRIVATE_IMPORTS_BEING_SPLIT: set[str] = set()
 

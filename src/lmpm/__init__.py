@@ -24,6 +24,7 @@ from lmpm.ir import Frontend as Frontend
 from lmpm.ir import compile_file as check_file
 from lmpm.ir import compile_source as check_source
 from lmpm.runtime.config import RunConfig as RunConfig
+from lmpm.runtime.records import PredicateInput as PredicateInput
 from lmpm.version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ __all__ = [
     "Logits",
     "ModelError",
     "ParseError",
+    "PredicateInput",
     "Run",
     "RunConfig",
     "RuntimeFault",

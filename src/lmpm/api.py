@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,13 +24,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Compiled:
-    """A checked program with its parameter bindings (``--set``) and the names it was checked
-    against (``bind=``, ``bindings=``: its runs bind them)."""
+    """A checked program with its parameter bindings (``--set``), the names it was checked
+    against (``bind=``, ``bindings=``: its runs bind them) and the tokenizers of its vocabularies
+    (``tokenizers=``, as ``--tokenizer``: their sizes are in ``params``; its runs bind them)."""
 
     front: Frontend
     params: dict[str, int] = field(default_factory=dict)
     bindings: Bindings = field(default_factory=Bindings, compare=False)
     text: str | None = field(default=None, compare=False, repr=False)  # None: read the file
+    tokenizers: dict[str, str] = field(default_factory=dict)  # NAME of Token[NAME] -> its path
 
     @property
     def ir(self) -> Program:
@@ -47,7 +49,7 @@ class Compiled:
         :class:`lmpm.runtime.config.RunConfig` (``bindings=``, ``inputs=``, ``seed=``,
         ``epochs=``, ``backend=``, ``bind=``, ``compile=``, ``workers=``...), checked as `lmpm run`
         checks before epoch 0. It binds what :func:`compile` was given, and ``bind=``/``bindings=``
-        given here on top. With ``run_dir=`` every epoch goes to RUN_DIR/lmpm.db by the same path
+        (and ``tokenizers=``) given here on top. With ``run_dir=`` every epoch goes to RUN_DIR/lmpm.db by the same path
         as `lmpm run --out RUN_DIR` (``trace=`` off/summary/cells, ``trace_region=``,
         ``checkpoint_every=``, ``durable=``, ``force=``; a run there that failed before its first
         epoch is replaced), and the outputs are written there when the run ends
@@ -55,7 +57,8 @@ class Compiled:
         from lmpm.runtime.config import RunConfig
         from lmpm.runtime.session import Run
 
-        cfg = RunConfig(params=self.params).replace(**options)
+        tokenizers = {**self.tokenizers, **dict(options.pop("tokenizers", None) or {})}
+        cfg = RunConfig(params=self.params, tokenizers=tokenizers).replace(**options)
         loaded = self.bindings
         if cfg.bind or cfg.bindings:
             loaded = loaded.extended(cfg.bind, dict(cfg.bindings or {}))
@@ -84,6 +87,7 @@ def compile(
     file: str = "<input>",
     bind: Sequence[str] = (),
     bindings: Mapping[str, Any] | None = None,
+    tokenizers: Mapping[str, str | Path] | None = None,
     **params: int,
 ) -> Compiled:
     """Compile a program with parameters bound: ``compile("prog.lmpm", N=64)`` reads a file,
@@ -96,6 +100,14 @@ def compile(
 
         prog = lmpm.compile("prog.lmpm", bindings={"Copy": my_copy})
         run = prog.runner(run_dir="runs/mine")
+
+    ``tokenizers={"NAME": PATH}`` binds the vocabulary NAME of ``Token[NAME]`` to a tokenizer (a
+    ``tokenizer.json`` or a Hugging Face model directory holding one), as `lmpm run --tokenizer
+    NAME=PATH`: its size becomes the parameter NAME (B090-B094 when it cannot), and ``runner()``
+    reads and writes that value's text with it::
+
+        prog = lmpm.compile("chat.lmpm", tokenizers={"GPT2": "models/gpt2"})
+        run = prog.runner(inputs={"Txt": "prompt.txt"}, bind=["my_hf_models"])
     """
     from lmpm.errors import UsageError
 
@@ -103,9 +115,13 @@ def compile(
         raise UsageError("give lmpm.compile() a path or text=..., not both or neither", code="U044")
     loaded = Bindings(bind, dict(bindings or {}))
     bound = loaded.user_names()
+    toks = {str(k): str(v) for k, v in (tokenizers or {}).items()}
     if text is not None:
+        params = _sized(
+            lambda o: compile_source(text, file, overrides=o, raise_errors=False), toks, params
+        )
         front = compile_source(text, file, overrides=params, bound_names=bound)
-        return Compiled(front, dict(params), loaded, text)
+        return Compiled(front, dict(params), loaded, text, toks)
     p = Path(path)  # type: ignore[arg-type]  # not None here
     if "\n" in str(path) or not p.is_file():
         what = "looks like program text" if "\n" in str(path) else "is not a file"
@@ -114,8 +130,23 @@ def compile(
             code="U045",
             hint="pass program text as lmpm.compile(text=...)",
         )
+    params = _sized(lambda o: compile_file(p, overrides=o, raise_errors=False), toks, params)
     front = compile_file(p, overrides=params, bound_names=bound)
-    return Compiled(front, dict(params), loaded, p.read_text(encoding="utf-8"))
+    return Compiled(front, dict(params), loaded, p.read_text(encoding="utf-8"), toks)
+
+
+def _sized(
+    front: Callable[[dict[str, int]], Frontend],
+    tokenizers: Mapping[str, str],
+    params: dict[str, int],
+) -> dict[str, int]:
+    """``params`` with each tokenizer's vocabulary size, as `lmpm check --tokenizer` sizes them
+    (``front``: the program checked with some parameters; nothing is loaded without tokenizers)."""
+    if not tokenizers:
+        return params
+    from lmpm.runtime.vocab import bind_vocabularies
+
+    return bind_vocabularies(front(params).ir, tokenizers, params)[1]
 
 
 def resume(

@@ -32,6 +32,7 @@ import numpy as np
 
 from lmpm.errors import RunDirError, UsageError
 from lmpm.printable import printable
+from lmpm.runtime.received import interpreting
 from lmpm.runtime.rundir import connect, read_meta
 from lmpm.runtime.runfiles import check_database, read_file
 
@@ -181,43 +182,48 @@ def compare(
 
     dirs = (Path(alone_dir), Path(constrained_dir))
     conns = tuple(_connect(d) for d in dirs)
-    try:
-        outs = tuple(_output(d, value) for d in dirs)
-        if outs[0].shape != outs[1].shape:
-            raise UsageError(
-                f"{value} has shape {outs[0].shape} in {dirs[0]} but {outs[1].shape} in {dirs[1]}",
-                code="U073",
+    # a log is data: any value of any type in any column is D043, never a traceback
+    reading = interpreting(dirs[1], f"compare {printable(str(dirs[0]))} with")
+    with reading:
+        try:
+            outs = tuple(_output(d, value) for d in dirs)
+            if outs[0].shape != outs[1].shape:
+                raise UsageError(
+                    f"{value} has shape {outs[0].shape} in {dirs[0]} but {outs[1].shape} in {dirs[1]}",
+                    code="U073",
+                )
+            metas = tuple(_meta(c) for c in conns)
+            meta = metas[1]
+            # the program the log stores (as resume does), never a file the log names
+            front = compile_source(
+                meta["source"], meta["program_file"], overrides=dict(meta.get("params") or {})
             )
-        metas = tuple(_meta(c) for c in conns)
-        meta = metas[1]
-        # the program the log stores (as resume does), never a file the log names
-        front = compile_source(
-            meta["source"], meta["program_file"], overrides=dict(meta.get("params") or {})
-        )
-        bind = Bindings(recorded_modules(meta.get("bind"), where=str(dirs[1]), trust=trust_bind))
-        plan = resolve(front.ir, dict(meta.get("params") or {}), bind)
-        vp = plan.values[value]
-        ncells = int(np.prod(outs[0].shape))
-        flat = tuple(o.reshape(-1) for o in outs)
-        given: list[np.ndarray] = []
-        for m in metas:
-            path = (m.get("inputs") or {}).get(value)
-            if path is None:
-                given.append(np.zeros(ncells, dtype=bool))
-            else:
-                _, committed = load_input(path, vp)
-                given.append(np.asarray(committed).reshape(-1).astype(bool))
-        commits = tuple(commits_per_cell(c, value, ncells) for c in conns)
-        decided, decisions = decided_by(conns[1], value, ncells)
-        names = {
-            cid: name for cid, name in conns[1].execute("SELECT id, name FROM constraint_defs")
-        }
-        texts = {
-            cid: text for cid, text in conns[1].execute("SELECT id, text FROM constraint_defs")
-        }
-    finally:
-        for c in conns:
-            c.close()
+            bind = Bindings(
+                recorded_modules(meta.get("bind"), where=str(dirs[1]), trust=trust_bind)
+            )
+            plan = resolve(front.ir, dict(meta.get("params") or {}), bind)
+            vp = plan.values[value]
+            ncells = int(np.prod(outs[0].shape))
+            flat = tuple(o.reshape(-1) for o in outs)
+            given: list[np.ndarray] = []
+            for m in metas:
+                path = (m.get("inputs") or {}).get(value)
+                if path is None:
+                    given.append(np.zeros(ncells, dtype=bool))
+                else:
+                    _, committed = load_input(path, vp)
+                    given.append(np.asarray(committed).reshape(-1).astype(bool))
+            commits = tuple(commits_per_cell(c, value, ncells) for c in conns)
+            decided, decisions = decided_by(conns[1], value, ncells)
+            names = {
+                cid: name for cid, name in conns[1].execute("SELECT id, name FROM constraint_defs")
+            }
+            texts = {
+                cid: text for cid, text in conns[1].execute("SELECT id, text FROM constraint_defs")
+            }
+        finally:
+            for c in conns:
+                c.close()
 
     differ = flat[0] != flat[1]
     checks = []

@@ -242,3 +242,52 @@ def test_the_frontier_schedule_generates_rows_of_different_lengths_as_generate_d
         assert out[i].tolist() == hf_greedy(net, p, n - len(p))
     # the prompts once, then every generated token but each row's last once
     assert adapter.fed == sum(lengths) + sum(n - p - 1 for p in lengths)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_dense_layout_is_the_visible_slots_in_order_then_zeros(seed: int) -> None:
+    """dense_read, both ways it takes: visible slots anywhere (a scatter) and leading slots (the
+    causal prefix, narrowed), rows of one length and of several, a cell of one token and of two."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 1 + seed % 3, 7
+    if seed % 2:  # leading slots: a prefix per row (one length when seed % 4 == 1)
+        lengths = (
+            torch.full((n,), 4) if seed % 4 == 1 else torch.randint(0, k + 1, (n,), generator=g)
+        )
+        mask = torch.arange(k) < lengths.unsqueeze(1)
+    else:
+        mask = torch.rand(n, k, generator=g) < 0.5
+    cell = () if seed % 3 else (2,)
+    data = torch.randint(1, 50, (n, k, *cell), generator=g)
+    index = torch.randint(1, 50, (n, k), generator=g)
+    clock = torch.randint(1, 50, (n, k), generator=g)
+    got = dense_read("x", data, mask, index, clock)
+    width = int(mask.sum(1).max())
+    assert got["x_length"].tolist() == mask.sum(1).tolist()
+    for key, src in (("x_dense", data), ("x_dense_index", index), ("x_dense_clock", clock)):
+        out = got[key]
+        assert tuple(out.shape) == (n, width, *src.shape[2:])
+        for row in range(n):
+            seen = src[row][mask[row]]
+            m = seen.shape[0]
+            assert torch.equal(out[row, :m], seen)
+            assert not out[row, m:].any()  # the rest is 0
+
+
+def test_a_row_left_alone_after_a_batch_keeps_its_padding_masked() -> None:
+    """A row decoded in a batch with a longer one has padding columns in its cache; carried on
+    alone (the other row finished), its one-token steps still mask them: the logits of a full
+    forward of its prefix, every step."""
+    net = tiny_gpt2(4)
+    adapter = HFCausalLM(net)
+    rows = [[4, 9, 1], [7, 7, 2, 30, 11, 5, 6, 8]]
+    for _ in range(2):
+        out = adapter(_dense_inputs(rows), pick="top", generation=3).logits
+        for r, tok in zip(rows, out.argmax(dim=-1).tolist()):
+            r.append(tok)
+    alone = rows[0]
+    for _ in range(4):
+        out = adapter(_dense_inputs([alone]), pick="top", generation=3).logits
+        ref = net(torch.tensor([alone])).logits[0, -1]
+        torch.testing.assert_close(out[0], ref, rtol=1e-4, atol=1e-5)
+        alone.append(int(out[0].argmax()))

@@ -153,16 +153,17 @@ def test_compiled_read_gathers_give_the_model_what_eager_gathers() -> None:
     run = _video(3, 8, 8, seed=1)(True)
     run.run(3)  # some cells committed, some not: masks differ across reads
     dp = run.engine.dataplane
-    assert dp.read_gathers is not None
-    gathers, dp.read_gathers = dp.read_gathers, None
-    assert dp._trusted == {rp.id for rp in run.plan.rules}  # LMPM's own models: no copies
+    g = dp.inputs
+    assert g.read_gathers is not None
+    gathers, g.read_gathers = g.read_gathers, None
+    assert g.trusted == {rp.id for rp in run.plan.rules}  # LMPM's own models: no copies
     for rp in run.plan.rules:
         n = run.plan.values[rp.target].ncells
         for cells in (torch.arange(0, n, 2), torch.arange(n), torch.tensor([1, 5, 6])):
-            dp.read_gathers = None
-            want = dp._inputs(rp, cells)
-            dp.read_gathers = gathers
-            got = dp._inputs(rp, cells)
+            g.read_gathers = None
+            want = g.gather(rp, cells)
+            g.read_gathers = gathers
+            got = g.gather(rp, cells)
             assert want.keys() == got.keys()
             for k in want:
                 assert torch.equal(want[k], got[k]), (rp.name, k)

@@ -372,29 +372,29 @@ def test_a_kept_read_of_an_input_value_follows_every_change_to_it() -> None:
     dp = run.dataplane
     rp = next(r for r in run.plan.rules if r.name == "CoarsePlan")
     cells = torch.arange(1)
-    first = dp._inputs(rp, cells)["txt"]
-    again = dp._inputs(rp, cells)["txt"]
+    first = dp.inputs.gather(rp, cells)["txt"]
+    again = dp.inputs.gather(rp, cells)["txt"]
     assert again.data_ptr() == first.data_ptr()  # kept: nothing changed
     n = run.plan.values["Txt"].ncells
     new = torch.arange(n) % 7 + 97
     dp.set_input("Txt", new, torch.ones(n, dtype=torch.bool))
-    assert dp._inputs(rp, cells)["txt"][0].tolist() == new.tolist()
+    assert dp.inputs.gather(rp, cells)["txt"][0].tolist() == new.tolist()
     dp.payload["Txt"].index_copy_(0, torch.tensor([3]), torch.tensor([120]))  # a halo write
-    assert int(dp._inputs(rp, cells)["txt"][0, 3]) == 120
+    assert int(dp.inputs.gather(rp, cells)["txt"][0, 3]) == 120
     dp.committed["Txt"].index_fill_(0, torch.tensor([5]), False)
-    assert not bool(dp._inputs(rp, cells)["txt_mask"][0, 5])
+    assert not bool(dp.inputs.gather(rp, cells)["txt_mask"][0, 5])
     dp.load(
         "Txt",
         torch.full((n,), 98),
         torch.ones(n, dtype=torch.bool),
         torch.ones(n, dtype=torch.bool),
     )
-    assert dp._inputs(rp, cells)["txt"][0].tolist() == [98] * n
+    assert dp.inputs.gather(rp, cells)["txt"][0].tolist() == [98] * n
 
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_pick_takes_each_rows_winning_column(n: int) -> None:
-    from lmpm.runtime.data.dataplane import pick
+    from lmpm.runtime.data.owner import pick
 
     table = torch.arange(4 * n * 5, dtype=torch.float64).reshape(n, 5, 4)[:, :, 1]  # strided
     winner = torch.tensor([4, 0, 2][:n])

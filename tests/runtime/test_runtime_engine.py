@@ -12,6 +12,7 @@ import torch
 
 from lmpm.errors import ConstraintEvalError, InputError, LmpmError, ModelError
 from lmpm.resolve.schedules import color_graph
+from lmpm.runtime.data.checks import CandidateTable
 from lmpm.runtime.session import Run
 from lmpm.visibility.gather import visible_union
 
@@ -348,22 +349,23 @@ constraint S: {kind} A[t] in Set(0, 5) priority 3
 """
     run = Run.from_source(src)
     worker = run.dataplane
-    cp = worker._tables["A"].constraints[0]
-    table = worker._tables["A"].tables[0]
+    cp = worker.tables["A"].constraints[0]
+    table = worker.tables["A"].tables[0]
     payload = torch.tensor([[0, -7, -1, 5, 6, 99], [4, 0, 5, 1, 2, 3]])
     committed = torch.tensor([True, False])
-    viol = worker._violations(
-        cp,
+    ct = CandidateTable(
+        "A",
         run.plan.values["A"],
+        0,
         torch.tensor([0, 1]),
         payload,
         torch.ones_like(payload, dtype=torch.bool),
         payload[:, 0],
         committed,
         True,
-        0,
-        table,
+        True,
     )
+    viol = worker.checks.violations(cp, ct, table)
     member = [[True, False, False, True, False, False], [False, True, True, False, False, False]]
     want = [[m == (kind == "forbid") for m in row] for row in member]
     want[1][0] = kind == "require"  # keep-current of the unset cell: in no set

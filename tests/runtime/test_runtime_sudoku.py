@@ -94,7 +94,7 @@ def test_cli_same_seed_same_output(runs: dict[str, tuple[Path, str, dict]]) -> N
 
 
 def test_duplicate_ignores_empty_cells() -> None:
-    from lmpm.runtime.data.dataplane import PredicateInput
+    from lmpm import PredicateInput  # the documented name (docs/runtime.md)
 
     peers = torch.tensor([[0, 3, 5]])
     ctx = PredicateInput(

@@ -20,7 +20,18 @@ from hypothesis import strategies as st
 
 from lmpm.ir import compile_source
 from lmpm.ir.nodes import Expr, Op
+from lmpm.resolve.plan import resolve
 from lmpm.resolve.schedules import epoch_horizon
+from lmpm.runtime.control.engine import why_text
+from lmpm.runtime.records import (
+    HELD,
+    NEVER_OPENED,
+    NO_QUORUM,
+    NO_SOURCE,
+    NO_WINNER,
+    NOT_FIRED,
+    UNKNOWN,
+)
 from lmpm.runtime.session import Run
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -106,6 +117,18 @@ def test_confidence_with_a_prefix_generates_the_rest() -> None:
     assert res.stable and bool(st_.committed.all())
     # the cosine share applies to the 4 cells to generate: 1, 1, 1, 1 over the 4 steps
     assert sorted(st_.epoch.tolist()[2:]) == [0, 1, 2, 3]
+
+
+def test_every_why_code_has_its_own_words() -> None:
+    """Only a constraint id blames a constraint; a code without words says so (issue 44)."""
+    src = program("raster", constraints="constraint Hard: forbid A[2] in Set(0..7) priority 100")
+    plan = resolve(compile_source(src).ir)
+    codes = (HELD, NEVER_OPENED, NO_QUORUM, NO_SOURCE, NO_WINNER, NOT_FIRED, UNKNOWN)
+    texts = [why_text(c, plan, "A") for c in codes]
+    assert len(set(texts)) == len(codes) and not any("violates" in t for t in texts)
+    assert why_text(0, plan, "A") == "every candidate violates `Hard`"
+    assert "code -99" in why_text(-99, plan, "A") and "violates" not in why_text(-99, plan, "A")
+    assert "#7" in why_text(7, plan, "A")
 
 
 def test_raster_passes_a_forbidden_cell_and_names_the_constraint() -> None:

@@ -312,3 +312,25 @@ def test_a_grid_of_rows_takes_a_prompt_per_line(tok_dir: Path, tmp_path: Path) -
     with pytest.raises(lmpm.errors.InputError) as err:
         lmpm.compile(prog).runner(tokenizers={"BPE": tok_dir}, inputs={"Txt": prompts})
     assert err.value.code == "R009" and "4 lines; the value holds 3 rows" in str(err.value)
+
+
+def test_compile_takes_the_tokenizers_as_run_takes_them(tok_dir: Path, tmp_path: Path) -> None:
+    """``lmpm.compile(tokenizers=...)`` is `--tokenizer`: the size binds the parameter, the run
+    binds the tokenizer, a name no value uses is B093 (as `lmpm check --tokenizer`)."""
+    size = _tok(tok_dir).get_vocab_size()
+    prompts = tmp_path / "prompt.txt"
+    prompts.write_text("a red square")
+    prog = lmpm.compile(text=GRID, tokenizers={"BPE": tok_dir})
+    assert prog.params["BPE"] == size and prog.tokenizers == {"BPE": str(tok_dir)}
+    run = prog.runner(inputs={"Txt": prompts})  # the prompt is text: the tokenizer encodes it
+    ids = _tok(tok_dir).encode("a red square").ids
+    assert run.outputs()["Txt"].tolist()[0][: len(ids)] == ids
+    run.close()
+    path = tmp_path / "g.lmpm"
+    path.write_text(GRID)
+    assert lmpm.compile(path, tokenizers={"BPE": tok_dir / "tokenizer.json"}).params == {
+        "BPE": size
+    }
+    with pytest.raises(lmpm.BindError) as err:
+        lmpm.compile(path, tokenizers={"GPT2": tok_dir})
+    assert err.value.code == "B093"

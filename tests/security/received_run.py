@@ -12,6 +12,8 @@ from pathlib import Path
 
 from lmpm.cli import main
 
+ROOT = Path(__file__).resolve().parents[2]
+
 PROG = """\
 param W = 6
 param H = 4
@@ -30,6 +32,7 @@ rule S:
 """
 
 _made: list[Path] = []
+_trained: list[Path] = []
 
 
 def pristine() -> Path:
@@ -46,9 +49,31 @@ def pristine() -> Path:
     return _made[0]
 
 
-def copy_run(dest: Path) -> Path:
-    """A fresh copy of :func:`pristine` at ``dest`` (its lock file left behind)."""
-    shutil.copytree(pristine(), dest, ignore=shutil.ignore_patterns("lmpm.lock"))
+def pristine_training() -> Path:
+    """A training run directory as `lmpm run` wrote it: examples/train_bytelm.lmpm, 2 epochs of
+    2 inner steps on one worker (``train.db``, ``checkpoints/inner-w0-*.pt``, ``params-*``)."""
+    if not _trained:
+        data = ROOT / "examples" / "train"
+        out = Path(tempfile.mkdtemp(prefix="lmpm-received-train-")) / "run"
+        inputs = [
+            "--input",
+            f"Corpus={data / 'corpus.npy'}",
+            "--input",
+            f"Held={data / 'held.npy'}",
+        ]
+        small = ["--set", "H=2", "--set", "B=2", "--epochs", "2", "--quiet"]
+        prog = ROOT / "examples" / "train_bytelm.lmpm"
+        rc, _, err = run_cli(["run", str(prog), "--out", str(out), *inputs, *small])
+        assert rc == 0, err
+        _trained.append(out)
+    return _trained[0]
+
+
+def copy_run(dest: Path, source: Path | None = None) -> Path:
+    """A fresh copy of ``source`` (default :func:`pristine`) at ``dest`` (its lock file left
+    behind)."""
+    src = pristine() if source is None else source
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("lmpm.lock"))
     return dest
 
 

@@ -14,8 +14,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from received_run import copy_run, run_cli
 
-from lmpm.ir import compile_source
-from lmpm.visibility.gather import TABLE_BYTES_PER_ENTRY, gather_table, table_costs
+from lmpm.ir import compile_file, compile_source
+from lmpm.ir.eval import bind_params
+from lmpm.resolve.budget import TABLE_BYTES_PER_ENTRY, machine_memory, table_bound
+from lmpm.visibility.gather import gather_table, table_costs
+
+ROOT = Path(__file__).resolve().parents[2]
 
 CAUSAL = """\
 param N = {n}
@@ -41,6 +45,34 @@ def test_a_causal_n_of_20000_is_counted_without_building_it() -> None:
     ir = compile_source(CAUSAL.format(n=20000)).ir
     need = sum(c.nbytes() for c in table_costs(ir, {"N": 20000}))
     assert need == 2 * 20000 * 19999 * TABLE_BYTES_PER_ENTRY  # ~19 GiB, counted from two boxes
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.lmpm")))
+def test_the_bound_from_the_sizes_holds_what_the_boxes_count(example: str) -> None:
+    """`lmpm check` stays torch-free when this bound fits: it must never be below the boxes'."""
+    ir = compile_file(ROOT / "examples" / example).ir
+    env = bind_params(ir, {})
+    exact = sum(c.nbytes() for c in table_costs(ir, env))
+    bound = table_bound(ir, env)
+    assert bound is not None and exact <= bound <= 32 * exact + 2**20  # and not far above
+
+
+def test_a_plain_check_refuses_a_causal_plan_past_this_machine(tmp_path: Path) -> None:
+    """No --max-memory: the machine's memory is the limit, as for `lmpm run` (issue 44: N = 20000
+    needs 19.4 GiB, so an N past this machine is chosen)."""
+    ram = machine_memory()
+    assert ram is not None
+    n = int((ram / (2 * TABLE_BYTES_PER_ENTRY)) ** 0.5) + 1000  # two tables of n x (n-1)
+    prog = tmp_path / "causal.lmpm"
+    prog.write_text(CAUSAL.format(n=n))
+    rc, _, err = run_cli(["check", str(prog)])
+    need = 2 * n * (n - 1) * TABLE_BYTES_PER_ENTRY + n * 64
+    assert rc == 2 and "gather tables need about" in err and f"({need:,} bytes)" in err, err
+    assert "this machine has" in err
+    rc, out, _ = run_cli(["check", str(prog), "--json"])
+    assert rc == 1 and '"code": "U049"' in out  # (--json: diagnostics, exit 1)
+    rc, _, err = run_cli(["check", str(prog), "--set", "N=2000"])
+    assert rc == 0, err
 
 
 def test_run_refuses_a_plan_past_max_memory_before_any_work(tmp_path: Path) -> None:

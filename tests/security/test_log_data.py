@@ -108,3 +108,17 @@ def test_a_bad_budget_setting_is_a_usage_error(
     monkeypatch.setenv("LMPM_READ_SECONDS", "soon")
     rc, _, err = run_cli(["trace", str(run)])
     assert rc == 2 and "LMPM_READ_SECONDS" in err, err
+
+
+def test_a_schema_that_is_not_utf8_is_corrupt_not_an_internal_error(tmp_path: Path) -> None:
+    """SQLite's message about a damaged schema quotes its bytes; Python cannot decode them
+    (UnicodeDecodeError, once an internal error of `lmpm top`): D006 for every reader."""
+    run = copy_run(tmp_path / "run")
+    bad = b"CREATE TABLE meta (key TEXT, value TEXT) \xa8\xc2"  # not UTF-8, not SQL
+    conn = sqlite3.connect(run / "lmpm.db", isolation_level=None)
+    conn.execute("PRAGMA writable_schema=ON")
+    conn.execute("UPDATE sqlite_master SET sql = CAST(? AS TEXT) WHERE name = 'meta'", (bad,))
+    conn.close()
+    for argv in (["trace", str(run)], ["run", "--resume", str(run), "--epochs", "6"]):
+        rc, _, err = run_cli(argv)
+        assert rc == 1 and "[D006]" in err and "corrupt" in err, (argv, err)

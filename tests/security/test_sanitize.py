@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from received_run import copy_run, run_cli, sql
+from received_run import ROOT, copy_run, pristine_training, run_cli, sql
 
 from lmpm.printable import printable, printable_lines, printable_tree
 
@@ -62,3 +62,37 @@ def test_an_error_quoting_the_log_shows_no_escape(tmp_path: Path) -> None:
     rc, _, err = run_cli(["trace", str(run)])
     assert rc == 1 and "[D040]" in err
     assert "\x1b" not in err and "\x07" not in err
+
+
+def test_vm_status_shows_no_escape_from_the_log(tmp_path: Path) -> None:
+    """A workflow run's decisions, captures and text from a received log (issue 44: `lmpm vm
+    status` printed them raw)."""
+    run = tmp_path / "vm"
+    tools = str(ROOT / "examples" / "vm" / "tools.py")
+    prog = str(ROOT / "examples" / "vm.lmpm")
+    rc, _, err = run_cli(["vm", "run", prog, "--set", "B=2", "--out", str(run), "--bind", tools])
+    assert rc == 0, err
+    sql(
+        run / "lmpm.db",
+        f"UPDATE vm_streams SET decisions = '{json.dumps([HOSTILE])}', "
+        f"captures = '{json.dumps({HOSTILE: HOSTILE})}', status = '{HOSTILE}'",
+        f"UPDATE vm_zones SET name = '{HOSTILE}'",
+    )
+    for extra in ([], ["--json"], ["--stream", "0"]):
+        rc, out, err = run_cli(["vm", "status", str(run), *extra])
+        assert rc == 0, err
+        assert "\x1b" not in out + err and "\x07" not in out + err and "\\x1b[2J" in out
+
+
+def test_top_shows_no_escape_from_a_training_log(tmp_path: Path) -> None:
+    run = copy_run(tmp_path / "t", pristine_training())
+    sql(
+        run / "train.db",
+        f"""UPDATE meta SET value = '{json.dumps(HOSTILE)}' WHERE key = 'program_file'""",
+        f"UPDATE workers SET host = '{HOSTILE}', backend = '{HOSTILE}'",
+        f"INSERT INTO worker_faults VALUES (1, 1, 'w0', '{HOSTILE}', '{HOSTILE}', 0.5, 1, 0)",
+        f"INSERT INTO constraint_events VALUES (1, '{HOSTILE}', 'require', 1, 1, 'rejected')",
+    )
+    rc, out, err = run_cli(["top", str(run), "--once"])
+    assert rc == 0, err
+    assert "\x1b" not in out + err and "\x07" not in out + err and "\\x1b" in out

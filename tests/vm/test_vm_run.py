@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
+from lmpm.errors import ModelError
 from lmpm.ir import compile_source
 from lmpm.vm import GENERATED, WorkflowRun
 
@@ -68,6 +70,16 @@ def test_model_asked_only_for_generating_streams_and_constraints_hold() -> None:
     for caps, text in zip(vm.extract(), vm.generative_sequence()):
         assert text.startswith("a " + caps["colour"] + "moves ")
         assert f" ({len(caps['sky'])})" in text
+
+
+def test_a_proposer_without_logits_is_a_coded_error() -> None:
+    """RandomTokens proposes tokens; the VM samples from logits: R157 naming the model (issue 44:
+    it was KeyError 'logits', an internal error)."""
+    src = program(ZONES, 2, 48).replace("ByteLM(context)", "RandomTokens(context, k=2)")
+    run = WorkflowRun(compile_source(src).ir, tools={"Count": count})
+    with pytest.raises(ModelError) as err:
+        run.run()
+    assert err.value.code == "R157" and "`RandomTokens` returned proposal, score" in str(err.value)
 
 
 def test_identical_results_for_any_batch_split() -> None:

@@ -83,6 +83,27 @@ def test_inconsistent_inputs_are_usage_errors() -> None:
         )
 
 
+def test_one_item_is_its_own_call_keyed_as_in_a_group() -> None:
+    """One item (an epoch's one rule firing) skips the grouping: its inputs go as they are, with
+    the RNG keys, offsets and mask a group of it would have."""
+    x, m = torch.ones(2, 3), torch.tensor([[True, False, True], [True, True, False]])
+    one = WorkItem(
+        "r", ident, {"x": x, "x_mask": m}, torch.arange(2), seed=5, epoch=3, value="V", replica=1
+    )
+    (call,) = batch_items([one])
+    assert call.inputs["x"] is x and call.inputs["x_mask"] is m
+    assert call.offsets == (0, 2) and call.item_ids == (0,)
+    twin = WorkItem(
+        "r", ident, {"x": x, "x_mask": m}, torch.arange(2, 4), seed=5, epoch=3, value="V", replica=1
+    )
+    (pair,) = batch_items([one, twin])
+    assert call.keys == pair.keys  # ints: every row agrees
+    with pytest.raises(UsageError, match="has shape"):
+        batch_items([WorkItem("r", ident, {"x": torch.ones(3)}, torch.arange(2))])
+    with pytest.raises(UsageError, match="int64"):
+        batch_items([WorkItem("r", ident, {"x": torch.ones(2)}, torch.arange(2.0))])
+
+
 def test_one_model_call_for_many_objects_and_split_back() -> None:
     calls: list[int] = []
 

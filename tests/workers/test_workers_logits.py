@@ -117,7 +117,8 @@ def test_the_mask_shortcuts_choose_what_the_level_by_level_mask_does(seed: int) 
     mask on random logits (with -inf, +inf and NaN entries), sets, levels and rows a constraint
     does not speak about; the favourite returned is the unmasked argmax."""
     g = torch.Generator().manual_seed(seed)
-    n, vocab, sets = 5, 12, 3
+    # (more rows than greedy reads as numbers: its check as tensor ops)
+    n, vocab, sets = 5 if seed % 8 else 70, 12, 3
     logits = torch.randn(n, vocab, generator=g)
     odd = torch.rand(n, vocab, generator=g)
     logits[odd < 0.15] = -torch.inf
@@ -147,3 +148,19 @@ def test_the_mask_shortcuts_choose_what_the_level_by_level_mask_does(seed: int) 
     ref = want.argmax(dim=1, keepdim=True)
     assert torch.equal(top[rows], ref[rows])
     assert torch.equal(alone, logits.argmax(dim=1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_row_argmax_is_torchs_first_of_maxima(dtype: torch.dtype) -> None:
+    """argmax_rows (NumPy's argmax on the host) picks what torch.argmax picks: the first of equal
+    maxima, the first NaN, a row of only -inf at 0."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randint(0, 4, (6, 9), generator=g).to(dtype)  # many ties
+    t[1, 4] = torch.nan
+    t[1, 6] = torch.nan
+    t[2] = -torch.inf
+    t[3, 2] = torch.inf
+    got = choose.argmax_rows(t)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, t.argmax(dim=1))
+    assert got[1] == 4 and got[2] == 0 and got[3] == 2

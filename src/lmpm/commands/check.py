@@ -64,8 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-memory",
         type=memory_size,
         metavar="BYTES",
-        help="also count the bytes `lmpm run` would allocate for the values and gather tables "
-        "(imports torch) and fail past BYTES (e.g. 8G), as `lmpm run --max-memory` does",
+        help="the memory the bytes `lmpm run` would allocate for the values and gather tables "
+        "may take (e.g. 8G; default: this machine's memory), as `lmpm run --max-memory`; past "
+        "it, U043 or U049 with the number",
     )
 
 
@@ -112,11 +113,12 @@ def run(args: argparse.Namespace) -> int:
     print_diagnostics(diagnostics, args.json)
     if front.errors or any(d.severity == "error" for d in diagnostics):
         return 1
-    if args.max_memory is not None:
-        from lmpm.ir.eval import bind_params
-        from lmpm.resolve.plan import check_memory
-
-        check_memory(front.ir, dict(bind_params(front.ir, overrides)), args.max_memory)
+    try:
+        _budget(front, overrides, args.max_memory)
+    except LmpmError as e:
+        if args.json:
+            return fail_json(e)
+        raise
     if args.device:
         return _device_check(args, path, overrides, tokenizers)
     if args.emit_ir == "json":
@@ -133,6 +135,20 @@ def run(args: argparse.Namespace) -> int:
             f"{path}: ok" + (f" ({n} warning{'s' if n != 1 else ''})" if n else "") + "\n"
         )
     return 0
+
+
+def _budget(front: Frontend, overrides: dict[str, int], limit: int | None) -> None:
+    """Refuse, as `lmpm run` would before any work, a plan whose cells and gather tables do not
+    fit in ``limit`` bytes (default: this machine's memory): U043, U049. Imports torch only for a
+    plan whose bound from the cell counts does not fit (lmpm.resolve.budget)."""
+    from lmpm.ir.eval import EvalError, bind_params
+    from lmpm.resolve.budget import check_memory
+
+    env = bind_params(front.ir, overrides)
+    try:
+        check_memory(front.ir, env, limit)
+    except EvalError:  # a parameter without a value: the sizes are not known until --set
+        pass
 
 
 def _sized(path: Path, tokenizers: dict[str, str], overrides: dict[str, int]) -> dict[str, int]:

@@ -62,6 +62,7 @@ class _Rows:
     clock: Tensor  # (rows, Lc) host int64: its write clock when fed
     column: Tensor  # (rows, Lc) host int64: the cache column holding each position
     length: Tensor  # (rows,) host int64: cached positions per row
+    full: bool = False  # every column of ``attention`` holds a token (no padding)
 
 
 class HFCausalLM:
@@ -94,6 +95,9 @@ class HFCausalLM:
         self.max_cached = int(max_cached)
         self._rows: OrderedDict[tuple[Any, ...], _Rows] = OrderedDict()
         self.fed = 0  # tokens fed through the model so far (cache reuse: tests, benchmarks)
+        # one of its parameters: where the model is (a module's ``to`` moves its parameters in
+        # place, so this one's device follows the model's without a walk over them every call)
+        self._param = next(self.model.parameters(), None)
 
     @classmethod
     def from_pretrained(
@@ -125,6 +129,7 @@ class HFCausalLM:
 
     def to(self, device: torch.device | str) -> HFCausalLM:
         self.model.to(device)
+        self._param = next(self.model.parameters(), None)
         self._rows.clear()
         return self
 
@@ -144,18 +149,19 @@ class HFCausalLM:
         name = self._read_name(inputs)
         ids = inputs[f"{name}_dense"]  # (n, L)
         device = ids.device
-        if next(self.model.parameters()).device != device:
+        if self._param is not None and self._param.device != device:
             self.to(device)
-        host = torch.stack(
-            [inputs[f"{name}_dense_index"], inputs[f"{name}_dense_clock"]]
-        ).cpu()  # (2, n, L) one copy to the host for the bookkeeping
+        index, clock = inputs[f"{name}_dense_index"], inputs[f"{name}_dense_clock"]
+        if device.type != "cpu":  # one copy to the host for the bookkeeping
+            index, clock = torch.stack([index, clock]).cpu()  # (n, L) each
+        # (on the host they are this call's own tensors: kept as they are, never written)
         length = inputs[f"{name}_length"].cpu()
         if int(length.min()) < 1:
             raise ValueError(
                 f"a cell's read `{name}` holds no token yet; a causal LM needs at least one "
                 "(give the prompt's first cells as input)"
             )
-        logits = self._forward(ids, host[0], host[1], length, generation)  # (n, V)
+        logits = self._forward(ids, index, clock, length, generation)  # (n, V)
         # the worker masks the lowered constraints, then takes the top k or draws k (Logits)
         return Logits(logits, k=int(k), pick=pick, temperature=float(temperature))
 
@@ -181,6 +187,8 @@ class HFCausalLM:
         rows = self._rows.pop(key, None)
         if rows is None:
             rows = self._subset(key)
+        elif self._appends(rows, index, clock, length):  # one new token per row: the decode step
+            return self._append(key, rows, ids, index, clock, length)
         start_col, keep = self._reuse(rows, index, clock, length)
         # per row, the first position to feed: those in columns before start_col stay cached
         first = keep  # (n,)
@@ -217,7 +225,59 @@ class HFCausalLM:
             column[torch.arange(width + 1).unsqueeze(0) >= first.unsqueeze(1)] = 0
         column.scatter_(1, torch.where(real, pos, width), col_new)
         column = column[:, :width]
-        self._rows[key] = _Rows(cache, attention, index, clock, column, length)
+        full = bool(attention.all())
+        self._rows[key] = _Rows(cache, attention, index, clock, column, length, full)
+        while len(self._rows) > self.max_cached:
+            self._rows.popitem(last=False)
+        return out.logits[:, -1, :]
+
+    @staticmethod
+    def _appends(rows: _Rows, index: Tensor, clock: Tensor, length: Tensor) -> bool:
+        """Every row holds its cached positions unchanged (same cells, same clocks) and one
+        more after them: the step of a decode, one token per row."""
+        lc = rows.index.shape[1]
+        if index.shape[1] < lc or not torch.equal(length, rows.length + 1):
+            return False
+        now_index, now_clock = index[:, :lc], clock[:, :lc]
+        if int(rows.length.min()) < lc:  # rows of several lengths: a row's new token lies
+            # within the cached width, where its cached entries are 0 (the dense read's rest)
+            cached = torch.arange(lc) < rows.length.unsqueeze(1)
+            now_index, now_clock = now_index * cached, now_clock * cached
+        return torch.equal(rows.index, now_index) and torch.equal(rows.clock, now_clock)
+
+    def _append(
+        self,
+        key: tuple[Any, ...],
+        rows: _Rows,
+        ids: Tensor,
+        index: Tensor,
+        clock: Tensor,
+        length: Tensor,
+    ) -> Tensor:
+        """Feed each row its one new token (the last of its prefix) after its cache: the decode
+        step of :meth:`_forward` without its general bookkeeping."""
+        n, width = ids.shape
+        dev = ids.device
+        last = (length - 1).unsqueeze(1)  # (n, 1) the new token's position in each row
+        end = rows.attention.shape[1]  # the cache column it goes to
+        pos = last.to(dev)
+        attention = torch.cat([rows.attention, rows.attention.new_ones(n, 1)], dim=1)
+        out = self.model(
+            input_ids=ids.gather(1, pos),
+            # no padding: the mask is all ones, which transformers would look over only to drop
+            # it (one query a row, no padding: SDPA needs no mask)
+            attention_mask=None if rows.full else attention,
+            position_ids=pos,
+            cache=rows.cache,  # (filled in place)
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.fed += n
+        # the new position's column; those after a row's length stay 0 (as _forward keeps them)
+        column = torch.zeros(n, width, dtype=torch.int64)
+        column[:, : rows.column.shape[1]] = rows.column
+        column.scatter_(1, last, end)
+        self._rows[key] = _Rows(rows.cache, attention, index, clock, column, length, rows.full)
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
         return out.logits[:, -1, :]

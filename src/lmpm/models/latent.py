@@ -19,7 +19,7 @@ from torch import Tensor
 from lmpm.workers import rng
 
 if TYPE_CHECKING:
-    from lmpm.runtime.data.dataplane import PredicateInput
+    from lmpm.runtime.records import PredicateInput
 
 
 def _mean(data: Tensor, mask: Tensor) -> Tensor:

@@ -56,7 +56,7 @@ from lmpm.models import weights
 from lmpm.workers import rng
 
 if TYPE_CHECKING:
-    from lmpm.runtime.data.dataplane import PredicateInput
+    from lmpm.runtime.records import PredicateInput
 
 MARKS = 512  # 9-bit pencil-mark mask; the calm and alarm counters sit above it
 ALARM = (

@@ -36,6 +36,7 @@ from lmpm.ir.nodes import (
     Status,
 )
 from lmpm.ir.printer import call_str, expr_str, read_str
+from lmpm.resolve.budget import check_memory
 from lmpm.resolve.masks import ValueMask, lower, lowering_of
 from lmpm.resolve.policies import Policy, get_policy, replicas
 from lmpm.resolve.schedules import ScheduleSpec, sample_tiles
@@ -184,64 +185,6 @@ def _visible(
 
     g = visible_union(program, env, target, source)
     return g.index, g.valid
-
-
-BYTES_PER_CELL = 64  # control-plane metadata + payload + coordinates per cell, a lower bound
-
-
-def machine_memory() -> int | None:
-    """This machine's physical memory in bytes (None where the OS does not say)."""
-    import os
-
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return None
-
-
-def check_memory(program: Program, env: dict[str, int], limit: int | None = None) -> None:
-    """Refuse a plan too big for ``limit`` bytes (default: this machine's memory) *before*
-    allocating anything: the values' cells (U043; a huge ``--set`` would otherwise try an absurd
-    allocation, or swap the machine to a halt), then the gather tables the plan builds (U049;
-    ``param N = 20000`` with a causal ``visible`` needs 10 GB), counted from the clauses' boxes."""
-    from lmpm.errors import UsageError
-    from lmpm.visibility.gather import table_costs
-
-    ram = machine_memory() if limit is None else limit
-    if ram is None:
-        return
-    what = "this machine has" if limit is None else "--max-memory allows"
-    sizes: dict[str, int] = {}
-    for v in program.values:
-        if v.shape == ShapeKind.SET:
-            continue
-        n = 1
-        for d in v.dims:
-            n *= evaluate(d, env)
-        sizes[v.name] = n
-    total = sum(sizes.values())
-    if total * BYTES_PER_CELL > ram:
-        big = max(sizes, key=lambda k: sizes[k])
-        raise UsageError(
-            f"the values have {total:,} cells in all (`{big}`: {sizes[big]:,}); that needs at "
-            f"least {total * BYTES_PER_CELL / 2**30:,.1f} GiB, and {what} "
-            f"{ram / 2**30:,.1f} GiB",
-            code="U043",
-            hint="--set smaller dimensions",
-        )
-    costs = table_costs(program, env)
-    need = sum(c.nbytes() for c in costs) + total * BYTES_PER_CELL
-    if need > ram:
-        top = max(costs, key=lambda c: c.nbytes())
-        raise UsageError(
-            f"the plan's gather tables need about {need / 2**30:,.1f} GiB ({need:,} bytes) and "
-            f"{what} {ram / 2**30:,.1f} GiB: `{top.target}` reads up to {top.columns:,} cells "
-            f"of `{top.source}` at each of its {top.rows:,} cells ({top.nbytes() / 2**30:,.1f} "
-            "GiB)",
-            code="U049",
-            hint="--set smaller dimensions, or narrow the `visible` clause (a window "
-            "`t-W..t-1` instead of `0..t-1`)",
-        )
 
 
 def resolve(

@@ -106,13 +106,13 @@ class _Calls:
     """Maps the frames of a model, score or predicate call to the program's call site."""
 
     def __init__(self, rules: Mapping[str, Any], constraints: Mapping[str, Any]) -> None:
-        from lmpm.runtime.data.dataplane import DataPlane
+        from lmpm.runtime.data.checks import Checks
         from lmpm.vm.runner import WorkflowRun
         from lmpm.workers import batch
 
         self.model_code = batch.execute.__code__
         self.score_code = batch._rule_score.__code__
-        self.predicate_code = DataPlane._user_predicate.__code__
+        self.predicate_code = Checks.user_predicate.__code__
         self.vm_model_code = WorkflowRun.logits.__code__
         self.rules = rules  # name -> RulePlan (or the workflow's IR rule)
         self.constraints = constraints  # name -> ConstraintPlan

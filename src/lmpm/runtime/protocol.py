@@ -32,6 +32,39 @@ from torch import Tensor
 
 from lmpm.runtime.records import Compact, Dissent, LogShare, ValueEpoch, wire_code
 
+# splitmix64's multipliers as signed int64 (torch has no uint64 arithmetic); products wrap.
+_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15
+_MIX1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_MIX2 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _mix(z: Tensor) -> Tensor:
+    z = (z ^ (z >> 30)) * _MIX1
+    z = (z ^ (z >> 27)) * _MIX2
+    return z ^ (z >> 31)
+
+
+def checksum(payload: Tensor, cell_dims: int) -> Tensor:
+    """int64 checksum of each cell's payload: ``payload`` (..., *cell) -> (...). Integer arithmetic
+    on the payload's bits, so it is identical on every device; equal payloads, equal checksums
+    (what a worker sends for a policy that compares payloads, ``quorum``).
+
+    >>> import torch
+    >>> a = checksum(torch.tensor([[1.0, 2.0], [1.0, 2.0], [2.0, 1.0]]), 1)
+    >>> bool(a[0] == a[1]), bool(a[0] == a[2])
+    (True, False)
+    """
+    x = payload
+    if x.is_floating_point():
+        x = x.to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    elif x.dtype != torch.int64:
+        x = x.to(torch.int64)
+    if cell_dims:
+        x = x.flatten(-cell_dims)
+        pos = torch.arange(1, x.shape[-1] + 1, device=x.device, dtype=torch.int64) * _GOLDEN
+        x = _mix(x + pos).sum(dim=-1)
+    return _mix(x + _GOLDEN)
+
 
 @dataclass(slots=True)
 class RuleWork:

@@ -247,9 +247,15 @@ def check_schema(
 ) -> None:
     """Refuse (D040) a database whose schema ``name`` holds a trigger, a view in place of one of
     ``schema``'s tables, or one of them without its columns. Views of other names are never read."""
-    rows = conn.execute(
-        f"SELECT type, name FROM {name}.sqlite_master WHERE type IN ('trigger', 'view', 'table')"
-    ).fetchall()
+    try:
+        rows = conn.execute(
+            f"SELECT type, name FROM {name}.sqlite_master WHERE type IN ('trigger', 'view', 'table')"
+        ).fetchall()
+    except UnicodeDecodeError:  # SQLite's message quotes the damaged schema's bytes, not UTF-8
+        raise RunDirError(
+            f"{printable(str(path))} is corrupt: its schema cannot be parsed; nothing was changed",
+            code="D006",
+        ) from None
 
     def refuse(what: str) -> RunDirError:
         return RunDirError(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copyreg
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:  # torch-free at import: `lmpm trace` and the run directory's reader use it
     from torch import Tensor
@@ -64,6 +64,30 @@ class CellState:
             torch.full((n,), -1, dtype=torch.int64),
             torch.full((n,), -torch.inf, dtype=torch.float64),
         )
+
+
+class AccessInput(NamedTuple):
+    """One further access argument of a predicate call, per open cell: the K cells it reads."""
+
+    payload: Tensor  # (n, K[, *cell]) their payload
+    mask: Tensor  # (n, K) bool: the cell exists and is committed
+    cells: Tensor  # (n, K) int64 their flat cell index within the accessed value
+
+
+@dataclass(frozen=True, slots=True)
+class PredicateInput:
+    """What a user-bound predicate receives (n open cells, C candidates each). Copies: a predicate
+    that writes into them changes nothing."""
+
+    candidates: Tensor  # (n, C, *cell) candidate payloads
+    valid: Tensor  # (n, C) bool
+    current: Tensor  # (n, *cell) committed payload (undefined where not committed)
+    committed: Tensor  # (n,) bool
+    cells: Tensor  # (n,) flat cell index within the value
+    coords: Tensor  # (n, rank)
+    accesses: tuple[AccessInput, ...]  # per further access argument (P(A, B): B's)
+    args: tuple[Any, ...]  # literal arguments
+    epoch: int
 
 
 @dataclass
@@ -243,10 +267,13 @@ class StopReason:
 
     ``kind``: ``"stable"`` (:meth:`Engine.is_stable`: a full schedule cycle without a commit,
     after every epoch-guarded trigger has settled) or ``"epochs"`` (the epoch limit came first).
-    ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell:
-    ``"never opened by the schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it
-    unset"``, ``"held back by the schedule's quota ..."`` (confidence), ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked
-    the cell's proposals) or ``"not attempted since the resume"``."""
+    ``unset``: per value, unset cell counts by reason, as of the last epoch that opened the cell
+    (:func:`lmpm.runtime.control.engine.why_text` words them): ``"never opened by the
+    schedule"``, ``"no rule fires there"``, ``"no candidate beat leaving it unset"``, ``"held
+    back by the schedule's quota ..."`` (confidence), ``"the quorum's replicas disagreed ..."``,
+    ``"no rule proposes it and no input gave it"``, ``"not attempted since the resume"``, or
+    ``"every candidate violates `Name`"`` (the highest-priority constraint that blocked the
+    cell's proposals)."""
 
     kind: str
     epoch: int  # epochs complete when the run ended

@@ -42,6 +42,7 @@ import numpy as np
 from safetensors.numpy import load as load_safetensors
 
 from lmpm.errors import RunDirError
+from lmpm.printable import printable
 from lmpm.runtime.lock import is_io_error, sqlite_error
 from lmpm.runtime.received import (
     ReaderConnection,
@@ -476,10 +477,13 @@ def _attach_store(
         conn.execute("ATTACH DATABASE ? AS " + name, (uri(path, readonly=True),))
         check_schema(conn, path, store_schema(), name=name)
         return [t for t in tables if _has_table(conn, t, name)]
-    except sqlite3.Error as e:
-        if is_io_error(e):
+    except (sqlite3.Error, UnicodeDecodeError) as e:  # (SQLite's message quoting bad bytes)
+        if isinstance(e, sqlite3.Error) and is_io_error(e):
             raise sqlite_error(e, "read", path) from None
-        raise RunDirError(f"the payload store {path} is unreadable ({e})", code="D006") from None
+        raise RunDirError(
+            f"the payload store {printable(str(path))} is unreadable ({printable(str(e))})",
+            code="D006",
+        ) from None
 
 
 def _attached(conn: sqlite3.Connection) -> list[str]:

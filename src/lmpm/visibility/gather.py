@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lmpm.ir.nodes import Axis, Binder, Expr, Program
+from lmpm.resolve.budget import TABLE_BYTES_PER_ENTRY
 from lmpm.visibility._stencil import (
     Box,
     Clause,
@@ -237,10 +238,8 @@ def visible_union(
 
 
 # ---- the bytes before any table is built ----------------------------------------------------------
-# Peak bytes per table entry (row x column) while a table is built: the int64 slots being decoded,
-# their int64 clone, the bool row mask and the final int64 index and bool valid (_box_cells,
-# table_from_clauses). Measured: a causal Seq(20000) union took 10.4 GB, 26 bytes per entry.
-TABLE_BYTES_PER_ENTRY = 26
+# (TABLE_BYTES_PER_ENTRY, the peak bytes per entry while a table is built, lives in the torch-free
+# lmpm.resolve.budget, which bounds the tables from cell counts before it needs these boxes.)
 
 
 def box_width(box: Box, n: int) -> int:
@@ -274,7 +273,7 @@ def table_costs(program: Program, env: Mapping[str, int]) -> list[TableCost]:
     """The cost of every gather table a plan builds: each (target, source) union of ``visible``
     clauses and each rule read through an explicit access, from the clauses' boxes (one (n,)
     vector per box at most, never a table). ``lmpm run`` refuses a plan past the memory with
-    these numbers (:func:`lmpm.resolve.plan.check_memory`)."""
+    these numbers (:func:`lmpm.resolve.budget.check_memory`)."""
     sp = space(program, env)
     out: list[TableCost] = []
     for target, source in dict.fromkeys((s.target, s.source) for s in program.stencils):

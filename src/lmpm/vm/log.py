@@ -29,8 +29,8 @@ from torch import Tensor
 from lmpm.ir.nodes import Program
 from lmpm.runtime.control.commitlog import program_hash, refuse_existing
 from lmpm.runtime.control.trace import TraceRows
-from lmpm.runtime.data.dataplane import checksum
 from lmpm.runtime.lock import RunLock
+from lmpm.runtime.protocol import checksum
 from lmpm.runtime.records import INPUT_RULE, committed_sum
 from lmpm.runtime.rundir import (
     DB_NAME,

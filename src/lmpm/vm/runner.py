@@ -139,6 +139,18 @@ class WorkflowRun:
                 span=self.ins.rule.proposal.span,
                 code="R156",
             ) from e
+        if isinstance(out, dict) and "logits" not in out:  # a proposer (RandomTokens): no logits
+            raise ModelError(
+                f"model `{self.ins.rule.proposal.func}` returned "
+                f"{', '.join(map(str, out)) or 'nothing'}, not logits: the VM samples each token "
+                "from the model's next-token logits",
+                where={"rule": self.rule_name},
+                span=self.ins.rule.proposal.span,
+                hint="bind a model that returns logits (ByteLM, a Hugging Face model, or a "
+                "function returning {'logits': (streams, vocab)}); proposers such as "
+                "RandomTokens fit `lmpm run`",
+                code="R157",
+            )
         logits = out["logits"] if isinstance(out, dict) else out
         if logits.dim() == 3:
             logits = logits[:, 0]

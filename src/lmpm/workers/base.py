@@ -90,6 +90,9 @@ class MaskSets:
     # that satisfies them all, masking is one addition (lmpm.workers.choose.masked)
     drop: Tensor = field(init=False, repr=False, compare=False)
     bias: Tensor = field(init=False, repr=False, compare=False)
+    # ``drop`` on the host as bytes (one 0/1 byte per token): the greedy choice of a few rows
+    # looks its tokens up there without a tensor op (lmpm.workers.choose.greedy)
+    drop_host: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         used = sorted({*self.hard, *(s for level in self.levels for s in level)})
@@ -98,6 +101,7 @@ class MaskSets:
         bias = torch.zeros(drop.shape, device=self.ok.device).masked_fill(drop, -torch.inf)
         object.__setattr__(self, "drop", drop.to(self.ok.device))
         object.__setattr__(self, "bias", bias)
+        object.__setattr__(self, "drop_host", drop.cpu().numpy().tobytes())
 
 
 @dataclass(frozen=True, slots=True)

@@ -226,12 +226,63 @@ def _row_key(values: list[int], sizes: list[int], device: torch.device | None) -
     return torch.repeat_interleave(per_item, torch.tensor(sizes)).to(device or "cpu")
 
 
+def _build_one(
+    item: WorkItem, item_ids: list[int], device: torch.device | None, transfer: Transfer | None
+) -> BatchedCall:
+    """:func:`_build_call` of one item (an epoch's one rule firing: the common case): its inputs
+    as they are (placed on ``device``), nothing to concatenate or pad."""
+    rule, n = item.rule, item.n
+    inputs: dict[str, Tensor] = {}
+    for name, t in item.inputs.items():
+        if not isinstance(t, Tensor):
+            raise UsageError(
+                f"rule '{rule}': input '{name}' is a {type(t).__name__}; resolve Refs through "
+                "a backend's dispatch, and pass tensors otherwise"
+            )
+        if t.dim() == 0 or t.shape[0] != n:
+            raise UsageError(
+                f"rule '{rule}': input '{name}' has shape {tuple(t.shape)} but the item has "
+                f"{n} cells; inputs are batched over cells along dim 0"
+            )
+        inputs[name] = _place(t, device, transfer)
+    if item.cells.dim() != 1 or item.cells.dtype != torch.int64:
+        raise UsageError(
+            f"rule '{rule}': cells must be an int64 tensor of shape (n,), got "
+            f"{item.cells.dtype} {tuple(item.cells.shape)}"
+        )
+    value = item.value or item.rule
+    key = _KEYS.get(value)
+    if key is None:
+        key = _KEYS[value] = rng.key_of(value)
+    return BatchedCall(
+        rule=rule,
+        model=item.model,
+        mask=_merge_masks((item,), device, transfer),
+        kwargs=item.kwargs,
+        vocab=item.vocab,
+        dtype=item.dtype,
+        group=item.group,
+        inputs=inputs,
+        cells=_place(item.cells, device, transfer),
+        keys=RowKeys(seed=item.seed, value=key, epoch=item.epoch, replica=item.replica),
+        item_ids=tuple(item_ids),
+        offsets=(0, n),
+        score=item.score,
+        score_inputs=item.score_inputs,
+    )
+
+
+_KEYS: dict[str, int] = {}  # rng.key_of of the value names seen (a hash each: kept)
+
+
 def _build_call(
     items: Sequence[WorkItem],
     item_ids: list[int],
     device: torch.device | None,
     transfer: Transfer | None,
 ) -> BatchedCall:
+    if len(items) == 1:
+        return _build_one(items[0], item_ids, device, transfer)
     head = items[0]
     rule = head.rule
     sizes = [it.n for it in items]
@@ -355,6 +406,8 @@ def batch_items(
     items bring their own masks, synthesized over the padded dims otherwise. With ``device``, inputs
     end up there (``transfer`` moves a tensor, e.g. through pinned memory).
     """
+    if len(items) == 1:  # one call (no key to work out)
+        return [_build_call(items, [0], device, transfer)]
     groups: dict[Hashable, list[int]] = {}
     for i, item in enumerate(items):
         groups.setdefault(_group_key(item), []).append(i)
@@ -429,14 +482,27 @@ def _rows_any(flag: Tensor) -> Tensor:
     return flag.flatten(1).any(1) if flag.dim() > 1 else flag
 
 
+def _finite(t: Tensor) -> bool:
+    """Every element of ``t`` is finite, as far as the host can tell without waiting for a
+    device (False on an accelerator: the caller then works it out on the device). A few
+    elements (a row's max, k scores) are read as numbers: cheaper than a reduction."""
+    if t.device.type != "cpu":
+        return False
+    if t.numel() <= _FEW:
+        return all(math.isfinite(x) for x in t.reshape(-1).tolist())
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+_FEW = 64  # elements read as Python numbers rather than reduced (_finite)
+
+
 def _mark_nonfinite(bad: Tensor, t: Tensor, code: int) -> None:
     """``bad |= code`` on the rows of ``t`` holding NaN or ±inf. On the host, where looking costs
     no device sync, one min/max pass (both NaN when any element is) says whether there are any;
     the rows are only worked out when there are."""
-    if bad.device.type == "cpu" and t.numel() and not t.is_complex():
-        lo, hi = torch.aminmax(t)
-        if math.isfinite(float(lo)) and math.isfinite(float(hi)):
-            return
+    if bad.device.type == "cpu" and t.numel() and not t.is_complex() and _finite(t):
+        return
     bad |= _rows_any(~torch.isfinite(t)).to(torch.int8) * code
 
 
@@ -459,7 +525,10 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
     output has the wrong type, shape or dtype (host metadata only; this never syncs a device).
     """
     try:
-        with torch.no_grad():
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                out = call.model(call.inputs, **call.kwargs)
+        else:  # (an epoch runs in inference mode: no context to enter)
             out = call.model(call.inputs, **call.kwargs)
     except Exception as e:
         raise ModelError(
@@ -526,6 +595,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 hint=HINT_DEVICE,
             )
     bad = torch.zeros(n, dtype=torch.int8, device=device)
+    scored = False  # the scores are known finite
 
     if proposal is None and logits is None:
         raise ModelError(
@@ -595,7 +665,9 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     )  # (n, 1)
                     alone = first[:, 0]
                 proposal = choose.alone_column(proposal, alone)  # (n, k + 1)
-            logp = torch.log_softmax(logits.float() / float(chosen.temperature), dim=-1)
+            temp = float(chosen.temperature)
+            wide = logits.float()  # (float32 logits: the same tensor; / 1.0 changes nothing)
+            logp = torch.log_softmax(wide / temp if temp != 1.0 else wide, dim=-1)
         else:
             proposal = rng.categorical(
                 choose.masked(logits, call.mask),
@@ -627,9 +699,12 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
         # a NaN or +inf logit, or every token -inf: the distribution's max is not finite (amax
         # propagates NaN): one reduction instead of three passes over the vocabulary
-        broken = ~torch.isfinite(logits.amax(dim=-1))  # (n,) | (n, k)
-        bad |= _rows_any(broken).to(torch.int8) * BAD_LOGITS
-        score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
+        rowmax = logits.amax(dim=-1)  # (n,) | (n, k)
+        if not _finite(rowmax):
+            bad |= _rows_any(~torch.isfinite(rowmax)).to(torch.int8) * BAD_LOGITS
+        if not _finite(score):
+            score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
+        scored = True  # (finite: no need to look again below)
     else:
         assert proposal is not None
         if call.dtype is not None and proposal.dtype != call.dtype:
@@ -680,7 +755,9 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             _mark_outside(bad, proposal, call.vocab)
     if call.score is not None:
         proposal, score = _rule_score(call, proposal, backend, worker)
-    _mark_nonfinite(bad, score, BAD_SCORE)
+        scored = False
+    if not scored:
+        _mark_nonfinite(bad, score, BAD_SCORE)
     result = GroupResult(
         rule=call.rule,
         cells=call.cells,

@@ -19,14 +19,24 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lmpm.workers.base import VocabMask
 
-__all__ = ["allowed", "alone_column", "choose", "greedy", "keep_column", "masked"]
+__all__ = [
+    "allowed",
+    "alone_column",
+    "argmax_rows",
+    "choose",
+    "greedy",
+    "keep_column",
+    "masked",
+]
 
 
 def allowed(logits: Tensor, mask: VocabMask) -> Tensor:
@@ -106,12 +116,25 @@ def choose(
         key = key.to(torch.float64) / float(temperature) + gumbel(vocab)  # -inf stays -inf
     k = min(int(k), vocab)
     if k == 1:
-        return key.argmax(dim=1, keepdim=True)  # the first of equal maxima: the lower id
+        return argmax_rows(key).unsqueeze(1)  # the first of equal maxima: the lower id
     # a stable sort keeps equal keys in token order (topk does not promise any order for ties)
     order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
     left = (key > -torch.inf).sum(dim=1, keepdim=True)  # (n, 1) tokens that can be chosen
     slot = torch.arange(k, device=key.device)
     return torch.where(slot < left, order, order[:, :1])
+
+
+_FEW = 64  # rows whose greedy choice is checked as Python numbers rather than tensor ops
+_NUMPY_ARGMAX = (torch.float32, torch.float64, torch.float16)
+
+
+def argmax_rows(t: Tensor) -> Tensor:
+    """(n,) int64: the first of the highest entries of each row of ``t`` (n, V); a NaN counts as
+    the highest (the first NaN), as ``torch.argmax`` does. On the host NumPy's vectorised argmax
+    takes it (torch's on CPU compares one element at a time: ~10x slower at V = 50257)."""
+    if t.device.type == "cpu" and t.dtype in _NUMPY_ARGMAX and t.dim() == 2 and t.shape[1]:
+        return torch.from_numpy(t.detach().numpy().argmax(axis=1).astype(np.int64, copy=False))
+    return t.argmax(dim=1)
 
 
 def greedy(logits: Tensor, mask: VocabMask) -> tuple[Tensor, Tensor]:
@@ -122,10 +145,18 @@ def greedy(logits: Tensor, mask: VocabMask) -> tuple[Tensor, Tensor]:
     also the first of the highest logits the mask keeps (the mask keeps it, and keeps nothing
     higher): the row needs no mask. Only when some row's favourite is refused does the mask run.
     """
-    alone = logits.argmax(dim=1)  # (n,) the first of equal maxima
+    alone = argmax_rows(logits)  # (n,) the first of each row's maxima
     if logits.device.type == "cpu":  # (on an accelerator the check would wait for the device)
-        best = logits.gather(1, alone.unsqueeze(1)).squeeze(1)  # NaN fails the test below
-        if bool(((best > -torch.inf) & ~mask.sets.drop[alone]).all()):
+        best = logits.gather(1, alone.unsqueeze(1)).squeeze(1)  # NaN fails the tests below
+        if alone.numel() <= _FEW:  # a few rows: looked up as numbers
+            drop = mask.sets.drop_host
+            kept = all(
+                b > -math.inf and not drop[i]
+                for b, i in zip(best.tolist(), alone.tolist(), strict=True)
+            )
+        else:
+            kept = bool(((best > -torch.inf) & ~mask.sets.drop[alone]).all())
+        if kept:
             return alone.unsqueeze(1), alone
 
     def no_noise(vocab: int) -> Tensor:
@@ -155,6 +186,6 @@ def alone_column(proposal: Tensor, alone: Tensor) -> Tensor:
     like any candidate, violates the constraints that excluded it and loses to the first choice,
     so the trace attributes the decision to them as it does for k = V. It never changes a winner:
     the first choice is what the policy commits out of all V tokens, the favourite among them."""
-    first = proposal[:, 0]
-    extra = torch.where(alone == first, first, alone)
-    return torch.cat((proposal, extra.unsqueeze(1)), dim=1)
+    # (where the favourite is the first choice, the extra column is that choice again: in both
+    # cases it is the favourite)
+    return torch.cat((proposal, alone.unsqueeze(1)), dim=1)

@@ -46,7 +46,7 @@ import sqlite3
 import sys
 import time
 import zlib
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -279,10 +279,40 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
 def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
     import torch  # not at import: commands import this module before a run needs torch
 
-    from lmpm.runtime.data.decide import write_meta  # imports torch
-
     d = Path(run_dir)
     nxt = check_epochs(conn, d)
+    label, state, shards, skipped = _newest_checkpoint(engine, conn, d, nxt)
+    # the checkpoint's arrays seen as tensors (shared memory): the replay writes through them
+    cells = {
+        n: CellState(*(torch.from_numpy(v[f]) for f in STATE_FIELDS)) for n, v in state.items()
+    }
+    commits, replayed = _replay_commits(conn, d, label, nxt, cells)
+    engine.dataplane.open_store(d)
+    try:
+        engine.dataplane.restore_shards(
+            label,
+            shards,
+            nxt,
+            {k: torch.from_numpy(np.concatenate(v)) for k, v in commits.items()},
+            {n: torch.from_numpy(v["committed"]) for n, v in state.items()},
+            {n: torch.from_numpy(v["rule"] == INPUT_RULE) for n, v in state.items()},
+        )
+    except BaseException:
+        engine.dataplane.close_store()
+        raise
+    for name, cs in cells.items():
+        engine.restore(name, cs)
+    engine.epoch = nxt
+    quiet = _restore_control(engine, conn)
+    return Restored(nxt, quiet, label, replayed, len(skipped))
+
+
+def _newest_checkpoint(
+    engine: Engine, conn: sqlite3.Connection, d: Path, nxt: int
+) -> tuple[int, dict[str, dict[str, np.ndarray]], dict[str, dict[str, Any]], list[str]]:
+    """The newest usable checkpoint at or before epoch ``nxt``: its epoch, its metadata arrays
+    per value, its payload shards, and why each newer one was skipped (a note for each on
+    stderr)."""
     rows = conn.execute(
         "SELECT epoch, file, sha256, bytes FROM checkpoints WHERE epoch <= ? ORDER BY epoch DESC",
         (nxt,),
@@ -318,6 +348,19 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         )
     for msg in skipped:
         sys.stderr.write(f"note: {msg.removesuffix('; nothing was changed')}; using an older one\n")
+    return label, state, shards, skipped
+
+
+def _replay_commits(
+    conn: sqlite3.Connection, d: Path, label: int, nxt: int, cells: Mapping[str, CellState]
+) -> tuple[dict[tuple[int, str], list[np.ndarray]], int]:
+    """Write the metadata of the commits logged in epochs ``label .. nxt - 1`` into ``cells``
+    (each commit row checked against its CRC); the committed cells per (epoch, value) and the
+    number of rows replayed."""
+    import torch
+
+    from lmpm.runtime.data.decide import write_meta  # imports torch
+
     replayed = 0
     commits: dict[tuple[int, str], list[np.ndarray]] = {}
     # a multi-worker run's commits are in the workers' stores: read them beside the log's, then
@@ -331,10 +374,6 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         ).fetchall()
     finally:
         detach_shards(conn)
-    # the checkpoint's arrays seen as tensors (shared memory): the replay writes through them
-    cells = {
-        n: CellState(*(torch.from_numpy(v[f]) for f in STATE_FIELDS)) for n, v in state.items()
-    }
     for epoch, value, first, step, count, rule, cmin, clocks, smin, scores, sums, crc in replay:
         into = cells.get(value)
         if into is None or not isinstance(sums, bytes) or zlib.crc32(sums[1:]) != crc:
@@ -357,22 +396,12 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         )
         write_meta(into, torch.from_numpy(idx), torch.from_numpy(clock).long(), rule, epoch, score)
         replayed += 1
-    engine.dataplane.open_store(d)
-    try:
-        engine.dataplane.restore_shards(
-            label,
-            shards,
-            nxt,
-            {k: torch.from_numpy(np.concatenate(v)) for k, v in commits.items()},
-            {n: torch.from_numpy(v["committed"]) for n, v in state.items()},
-            {n: torch.from_numpy(v["rule"] == INPUT_RULE) for n, v in state.items()},
-        )
-    except BaseException:
-        engine.dataplane.close_store()
-        raise
-    for name, cs in cells.items():
-        engine.restore(name, cs)
-    engine.epoch = nxt
+    return commits, replayed
+
+
+def _restore_control(engine: Engine, conn: sqlite3.Connection) -> int:
+    """The control plane's state from the log: the mask plan, the RuleSet's events, and how many
+    quiet epochs ended the log (returned)."""
     mp = ORSet("control")
     for (elem,) in conn.execute("SELECT maskplan FROM epochs ORDER BY epoch"):
         mp.add(_maskplan_element(json.loads(elem)))
@@ -385,7 +414,7 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
             break
         quiet += 1
     engine.restore_quiet(quiet)  # raster / random go on with their pass
-    return Restored(nxt, quiet, label, replayed, len(skipped))
+    return quiet
 
 
 def _checkpoint_state(

@@ -59,6 +59,43 @@ class Observer(Protocol):
     def on_end(self, engine: Engine) -> None: ...
 
 
+def why_text(code: int, plan: Plan, value: str) -> str:
+    """Why a cell of ``value`` is unset, in the words of :attr:`StopReason.unset`: ``code`` is a
+    why-code of :mod:`lmpm.runtime.records` (negative) or the id of the highest-priority
+    constraint every candidate of the cell violated (>= 0).
+
+    >>> from lmpm.ir import compile_source
+    >>> from lmpm.resolve.plan import resolve
+    >>> plan = resolve(compile_source("value A : Token[4] shape Seq(2)\\n"
+    ...     "constraint Hard: forbid A[0] in Set(0..3) priority 9\\n").ir)
+    >>> why_text(0, plan, "A"), why_text(NOT_FIRED, plan, "A")
+    ('every candidate violates `Hard`', 'no rule fires there')
+    """
+    if code == NO_QUORUM:
+        policy = plan.values[value].policy_text
+        return f"the quorum's replicas disagreed (no payload had the votes {policy} needs)"
+    if code == HELD:
+        steps = plan.schedule.steps
+        return (
+            f"held back by the schedule's quota (steps={steps}: every cell within {steps} epochs)"
+        )
+    fixed = {
+        UNKNOWN: "not attempted since the resume",
+        NEVER_OPENED: "never opened by the schedule",
+        NOT_FIRED: "no rule fires there",
+        NO_WINNER: "no candidate beat leaving it unset",
+        NO_SOURCE: "no rule proposes it and no input gave it",
+    }
+    if code in fixed:
+        return fixed[code]
+    if code < 0:  # a code this table lacks: say so rather than blame a constraint
+        return f"unset for a reason this version of LMPM does not name (code {code})"
+    names = {cp.id: cp.name for cp in plan.constraints}
+    if code in names:
+        return f"every candidate violates `{names[code]}`"
+    return f"every candidate violates constraint #{code}, which the program no longer has"
+
+
 class Engine:
     """Runs a :class:`~lmpm.resolve.plan.Plan` epoch by epoch: the control plane over one port.
 
@@ -340,7 +377,7 @@ class Engine:
         """Why the run stops now: ``kind`` and, per value, the unset cells by reason."""
         owner = self.dataplane.owner
         unset = {
-            name: {self._why_text(code, name): n for code, n in codes.items()}
+            name: {why_text(code, self.plan, name): n for code, n in codes.items()}
             for name, codes in owner.reasons().items()
         }
         names = {cp.id: cp.name for cp in self.plan.constraints}
@@ -349,26 +386,6 @@ class Engine:
             for name, by in owner.broken_counts().items()
         }
         return StopReason(kind, self.epoch, unset, broken)
-
-    def _why_text(self, code: int, value: str) -> str:
-        if code == NO_QUORUM:
-            policy = self.plan.values[value].policy_text
-            return f"the quorum's replicas disagreed (no payload had the votes {policy} needs)"
-        if code == UNKNOWN:
-            return "not attempted since the resume"
-        if code == NEVER_OPENED:
-            return "never opened by the schedule"
-        if code == NOT_FIRED:
-            return "no rule fires there"
-        if code == NO_WINNER:
-            return "no candidate beat leaving it unset"
-        if code == NO_SOURCE:
-            return "no rule proposes it and no input gave it"
-        if code == HELD:
-            steps = self.plan.schedule.steps
-            return f"held back by the schedule's quota (steps={steps}: every cell within {steps} epochs)"
-        names = {cp.id: cp.name for cp in self.plan.constraints}
-        return f"every candidate violates `{names.get(code, code)}`"
 
     def step(self) -> EpochRecord:
         """One epoch. Nothing is committed unless every part of the epoch succeeded."""

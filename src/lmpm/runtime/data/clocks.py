@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -56,6 +56,15 @@ class Clocked(Protocol):
     """A value's control-plane state: its (N,) int64 Lamport clocks."""
 
     clock: Tensor
+
+
+class Opened(NamedTuple):
+    """A value's open cells in an epoch, as :meth:`Clocks.advance` reads them."""
+
+    own: Tensor  # (n,) their clocks before the epoch
+    cells: Tensor  # (n,) flat cell ids
+    phase: int | None  # the schedule's phase (the same cells every time it recurs) or None
+    fresh: bool  # every open cell is unset (own clocks are 0)
 
 
 class Clocks:
@@ -112,22 +121,18 @@ class Clocks:
         self,
         state: Mapping[str, Clocked],
         rules: tuple[RulePlan, ...],
-        own: Tensor,
-        cells: Tensor,
+        opened: Opened,
         changed: Tensor,
         commits: int,
         contributed: Mapping[int, Tensor] | None,
-        phase: int | None,
-        fresh: bool,
     ) -> Tensor:
-        """(n,) clocks of the open ``cells`` after the epoch: a committing cell (``changed``) gets
-        1 + max(its own clock ``own``, the clocks read by every rule that contributed to its new
-        payload: the winner's rule, or every rule an aggregate averaged); the others keep ``own``.
-        ``commits``: how many cells commit. ``contributed``: rule id -> (n,) bool, the cells the
-        rule contributed to (None: the value has one rule, which contributed everywhere).
-        ``phase``: the schedule's phase (the same cells every time it recurs) or None.
-        ``fresh``: every open cell is unset (own clocks are 0). Clocks are never negative, so an
-        invalid read contributes 0, the max's identity."""
+        """(n,) clocks of the ``opened`` cells after the epoch: a committing cell (``changed``)
+        gets 1 + max(its own clock, the clocks read by every rule that contributed to its new
+        payload: the winner's rule, or every rule an aggregate averaged); the others keep their
+        own. ``commits``: how many cells commit. ``contributed``: rule id -> (n,) bool, the cells
+        the rule contributed to (None: the value has one rule, which contributed everywhere).
+        Clocks are never negative, so an invalid read contributes 0, the max's identity."""
+        own, cells, phase, fresh = opened
         n = cells.numel()
         if contributed is None:  # one rule: the common case, no masks
             (rp,) = rules

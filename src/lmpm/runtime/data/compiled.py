@@ -776,15 +776,15 @@ class CompiledEpoch:
         """The static tables a value's step reads (device copies, made once)."""
         hit = self._tables.get(value)
         if hit is None:
-            tabs = dataplane._tables[value]
+            tabs = dataplane.tables[value]
             vtables = [t for t in tabs.tables if t is not None]
             where = [c for c, whole in zip(tabs.cells, tabs.covers_all) if not whole]
             reads = clock_reads(self._rules[value])
             index = [
-                dataplane._dev(cr.index) if cr.uniform else _int32(dataplane._dev(cr.index))
+                dataplane.dev(cr.index) if cr.uniform else _int32(dataplane.dev(cr.index))
                 for cr in reads
             ]
-            valid = [dataplane._dev(cr.valid) for cr in reads if cr.valid is not None]
+            valid = [dataplane.dev(cr.valid) for cr in reads if cr.valid is not None]
             hit = self._tables[value] = (vtables, where, index, valid)
         return hit
 
@@ -913,7 +913,7 @@ def _int32(index: Tensor) -> Tensor:
 
 
 def _gather_fn(cdims: tuple[int, ...]) -> Callable[..., tuple[Tensor, ...]]:
-    """A rule's non-uniform reads for its open cells, as :meth:`DataPlane._inputs` gathers them
+    """A rule's non-uniform reads for its open cells, as :meth:`ModelInputs.gather` gathers them
     eagerly: per read (its payload's cell rank in ``cdims``) the read cells' payload, mask and
     index. Inputs: the open cells, then per read its (N, K) index and valid tables and the
     source's payload and committed flags."""
@@ -951,7 +951,7 @@ class ReadGathers:
         """``rp``'s non-uniform reads and their tables on ``dp``'s device (static: made when the
         run compiles, not in its first epoch)."""
         reads = [j for j, rd in enumerate(rp.reads) if not rd.uniform]
-        tables = [(_int32(dp._dev(rp.reads[j].index)), dp._dev(rp.reads[j].valid)) for j in reads]
+        tables = [(_int32(dp.dev(rp.reads[j].index)), dp.dev(rp.reads[j].valid)) for j in reads]
         self._reads[rp.id] = (reads, tables)
         return reads, tables
 

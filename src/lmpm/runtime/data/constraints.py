@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from lmpm.runtime.data.dataplane import PredicateInput
+    from lmpm.runtime.records import PredicateInput
 
 
 def clash(ctx: PredicateInput) -> Tensor:

@@ -35,7 +35,7 @@ from lmpm.resolve.plan import ConstraintPlan, Plan, RulePlan
 from lmpm.resolve.policies import aggregates, quorum, quorum_k
 from lmpm.resolve.schedules import Schedule, make_schedule
 from lmpm.runtime.data.agree import Agreed, agree
-from lmpm.runtime.data.clocks import Clocks
+from lmpm.runtime.data.clocks import Clocks, Opened
 from lmpm.runtime.data.decide import (
     Pending,
     applied_changed,
@@ -293,7 +293,16 @@ class Owner:
         its payload (a constraint not in the RuleSet, or not speaking about the cell, is violated
         by nothing)."""
         broken = self.broken.get(ve.value)
-        if broken is None or not ve.cells.numel():
+        n = ve.cells.numel()
+        if broken is None or not n:
+            return
+        if n == 1:  # one open cell (causal generation): its row, without gathers and scatters
+            changed = bool(ve.changed)
+            row = broken[int(ve.cells)]
+            if changed or bool(ve.was_committed):
+                row.copy_(ve.violated[0, int(ve.winner) if changed else 0])
+            else:
+                row.fill_(False)
             return
         violated = ve.violated.cpu()  # (n, C, K)
         winner = torch.where(ve.changed.cpu(), ve.winner.cpu(), 0)  # (n,)
@@ -548,16 +557,9 @@ class Owner:
         static = self.static[name]
         cells = p.cand.cells
         contributed, won_rule = contributions(static.rules, p.cand, p.winner, p.weights)
+        opened = Opened(own, cells, phase, self.fresh[name])
         new_clock = self.clocks.advance(
-            self.state,
-            static.rules,
-            own,
-            cells,
-            changed,
-            commits,
-            contributed,
-            phase,
-            self.fresh[name],
+            self.state, static.rules, opened, changed, commits, contributed
         )
         fields = [cells, new_clock, pick(p.score, p.winner)]
         if won_rule is not None:

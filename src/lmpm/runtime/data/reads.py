@@ -18,7 +18,9 @@ collection of the extras it wants (:data:`READ_OPTIONS`)::
 - ``"dense"``: per read ``x``, its visible committed cells in slot order, left-aligned: ``x_dense``
   (n, L[, *cell]) payload, ``x_length`` (n,) int64 (row i's entries are ``[:x_length[i]]``; the
   rest is 0), ``x_dense_index`` (n, L) flat cell ids, and with ``"clocks"``, ``x_dense_clock`` (n,
-  L). A causal read ``Txt[0..t-1]`` arrives as the prefix a language model takes.
+  L). A causal read ``Txt[0..t-1]`` arrives as the prefix a language model takes: its visible
+  slots lead each row, so the dense tensors are the slots narrowed to L (views: they share memory
+  with ``x``, ``x_index`` and ``x_clock``, the call's own tensors).
 
 A model that does not opt in gets neither, and the worker keeps no clocks for it: the default path
 costs nothing. docs/models.md, "Bring your own model", has the protocol for a cache.
@@ -130,6 +132,9 @@ def dense_read(
     n, k = mask.shape
     length = mask.sum(1)  # (n,)
     width = int(length.max()) if n and k else 0
+    left = torch.arange(k, device=mask.device) < length.unsqueeze(1)  # (n, K)
+    if torch.equal(mask, left):  # the visible slots come first (a causal prefix): no scatter
+        return _leading(name, data, index, clock, length, left.narrow(1, 0, width))
     # each visible slot's place in its row (slot order); the others go to a sink column, dropped
     place = torch.where(mask, mask.cumsum(1) - 1, width)  # (n, K)
 
@@ -142,6 +147,32 @@ def dense_read(
 
     out = {
         f"{name}_dense": dense(data),  # (n, L, *cell)
+        f"{name}_length": length,
+        f"{name}_dense_index": dense(index),
+    }
+    if clock is not None:
+        out[f"{name}_dense_clock"] = dense(clock)
+    return out
+
+
+def _leading(
+    name: str, data: Tensor, index: Tensor, clock: Tensor | None, length: Tensor, real: Tensor
+) -> Mapping[str, Tensor]:
+    """:func:`dense_read` of slots whose visible ones lead each row: the first ``width`` slots,
+    0 past each row's length (``real`` (n, width): the entries within it). Rows of one length
+    (one open cell: a decode step) are the slots themselves, narrowed."""
+    width = real.shape[1]
+    ragged = not bool(real.all())
+
+    def dense(t: Tensor) -> Tensor:
+        t = t.narrow(1, 0, width)
+        if not ragged:
+            return t
+        keep = real.reshape(*real.shape, *([1] * (t.dim() - 2)))
+        return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+    out = {
+        f"{name}_dense": dense(data),
         f"{name}_length": length,
         f"{name}_dense_index": dense(index),
     }

@@ -118,14 +118,15 @@ def _key(rule: Tensor, replica: Tensor, slot: Tensor, j: int) -> tuple[int, int,
     return int(rule[j]), int(replica[j]), int(slot[j])
 
 
-def merge_candidates(
-    name: str, got: Sequence[tuple[int, Candidates]], rank: Mapping[int, int]
-) -> tuple[Candidates, Merged]:
-    """One value's candidates from several workers: rows sorted by cell, columns laid out as one
-    worker would lay them out (keep, then per fired rule in ``rank`` order and per replica its
-    proposal slots); a worker where a rule did not fire contributes invalid columns."""
+def _merged_columns(
+    got: Sequence[Candidates], rank: Mapping[int, int]
+) -> tuple[dict[tuple[int, int, int], int], tuple[list[int], list[int], list[int]]]:
+    """The merged column layout of several workers' candidates: keep, then per fired rule in
+    ``rank`` order and per replica its proposal slots (the widest any worker had). Returns the
+    merged column of each (rule, replica, slot) and each column's rule, replica and slot (-1:
+    keep)."""
     width: dict[tuple[int, int], int] = {}
-    for _, c in got:
+    for c in got:
         for j in range(1, c.col_rule.numel()):
             rid, replica, s = _key(c.col_rule, c.col_replica, c.col_slot, j)
             width[(rid, replica)] = max(width.get((rid, replica), 0), s + 1)
@@ -138,6 +139,16 @@ def merge_candidates(
             rule.append(r)
             rep.append(p)
             slot.append(s)
+    return col_of, (rule, rep, slot)
+
+
+def merge_candidates(
+    name: str, got: Sequence[tuple[int, Candidates]], rank: Mapping[int, int]
+) -> tuple[Candidates, Merged]:
+    """One value's candidates from several workers: rows sorted by cell, columns laid out as one
+    worker would lay them out (keep, then per fired rule in ``rank`` order and per replica its
+    proposal slots); a worker where a rule did not fire contributes invalid columns."""
+    col_of, (rule, rep, slot) = _merged_columns([c for _, c in got], rank)
     ncol = len(rule)
     cells = torch.cat([c.cells for _, c in got]).unique()  # sorted
     n = cells.numel()

@@ -48,7 +48,8 @@ from torch import Tensor
 
 from lmpm.errors import RuntimeFault, UsageError
 from lmpm.resolve.plan import Plan
-from lmpm.runtime.data.dataplane import DataPlane, Proposal
+from lmpm.runtime.data.calls import Proposal
+from lmpm.runtime.data.dataplane import DataPlane
 from lmpm.runtime.protocol import EpochReport, EpochRequest, ProposeRequest
 from lmpm.runtime.records import CHECKSUM_POLICIES, CellState
 

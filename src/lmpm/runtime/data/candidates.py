@@ -1,0 +1,169 @@
+"""A worker's candidate tables: per proposed value, column 0 keep-current and every rule replica's
+proposals after it; a proposal equal to the committed payload folded into keep-current; every
+constraint checked on every candidate (:mod:`lmpm.runtime.data.checks`). The table stays on the
+worker until apply (:class:`Staged`); its metadata goes to the owner
+(:class:`~lmpm.runtime.protocol.Candidates`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.resolve.plan import Plan, ValuePlan
+from lmpm.runtime.data.calls import Proposal
+from lmpm.runtime.data.checks import CandidateTable, Checks
+from lmpm.runtime.data.resident import Resident
+from lmpm.runtime.protocol import Candidates, checksum
+
+
+@dataclass(slots=True)
+class Staged:
+    """One value's candidate table between propose and apply (never leaves the worker)."""
+
+    cells: Tensor  # (n,) on the device
+    table: Tensor  # (n, C, *cell) candidate payloads; column 0 is the committed payload
+    committed: Tensor  # (n,) bool before the epoch
+
+
+def fold(
+    vp: ValuePlan,
+    table: Tensor,
+    current: Tensor,
+    committed: Tensor,
+    valid: Tensor,
+    score: Tensor,
+    all_valid: bool,
+) -> tuple[Tensor, Tensor]:
+    """A proposal equal to the committed payload *is* keep-current, freshly scored: fold it into
+    column 0 (its best such score, written into ``score``) so a stale committed score never
+    outranks the rule's current opinion. Returns the candidates still valid and (n,) which cells
+    were refreshed."""
+    same = table == current.unsqueeze(1)
+    if vp.cell_shape:
+        same = same.flatten(2).all(dim=2)
+    same &= committed.unsqueeze(1)
+    if not all_valid:
+        same &= valid
+    same[:, 0] = False
+    refreshed = same.any(dim=1)
+    score[:, 0] = torch.where(same, score, -torch.inf).amax(dim=1)
+    return valid & ~same, refreshed
+
+
+class Staging:
+    """Builds, checks and keeps a worker's candidate tables (see the module doc). ``taps``: the
+    worker's instrumentation, tap(epoch, value, cells, table (n, C, *cell), valid (n, C)) on every
+    table built."""
+
+    def __init__(self, plan: Plan, res: Resident, checks: Checks, taps: list[Any]) -> None:
+        self.plan = plan
+        self.res = res
+        self.checks = checks
+        self.taps = taps
+        self.staged: dict[str, Staged] = {}
+        self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
+
+    def build(
+        self,
+        name: str,
+        e: int,
+        parts: list[Proposal],
+        fresh: bool,
+    ) -> Candidates:
+        """Build, fold and check one value's candidate table; stage it for apply."""
+        vp = self.plan.values[name]
+        tabs = self.checks.tables[name]
+        res = self.res
+        cells = parts[0][1] if len(parts) == 1 else torch.unique(torch.cat([p[1] for p in parts]))
+        n = cells.numel()
+        widths = [p[3].shape[1] for p in parts]
+        current = res.payload[name].index_select(0, cells)  # (n, *cell)
+        if fresh:
+            committed = res.fill("unset", (n,), torch.bool, False)
+        else:
+            committed = res.committed[name].index_select(0, cells)
+        table, valid, score, all_valid = self._layout(vp, parts, widths, cells, current)
+        refreshed: Tensor | None = None
+        any_committed = not fresh and bool(committed.any())
+        if any_committed and tabs.folds:
+            valid, refreshed = fold(vp, table, current, committed, valid, score, all_valid)
+            all_valid = False
+        ct = CandidateTable(
+            name, vp, e, cells, table, valid, current, committed, any_committed, all_valid
+        )
+        violated, applies = self.checks.check(ct, tabs)
+        col_rule, col_rep, col_slot = self.columns(parts, widths)
+        sums = checksum(table, len(vp.cell_shape)) if tabs.checksums else None
+        self.staged[name] = Staged(cells, table, committed)
+        for tap in self.taps:
+            tap(e, name, cells, table, valid)
+        cand = Candidates(
+            name,
+            cells,
+            valid,
+            score,
+            violated,
+            applies,
+            col_rule,
+            col_rep,
+            col_slot,
+            refreshed,
+            sums,
+        )
+        return cand if res.host else cand.to_host()
+
+    def _layout(
+        self,
+        vp: ValuePlan,
+        parts: list[Proposal],
+        widths: list[int],
+        cells: Tensor,
+        current: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, bool]:
+        """The table of ``cells`` (sorted) before folding: (table (n, C, *cell), valid (n, C),
+        score (n, C) float64, every candidate valid). Column 0 keeps ``current``; each part's
+        proposals follow in order, invalid where its rule did not fire."""
+        res = self.res
+        n = cells.numel()
+        ncol = 1 + sum(widths)
+        if len(parts) == 1:
+            prop, sc = parts[0][3], parts[0][4]
+            prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
+            table = torch.cat((current.unsqueeze(1), prop), 1)
+            score = torch.cat((res.fill("keep_score", (n, 1), torch.float64, -torch.inf), sc), 1)
+            return table, res.ones((n, ncol)), score, True
+        dev = res.device
+        table = torch.zeros((n, ncol, *vp.cell_shape), dtype=vp.dtype, device=dev)
+        table[:, 0] = current
+        valid = torch.zeros((n, ncol), dtype=torch.bool, device=dev)
+        valid[:, 0] = True
+        score = torch.full((n, ncol), -torch.inf, dtype=torch.float64, device=dev)
+        c = 1
+        for (_, rcells, _, prop, sc), w in zip(parts, widths):
+            rows = torch.searchsorted(cells, rcells)
+            table[rows, c : c + w] = prop.to(vp.dtype)
+            valid[rows, c : c + w] = True
+            score[rows, c : c + w] = sc
+            c += w
+        return table, valid, score, False
+
+    def columns(self, parts: list[Proposal], widths: list[int]) -> tuple[Tensor, ...]:
+        """(C,) rule id, replica and slot of each candidate column (-1: keep); per layout."""
+        if len(parts) == 1:  # one rule fired (the common case): no generator
+            key: tuple[tuple[int, int, int], ...] = ((parts[0][0].id, parts[0][2], widths[0]),)
+        else:
+            key = tuple((p[0].id, p[2], w) for p, w in zip(parts, widths))
+        hit = self._columns_cache.get(key)
+        if hit is None:
+            rule, rep, slot = [-1], [-1], [-1]
+            for rid, replica, w in key:
+                rule += [rid] * w
+                rep += [replica] * w
+                slot += list(range(w))
+            hit = (torch.tensor(rule), torch.tensor(rep), torch.tensor(slot))
+            self._columns_cache[key] = hit
+        return hit  # (the engine hands policies it does not ship copies)

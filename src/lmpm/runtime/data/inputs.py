@@ -1,0 +1,202 @@
+"""A model's inputs on a worker, gathered: per read of a fired rule, the read cells' payload,
+mask and index from the resident payload (the plan's static gather tables, kept per schedule
+phase), what an opted-in model asks beyond them (clocks, dense layout,
+:mod:`lmpm.runtime.data.reads`), and the model call's keyword arguments.
+
+A user's model and score get their own tensors: writing into one changes nothing outside their
+call. LMPM's own models (``lmpm.*``, which never write into their inputs) get the worker's kept
+rows without copies, and under ``--compile`` their reads are gathered by compiled graphs
+(:class:`lmpm.runtime.data.compiled.ReadGathers`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lmpm.ir.eval import evaluate
+from lmpm.resolve.plan import Plan, RulePlan, ValuePlan
+from lmpm.runtime.data.reads import ReadClocks, dense_read, read_options
+from lmpm.runtime.data.resident import Resident, ours
+
+
+class ModelInputs:
+    """The model inputs of a worker over the resident state ``res`` (see the module doc)."""
+
+    def __init__(self, plan: Plan, res: Resident, seed: int) -> None:
+        self.plan = plan
+        self.res = res
+        self.seed = seed
+        # rules whose model and score are LMPM's own (they never write into their inputs)
+        self.trusted = {
+            rp.id for rp in plan.rules if ours(rp.model) and (rp.score is None or ours(rp.score))
+        }
+        # values no rule proposes to (inputs only): only set_input, load and the halo transports
+        # write them, each through torch (bumping the tensors' versions), so a read of all their
+        # cells is kept until their payload or flags change (see uniform_read)
+        self._static = set(plan.values) - {rp.target for rp in plan.rules}
+        self._uniform_cache: dict[tuple[int, int], tuple[Any, ...]] = {}  # see uniform_read
+        self._kwargs_base: dict[int, dict[str, Any]] = {}
+        self._score_keys_cache: dict[int, tuple[str, ...]] = {}
+        # --compile: LMPM's own models' reads gathered by compiled graphs (DataPlane.compile_reads)
+        self.read_gathers: Any = None
+        # what each user model asks of its reads (lmpm.runtime.data.reads: clocks, dense); the
+        # write clocks are kept only for the values an opted-in model reads with clocks
+        self.read_opts = {
+            rp.id: opts for rp in plan.rules if (opts := read_options(rp.model, rp.name))
+        }
+        self.since: dict[int, int] = {}  # rule id -> write clock of its previous call
+        self.read_clocks = ReadClocks(
+            rd.source
+            for rp in plan.rules
+            if "clocks" in self.read_opts.get(rp.id, ())
+            for rd in rp.reads
+        )
+
+    def gather(
+        self, rp: RulePlan, cells: Tensor, on_host: Tensor | None = None
+    ) -> dict[str, Tensor]:
+        """The model's inputs for ``cells``: per read, payload / mask / index, each (n, K[, *cell]).
+        ``on_host``: the same cells on the host, where the request brought them (read there, not
+        on the device, which would wait for it)."""
+        res = self.res
+        vp = self.plan.values[rp.target]
+        n = cells.numel()
+        phase = res.phase.get(rp.target)
+        key = None if phase is None else (rp.id, phase)
+        copy = rp.id not in self.trusted  # copies of anything the worker keeps
+        if n == 1 and not copy:  # one open cell (causal generation): views of its rows
+            c = int((cells if on_host is None else on_host).item())
+            key = None
+            rows = lambda t, *_: res.dev(t).narrow(0, c, 1)  # noqa: E731
+        else:
+            rows = res.rows
+        coords = rows(vp.coords, cells, key and ("coords", *key))
+        inputs: dict[str, Tensor] = {
+            "cells": cells.clone() if copy else cells,
+            "coords": coords.clone() if key and copy else coords,
+        }
+        gathered = (
+            self.read_gathers.gather(rp, cells, res)
+            if self.read_gathers is not None and n > 1 and not copy
+            else {}
+        )
+        for j, rd in enumerate(rp.reads):
+            committed = res.committed[rd.source]
+            payload = res.payload[rd.source]
+            if j in gathered:
+                data, mask, idx = gathered[j]
+            elif rd.uniform:
+                # Every cell reads the same cells: one gathered row, broadcast (an expanded view
+                # cannot be written in place).
+                row, mask, data = self.uniform_read(rp, j, payload, committed, copy)
+                k = row.numel()
+                idx = row.expand(n, k)
+                mask = mask.expand(n, k)
+                data = data.expand(n, k, *data.shape[1:])
+            else:
+                idx = rows(rd.index, cells, key and ("index", j, *key))  # (n, K)
+                valid = rows(rd.valid, cells, key and ("valid", j, *key))
+                mask = valid & committed.take(idx)
+                if payload.dim() == 1:
+                    data = payload.take(idx)  # the flat gather of a 1-D state tensor
+                else:
+                    data = payload.index_select(0, idx.reshape(-1)).reshape(
+                        *idx.shape, *payload.shape[1:]
+                    )
+                if key is not None and copy:
+                    idx = idx.clone()  # the model gets its own copy of the kept rows
+            for name in rd.args:
+                inputs[name] = data  # (n, K[, *cell]) payload of the read cells
+                inputs[f"{name}_mask"] = mask  # (n, K) visible and committed
+                inputs[f"{name}_index"] = idx  # (n, K) flat index into the source value
+            opts = self.read_opts.get(rp.id)
+            if opts:
+                for name in rd.args:
+                    inputs.update(self.read_extras(rp, opts, name, rd.source, data, mask, idx))
+        return inputs
+
+    def read_extras(
+        self,
+        rp: RulePlan,
+        opts: frozenset[str],
+        name: str,
+        source: str,
+        data: Tensor,
+        mask: Tensor,
+        idx: Tensor,
+    ) -> dict[str, Tensor]:
+        """What an opted-in model asks of read ``name`` beyond its slots
+        (:mod:`lmpm.runtime.data.reads`): clocks and the delta since its previous call, and the
+        dense layout."""
+        out: dict[str, Tensor] = {}
+        clock = None
+        if "clocks" in opts:
+            res = self.res
+            clocks = self.read_clocks.clocks(source, res.payload[source], res.committed[source])
+            clock = torch.where(mask, clocks.take(idx), 0)  # (n, K)
+            out[f"{name}_clock"] = clock
+            out[f"{name}_changed"] = clock > self.since.get(rp.id, -1)
+        if "dense" in opts:
+            out.update(dense_read(name, data, mask, idx, clock))
+        return out
+
+    def uniform_read(
+        self, rp: RulePlan, j: int, payload: Tensor, committed: Tensor, copy: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Read ``j`` of ``rp``, which every cell makes alike: (cells (K,), mask (K,), payload
+        (K, *cell)). For LMPM's own models, a read of a value no rule writes is kept while the
+        value's tensors are the same ones at the same version (the caption of every video
+        epoch); anyone else's model gets fresh rows (it may write into them)."""
+        rd = rp.reads[j]
+        # (tensors made in inference mode, by a restore inside an epoch, keep no version)
+        cache = (
+            not copy
+            and rd.source in self._static
+            and not payload.is_inference()
+            and not committed.is_inference()
+        )
+        if cache:
+            stamp = (payload._version, committed._version)
+            hit = self._uniform_cache.get((rp.id, j))
+            if hit is not None and hit[0] is payload and hit[1] is committed and hit[2] == stamp:
+                return hit[3], hit[4], hit[5]
+        row = self.res.dev(rd.index)[0]
+        mask = self.res.dev(rd.valid)[0] & committed.index_select(0, row)
+        data = payload.index_select(0, row)
+        if cache:
+            self._uniform_cache[(rp.id, j)] = (payload, committed, stamp, row, mask, data)
+        return row, mask, data
+
+    def kwargs(self, rp: RulePlan, vp: ValuePlan, e: int) -> dict[str, Any]:
+        """The model call's keyword arguments in epoch ``e``: the rule's literals, then the ones
+        computed from ``e``, then ``epoch``, ``vocab`` and ``seed`` unless the rule sets them."""
+        if not rp.epoch_args and "epoch" not in rp.kwargs:
+            base = self._kwargs_base.get(rp.id)
+            if base is None:
+                base = self._kwargs_base[rp.id] = {"vocab": vp.vocab, "seed": self.seed}
+                base.update(rp.kwargs)
+            return {**base, "epoch": e}
+        kwargs = dict(rp.kwargs)
+        for k, ex in rp.epoch_args.items():
+            kwargs[k] = evaluate(ex, self.plan.env | {"e": e})
+        kwargs.setdefault("epoch", e)
+        kwargs.setdefault("vocab", vp.vocab)
+        kwargs.setdefault("seed", self.seed)
+        return kwargs
+
+    def score_keys(self, rp: RulePlan, inputs: Mapping[str, Tensor]) -> tuple[str, ...]:
+        """The model inputs a rule's score call receives: cells, coords and its reads' tensors
+        (the same names every epoch: worked out once per rule)."""
+        hit = self._score_keys_cache.get(rp.id)
+        if hit is None:
+            hit = self._score_keys_cache[rp.id] = tuple(
+                k
+                for k in inputs
+                if k in ("cells", "coords")
+                or k.removesuffix("_mask").removesuffix("_index") in rp.score_args
+            )
+        return hit
