@@ -823,7 +823,7 @@ class OwnersView:
     """A group's owners as the control plane reads the cells' metadata (checkpoints, the stop
     reason, resume; never inside an epoch): every owner keeps all of it but the why-codes, which
     each keeps for the cells it decides. ``group``: a WorkerGroup or RayGroup (its
-    ``_owner_calls`` reaches the owners, in this process or in the workers')."""
+    ``owner_calls`` reaches the owners, in this process or in the workers')."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -833,10 +833,10 @@ class OwnersView:
         self._state: tuple[int, dict[str, CellState]] | None = None
 
     def _first(self, method: str, *args: Any) -> Any:
-        return self.group._owner_calls(method, [args] + [None] * (self.group.size - 1))[0]
+        return self.group.owner_calls(method, [args] + [None] * (self.group.size - 1))[0]
 
     def _every(self, method: str, *args: Any) -> list[Any]:
-        out: list[Any] = self.group._owner_calls(method, [args] * self.group.size)
+        out: list[Any] = self.group.owner_calls(method, [args] * self.group.size)
         self.group.changes += 1
         return out
 
@@ -850,7 +850,7 @@ class OwnersView:
     @property
     def why(self) -> dict[str, Tensor]:
         """Per proposed value, each cell's why-code from the owner that decides it."""
-        whys = self.group._owner_calls("get_why", [()] * self.group.size)
+        whys = self.group.owner_calls("get_why", [()] * self.group.size)
         out: dict[str, Tensor] = {}
         for name, why in whys[0].items():
             if self.topology.workers_of(name) > 1 or len(whys) == 1:
@@ -869,7 +869,7 @@ class OwnersView:
     def broken_counts(self) -> dict[str, dict[int, int]]:
         """Per value, committed cells that violate a live constraint (each cell's verdicts from
         the owner that decides it), by constraint id."""
-        alls = self.group._owner_calls("get_broken", [()] * self.group.size)
+        alls = self.group.owner_calls("get_broken", [()] * self.group.size)
         merged: dict[str, Tensor] = {}
         for name, bits in alls[0].items():
             if self.topology.workers_of(name) > 1 or len(alls) == 1:
