@@ -6,7 +6,12 @@
 - functions anywhere with more than :data:`MAX_PARAMS` parameters (``self``/``cls`` not counted);
 - private names (``_x``) of another LMPM module imported, and private modules (``lmpm.pkg._mod``)
   imported from outside their package. Third-party internals (``torch._inductor``,
-  ``torch.utils._pytree``, ``ray._private``) are those projects' business and not counted.
+  ``torch.utils._pytree``, ``ray._private``) are those projects' business and not counted;
+- private attributes read across modules: ``obj._x`` where ``obj`` is not ``self``/``cls`` and
+  ``_x`` is not defined in the reading module (a ``def``/``class``, a ``self._x =`` assignment, a
+  class or module level name): another module's internals (``group._owner_calls``,
+  ``shapes._BOUNDS``). Reads rooted in a third-party import (``torch._C``, ``sys._getframe``,
+  ``aten = torch.ops.aten; aten._to_copy``) and :data:`THIRD_PARTY_ATTRS` are not counted.
 
 ``tests/test_structure.py`` asserts the rules on these measurements (with its allow-lists).
 
@@ -24,6 +29,16 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "lmpm"
 MAX_FUNCTION_LINES = 80  # in runtime/
 MAX_CLASS_LINES = 600  # in runtime/
 MAX_PARAMS = 8  # anywhere in src/lmpm
+# private names of third-party APIs read on objects whose type the walk does not know
+THIRD_PARTY_ATTRS = frozenset(
+    {
+        "_version",  # torch.Tensor._version: the in-place version counter
+        "_asdict",  # NamedTuple's public API (underscored against field clashes)
+        "_replace",
+        "_fields",
+        "_make",
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +60,7 @@ class Offenders:
     long_classes: dict[str, Def]
     many_params: dict[str, Def]
     private_imports: list[str]
+    private_attributes: list[str]  # "file: expr", each once per file
 
 
 def params(a: ast.arguments) -> int:
@@ -113,15 +129,71 @@ def private_imports(rel: str, tree: ast.Module) -> Iterator[str]:
                     break
 
 
+def _root(node: ast.expr) -> str | None:
+    """The name an attribute chain or call starts from (``torch`` of ``torch.ops.aten``)."""
+    while isinstance(node, ast.Attribute | ast.Call | ast.Subscript):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _owned_and_foreign(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The private names a module defines itself, and the names bound to third-party objects
+    (imported from outside LMPM, or assigned at module level from such a name)."""
+    owned: set[str] = set()
+    foreign: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            owned.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                owned.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            owned.add(node.id)
+        elif isinstance(node, ast.arg):
+            owned.add(node.arg)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] != "lmpm":
+                    foreign.add((a.asname or a.name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            if (node.module or "").split(".")[0] != "lmpm":
+                foreign.update(a.asname or a.name for a in node.names)
+    for stmt in tree.body:  # aten = torch.ops.aten
+        if isinstance(stmt, ast.Assign) and _root(stmt.value) in foreign:
+            foreign.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+    return owned, foreign
+
+
+def private_attributes(rel: str, tree: ast.Module) -> Iterator[str]:
+    """``rel: expr`` for each read of another module's private attribute (see the module doc),
+    once per expression, in source order."""
+    owned, foreign = _owned_and_foreign(tree)
+    seen: set[str] = set()
+    reads = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute) and _private(n.attr)]
+    for node in sorted(reads, key=lambda n: (n.lineno, n.col_offset)):
+        if node.attr in owned or node.attr in THIRD_PARTY_ATTRS:
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            continue  # its own (``self.group._calls`` is not: the group's)
+        if _root(node.value) in foreign:
+            continue
+        text = f"{rel}: {ast.unparse(node)}"
+        if text not in seen:
+            seen.add(text)
+            yield text
+
+
 def measure(src: Path = SRC) -> Offenders:
     """The offenders of every rule in the package at ``src``."""
     found: list[Def] = []
     imports: list[str] = []
+    attributes: list[str] = []
     for path in sorted(src.rglob("*.py")):
         rel = path.relative_to(src).as_posix()
         tree = ast.parse(path.read_text(encoding="utf-8"))
         found.extend(defs(rel, tree))
         imports.extend(private_imports(rel, tree))
+        attributes.extend(private_attributes(rel, tree))
     runtime = [d for d in found if d.where.startswith("runtime/")]
     return Offenders(
         long_functions={
@@ -132,6 +204,7 @@ def measure(src: Path = SRC) -> Offenders:
         },
         many_params={d.where: d for d in found if d.kind == "function" and d.params > MAX_PARAMS},
         private_imports=imports,
+        private_attributes=attributes,
     )
 
 
@@ -149,6 +222,9 @@ def main() -> None:
     print(f"== private imports across modules: {len(o.private_imports)}")
     for imp in o.private_imports:
         print(f"   {imp}")
+    print(f"== private attributes read across modules: {len(o.private_attributes)}")
+    for attr in o.private_attributes:
+        print(f"   {attr}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from lmpm.ir import compile_file
 from lmpm.resolve.plan import resolve
 from lmpm.resolve.topology import partition
 from lmpm.runtime.data.dataplane import DataPlane
+from lmpm.runtime.data.shard import WouldCommit
 from lmpm.runtime.data.transport import GlooTransport, exchange_objects
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,9 +56,9 @@ def main() -> None:
         changed[write] = True
         moved.append(transport.exchange({"Txt": changed}))
     halo = topo.halo_cells("Txt", rank)
-    # the owners' metadata exchange: every rank's part (of its own size; rank 1's is empty)
-    # (rank 2's is larger than what travels with its size: a second round)
-    mine = {} if rank == 1 else {"cells": torch.arange(rank * 700), "score": torch.full((2,), rank)}
+    # the owners' metadata exchange: every rank's part, a typed record of its own size (rank 1
+    # has none) (rank 2's is larger than what travels with its size: a second round)
+    mine = None if rank == 1 else WouldCommit(torch.arange(rank * 700), torch.full((2,), rank))
     parts = exchange_objects(mine)
     Path(out).write_text(
         json.dumps(
@@ -66,7 +67,16 @@ def main() -> None:
                 "payload": dp.payload["Txt"][halo].tolist(),
                 "committed": dp.committed["Txt"][halo].tolist(),
                 "moved": moved,
-                "parts": [{k: v.tolist() for k, v in p.items()} for p in parts],
+                "parts": [
+                    None
+                    if p is None
+                    else {
+                        "type": type(p).__name__,
+                        "cells": p.cells.tolist(),
+                        "conf": p.conf.tolist(),
+                    }
+                    for p in parts
+                ],
             }
         )
     )

@@ -66,8 +66,7 @@ def test_each_step_is_captured_once_per_bucket_and_replayed() -> None:
         run.run(12)
     stats = run.engine.compiled.stats  # type: ignore[union-attr]
     assert stats.steps == 12 and stats.captures == 1
-    mirror = run.dataplane._mirror
-    assert mirror is not None and mirror.uploads == 1  # nothing but the steps changed it
+    assert run.dataplane.mirror.uploads == 1  # nothing but the steps changed it
     summary = run.engine.compiled.summary()  # type: ignore[union-attr]
     assert "12 compiled steps, replayed as 1 CUDA graph)" in summary
 
@@ -86,8 +85,7 @@ def test_eager_epochs_between_captured_ones_refresh_the_device_mirror() -> None:
         got.append(run.run(7))
     stats = run.engine.compiled.stats  # type: ignore[union-attr]
     assert stats.eager_epochs == 2 and stats.steps > 0
-    mirror = run.dataplane._mirror
-    assert mirror is not None and mirror.uploads > 1
+    assert run.dataplane.mirror.uploads > 1
     records = [r for res in got for r in res.records]
     assert [r.commits for r in records] == [r.commits for r in want.records]
     for name in cpu.plan.values:

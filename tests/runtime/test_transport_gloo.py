@@ -1,7 +1,8 @@
 """The gloo halo transport between real processes: 2 and 3 ranks on loopback exchange the changed
 halo cells of their DataPlanes; every rank's halo then holds the owners' latest payload, and the
 bytes received are exactly the changed routed cells. Then they exchange metadata parts of
-different sizes (the owners' exchange, ``exchange_objects``): every rank gets every part."""
+different sizes (the owners' exchange, ``exchange_objects``): every rank gets every part, as the
+record it was sent as."""
 
 from __future__ import annotations
 
@@ -74,8 +75,10 @@ def test_ranks_exchange_their_changed_halo_cells(world: int, tmp_path: Path) -> 
         assert got["payload"] == want
         assert got["committed"] == committed
         assert got["moved"] == moved
-        # exchange_objects: every rank's part, in rank order, on every rank
+        # exchange_objects: every rank's part, in rank order, on every rank, as its record
         assert got["parts"] == [
-            {} if q == 1 else {"cells": list(range(q * 700)), "score": [float(q)] * 2}
+            None
+            if q == 1
+            else {"type": "WouldCommit", "cells": list(range(q * 700)), "conf": [q] * 2}
             for q in range(world)
         ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,9 +25,15 @@ from lmpm.runtime.data.resident import Resident, ours, placed
 from lmpm.runtime.protocol import ProposeRequest
 from lmpm.workers import Results, WorkItem
 
-# one rule replica's proposals for a value: (rule, cells (n,), replica, proposals (n, k, *cell),
-# scores (n, k) float64)
-Proposal = tuple[RulePlan, Tensor, int, Tensor, Tensor]
+
+class Proposal(NamedTuple):
+    """One rule replica's proposals for a value."""
+
+    rule: RulePlan
+    cells: Tensor  # (n,) the open cells it proposed for, on the worker's device
+    replica: int
+    proposals: Tensor  # (n, k, *cell)
+    scores: Tensor  # (n, k) float64
 
 
 def item_outputs(results: Results, n_items: int) -> list[tuple[Tensor, Tensor]]:
@@ -149,7 +155,7 @@ class ModelCalls:
             prop, score = self.shape(rp, vp, prop, score)
             if corrupting:
                 prop = corrupt(prop, vp)
-            per_value.setdefault(rp.target, []).append((rp, cells, rep, prop, score))
+            per_value.setdefault(rp.target, []).append(Proposal(rp, cells, rep, prop, score))
         return per_value, model_seconds
 
     def shape(

@@ -78,9 +78,12 @@ class Staging:
         vp = self.plan.values[name]
         tabs = self.checks.tables[name]
         res = self.res
-        cells = parts[0][1] if len(parts) == 1 else torch.unique(torch.cat([p[1] for p in parts]))
+        if len(parts) == 1:
+            cells = parts[0].cells
+        else:
+            cells = torch.unique(torch.cat([p.cells for p in parts]))
         n = cells.numel()
-        widths = [p[3].shape[1] for p in parts]
+        widths = [p.proposals.shape[1] for p in parts]
         current = res.payload[name].index_select(0, cells)  # (n, *cell)
         if fresh:
             committed = res.fill("unset", (n,), torch.bool, False)
@@ -131,7 +134,7 @@ class Staging:
         n = cells.numel()
         ncol = 1 + sum(widths)
         if len(parts) == 1:
-            prop, sc = parts[0][3], parts[0][4]
+            prop, sc = parts[0].proposals, parts[0].scores
             prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
             table = torch.cat((current.unsqueeze(1), prop), 1)
             score = torch.cat((res.fill("keep_score", (n, 1), torch.float64, -torch.inf), sc), 1)
@@ -143,20 +146,22 @@ class Staging:
         valid[:, 0] = True
         score = torch.full((n, ncol), -torch.inf, dtype=torch.float64, device=dev)
         c = 1
-        for (_, rcells, _, prop, sc), w in zip(parts, widths):
-            rows = torch.searchsorted(cells, rcells)
-            table[rows, c : c + w] = prop.to(vp.dtype)
+        for p, w in zip(parts, widths):
+            rows = torch.searchsorted(cells, p.cells)
+            table[rows, c : c + w] = p.proposals.to(vp.dtype)
             valid[rows, c : c + w] = True
-            score[rows, c : c + w] = sc
+            score[rows, c : c + w] = p.scores
             c += w
         return table, valid, score, False
 
     def columns(self, parts: list[Proposal], widths: list[int]) -> tuple[Tensor, ...]:
         """(C,) rule id, replica and slot of each candidate column (-1: keep); per layout."""
         if len(parts) == 1:  # one rule fired (the common case): no generator
-            key: tuple[tuple[int, int, int], ...] = ((parts[0][0].id, parts[0][2], widths[0]),)
+            key: tuple[tuple[int, int, int], ...] = (
+                (parts[0].rule.id, parts[0].replica, widths[0]),
+            )
         else:
-            key = tuple((p[0].id, p[2], w) for p, w in zip(parts, widths))
+            key = tuple((p.rule.id, p.replica, w) for p, w in zip(parts, widths))
         hit = self._columns_cache.get(key)
         if hit is None:
             rule, rep, slot = [-1], [-1], [-1]

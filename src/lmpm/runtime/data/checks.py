@@ -216,33 +216,46 @@ class Checks:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # SystemExit too: a predicate must not end the run
-            raise ConstraintEvalError(
-                f"predicate `{cp.ir.call.func if cp.ir.call else '?'}` of constraint `{cp.name}` "
-                f"raised {type(exc).__name__}: {exc}{user_frame(exc)}",
-                where={"constraint": cp.name, "epoch": e, "worker": self.worker},
-                span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
-                code="R040",
+            func = cp.ir.call.func if cp.ir.call else "?"
+            raise self._refused(
+                cp,
+                e,
+                f"predicate `{func}` of constraint `{cp.name}` raised "
+                f"{type(exc).__name__}: {exc}{user_frame(exc)}",
+                "R040",
             ) from exc
         if tuple(out.shape) != tuple(valid.shape) or out.dtype != torch.bool:
-            raise ConstraintEvalError(
+            raise self._refused(
+                cp,
+                e,
                 f"predicate of constraint `{cp.name}` must return a bool tensor of shape "
                 f"{tuple(valid.shape)} (cells, candidates), got {out.dtype} {tuple(out.shape)}",
-                where={"constraint": cp.name, "epoch": e, "worker": self.worker},
-                span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
-                code="R041",
+                "R041",
             )
         if out.device != valid.device:  # (host metadata: no device sync)
-            raise ConstraintEvalError(
+            raise self._refused(
+                cp,
+                e,
                 f"predicate of constraint `{cp.name}` returned its verdicts on {out.device}; "
                 f"it gets its candidates on {valid.device} and must answer there "
                 '(docs/runtime.md, "Devices")',
-                where={"constraint": cp.name, "epoch": e, "worker": self.worker},
-                span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
-                code="R041",
+                "R041",
                 hint="compute the verdicts from the candidates (`ctx.candidates.norm(dim=2) <= b`),"
                 " or make new tensors with `device=ctx.candidates.device`",
             )
         return out.clone()
+
+    def _refused(
+        self, cp: ConstraintPlan, e: int, message: str, code: str, hint: str | None = None
+    ) -> ConstraintEvalError:
+        """The error for a bound predicate's call in epoch ``e``, pointed at its call site."""
+        return ConstraintEvalError(
+            message,
+            where={"constraint": cp.name, "epoch": e, "worker": self.worker},
+            span=cp.ir.call.span if cp.ir.call is not None else cp.ir.span,
+            code=code,
+            hint=hint,
+        )
 
     def vocab_mask(self, rp: RulePlan, cells: Tensor, fresh: bool) -> VocabMask | None:
         """The mask on ``rp``'s logits for ``cells`` this epoch (None: its value has none, or the

@@ -200,7 +200,7 @@ class WorkerGroup:
         self.owners = [ShardOwner(self.plan, self.topology, i, self.seed) for i in range(self.size)]
         return OwnersView(self)
 
-    def _owner_calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+    def owner_calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
         """Call ``method`` on worker i's owner with ``args[i]`` (None: not called)."""
         return [
             None if a is None else getattr(o, method)(*a)
@@ -238,7 +238,7 @@ class WorkerGroup:
         the per-epoch rows. True (a group always can, once its stores are open)."""
         args = (None, "", None) if tracer is None else (type(tracer), tracer.level, tracer.region)
         self._log_args = args
-        self._owner_calls("set_log", [args] * self.size)
+        self.owner_calls("set_log", [args] * self.size)
         return True
 
     def compile(self) -> Any:

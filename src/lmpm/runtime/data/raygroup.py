@@ -672,7 +672,9 @@ class RayGroup(WorkerGroup):
                 ) from None
         return self._retry(self.done, method, once)
 
-    def _owner_calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+    def owner_calls(self, method: str, args: list[tuple[Any, ...] | None]) -> list[Any]:
+        """Call ``method`` on worker i's owner with ``args[i]`` (None: not called), in the
+        workers' processes (:class:`~lmpm.runtime.data.shard.OwnersView` reads the metadata so)."""
         return self._calls(method, args, via="own")
 
     # ---- the epoch, with recovery ----------------------------------------------------------------

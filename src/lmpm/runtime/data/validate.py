@@ -131,7 +131,8 @@ class EagerValidator:
         self._proposed = (
             {
                 name: [
-                    (rp, cells, rep, prop.clone(), sc.clone()) for rp, cells, rep, prop, sc in parts
+                    Proposal(rp, cells, rep, prop.clone(), sc.clone())
+                    for rp, cells, rep, prop, sc in parts
                 ]
                 for name, parts in per_value.items()
             },
