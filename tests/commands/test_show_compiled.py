@@ -59,7 +59,7 @@ def test_text_compiles_with_its_spec_and_graph() -> None:
     assert "traced at 1 open cell (what epoch 0 opens)" in out
     assert "8 proposals per cell" in out
     assert "index_put_ ×8" in out and "aten ops:" in out
-    assert "16 inputs: e, cells, prop, sc, payload" in out and "vtables[Plain]" in out
+    assert "17 inputs: e, cells, prop, sc, payload" in out and "vtables[Plain]" in out
     assert "9 outputs: winner, changed" in out
     written = next(line for line in out.splitlines() if "written in place:" in line)
     for name in ("payload", "committed", "clock", "rule", "epoch", "kept_score", "why"):
