@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -150,6 +151,67 @@ def test_replaying_the_log_rebuilds_the_final_state(
         meta["bindings"]
     )
     conn.close()
+
+
+def _fsynced_checkpoints(
+    prog: tuple[Path, Path], out: Path, monkeypatch: pytest.MonkeyPatch, *extra: str
+) -> set[str]:
+    """Run 9 epochs, a checkpoint every 4; the checkpoint files fsynced (by the name the file had
+    when its data was synced: ``.epoch-NNNNNNNN[.worker].safetensors.tmp``)."""
+    real = os.fsync
+    synced: set[str] = set()
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.endswith(".safetensors.tmp"):
+            synced.add(Path(name).name.removeprefix(".").removesuffix(".tmp"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert _run(prog, out, "--epochs", "9", "--checkpoint-every", "4", *extra) == 0
+    monkeypatch.setattr(os, "fsync", real)
+    return synced
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+def test_periodic_checkpoints_are_fsynced_only_when_durable(
+    prog: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoints of every ``--checkpoint-every`` epochs are written without fsync (a power
+    cut may lose them: resume then falls back to an older one), epoch 0's and the final one with;
+    ``--durable`` fsyncs every one."""
+
+    def names(*labels: int) -> set[str]:
+        return {f"epoch-{k:08d}{w}.safetensors" for k in labels for w in ("", ".cpu-0")}
+
+    out = tmp_path / "run"
+    assert _fsynced_checkpoints(prog, out, monkeypatch) == names(0, 9)
+    assert _fsynced_checkpoints(prog, tmp_path / "durable", monkeypatch, "--durable") == names(
+        0, 4, 8, 9
+    )
+    # A power cut after epoch 8: the final checkpoint never written, the periodic ones (never
+    # fsynced) lost, their files left empty. Resume skips both for epoch 0's and replays every
+    # commit after it: the same state as from the final checkpoint.
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    conn = sqlite3.connect(cut / "lmpm.db")
+    conn.execute("DELETE FROM checkpoints WHERE epoch = 9")
+    conn.commit()
+    conn.close()
+    for ck in (cut / "checkpoints").iterdir():
+        if ck.name.startswith(("epoch-00000004.", "epoch-00000008.")):
+            ck.write_bytes(b"")
+        elif ck.name.startswith("epoch-00000009."):
+            ck.unlink()
+    fresh = Run.from_source(PROG, bind=[str(prog[1])])
+    restored = restore(fresh.engine, connect(cut), cut)
+    assert (restored.epoch, restored.checkpoint, restored.skipped) == (9, 0, 2)
+    final = Run.from_source(PROG, bind=[str(prog[1])])
+    restore(final.engine, connect(out), out)
+    sa, sb = fresh.engine.state["G"], final.engine.state["G"]
+    for f in ("committed", "clock", "rule", "epoch", "score"):
+        assert torch.equal(getattr(sa, f), getattr(sb, f)), f
+    assert torch.equal(fresh.payload("G"), final.payload("G"))
 
 
 def test_an_existing_run_is_not_overwritten(

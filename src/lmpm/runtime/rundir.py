@@ -844,9 +844,12 @@ def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, s
     return len(head).to_bytes(8, "little") + head + b"".join(chunks)
 
 
-def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, int, str]:
-    """Write a checkpoint file beside, fsync, rename: (file, bytes, sha256)."""
-    write_file(run_dir, rel, data)  # checkpoints/ a real folder of the run, no link written
+def write_checkpoint_file(
+    run_dir: Path, rel: str, data: bytes, sync: bool = True
+) -> tuple[str, int, str]:
+    """Write a checkpoint file beside, fsync (unless ``sync`` is False), rename: (file, bytes,
+    sha256)."""
+    write_file(run_dir, rel, data, sync=sync)  # checkpoints/ a real folder of the run, no link
     return rel, len(data), hashlib.sha256(data).hexdigest()
 
 
