@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,7 +18,17 @@ from lmpm.cli import main
 from lmpm.errors import RunDirError
 from lmpm.ir import compile_source
 from lmpm.runtime.control.commitlog import restore
-from lmpm.runtime.rundir import SCHEMA_VERSION, cell_runs, connect, decode, encode
+from lmpm.runtime.control.engine import Engine
+from lmpm.runtime.records import EpochRecord
+from lmpm.runtime.rundir import (
+    SCHEMA_VERSION,
+    _commit_runs,
+    _one_commit,
+    cell_runs,
+    connect,
+    decode,
+    encode,
+)
 from lmpm.runtime.session import Run
 
 PROG = """
@@ -92,6 +103,49 @@ def test_cell_runs_cover_the_cells_exactly() -> None:
     # a red-black row: one run per row, not one per cell
     cells = np.array([y * 8 + x for y in range(4) for x in range(8) if (x + y) % 2 == 0])
     assert len(cell_runs(cells, np.zeros(cells.size))[0]) == 4
+
+
+class _Records:
+    """An observer keeping each epoch's record (with the payload checksums the log would get)."""
+
+    wants_records = True
+
+    def __init__(self) -> None:
+        self.records: list[EpochRecord] = []
+
+    def on_start(self, engine: Engine) -> None:
+        engine.checksums = True
+
+    def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
+        self.records.append(record)
+
+    def on_end(self, engine: Engine) -> None:
+        pass
+
+
+def test_one_cell_commit_row_is_the_general_paths(prog: tuple[Path, Path]) -> None:
+    """The row of an epoch's one committed cell (a decode's epoch) is the row the run splitting
+    writes for that cell alone, a NaN score included (its blob, as NaN != NaN)."""
+    seen = _Records()
+    run = Run.from_source(PROG, bind=[str(prog[1])], seed=3, observers=[seen])
+    run.run(4)
+    checked = 0
+    for rec in seen.records:
+        for ve in rec.values:
+            for r in np.flatnonzero(ve.changed.numpy()).tolist():
+                assert (
+                    _one_commit(rec.epoch, ve, r) == _commit_runs(rec.epoch, ve, np.array([r]))[0]
+                )
+                score = ve.score.clone()
+                score[r] = float("nan")
+                odd = dataclasses.replace(ve, score=score)
+                got, want = (
+                    _one_commit(rec.epoch, odd, r),
+                    _commit_runs(rec.epoch, odd, np.array([r]))[0],
+                )
+                assert repr(got) == repr(want) and got[-1] is not None
+                checked += 1
+    assert checked > 10
 
 
 def test_blob_codec_round_trips() -> None:
