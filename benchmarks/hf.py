@@ -16,10 +16,12 @@ run directory written (the log included), at N = 128 under the constraint; then 
 prompts of different lengths: a real run of a ``Grid2D(16, N)`` under the ``frontier`` schedule
 (every row's next cell each epoch) vs HF's left-padded batched generate.
 
-Prints one JSON line per case: ms per token of each, the ratio LMPM/HF, LMPM's time per token
-outside the model's forward, and whether the tokens were identical (asserted). The minimum of
+Prints one JSON line per case: ms per token of each, the ratio LMPM/HF, LMPM's (and, single,
+HF generate's) time per token outside the model's forward, and whether the tokens were identical
+(asserted). The minimum of
 ``--repeats`` alternated runs (the issue's method: on a shared CPU the least disturbed run is the
-closest to the cost itself). ``--quick``: N = 64, 128 and 2 repeats (scripts/bench.sh).
+closest to the cost itself; at N <= 128 at least 5). ``--quick``: N = 64, 128 and 2 repeats
+(scripts/bench.sh).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ CONSTRAINT = """constraint Small:
 """
 ALLOWED = 20000
 PROMPT = 8
+SHORT, SHORT_REPEATS = 128, 5  # N up to SHORT: at least SHORT_REPEATS alternated runs (single)
 
 
 DEVICE = "cpu"  # --device
@@ -147,6 +150,10 @@ def single(n: int, repeats: int, constrained: bool, loop: bool = True) -> dict[s
     gen = torch.Generator().manual_seed(n)
     prompt = torch.randint(0, ALLOWED, (PROMPT,), generator=gen).tolist()
     new = n - PROMPT
+    # a short N's runs last about a second each: one burst of the others' load can cover every
+    # run of one side, and its forward is the shortest, so the fixed costs per token weigh most;
+    # more alternated runs there (they are cheap)
+    repeats = max(repeats, SHORT_REPEATS) if n <= SHORT else repeats
     lm, hf, nc, outside, hf_outside = [], [], [], [], []
     for _ in range(repeats):  # alternated
         a, wall, model = lmpm_run(net, prompt, n, constrained)
