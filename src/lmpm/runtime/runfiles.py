@@ -212,7 +212,8 @@ def atomic_write(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Write beside, fsync, rename, fsync the directory: readers see the old file or the whole new
     one, never a part. ``sync=False`` leaves out both fsyncs: the same for readers and for a killed
     process (the page cache holds the file), but a power cut may lose the file or leave it short
-    (for a file whose loss is detected and survived: the periodic checkpoints, docs/trace.md). The temporary file ``.NAME.tmp`` is created anew (``O_EXCL | O_NOFOLLOW``:
+    (for a file whose loss is detected and survived: the periodic checkpoints, docs/trace.md).
+    The temporary file ``.NAME.tmp`` is created anew (``O_EXCL | O_NOFOLLOW``:
     a link left in its place is removed, never written through) and the rename replaces whatever
     ``path`` was, a link included, rather than writing into it. ``path``'s folder is the caller's
     (:func:`write_file` checks it inside a run). An OS failure (disk full, read-only, not a
