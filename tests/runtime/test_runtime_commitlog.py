@@ -159,6 +159,16 @@ def test_blob_codec_round_trips() -> None:
         assert decode(encode(arr, tag)).tolist() == arr.tolist()
 
 
+def _copy_forgetting(run: Path, to: Path, where: str) -> Path:
+    """A copy of run directory ``run`` whose log forgets the checkpoints ``where`` selects."""
+    shutil.copytree(run, to)
+    conn = sqlite3.connect(to / "lmpm.db")
+    conn.execute(f"DELETE FROM checkpoints WHERE {where}")
+    conn.commit()
+    conn.close()
+    return to
+
+
 def test_replaying_the_log_rebuilds_the_final_state(
     prog: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -172,12 +182,7 @@ def test_replaying_the_log_rebuilds_the_final_state(
         + [f"epoch-{k:08d}.cpu-0.safetensors" for k in labels]  # the worker's payload shard
     )
     # Forget every checkpoint but the first: resume must replay all commits from the log.
-    copy = tmp_path / "copy"
-    shutil.copytree(out, copy)
-    c2 = sqlite3.connect(copy / "lmpm.db")
-    c2.execute("DELETE FROM checkpoints WHERE epoch > 0")
-    c2.commit()
-    c2.close()
+    copy = _copy_forgetting(out, tmp_path / "copy", "epoch > 0")
     fresh = Run.from_source(PROG, bind=[str(prog[1])], seed=5)
     restored = restore(fresh.engine, connect(copy), copy)
     assert restored.epoch == 9 and restored.checkpoint == 0 and restored.replayed > 0
@@ -246,12 +251,7 @@ def test_periodic_checkpoints_are_fsynced_only_when_durable(
     # A power cut after epoch 8: the final checkpoint never written, the periodic ones (never
     # fsynced) lost, their files left empty. Resume skips both for epoch 0's and replays every
     # commit after it: the same state as from the final checkpoint.
-    cut = tmp_path / "cut"
-    shutil.copytree(out, cut)
-    conn = sqlite3.connect(cut / "lmpm.db")
-    conn.execute("DELETE FROM checkpoints WHERE epoch = 9")
-    conn.commit()
-    conn.close()
+    cut = _copy_forgetting(out, tmp_path / "cut", "epoch = 9")
     for ck in (cut / "checkpoints").iterdir():
         if ck.name.startswith(("epoch-00000004.", "epoch-00000008.")):
             ck.write_bytes(b"")
