@@ -1,8 +1,8 @@
 """The programs `--compile` coverage is measured on: the bundled examples that run offline on the
 epoch engine (with their inputs), and the differential tests' random programs
 (test_runtime_differential: `programs`, one rule per value, and `rich_programs`, several rules per
-value, quorum replicas, every policy, the six schedules, in-set / change / user predicates). Used
-by tests/runtime/test_compile_coverage.py and benchmarks/compile_coverage.py."""
+value, quorum replicas, every policy, the six schedules, in-set / change / user predicates, soft
+or `hard`). Used by tests/runtime/test_compile_coverage.py and benchmarks/compile_coverage.py."""
 
 from __future__ import annotations
 

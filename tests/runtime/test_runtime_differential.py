@@ -3,8 +3,8 @@
 Random small programs cover the six schedules, one to three rules per value (with `when` triggers on
 coordinates and on the epoch), the policies satisfy / winner_takes_all / average / quorum(k, inner)
 with replicas, Token and Float payloads, and constraints (in-set, change, the predicates `clash`
-and `big`) at several priorities. After every epoch both must agree on the commits, the payload,
-the Lamport clocks and the provenance (rule, epoch) of every cell.
+and `big`) at several priorities, soft or `hard`. After every epoch both must agree on the commits,
+the payload, the Lamport clocks and the provenance (rule, epoch) of every cell.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def programs(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
             )
         )
         target = "Txt"
-    src += [f"constraint C{i}: {c}" for i, c in enumerate(cons)]
+    hard = [draw(st.booleans()) for _ in cons]  # `hard`: a bound no commit may break
+    src += [f"constraint C{i}: {c}" + " hard" * h for i, (c, h) in enumerate(zip(cons, hard))]
     src.append(f"commit {target}[*] using satisfy(max_constraints_then_score)")
     src += [
         "rule S:",
@@ -296,7 +297,8 @@ def rich_programs(
         kinds += [f"require {pattern} in Set(0..{vocab - 2})", f"forbid {pattern} in Set(1)"]
     cons = draw(st.permutations(kinds))[: _pick(draw, [2, 3, 1, 4, 0])]
     for i, c in enumerate(cons):  # few priorities: several constraints often share a level
-        src.append(f"constraint C{i}: {c} priority {_pick(draw, [20, 5, 20, 50])}")
+        hard = " hard" if _pick(draw, [False, False, True]) else ""  # a bound no commit breaks
+        src.append(f"constraint C{i}: {c} priority {_pick(draw, [20, 5, 20, 50])}{hard}")
     src.append(f"commit {target}[*] using {policy}")
     src += [
         "rule S:",
