@@ -537,6 +537,52 @@ commit A[*] using satisfy(max_constraints_then_score)
         assert got == want, e
 
 
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "satisfy(max_constraints_then_score)",
+        "winner_takes_all",
+        "quorum(2, winner_takes_all)",
+        "quorum(2, satisfy)",
+    ],
+)
+@pytest.mark.parametrize("strategy", ["all", "raster", "confidence"])
+def test_hard_constraints_equal_reference_around_given_values(policy: str, strategy: str) -> None:
+    """`hard` where the random programs seldom go: a given cell that breaks the hard constraint
+    (input is not checked) and a proposal equal to it (folded into keep-current); the favourite
+    proposal 3 breaks it and never commits, under every policy."""
+    src = f"""
+value A : Token[5] shape Seq(5)
+value MaskPlan : Event shape Set()
+rule R:
+  on A[t]
+  emit proposal A[t] := Fixed()
+constraint NoThree: forbid A[t] in Set(3) priority 5 hard
+constraint One: forbid A[t] in Set(1) priority 20
+commit A[*] using {policy}
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="{strategy}", epoch=e)
+"""
+    bindings = {**BINDINGS, "Fixed": fixed_tokens}
+    front = compile_source(src, raise_errors=False)
+    assert not front.errors, [d.render() for d in front.errors]
+    run = Run(front, bindings=used(front, bindings), epochs=4)
+    ref = Reference(front.ir, bindings=bindings, epochs=4)
+    given: list[int | None] = [3, None, 1, None, 3]
+    run.set_input(
+        "A",
+        torch.tensor([-1 if v is None else v for v in given]),
+        torch.tensor([v is not None for v in given]),
+    )
+    ref.set_input("A", given)
+    for e in range(4):
+        assert run.engine.step().commits == ref.step(), e
+        got, want = _state(run, ref, "A")
+        assert got == want, e
+        assert all(p != 3 or given[i] == 3 for i, (p, *_) in enumerate(got)), got
+
+
 # ---- the engine's known disagreements with the reference (engine.py is being rewritten) --------
 
 
