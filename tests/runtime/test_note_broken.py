@@ -54,9 +54,10 @@ def test_one_cell_matches_the_general_path(owner: Owner, changed: bool, was: boo
         broken.fill_(True)  # what the path writes over, not what it leaves
         owner.note_broken(record([cell, cell], violated, 3, changed, was))  # general path
         want = broken.clone()
-        broken.fill_(True)
-        owner.note_broken(record([cell], violated, 3, changed, was))  # one open cell
-        assert torch.equal(broken, want)
+        for commits in (None, int(changed)):  # the owner passes the commits it counted
+            broken.fill_(True)
+            owner.note_broken(record([cell], violated, 3, changed, was), commits)  # one open cell
+            assert torch.equal(broken, want)
         expect = (
             violated[0, 3 if changed else 0] if changed or was else torch.zeros(k, dtype=torch.bool)
         )

@@ -287,17 +287,17 @@ class Owner:
         """Per value, committed cells that violate a live constraint, by constraint id."""
         return broken_counts(self.plan, self.broken, self.state)
 
-    def note_broken(self, ve: ValueEpoch) -> None:
+    def note_broken(self, ve: ValueEpoch, commits: int | None = None) -> None:
         """Record which live constraints the payload of each open cell of ``ve`` violates after
         the epoch: the winner's verdicts where it committed, keep-current's where the cell kept
         its payload (a constraint not in the RuleSet, or not speaking about the cell, is violated
-        by nothing)."""
+        by nothing). ``commits``: how many of the open cells committed, when the caller knows."""
         broken = self.broken.get(ve.value)
         n = ve.cells.numel()
         if broken is None or not n:
             return
         if n == 1:  # one open cell (causal generation): its row, without gathers and scatters
-            changed = bool(ve.changed)
+            changed = bool(ve.changed) if commits is None else commits == 1
             row = broken[int(ve.cells)]
             if changed or bool(ve.was_committed):
                 row.copy_(ve.violated[0, int(ve.winner) if changed else 0])
@@ -384,7 +384,7 @@ class Owner:
             if name in parts:
                 assert fused is not None
                 ve, n_commits, n_viol = fused.step_fused(self, name, e, parts[name], req.checksums)
-                self.note_broken(ve)
+                self.note_broken(ve, n_commits)
             else:
                 p = pending[name]
                 ve, n_commits = self._commit(name, e, p, applied.values[name], phases[name])
@@ -466,7 +466,8 @@ class Owner:
     ) -> Pending:
         """The agreed value waiting for its apply; why the cells that stay unset do."""
         n = cand.cells.numel()
-        commits = int(ag.changed.count_nonzero())
+        # (one open cell, causal generation: its flag itself, one read instead of a count and one)
+        commits = int(ag.changed) if n == 1 else int(ag.changed.count_nonzero())
         disagreed = self._disagreed(name, cand)
         if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
             unset = (~ag.changed & ~was).nonzero().squeeze(1)
@@ -539,7 +540,7 @@ class Owner:
             sums = torch.zeros(n, dtype=torch.int64)
             sums[changed] = got.checksum
             ve.checksum = sums
-        self.note_broken(ve)
+        self.note_broken(ve, commits)
         return ve, commits
 
     def _write(
