@@ -18,7 +18,7 @@ import inspect
 import io
 import textwrap
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -408,7 +408,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     got: dict[str, Any] = {}
 
     def tracer(
-        spec: StepSpec, args: Sequence[Tensor], lens: tuple[int, ...]
+        key: tuple[Any, ...], make: Callable[[], Callable[..., Any]], args: Sequence[Tensor]
     ) -> tuple[Any, torch.fx.GraphModule, str]:
         import warnings
 
@@ -416,8 +416,8 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gm = make_fx(cmod._flat(cmod.value_step(spec), lens), tracing_mode="fake")(*args)
-        got.update(gm=gm, args=list(args), lens=lens)
+            gm = make_fx(make(), tracing_mode="fake")(*args)
+        got.update(gm=gm, args=list(args), lens=key[2])  # key: (spec, signature, lens)
 
         def stop(*_: Any) -> Any:
             raise _Stop
@@ -428,7 +428,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     saved = ce.on_compile
     ce.on_compile = None
     try:
-        with mock.patch.object(cmod, "compile_step", tracer), torch.inference_mode():
+        with mock.patch.object(cmod, "compile_graph", tracer), torch.inference_mode():
             ce.step(
                 value,
                 0,
