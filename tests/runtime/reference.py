@@ -474,15 +474,11 @@ class Reference:
                 ]
                 for o in options
             ]
+            eligible = self._eligible(options, viol, [c.hard for c in cons])
             new, win, contributors = self._agree(
-                self.policy[value],
-                options,
-                viol,
-                [c.priority for c in cons],
-                value,
-                self._eligible(options, viol, [c.hard for c in cons]),
+                self.policy[value], options, viol, [c.priority for c in cons], value, eligible
             )
-            self._trace_cell(e, value, dims, i, options, cons, options.index(win), viol)
+            self._trace_cell(e, value, dims, i, options, cons, options.index(win), viol, eligible)
             if not win.is_keep and (not com or new != cur):
                 out.append((i, new, win, contributors))
         if self.strategy == "confidence":
@@ -571,6 +567,7 @@ class Reference:
         cons: list[Any],
         win: int,
         viol: list[list[bool]],
+        eligible: list[int],
     ) -> None:
         covers = [self._covers(c, self.coords[value][i], value, i) for c in cons]
         for col, opt in enumerate(options):
@@ -582,7 +579,18 @@ class Reference:
         fav = max(range(len(options)), key=lambda col: (options[col].score, -col))
         if fav == win:
             return
-        alive = list(range(len(options)))
+
+        def blame(ks: list[int]) -> None:
+            for k in ks:
+                self.trace.setdefault((e, cons[k].name, options[fav].rule), [0, 0, 0, 0])[3] += 1
+                self.trace.setdefault((e, cons[k].name, options[win].rule), [0, 0, 0, 0])[2] += 1
+
+        broke = [k for k, c in enumerate(cons) if c.hard and viol[fav][k]]
+        if fav not in eligible and broke:  # a `hard` constraint excluded the favourite
+            top = max(cons[k].priority for k in broke)
+            blame([k for k in broke if cons[k].priority == top])
+            return
+        alive = list(eligible)
         for prio in sorted({c.priority for c in cons}, reverse=True):
             sat = {
                 col: sum(not viol[col][k] for k, c in enumerate(cons) if c.priority == prio)
@@ -590,10 +598,13 @@ class Reference:
             }
             top = max(sat.values())
             if sat[fav] < top:  # the score favourite falls at this level
-                for k, c in enumerate(cons):
-                    if c.priority == prio and viol[fav][k] and not viol[win][k]:
-                        self.trace.setdefault((e, c.name, options[fav].rule), [0, 0, 0, 0])[3] += 1
-                        self.trace.setdefault((e, c.name, options[win].rule), [0, 0, 0, 0])[2] += 1
+                blame(
+                    [
+                        k
+                        for k, c in enumerate(cons)
+                        if c.priority == prio and viol[fav][k] and not viol[win][k]
+                    ]
+                )
                 return
             alive = [col for col in alive if sat[col] == top]
 

@@ -215,6 +215,7 @@ class _Constraints:
 
     ids: tuple[int, ...]  # (K,) ids into plan.constraints, in the epoch's column order
     priority: np.ndarray  # (K,) int64
+    hard: np.ndarray  # (K,) bool: the `hard` constraints
     # The satisfy policy's levels, highest priority first: (priority, indices into the K axis).
     levels: tuple[tuple[int, tuple[int, ...]], ...]
 
@@ -307,18 +308,32 @@ def attribute(
     levels: Sequence[tuple[int, Sequence[int]]],
     fav: np.ndarray,
     winner: np.ndarray,
+    hard: np.ndarray | None = None,
 ) -> np.ndarray:
     """(m, K) bool: the constraints responsible for each decision (see the module docstring).
 
     Arguments are the m cells whose winner is not the score favourite (the only ones a constraint
     can have decided; usually few): ``valid`` (m, C), ``violated`` (m, C, K), their favourite and
-    winner (m,); ``priority`` (K,) and ``levels`` as in :class:`_Constraints`.
+    winner (m,); ``priority`` (K,), ``levels`` and ``hard`` (K,) bool as in :class:`_Constraints`.
+
+    A favourite that breaks a `hard` constraint (a proposal: keep-current is always eligible) was
+    excluded by it: the highest-priority hard constraints it violates are responsible, whatever
+    the winner (keep-current may violate them too). Otherwise the satisfy levels narrow the
+    eligible candidates (a proposal breaking a hard constraint is not) as the policy does.
     """
     m = valid.shape[0]
     rows = np.arange(m)
-    elim = np.full(m, _NONE, dtype=np.int64)  # the level the favourite fell at
-    eligible = valid
     fav_viol = violated[rows, fav]  # (m, K)
+    eligible = valid
+    excluded = np.zeros((m, priority.shape[0]), dtype=bool)
+    if hard is not None and hard.any():
+        out = (violated & hard).any(axis=2)  # (m, C): proposals a hard constraint rules out
+        out[:, 0] = False
+        eligible = valid & ~out
+        broke = fav_viol & hard & (fav != 0)[:, None]  # (m, K)
+        top = np.where(broke, priority[None, :], np.iinfo(np.int64).min).max(axis=1)  # (m,)
+        excluded = broke & (priority[None, :] == top[:, None])
+    elim = np.full(m, _NONE, dtype=np.int64)  # the level the favourite fell at
     for prio, ks in levels:
         count = (~violated[:, :, ks[0]]).astype(np.int64)  # (m, C) satisfied at this level
         for k in ks[1:]:
@@ -334,12 +349,13 @@ def attribute(
         gone = eligible[rows, fav] & ~narrowed[rows, fav]
         elim[gone] = prio
         eligible = narrowed
-    return (
+    by_level = (
         (elim != _NONE)[:, None]
         & (priority[None, :] == elim[:, None])
         & fav_viol
         & ~violated[rows, winner]
     )
+    return np.where(excluded.any(axis=1)[:, None], excluded, by_level)
 
 
 class Tracer:
@@ -362,6 +378,7 @@ class Tracer:
         self.plan = plan
         self.seconds = 0.0  # time spent turning epochs into rows (the trace's cost, less SQLite)
         self._priority = {cp.id: cp.priority for cp in plan.constraints}
+        self._hard = {cp.id: cp.ir.hard for cp in plan.constraints}
         self._constraints: dict[tuple[str, tuple[int, ...]], _Constraints] = {}
         self._coords: dict[str, np.ndarray] = {}  # (rank, ncells) per value, on first use
         # id(col_rule) -> (the tensor, its layout): see _layout
@@ -410,7 +427,8 @@ class Tracer:
                 (p, tuple(k for k, q in enumerate(prio) if q == p))
                 for p in sorted(set(prio), reverse=True)
             )
-            found = _Constraints(ids, np.array(prio, dtype=np.int64), levels)
+            hard = np.array([self._hard[i] for i in ids], dtype=bool)
+            found = _Constraints(ids, np.array(prio, dtype=np.int64), hard, levels)
             self._constraints[key] = found
         return found
 
@@ -430,7 +448,13 @@ class Tracer:
         sub = np.flatnonzero(lost)  # the only cells a constraint can have decided
         if sub.size:
             resp = attribute(
-                valid[sub], violated[sub], static.priority, static.levels, fav[sub], winner[sub]
+                valid[sub],
+                violated[sub],
+                static.priority,
+                static.levels,
+                fav[sub],
+                winner[sub],
+                static.hard,
             )  # (m, K)
             out.decided += int(np.count_nonzero(resp.any(axis=1)))
         else:  # every winner is its cell's favourite (a decode's usual epoch): nothing decided
