@@ -244,3 +244,74 @@ def test_report_of_a_program_without_constraints(
     text = capsys.readouterr().out
     assert "the program declares no constraint" in text
     assert "constraints" not in [line.strip() for line in text.splitlines()]  # no empty table
+
+
+# ---- `hard` constraints in the attribution (docs/trace.md, "Decided by a constraint") -----------
+HARD = """
+value A : Token[5] shape Seq(2)
+rule R:
+  on A[t]
+  emit proposal A[t] := Fixed()
+constraint NoThree: forbid A[t] in Set(3, 4) priority 5 hard
+constraint Want: require A[t] in Set(3, 4) priority 20
+commit A[*] using satisfy(max_constraints_then_score)
+"""
+
+FIXED = """
+import torch
+import lmpm
+
+@lmpm.bind("Fixed")
+def fixed(inputs, **_):
+    # every cell: 3 (score 1.0, the favourite), then 1 (score 0.0)
+    n = inputs["cells"].shape[0]
+    return {"proposal": torch.tensor([[3, 1]] * n),
+            "score": torch.tensor([[1.0, 0.0]] * n, dtype=torch.float64)}
+"""
+
+
+@pytest.mark.parametrize("extra", [(), ("--compile",), ("--workers", "2")])
+def test_a_favourite_a_hard_constraint_excludes_is_decided_by_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]
+) -> None:
+    """The favourite 3 breaks the hard NoThree and so is never eligible; it satisfies the higher
+    soft Want, which the level-by-level narrowing alone would let it survive. A[0] (unset) commits
+    1; A[1], given 4 (input is not checked), keeps 4, which breaks NoThree too. Both decisions are
+    NoThree's: in the trace rows, the summary, `decided` and `lmpm trace --cell`."""
+    prog, mod, given, out = (tmp_path / n for n in ("h.lmpm", "fixed.py", "a.json", "run"))
+    prog.write_text(HARD)
+    mod.write_text(FIXED)
+    given.write_text("[-1, 4]")
+    argv = ["run", str(prog), "--bind", str(mod), "--input", f"A={given}", "--epochs", "1"]
+    assert main([*argv, "--out", str(out), "--trace", "cells", "--quiet", *extra]) == 0
+    capsys.readouterr()
+    conn = connect(out)
+    ids = dict(conn.execute("SELECT name, id FROM constraint_defs"))
+    cells = conn.execute(
+        "SELECT cell, favourite, winner, committed, decided_by FROM trace_cells ORDER BY cell"
+    ).fetchall()
+    won_lost = conn.execute(
+        "SELECT c.name, s.rule, s.won, s.lost FROM trace_summary s "
+        "JOIN constraint_defs c ON c.id = s.constraint_id WHERE s.won + s.lost > 0 "
+        "ORDER BY c.name, s.rule"
+    ).fetchall()
+    decided = conn.execute("SELECT decided FROM epochs").fetchall()
+    conn.close()
+    by = json.dumps([ids["NoThree"]])
+    assert cells == [(0, 1, 2, 1, by), (1, 1, 0, 0, by)], cells
+    # rule R (id 0) lost both decisions and won the first; keep-current (-1) won the second
+    assert won_lost == [("NoThree", -1, 1, 0), ("NoThree", 0, 1, 2)], won_lost
+    assert decided == [(2,)]
+    assert main(["trace", str(out), "--cell", "A[0]"]) == 0
+    story = " ".join(capsys.readouterr().out.split())
+    assert (
+        "epoch 0: the score favourite, R proposing 3 (score 1), violates the hard constraint "
+        "NoThree (priority 5), so it was not eligible; R proposing 1 (score 0) won; committed"
+    ) in story, story
+    assert main(["trace", str(out), "--cell", "A[1]"]) == 0
+    story = " ".join(capsys.readouterr().out.split())
+    assert "violates the hard constraint NoThree (priority 5), so it was not eligible; keep " in (
+        story
+    ), story
+    assert main(["trace", str(out)]) == 0
+    assert "2 decisions were decided by a constraint" in " ".join(capsys.readouterr().out.split())

@@ -884,8 +884,9 @@ def _story_cell(
 ) -> _Cell:
     """What the story of the one cell of ``region`` reads, gathered once."""
     value = region.value
+    hard = {c.name for c in program.constraints if c.hard} if program is not None else set()
     cons = [
-        {"id": i, "name": n, "priority": p, "kind": k, "status": s}
+        {"id": i, "name": n, "priority": p, "kind": k, "status": s, "hard": n in hard}
         for i, n, p, k, s in conn.execute(
             "SELECT id, name, priority, kind, status FROM constraint_defs WHERE value = ? "
             "ORDER BY priority DESC, id",
@@ -1131,11 +1132,18 @@ def _why(
     if disagreed is not None:
         reason = disagreed
     elif decided:
-        prio = by_id[json.loads(dec or "[]")[0]]["priority"]
-        reason = (
-            f"the score favourite, {desc(fav)}, violates {', '.join(decided)} "
-            f"(priority {prio}), which {desc(w)} satisfies"
-        )
+        first = by_id[json.loads(dec or "[]")[0]]
+        if first.get("hard"):  # (a hard constraint holds whatever keep-current does)
+            reason = (
+                f"the score favourite, {desc(fav)}, violates the hard constraint"
+                f"{'s' if len(decided) > 1 else ''} {', '.join(decided)} "
+                f"(priority {first['priority']}), so it was not eligible; {desc(w)} won"
+            )
+        else:
+            reason = (
+                f"the score favourite, {desc(fav)}, violates {', '.join(decided)} "
+                f"(priority {first['priority']}), which {desc(w)} satisfies"
+            )
     elif len(rows) == 1:
         reason = "no proposal differed from the committed value"
     elif w == fav:
