@@ -315,3 +315,63 @@ def test_a_favourite_a_hard_constraint_excludes_is_decided_by_it(
     ), story
     assert main(["trace", str(out)]) == 0
     assert "2 decisions were decided by a constraint" in " ".join(capsys.readouterr().out.split())
+
+
+LOWERED = """
+value T : Token[6] shape Seq(4)
+value MaskPlan : Event shape Set()
+visible T[t] <- T[0..t-1] when t > 0
+rule R:
+  on T[t]
+  read {{ctx = T[0..t-1]}}
+  emit proposal T[t] := Gen(ctx, k={k}, pick="top")
+constraint No5: require T[t] in Set(0..4) priority 10 hard
+constraint Low: require T[t] in Set(0..3) priority 20
+commit T[*] using satisfy(max_constraints_then_score)
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="raster")
+"""
+
+
+def _gen(inputs: dict[str, Any], k: int = 1, pick: str = "top", **_: Any) -> Any:
+    import torch
+
+    from lmpm import Logits
+
+    logits = torch.zeros(inputs["cells"].shape[0], 6)
+    logits[:, 5] = 3.0  # the favourite, which the hard No5 forbids
+    logits[:, 4] = 2.0  # allowed by No5, forbidden by Low
+    logits[:, 2] = 1.0  # the policy's choice out of all six
+    return Logits(logits, k=int(k), pick=pick)
+
+
+@pytest.mark.parametrize("k", [1, 6])
+def test_a_favourite_the_vocabulary_mask_drops_is_decided_by_the_hard_constraint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, k: int
+) -> None:
+    """Issue 43 item 4: with k=1 the lowered constraints mask the logits before the choice, and
+    the model's own favourite (5) is still checked (lmpm.workers.choose.alone_column): the hard
+    No5 that excluded it decides every cell, as with all six tokens as candidates."""
+    import lmpm.resolve.plan as plan_module
+
+    if k > 1:  # the general semantics: all six tokens are candidates, checked after the model
+        monkeypatch.setattr(plan_module, "lower", lambda plan: {})
+    src = LOWERED.format(k=k)
+    front = compile_source(src, raise_errors=False)
+    run = Run(front, bindings={"Gen": _gen}, seed=0)
+    assert bool(run.plan.masks) == (k == 1)
+    log = CommitLog(
+        str(tmp_path), _info(src, front, "cells"), tracer=Tracer(run.plan, "cells")
+    )
+    run.engine.observers.append(log)
+    run.run(6)
+    log.close()
+    assert run.outputs()["T"].tolist() == [2, 2, 2, 2]
+    conn = connect(tmp_path)
+    no5 = conn.execute("SELECT id FROM constraint_defs WHERE name = 'No5'").fetchone()[0]
+    rows = conn.execute(
+        "SELECT cell, decided_by FROM trace_cells WHERE committed = 1 ORDER BY cell"
+    ).fetchall()
+    conn.close()
+    assert [(cell, json.loads(by or "[]")) for cell, by in rows] == [(c, [no5]) for c in range(4)]
