@@ -21,7 +21,10 @@ constraint of priority *p* that the favourite violates and the winner satisfies 
 the favourite's rule **lost** a decision because of it, and the winner's rule **won** one because of
 it. A decision counts once per responsible constraint. Under policies other than satisfy, the same
 definition is applied to whatever winner the policy chose (a winner that violates the constraint
-never makes it responsible).
+never makes it responsible). A `hard` constraint goes first: a favourite that is a proposal
+violating one was never eligible, and the highest-priority hard constraints it violates are
+responsible, whatever the winner (keep-current, eligible even when it breaks them, included); else
+the levels narrow the eligible candidates only.
 
 Reading (:func:`report`, :func:`cell_story`) needs no torch: ``lmpm trace`` starts instantly.
 """
