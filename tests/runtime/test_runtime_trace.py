@@ -361,9 +361,7 @@ def test_a_favourite_the_vocabulary_mask_drops_is_decided_by_the_hard_constraint
     front = compile_source(src, raise_errors=False)
     run = Run(front, bindings={"Gen": _gen}, seed=0)
     assert bool(run.plan.masks) == (k == 1)
-    log = CommitLog(
-        str(tmp_path), _info(src, front, "cells"), tracer=Tracer(run.plan, "cells")
-    )
+    log = CommitLog(str(tmp_path), _info(src, front, "cells"), tracer=Tracer(run.plan, "cells"))
     run.engine.observers.append(log)
     run.run(6)
     log.close()

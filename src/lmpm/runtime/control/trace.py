@@ -358,7 +358,8 @@ def attribute(
         & fav_viol
         & ~violated[rows, winner]
     )
-    return np.where(excluded.any(axis=1)[:, None], excluded, by_level)
+    gone_by_hard = np.any(excluded, axis=1, keepdims=True)  # (m, 1)
+    return np.where(gone_by_hard, excluded, by_level)
 
 
 class Tracer:
