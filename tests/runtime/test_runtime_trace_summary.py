@@ -35,8 +35,10 @@ def _attribute_reference(
     violated: torch.Tensor,
     priority: torch.Tensor,
     winner: torch.Tensor,
+    hard: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(favourite (n,), responsible (n, K)), level by level over every cell."""
+    """(favourite (n,), responsible (n, K)), level by level over every cell; a favourite a `hard`
+    constraint excludes is decided by the highest-priority hard constraints it violates."""
     n = valid.shape[0]
     s = torch.where(valid, score, torch.full_like(score, -torch.inf))
     hit = valid & (s == s.max(dim=1, keepdim=True).values)
@@ -45,7 +47,9 @@ def _attribute_reference(
     rows = torch.arange(n)
     none = torch.iinfo(torch.int64).min
     elim = torch.full((n,), none, dtype=torch.int64)
-    eligible = valid
+    out = (violated & hard).any(dim=2)  # (n, C): proposals a hard constraint rules out
+    out[:, 0] = False
+    eligible = valid & ~out
     sat = ~violated
     for prio in torch.unique(priority, sorted=True).flip(0).tolist():
         level = priority == prio
@@ -64,6 +68,10 @@ def _attribute_reference(
         & violated[rows, fav]
         & ~violated[rows, winner]
     )
+    broke = violated[rows, fav] & hard & (fav != 0)[:, None]  # (n, K)
+    for i in torch.nonzero(broke.any(dim=1) & (winner != fav)).flatten().tolist():
+        top = int(priority[broke[i]].max())
+        responsible[i] = broke[i] & (priority == top)
     return fav, responsible
 
 
@@ -72,7 +80,9 @@ def summary_reference(plan: Plan, ve: ValueEpoch, e: int) -> tuple[list[tuple[An
     ids = ve.constraint_ids.tolist()
     prio = {cp.id: cp.priority for cp in plan.constraints}
     priority = torch.tensor([prio[i] for i in ids], dtype=torch.int64)
-    fav, resp = _attribute_reference(ve.score, ve.valid, ve.violated, priority, ve.winner)
+    is_hard = {cp.id: cp.ir.hard for cp in plan.constraints}
+    hard = torch.tensor([is_hard[i] for i in ids], dtype=torch.bool)
+    fav, resp = _attribute_reference(ve.score, ve.valid, ve.violated, priority, ve.winner, hard)
     rows: list[tuple[Any, ...]] = []
     coords = plan.values[ve.value].coords
     for rule in torch.unique(ve.col_rule).tolist():
