@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import lmpm
 from lmpm.cli import main
 from lmpm.errors import RunDirError
 from lmpm.ir import compile_source
@@ -360,3 +361,37 @@ def test_the_program_hash_ignores_formatting(prog: tuple[Path, Path], tmp_path: 
     b = compile_source("// a comment\n" + PROG.replace("priority 100", "priority  100"), "x").ir
     c = compile_source(PROG.replace("priority 100", "priority 99")).ir
     assert program_hash(a) == program_hash(b) != program_hash(c)
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_the_payload_store_is_as_durable_as_the_log(
+    prog: tuple[Path, Path], tmp_path: Path, durable: bool
+) -> None:
+    """Under --durable the payload store fsyncs every epoch's commit as the log does
+    (synchronous=FULL, 2), started and resumed; without it both are NORMAL (1)."""
+
+    def synchronous(run: Run) -> tuple[int, int]:
+        assert run.log is not None and run.log.conn is not None
+        store = run.engine.dataplane.store
+        assert store is not None
+        return (
+            run.log.conn.execute("PRAGMA synchronous").fetchone()[0],
+            store.conn.execute("PRAGMA synchronous").fetchone()[0],
+        )
+
+    want = (2, 2) if durable else (1, 1)
+    out = tmp_path / "r"
+    run = lmpm.compile(prog[0]).runner(
+        run_dir=out, bind=[str(prog[1])], seed=1, epochs=2, durable=durable
+    )
+    try:
+        run.run(2)
+        assert synchronous(run) == want
+    finally:
+        run.finish()
+    again = lmpm.resume(out, epochs=4, bind=[str(prog[1])])
+    try:
+        assert synchronous(again) == want
+        again.run(again.epochs)
+    finally:
+        again.finish()

@@ -75,6 +75,7 @@ MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over c
 # Candidates per cell above which a pass reduces along the candidates in one NumPy call (a loop
 # over a few columns is faster for many cells and few candidates; one call per epoch for k = V)
 WIDE = 64
+FEW = 8  # ... and open cells at or below which the one-call reduction is the cheaper too
 
 
 # ---- regions: `Vid[0, 0..15, *]` ----------------------------------------------------------------
@@ -285,7 +286,9 @@ def favourite(valid: np.ndarray, score: np.ndarray) -> np.ndarray:
     array([1, 0])
     """
     s = np.where(valid, score, -np.inf)  # (C, n)
-    if s.shape[0] > WIDE:  # many candidates (k in the thousands): reduce along them at once
+    # many candidates (k in the thousands), or few cells (a decode's one open cell: a handful of
+    # NumPy calls, not three per column): reduce along the candidates at once
+    if s.shape[0] > WIDE or s.shape[1] <= FEW:
         top = s.max(axis=0)  # NaN propagates: then no column hits
         hits = (s == top) & valid
         return np.where(hits.any(axis=0), hits.argmax(axis=0), 0).astype(np.int64)
