@@ -395,3 +395,32 @@ def test_the_payload_store_is_as_durable_as_the_log(
         again.run(again.epochs)
     finally:
         again.finish()
+
+
+def test_a_one_cell_epoch_writes_the_payload_row_of_a_run_of_one(
+    prog: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The payload store's one-cell epoch (a decode's) skips the run splitting: its row is the
+    one a run of one cell gets (step 1, count 1, the CRC of the bytes after the tag), and restore
+    reads it back beside a run of several."""
+    import zlib
+
+    from lmpm.runtime.data.store import PayloadStore
+
+    run = Run.from_source(PROG, bind=[str(prog[1])])
+    store = PayloadStore(tmp_path, "w0", run.plan)
+    try:
+        rel, _, sha = store.checkpoint(0, {"G": np.zeros(36, dtype=np.uint8)})
+        store.append_commits(0, "G", torch.tensor([7]), torch.tensor([3]))
+        store.append_commits(1, "G", torch.tensor([9, 7]), torch.tensor([1, 2]))
+        store.sync(1)
+        rows = store.conn.execute("SELECT * FROM rows ORDER BY epoch").fetchall()
+        tag = store.tags["G"].encode()
+        body = np.array([3], dtype=np.uint8).tobytes()
+        assert rows[0] == (0, "G", 7, 1, 1, zlib.crc32(body), tag + body)
+        assert rows[1][:5] == (1, "G", 7, 2, 2)  # cells 7 and 9: one run of step 2
+        got = store.restore(0, rel, sha, 2, {(0, "G"): 1, (1, "G"): 2})["G"]
+        assert (got[7], got[9]) == (2, 1) and int(got.sum()) == 3
+    finally:
+        store.close()
+        run.close()

@@ -102,9 +102,15 @@ class PayloadStore:
         cells_np = cells.cpu().numpy()
         if cells_np.size == 0:
             return
+        tag = self.tags[value]
+        if cells_np.size == 1:  # one cell (a decode's epoch): the row a run of one gets below
+            p = np.ascontiguousarray(payload.cpu().numpy(), dtype=TAGS[tag]).tobytes()
+            self._insert_rows(
+                [(epoch, value, int(cells_np[0]), 1, 1, zlib.crc32(p), tag.encode() + p)]
+            )
+            return
         order = np.argsort(cells_np, kind="stable")
         cells_np = cells_np[order]
-        tag = self.tags[value]
         width = self.cell_size[value]
         raw = np.ascontiguousarray(payload.cpu().numpy()[order], dtype=TAGS[tag]).tobytes()
         size = np.dtype(TAGS[tag]).itemsize * width
@@ -113,6 +119,9 @@ class PayloadStore:
         for s, n, st in zip(starts.tolist(), counts.tolist(), steps.tolist()):
             p = raw[s * size : (s + n) * size]
             rows.append((epoch, value, int(cells_np[s]), st, n, zlib.crc32(p), tag.encode() + p))
+        self._insert_rows(rows)
+
+    def _insert_rows(self, rows: list[tuple[Any, ...]]) -> None:
         try:
             self._begin()
             self.conn.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", rows)
