@@ -261,10 +261,11 @@ def _checked_and_violations(
     (n, K)), and those that violate it (a few NumPy passes per rule, whatever the number of
     candidates)."""
     nr = len(layout.rules)
-    viol_kc = np.ascontiguousarray(np.count_nonzero(d.violated, axis=0).T)  # (K, C)
+    # (a bool array's sum is its count: one ufunc call, without count_nonzero's Python wrapper)
+    viol_kc = np.ascontiguousarray(d.violated.sum(axis=0).T)  # (K, C)
     viol_rk = [layout.by_rule(viol_kc[k]) for k in range(nk)]  # (K, R)
     if applies.all():  # every constraint covers every open cell (the common case)
-        per_rule = layout.by_rule(np.count_nonzero(d.valid_t, axis=1))
+        per_rule = layout.by_rule(d.valid_t.sum(axis=1))
         checked = [[c] * nk for c in per_rule]
     else:
         checked_kc = applies.T.astype(np.int64) @ d.valid_t.T.astype(np.int64)  # (K, C)
@@ -430,7 +431,7 @@ class Tracer:
         lost = winner != fav
         if ve.disagreed is not None:  # a quorum that found no agreeing payload decided those
             lost &= ~ve.disagreed.cpu().numpy()
-        sub = np.flatnonzero(lost)  # the only cells a constraint can have decided
+        sub = lost.nonzero()[0]  # the only cells a constraint can have decided
         if sub.size:
             resp = attribute(
                 valid[sub], violated[sub], static.priority, static.levels, fav[sub], winner[sub]
