@@ -392,3 +392,27 @@ def test_checkpoint_every_reaches_the_ray_group(tmp_path: Path) -> None:
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "epoch-00000000.w1.safetensors" in names, names  # the log's first, and last
     assert not any(n.startswith("epoch-00000020.") for n in names), names
+
+
+def test_ray_workers_without_a_run_dir_checkpoint_without_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a run dir the workers' checkpoints go to temporary stores that only a fault within
+    this process's life reads back: none is fsynced. With one, the log's first and last are."""
+    calls: list[tuple[int, bool]] = []
+    real = RayGroup.checkpoint_shards
+
+    def spy(self: RayGroup, label: int, sync: bool = True) -> Any:
+        calls.append((label, sync))
+        return real(self, label, sync)
+
+    monkeypatch.setattr(RayGroup, "checkpoint_shards", spy)
+    gpt = EX / "gpt.lmpm"
+    with Run.from_file(gpt, params={"N": 12}, seed=1, workers=2, checkpoint_every=3) as run:
+        run.run(7)
+    assert calls == [(0, False), (3, False), (6, False)]
+    calls.clear()
+    out = tmp_path / "r"
+    args = ["run", str(gpt), "--set", "N=12", "--workers", "2", "--epochs", "4", "--quiet"]
+    assert main([*args, "--checkpoint-every", "30", "--out", str(out)]) == 0
+    assert calls == [(0, True), (4, True)]

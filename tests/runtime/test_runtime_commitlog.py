@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import lmpm
 from lmpm.cli import main
 from lmpm.errors import RunDirError
 from lmpm.ir import compile_source
@@ -360,3 +361,66 @@ def test_the_program_hash_ignores_formatting(prog: tuple[Path, Path], tmp_path: 
     b = compile_source("// a comment\n" + PROG.replace("priority 100", "priority  100"), "x").ir
     c = compile_source(PROG.replace("priority 100", "priority 99")).ir
     assert program_hash(a) == program_hash(b) != program_hash(c)
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_the_payload_store_is_as_durable_as_the_log(
+    prog: tuple[Path, Path], tmp_path: Path, durable: bool
+) -> None:
+    """Under --durable the payload store fsyncs every epoch's commit as the log does
+    (synchronous=FULL, 2), started and resumed; without it both are NORMAL (1)."""
+
+    def synchronous(run: Run) -> tuple[int, int]:
+        assert run.log is not None and run.log.conn is not None
+        store = run.engine.dataplane.store
+        assert store is not None
+        return (
+            run.log.conn.execute("PRAGMA synchronous").fetchone()[0],
+            store.conn.execute("PRAGMA synchronous").fetchone()[0],
+        )
+
+    want = (2, 2) if durable else (1, 1)
+    out = tmp_path / "r"
+    run = lmpm.compile(prog[0]).runner(
+        run_dir=out, bind=[str(prog[1])], seed=1, epochs=2, durable=durable
+    )
+    try:
+        run.run(2)
+        assert synchronous(run) == want
+    finally:
+        run.finish()
+    again = lmpm.resume(out, epochs=4, bind=[str(prog[1])])
+    try:
+        assert synchronous(again) == want
+        again.run(again.epochs)
+    finally:
+        again.finish()
+
+
+def test_a_one_cell_epoch_writes_the_payload_row_of_a_run_of_one(
+    prog: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The payload store's one-cell epoch (a decode's) skips the run splitting: its row is the
+    one a run of one cell gets (step 1, count 1, the CRC of the bytes after the tag), and restore
+    reads it back beside a run of several."""
+    import zlib
+
+    from lmpm.runtime.data.store import PayloadStore
+
+    run = Run.from_source(PROG, bind=[str(prog[1])])
+    store = PayloadStore(tmp_path, "w0", run.plan)
+    try:
+        rel, _, sha = store.checkpoint(0, {"G": np.zeros(36, dtype=np.uint8)})
+        store.append_commits(0, "G", torch.tensor([7]), torch.tensor([3]))
+        store.append_commits(1, "G", torch.tensor([9, 7]), torch.tensor([1, 2]))
+        store.sync(1)
+        rows = store.conn.execute("SELECT * FROM rows ORDER BY epoch").fetchall()
+        tag = store.tags["G"].encode()
+        body = np.array([3], dtype=np.uint8).tobytes()
+        assert rows[0] == (0, "G", 7, 1, 1, zlib.crc32(body), tag + body)
+        assert rows[1][:5] == (1, "G", 7, 2, 2)  # cells 7 and 9: one run of step 2
+        got = store.restore(0, rel, sha, 2, {(0, "G"): 1, (1, "G"): 2})["G"]
+        assert (got[7], got[9]) == (2, 1) and int(got.sum()) == 3
+    finally:
+        store.close()
+        run.close()

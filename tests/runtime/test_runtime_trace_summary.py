@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -196,3 +197,30 @@ def value_epochs(draw: st.DrawFn) -> ValueEpoch:
 def test_summary_rows_equal_the_reference_on_random_metadata(values: list[ValueEpoch]) -> None:
     records = [EpochRecord(e, [ve], 0, 0, 0, 0, 0.0, 0.0) for e, ve in enumerate(values)]
     _check(_GRID.plan, _GRID.engine, records)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 80), st.integers(1, 20), st.integers(0, 2**32 - 1))
+def test_the_favourites_paths_agree(c: int, n: int, seed: int) -> None:
+    """The score favourite reduces along the candidates in one call (k above WIDE, or at most FEW
+    cells) or loops over the columns: the same favourite either way, ties to the lowest column,
+    0 where no valid candidate or a NaN among the valid scores."""
+    from lmpm.runtime.control import trace
+
+    gen = np.random.default_rng(seed)
+    valid = gen.random((c, n)) < 0.6
+    score = gen.integers(-2, 3, (c, n)).astype(np.float64)  # ties
+    score[gen.random((c, n)) < 0.1] = np.nan
+    score[gen.random((c, n)) < 0.1] = -np.inf
+    want = np.zeros(n, dtype=np.int64)
+    for j in range(n):
+        s = score[valid[:, j], j]
+        if s.size and not np.isnan(s).any():
+            want[j] = np.flatnonzero(valid[:, j] & (score[:, j] == s.max()))[0]
+    got = []
+    for few, wide in ((0, 10**9), (10**9, 0)):  # the loop, then the one-call reduction
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(trace, "FEW", few)
+            mp.setattr(trace, "WIDE", wide)
+            got.append(trace.favourite(valid, score))
+    assert got[0].tolist() == want.tolist() and got[1].tolist() == want.tolist()

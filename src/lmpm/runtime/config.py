@@ -73,7 +73,7 @@ class RunConfig:
     cluster: str | None = None  # a running Ray cluster's address; None: a local Ray
     worker_timeout: float | None = None  # seconds a worker may take per phase; None: 120
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY  # the log's and every worker group's
-    durable: bool = False  # --durable: the log fsynced at every epoch (synchronous=FULL)
+    durable: bool = False  # --durable: the log and payload stores fsynced every epoch (FULL)
     trace: str = "summary"  # constraint trace level: off | summary | cells
     trace_region: str | None = None  # with trace cells: only these cells ('Vid[0, 0..15]')
     compile: bool = False  # --compile: each value's epoch step as one compiled step

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import sqlite3
+import struct
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -812,14 +813,16 @@ def _commit_runs(e: int, ve: ValueEpoch, rows: np.ndarray) -> list[tuple[Any, ..
 def _one_commit(e: int, ve: ValueEpoch, r: int) -> tuple[Any, ...]:
     """:func:`commit_rows`' row of the one cell (record row ``r``) ``ve`` committed: the same row
     its general path writes for a run of one cell (checked by the tests against it)."""
-    w = int(ve.winner[r])
-    cell = int(ve.cells[r])
-    clock = int(ve.new_clock[r])
-    score = float(ve.score[r, w])
-    k = np.array([0 if ve.checksum is None else int(ve.checksum[r])], dtype="<i8").tobytes()
-    rule = int(ve.col_rule[w])
+    # (NumPy views of the host tensors: a tensor's scalar index costs several µs each)
+    w = int(ve.winner.cpu().numpy()[r])
+    cell = int(ve.cells.cpu().numpy()[r])
+    clock = int(ve.new_clock.cpu().numpy()[r])
+    score = float(ve.score.cpu().numpy()[r, w])
+    sum_ = 0 if ve.checksum is None else int(ve.checksum.cpu().numpy()[r])
+    k = sum_.to_bytes(8, "little", signed=True)
+    rule = int(ve.col_rule.cpu().numpy()[w])
     # (a NaN score is not equal to itself: written as its blob, as the general path does)
-    scores = None if score == score else b"d" + np.array([score], dtype="<f8").tobytes()
+    scores = None if score == score else b"d" + struct.pack("<d", score)
     crc = zlib.crc32(k)
     return (
         e,

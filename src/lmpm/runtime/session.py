@@ -823,7 +823,7 @@ def _resumed_log(
     conn = connect(run_dir, readonly=False, durable=cfg.durable)
     try:
         with interpreting(db_path(run_dir), "resume"):  # the log's rows and checkpoints
-            restored = restore(run.engine, conn, run_dir)
+            restored = restore(run.engine, conn, run_dir, cfg.durable)
         for op, name in request.ruleset:
             run.engine.change_ruleset(op, name, "cli")
     except BaseException:

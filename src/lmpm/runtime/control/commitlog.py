@@ -262,13 +262,16 @@ def check_epochs(conn: sqlite3.Connection, run_dir: str | Path) -> int:
     return n
 
 
-def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
+def restore(
+    engine: Engine, conn: sqlite3.Connection, run_dir: str | Path, durable: bool = False
+) -> Restored:
     """Bring a fresh engine to the state after the run's last complete epoch (newest usable
     checkpoint at or before it, then the commits logged after the checkpoint, each checked against
     its CRC). A missing or damaged checkpoint is skipped for an older one: the commits table holds
-    every epoch, so any checkpoint plus the replay gives the same state."""
+    every epoch, so any checkpoint plus the replay gives the same state. ``durable``
+    (--durable): the payload stores reopened fsync every epoch, as the log does."""
     try:
-        return _restore(engine, conn, run_dir)
+        return _restore(engine, conn, run_dir, durable)
     except RunDirError:
         raise
     except (sqlite3.Error, ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
@@ -279,7 +282,9 @@ def restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Re
         ) from None
 
 
-def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> Restored:
+def _restore(
+    engine: Engine, conn: sqlite3.Connection, run_dir: str | Path, durable: bool
+) -> Restored:
     import torch  # not at import: commands import this module before a run needs torch
 
     d = Path(run_dir)
@@ -290,7 +295,7 @@ def _restore(engine: Engine, conn: sqlite3.Connection, run_dir: str | Path) -> R
         n: CellState(*(torch.from_numpy(v[f]) for f in STATE_FIELDS)) for n, v in state.items()
     }
     commits, replayed = _replay_commits(conn, d, label, nxt, cells)
-    engine.dataplane.open_store(d)
+    engine.dataplane.open_store(d, durable)
     try:
         engine.dataplane.restore_shards(
             label,
@@ -616,7 +621,7 @@ class CommitLog:
 
     def _fill(self, engine: Engine, conn: sqlite3.Connection) -> None:
         remove_stores(self.run_dir)  # a half-started run's (LMPM's own files only)
-        engine.dataplane.open_store(self.run_dir)
+        engine.dataplane.open_store(self.run_dir, self.info.durable)
         rel, nbytes, sha = write_checkpoint(
             self.run_dir, engine, engine.epoch, self.info.program_hash
         )

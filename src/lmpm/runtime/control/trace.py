@@ -78,6 +78,7 @@ MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over c
 # Candidates per cell above which a pass reduces along the candidates in one NumPy call (a loop
 # over a few columns is faster for many cells and few candidates; one call per epoch for k = V)
 WIDE = 64
+FEW = 8  # ... and open cells at or below which the one-call reduction is the cheaper too
 
 
 # ---- regions: `Vid[0, 0..15, *]` ----------------------------------------------------------------
@@ -264,10 +265,11 @@ def _checked_and_violations(
     (n, K)), and those that violate it (a few NumPy passes per rule, whatever the number of
     candidates)."""
     nr = len(layout.rules)
-    viol_kc = np.ascontiguousarray(np.count_nonzero(d.violated, axis=0).T)  # (K, C)
+    # (a bool array's sum is its count: one ufunc call, without count_nonzero's Python wrapper)
+    viol_kc = np.ascontiguousarray(d.violated.sum(axis=0).T)  # (K, C)
     viol_rk = [layout.by_rule(viol_kc[k]) for k in range(nk)]  # (K, R)
     if applies.all():  # every constraint covers every open cell (the common case)
-        per_rule = layout.by_rule(np.count_nonzero(d.valid_t, axis=1))
+        per_rule = layout.by_rule(d.valid_t.sum(axis=1))
         checked = [[c] * nk for c in per_rule]
     else:
         checked_kc = applies.T.astype(np.int64) @ d.valid_t.T.astype(np.int64)  # (K, C)
@@ -289,7 +291,9 @@ def favourite(valid: np.ndarray, score: np.ndarray) -> np.ndarray:
     array([1, 0])
     """
     s = np.where(valid, score, -np.inf)  # (C, n)
-    if s.shape[0] > WIDE:  # many candidates (k in the thousands): reduce along them at once
+    # many candidates (k in the thousands), or few cells (a decode's one open cell: a handful of
+    # NumPy calls, not three per column): reduce along the candidates at once
+    if s.shape[0] > WIDE or s.shape[1] <= FEW:
         top = s.max(axis=0)  # NaN propagates: then no column hits
         hits = (s == top) & valid
         return np.where(hits.any(axis=0), hits.argmax(axis=0), 0).astype(np.int64)
@@ -449,7 +453,7 @@ class Tracer:
         lost = winner != fav
         if ve.disagreed is not None:  # a quorum that found no agreeing payload decided those
             lost &= ~ve.disagreed.cpu().numpy()
-        sub = np.flatnonzero(lost)  # the only cells a constraint can have decided
+        sub = lost.nonzero()[0]  # the only cells a constraint can have decided
         if sub.size:
             resp = attribute(
                 valid[sub],

@@ -399,9 +399,10 @@ class DataPlane:
         self.read_clocks.reset(value, self.payload[value], self.committed[value])
 
     # ---- durability ------------------------------------------------------------------------------
-    def open_store(self, run_dir: str | Path) -> None:
-        """Persist committed payload under ``run_dir`` from now on (lmpm.runtime.data.store)."""
-        self.store = PayloadStore(run_dir, self.worker, self.plan)
+    def open_store(self, run_dir: str | Path, durable: bool = False) -> None:
+        """Persist committed payload under ``run_dir`` from now on (lmpm.runtime.data.store);
+        ``durable`` (--durable): every epoch's commit fsynced, as the commit log's."""
+        self.store = PayloadStore(run_dir, self.worker, self.plan, durable)
 
     def close_store(self) -> None:
         if self.store is not None:

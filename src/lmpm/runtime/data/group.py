@@ -345,8 +345,8 @@ class WorkerGroup:
         return payload, committed
 
     # ---- durability: one store and one checkpoint shard per worker --------------------------------
-    def open_store(self, run_dir: Any) -> None:
-        self._each("open_store", run_dir)
+    def open_store(self, run_dir: Any, durable: bool = False) -> None:
+        self._each("open_store", run_dir, durable)
 
     def close_store(self) -> None:
         self._each("close_store")

@@ -233,6 +233,7 @@ class WorkerActor:
         checksum_policies: frozenset[str],
         threads: int,
         store_dir: str | None,
+        durable: bool = False,
     ) -> None:
         torch.set_num_threads(threads)
         plan = recipe if isinstance(recipe, Plan) else recipe.plan()
@@ -249,7 +250,7 @@ class WorkerActor:
         # the owner of this worker's cells, with a replica of every cell's metadata
         self.owner = ShardOwner(plan, topology, index, seed)
         if store_dir is not None:
-            self.dp.open_store(store_dir)
+            self.dp.open_store(store_dir, durable)
         self.transport: Any = None
         self.faults: list[tuple[str, int, str]] = []  # (phase, epoch, how) to fail at
 
@@ -274,11 +275,11 @@ class WorkerActor:
         """A DataPlane method outside the epoch loop (inputs, outputs, stores, checkpoints)."""
         return getattr(self.dp, method)(*args)
 
-    def ensure_store(self, run_dir: str) -> None:
+    def ensure_store(self, run_dir: str, durable: bool = False) -> None:
         """Open the worker's store unless it is open (a restarted worker's constructor may not
         have known the directory)."""
         if self.dp.store is None:
-            self.dp.open_store(run_dir)
+            self.dp.open_store(run_dir, durable)
 
     def own(self, method: str, *args: Any) -> Any:
         """A method of this worker's owner outside the epoch loop (its metadata: checkpoints,
@@ -502,6 +503,7 @@ class RayGroup(WorkerGroup):
         self._owns_ray = False
         self._tmp: str | None = None  # the stores' directory when the run has none
         self._store_dir: str | None = None
+        self._durable = False  # the stores' --durable (as the commit log's)
         self.generation = 0
         self.running = -1  # the epoch running
         self.done = 0  # the epochs the workers' durable state holds (a restore goes back here)
@@ -581,6 +583,7 @@ class RayGroup(WorkerGroup):
             self.checksum_policies,
             self.threads,
             self._store_dir,
+            self._durable,
         )
 
     def _replace(self, i: int) -> None:
@@ -708,21 +711,26 @@ class RayGroup(WorkerGroup):
 
     def _before(self, epoch: int) -> None:
         self.running = self.done = epoch
+        # a run without a directory checkpoints into temporary stores of its own, only to
+        # recover from a worker fault within this process's life: no fsync buys anything there
+        sync = self._tmp is None
         if self.checkpointed is None:
-            if self._store_dir is None:  # a run without a directory: stores of our own
+            if self._store_dir is None:
                 self._tmp = tempfile.mkdtemp(prefix="lmpm-workers-")
                 self.open_store(self._tmp)
-            self.checkpoint_shards(epoch)
+                sync = False
+            self.checkpoint_shards(epoch, sync)
         elif epoch - self.checkpointed[0] >= self.checkpoint_every:
-            self.checkpoint_shards(epoch)
+            self.checkpoint_shards(epoch, sync)
 
-    def open_store(self, run_dir: Any) -> None:
+    def open_store(self, run_dir: Any, durable: bool = False) -> None:
         if self._tmp is not None and str(run_dir) != self._tmp:
             self.close_store()
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
         self._store_dir = str(run_dir)
-        super().open_store(self._store_dir)
+        self._durable = durable
+        super().open_store(self._store_dir, durable)
 
     def close_store(self) -> None:
         super().close_store()
@@ -858,7 +866,9 @@ class RayGroup(WorkerGroup):
         was known when it was made: make sure every worker has it open."""
         if self._store_dir is not None:
             self._get(
-                [w.ensure_store.remote(self._store_dir) for w in self.workers], "open_store", -1
+                [w.ensure_store.remote(self._store_dir, self._durable) for w in self.workers],
+                "open_store",
+                -1,
             )
 
     def _resync(self) -> int:
