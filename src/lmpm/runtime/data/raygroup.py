@@ -232,8 +232,7 @@ class WorkerActor:
         backend: str,
         checksum_policies: frozenset[str],
         threads: int,
-        store_dir: str | None,
-        durable: bool = False,
+        store: tuple[str, bool] | None,  # the payload store: (directory, --durable)
     ) -> None:
         torch.set_num_threads(threads)
         plan = recipe if isinstance(recipe, Plan) else recipe.plan()
@@ -249,8 +248,8 @@ class WorkerActor:
         )
         # the owner of this worker's cells, with a replica of every cell's metadata
         self.owner = ShardOwner(plan, topology, index, seed)
-        if store_dir is not None:
-            self.dp.open_store(store_dir, durable)
+        if store is not None:
+            self.dp.open_store(*store)
         self.transport: Any = None
         self.faults: list[tuple[str, int, str]] = []  # (phase, epoch, how) to fail at
 
@@ -582,8 +581,7 @@ class RayGroup(WorkerGroup):
             self.backend,
             self.checksum_policies,
             self.threads,
-            self._store_dir,
-            self._durable,
+            None if self._store_dir is None else (self._store_dir, self._durable),
         )
 
     def _replace(self, i: int) -> None:
