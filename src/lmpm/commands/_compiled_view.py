@@ -105,8 +105,7 @@ def _report(run: Run, graph: bool) -> str:
         )
         out.extend(_spec_lines(run, spec, rules[name], cps))
         out.extend(_mask_lines(plan, name))
-        for rp in rules[name]:
-            out.extend(_cuda_lines(rp))
+        out.extend(_cuda_lines(rules[name]))
         traced = trace_value(run, name, open0.get(name))
         out.extend(_graph_lines(traced))
         if graph:
@@ -256,13 +255,14 @@ def _spec_lines(
     return lines
 
 
-def _cuda_lines(rp: RulePlan) -> list[str]:
+def _cuda_lines(rps: list[RulePlan]) -> list[str]:
     """What runs captured as a CUDA graph under ``--backend cuda`` (lmpm.runtime.data.captured),
     and what does not, and why."""
-    model = rp.ir.proposal.func
+    names = list(dict.fromkeys(rp.ir.proposal.func for rp in rps))
+    model = f"the model{'s' if len(names) > 1 else ''} {' and '.join(names)}"
     return [
         "  on cuda      captured: the step, one CUDA graph per bucket, replayed each epoch",
-        f"               (records to the host in one copy); not captured: the model {model}",
+        f"               (records to the host in one copy); not captured: {model}",
         "               and the read gathers, run before it (a model may read values on the",
         "               host or make data-dependent shapes)",
     ]
@@ -356,6 +356,8 @@ def _outputs(gm: torch.fx.GraphModule) -> list[str]:
             k = len(res) if isinstance(res, (tuple, list)) else 1
             if k == len(OUTPUTS) + 1:
                 return [*OUTPUTS, OUTPUTS_COUNTS]
+            if k == len(OUTPUTS) + 3:  # a quorum's
+                return [*OUTPUTS, "lost", "checksums", OUTPUTS_COUNTS]
             return [f"out{i}" for i in range(k)]
     return []
 
