@@ -36,16 +36,12 @@ PUBLIC_ENTRY_POINTS = {
 # Being split in issue 45 (d45: runtime/data): shrink after merging.
 LONG_FUNCTIONS_BEING_SPLIT: set[str] = set()
 LONG_CLASSES_BEING_SPLIT: set[str] = set()
-MANY_PARAMS_BEING_SPLIT = {
-    "runtime/data/compiled.py::value_step.step",  # d45
-    "runtime/data/compiled.py::CompiledEpoch.step",  # d45
-}
+MANY_PARAMS_BEING_SPLIT: set[str] = set()
 PRIVATE_IMPORTS_BEING_SPLIT: set[str] = set()
 # Private attributes read across modules today, outside the runtime/data files issue 45's s45
 # session restructured (each needs a public name in the module that owns it): shrink as they go.
 PRIVATE_ATTRIBUTES_ELSEWHERE = {
     "cli.py: args._run",  # the command's entry, set by each parser's set_defaults(_run=...)
-    "commands/_compiled_view.py: cmod._flat",  # compiled.py's (c45)
     "ir/check/__init__.py: shapes._BOUNDS",  # clear_caches empties each probe's cache
     "ir/check/__init__.py: firing._FIRES",
     "ir/check/__init__.py: reads._READS",

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from lmpm.ir import compile_file, compile_source
-from lmpm.runtime.data.compiled import _flat, value_step
+from lmpm.runtime.data.compiled import flat_step, value_step
 from lmpm.runtime.session import Run, resume
 from lmpm.workers import graphs
 from lmpm.workers.simcuda import SimTensor, simulated_cuda
@@ -157,7 +157,7 @@ def test_the_traced_steps_of_the_examples_make_no_host_round_trip(tmp_path: Path
             for spec, layout, args in calls:
                 before = len(sim.warnings)
                 with torch.inference_mode():
-                    _flat(value_step(spec, layout), _lens(ce, spec))(*[a.clone() for a in args])
+                    flat_step(value_step(spec, layout), _lens(ce, spec))(*[a.clone() for a in args])
                 assert sim.warnings[before:] == [], (name, [w.op for w in sim.warnings[before:]])
                 seen += 1
     assert seen >= len(CAPTURED)

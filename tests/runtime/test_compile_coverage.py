@@ -39,6 +39,7 @@ from compile_cases import (
 from reference import Reference
 from test_runtime_differential import BINDINGS, _state
 
+
 @pytest.fixture
 def validate(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LMPM_VALIDATE", "eager")

@@ -429,7 +429,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
 
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        step = cmod._flat(cmod.value_step(spec, layout), lens)
+        step = cmod.flat_step(cmod.value_step(spec, layout), lens)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             gm = make_fx(step, tracing_mode="fake")(*args)

@@ -700,7 +700,7 @@ class CompileStats:
 _HEAD = len(StepInputs._fields)
 
 
-def _flat(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Callable[..., Any]:
+def flat_step(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Callable[..., Any]:
     """``step`` over one flat tuple of tensors (what a traced graph takes): a
     :class:`StepInputs`, then the :class:`StepTables` lists of lengths ``lens``."""
 
@@ -760,7 +760,7 @@ def compile_step(
     """Trace ``spec``'s step for the columns of ``layout`` on the shapes of ``args`` into one
     aten graph and compile it with inductor (:func:`compile_graph`)."""
     key = (spec, layout, signature(args), lens)
-    return compile_graph(key, lambda: _flat(value_step(spec, layout), lens), args)
+    return compile_graph(key, lambda: flat_step(value_step(spec, layout), lens), args)
 
 
 _SIMULATED: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -1069,7 +1069,7 @@ class CompiledEpoch:
         t0 = time.perf_counter()
         try:
             key = (spec, layout, signature(args), lens)
-            sim = simulated(key, lambda: _flat(value_step(spec, layout), lens))
+            sim = simulated(key, lambda: flat_step(value_step(spec, layout), lens))
             if sim is not None:
                 fn, how = sim
             else:
