@@ -12,24 +12,29 @@ the run calls them directly, keyed by the shapes it compiled them for, so no dyn
 guards run per epoch (a plan of work on handles, realized by the worker).
 
 What is baked into a value's graph is static for the run: the cell shape and dtype, the commit
-policy, the constraints' kinds and priorities, the clock reads, the number of candidate columns
-(unrolled: every operation is elementwise over the open cells). What changes per epoch is an
-input: the open cells, the proposals and their scores, the epoch, the RuleSet (a (K,) bool mask),
-a schedule's quota (with the open-cell count before padding: a padded row takes no quota).
-Shapes are bucketed (the open-cell count rounded up to a power of two, padded by repeating the
-first row: identical rows make identical decisions and write identical bytes), so a run compiles
-each value once per bucket, not once per epoch; :attr:`CompileStats.compiles` counts them, and
+policy (a quorum's k), the constraints' kinds and priorities, the clock reads of each of its rules,
+the candidate columns (a :data:`Layout`: which rule replicas proposed, k proposals each, unrolled:
+every operation is elementwise over the open cells). What changes per epoch is an input
+(:class:`StepInputs`): the open cells, the proposals and their scores, where each column's rule
+fired (a rule's trigger may skip open cells), the epoch, the RuleSet (a (K,) bool mask), a
+schedule's quota (with the open-cell count before padding: a padded row takes no quota). Shapes are
+bucketed (the open-cell count rounded up to a power of two, padded by repeating the first row:
+identical rows make identical decisions and write identical bytes), so a run compiles each value
+once per bucket and layout, not once per epoch; :attr:`CompileStats.compiles` counts them, and
 inductor's on-disk cache (:func:`cache_dir`) serves later runs.
 
-A value runs eagerly (the ordinary propose/agree/apply protocol) when the compiled step cannot
-express it; :func:`eligibility` says why, and ``lmpm show --compiled`` prints it:
+Several rules per value, quorum replicas (the payloads' checksums, :func:`lmpm.runtime.protocol.
+checksum`, traced; a proposal eligible where k replicas of its rule and slot proposed it; the
+cells no payload won as NO_QUORUM, the outvoted replicas as :class:`Outvoted` columns for the
+owner's records), the ``satisfy``, ``winner_takes_all`` and ``average`` policies, ``hard``
+constraints and a schedule's quota (confidence: :func:`lmpm.runtime.data.agree.keep_top`, traced)
+are decided inside the step. A value runs eagerly (the ordinary propose/agree/apply protocol) only
+where user Python code decides it; :func:`eligibility` says why, and ``lmpm show --compiled``
+prints it:
 
-- more than one rule (or quorum replicas) proposes it;
-- its policy is not ``satisfy``, ``winner_takes_all`` or ``average`` (quorum, user policies);
-- a constraint on it is a bound Python predicate (user code).
-
-``hard`` constraints and a schedule's quota (confidence: :func:`lmpm.runtime.data.agree.keep_top`,
-traced) are decided inside the step.
+- a constraint on it is a bound Python predicate;
+- its policy is one the user registered (:func:`lmpm.resolve.policies.register`), alone or inside a
+  quorum.
 
 An epoch also runs eagerly while candidates are being recorded (``--trace cells``), a tap watches
 the candidate tables, or a fault is injected. Compiled and eager runs commit the same payload, the
