@@ -617,7 +617,13 @@ def _pick(cols: Sequence[Tensor], winner: Tensor, cdims: int) -> Tensor:
 
 def _best(score: Sequence[Tensor], eligible: Sequence[Tensor]) -> Tensor:
     """The eligible column with the highest score, ties to the lowest column
-    (:func:`lmpm.resolve.policies.best_by_score`, unrolled); 0 when none is eligible."""
+    (:func:`lmpm.resolve.policies.best_by_score`, unrolled); 0 when none is eligible.
+
+    Not the policy's function traced: it takes an argmax over a stacked (n, C) table, which the
+    step avoids on purpose (a compiled loop reduces a row of 2..9 columns poorly: the reason the
+    step is unrolled), and :func:`~lmpm.resolve.policies.lexicographic` reads the
+    priorities with ``tolist()`` (a host read that fake-tensor tracing refuses); both are held
+    equal to these by ``LMPM_VALIDATE=eager`` and the differential tests."""
     s = [torch.where(ok, x, -torch.inf) for ok, x in zip(eligible, score)]
     top = _max(s)
     winner = torch.zeros(score[0].shape, dtype=torch.int64, device=score[0].device)
