@@ -166,21 +166,9 @@ def single(n: int, repeats: int, constrained: bool, loop: bool = True) -> dict[s
     }
 
 
-BATCH_PROGRAM = """
-param N = {n}
-param B = {rows}
-value Txt : Token[50257] shape Grid2D(B, N) clock Lamport
-value MaskPlan : Event shape Set() clock Lamport
-visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
-rule Next:
-  on Txt[b, t]
-  read {{context = Txt[b, 0..t-1]}}
-  emit proposal Txt[b, t] := GPT(context, k=1, pick="top")
-commit Txt[*] using satisfy(max_constraints_then_score)
-rule Schedule:
-  on MaskPlan
-  emit proposal MaskPlan := SampleTiles(strategy="frontier", k=1)
-"""
+# rows of prompts generated side by side (the `frontier` schedule), GPT-2's vocabulary: the
+# program tests/models/test_hf.py checks against generate
+BATCH_PROGRAM = Path(__file__).resolve().parents[1] / "examples" / "hf" / "rows.lmpm"
 
 
 def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
@@ -208,7 +196,7 @@ def batch(rows: int, new: int, repeats: int) -> dict[str, Any]:
     for i, p in enumerate(prompts):
         x[i, width - len(p) :] = torch.tensor(p)
         att[i, width - len(p) :] = 1
-    compiled = lmpm.compile(text=BATCH_PROGRAM.format(n=n, rows=rows))
+    compiled = lmpm.compile(BATCH_PROGRAM, N=n, B=rows, BPE=50257)
     lm, hf, outside = [], [], []
     for _ in range(repeats):  # alternated
         run = compiled.runner(bindings={"GPT": HFCausalLM(net)}, backend=DEVICE)

@@ -160,10 +160,21 @@ def test_an_old_logs_settings_read_back() -> None:
     cfg = RunConfig.from_meta(old)
     assert (cfg.workers, cfg.durable, dict(cfg.inputs), cfg.trace_region) == (1, False, {}, None)
     assert cfg.until == "stable" and dict(cfg.params) == {"N": 4}
-    for key, bad in (("seed", "x"), ("workers", 0), ("trace", "everything")):
+    for key, bad in (
+        ("seed", "x"),
+        ("seed", True),  # JSON true is no seed
+        ("params", {"N": "4"}),
+        ("workers", 0),
+        ("durable", "yes"),
+        ("trace", "everything"),
+    ):
         with pytest.raises(RunDirError) as e:
             RunConfig.from_meta({**old, key: bad})
         assert e.value.code == "D006"
+    missing = {k: v for k, v in old.items() if k != "trace"}
+    with pytest.raises(RunDirError, match="lacks the run's `trace`") as e:
+        RunConfig.from_meta(missing, "run/lmpm.db")
+    assert e.value.code == "D006" and e.value.message.startswith("run/lmpm.db")
 
 
 @pytest.mark.parametrize(

@@ -38,19 +38,8 @@ LONG_FUNCTIONS_BEING_SPLIT: set[str] = set()
 LONG_CLASSES_BEING_SPLIT: set[str] = set()
 MANY_PARAMS_BEING_SPLIT: set[str] = set()
 PRIVATE_IMPORTS_BEING_SPLIT: set[str] = set()
-# Private attributes read across modules today, outside the runtime/data files issue 45's s45
-# session restructured (each needs a public name in the module that owns it): shrink as they go.
-PRIVATE_ATTRIBUTES_ELSEWHERE = {
-    "cli.py: args._run",  # the command's entry, set by each parser's set_defaults(_run=...)
-    "ir/check/__init__.py: shapes._BOUNDS",  # clear_caches empties each probe's cache
-    "ir/check/__init__.py: firing._FIRES",
-    "ir/check/__init__.py: reads._READS",
-    "ir/check/__init__.py: future._FUTURE",
-    "ir/check/__init__.py: probe._COMPILED",
-    "ir/check/__init__.py: ir_eval._COMPILED",
-    "runtime/devcheck.py: batch._rule_score",  # the frame it maps to a program's score call
-    "workers/batch.py: rng._signed",
-}
+# Private attributes read across modules (each needs a public name in the module that owns it).
+PRIVATE_ATTRIBUTES_ELSEWHERE: set[str] = set()
 
 
 FOUND = st.measure()

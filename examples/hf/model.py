@@ -1,5 +1,5 @@
-"""The bind module of examples/hf/story.lmpm: the bundled GPT-2 as `GPT`, and `Words(...)`, the
-tokens whose text holds one of the given words.
+"""The bind module of examples/hf/story.lmpm (and rows.lmpm): the bundled GPT-2 as `GPT`, and
+`Words(...)`, the tokens whose text holds one of the given words.
 
 The model and its tokenizer were trained by scripts/train_hf.py on the captions of the generated
 world and saved in examples/hf/model/ as `transformers` saves them; nothing is downloaded.

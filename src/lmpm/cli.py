@@ -48,7 +48,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         mod = importlib.import_module(f"lmpm.commands.{name}")
         p = sub.add_parser(name.replace("_", "-"), help=mod.HELP, description=mod.HELP)
         mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
     return parser
 
 
@@ -82,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_parser().print_help()
             return 0 if argv else 2
         args = parser.parse_args(argv)
-        return int(args._run(args))
+        return int(importlib.import_module(f"lmpm.commands.{only}").run(args))
     except UsageError as e:
         if e.span is not None:  # a command that does not fit the program: point at the line
             err.print(printable_lines(e.render()), markup=False)

@@ -36,7 +36,8 @@ EXAMPLES = [
 ]
 HF = ["--bind", str(EX / "hf" / "model.py"), "--tokenizer", f"BPE={EX / 'hf' / 'model'}",
       "--input", f"Txt={EX / 'hf' / 'prompt.txt'}"]  # fmt: skip
-HF_EXAMPLES = [["hf/story.lmpm", *HF], ["hf/story_free.lmpm", *HF]]
+HF_ROWS = [*HF[:4], "--input", f"Txt={EX / 'hf' / 'rows.txt'}"]  # a prompt per row
+HF_EXAMPLES = [["hf/story.lmpm", *HF], ["hf/story_free.lmpm", *HF], ["hf/rows.lmpm", *HF_ROWS]]
 # the Hugging Face example needs the `hf` extra (transformers), which a bare GPU image may lack
 HAS_HF = importlib.util.find_spec("transformers") is not None
 if HAS_HF:

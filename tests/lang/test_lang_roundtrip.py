@@ -122,11 +122,13 @@ def programs(draw: Any) -> str:
             )
         )
         kind = draw(st.sampled_from(["forbid", "require"]))
+        # `hard` (E118 on read_future, which is proved at compile time, not checked)
+        hard = " hard" if "read_future" not in pred and draw(st.booleans()) else ""
         if draw(st.booleans()):
-            out.append(f"constraint C{c}: {kind} {pred} priority {draw(st.integers(0, 999))}")
+            out.append(f"constraint C{c}: {kind} {pred} priority {draw(st.integers(0, 999))}{hard}")
         else:
             out.append(f"constraint C{c}:")
-            out.append(f"  {kind} {pred} priority {draw(st.integers(0, 999))}{trail()}")
+            out.append(f"  {kind} {pred} priority {draw(st.integers(0, 999))}{hard}{trail()}")
     for name, _ in values:
         if draw(st.booleans()):
             comment()

@@ -197,21 +197,8 @@ def test_a_grid_of_rows_runs_as_one_batch_and_commits_what_generate_does() -> No
     assert adapter.fed == rows * p + rows * (n - p - 1)  # one batch per epoch, cache reused
 
 
-FRONTIER = """
-param N = {n}
-param B = {rows}
-value Txt : Token[{v}] shape Grid2D(B, N) clock Lamport
-value MaskPlan : Event shape Set() clock Lamport
-visible Txt[b, t] <- Txt[b, 0..t-1] when t > 0
-rule Next:
-  on Txt[b, t]
-  read {{context = Txt[b, 0..t-1]}}
-  emit proposal Txt[b, t] := GPT(context, k=1, pick="top")
-commit Txt[*] using satisfy(max_constraints_then_score)
-rule Schedule:
-  on MaskPlan
-  emit proposal MaskPlan := SampleTiles(strategy="frontier")
-"""
+# rows of prompts generated side by side (the `frontier` schedule); benchmarks/hf.py times it
+FRONTIER = Path(__file__).resolve().parents[2] / "examples" / "hf" / "rows.lmpm"
 
 
 def test_the_frontier_schedule_generates_rows_of_different_lengths_as_generate_does() -> None:
@@ -224,9 +211,7 @@ def test_the_frontier_schedule_generates_rows_of_different_lengths_as_generate_d
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, V, (p,), generator=gen).tolist() for p in lengths]
     adapter = HFCausalLM(net)
-    run = lmpm.compile(text=FRONTIER.format(n=n, rows=len(lengths), v=V)).runner(
-        bindings={"GPT": adapter}
-    )
+    run = lmpm.compile(FRONTIER, N=n, B=len(lengths), BPE=V).runner(bindings={"GPT": adapter})
     ids = torch.zeros(len(lengths), n, dtype=torch.int64)
     given = torch.zeros(len(lengths), n, dtype=torch.bool)
     for i, p in enumerate(prompts):

@@ -11,6 +11,7 @@ Covered: the six schedules (all, raster, red-black, independent, random, confide
 per value with `when` triggers (on coordinates and on the epoch `e`), quorum replicas, the policies
 satisfy, winner_takes_all, average and quorum(k, inner), payloads Token / Float / Tensor[D],
 constraints in-set, change and the user predicates `clash` (built in) and `big` (bound by the tests),
+soft or `hard` (a proposal that breaks a hard constraint is not eligible; keep-current always is),
 Lamport clocks and provenance (rule, epoch), and the passes of raster / random past cells tried
 without a commit (docs/runtime.md, "Stability").
 """
@@ -474,7 +475,12 @@ class Reference:
                 for o in options
             ]
             new, win, contributors = self._agree(
-                self.policy[value], options, viol, [c.priority for c in cons], value
+                self.policy[value],
+                options,
+                viol,
+                [c.priority for c in cons],
+                value,
+                self._eligible(options, viol, [c.hard for c in cons]),
             )
             self._trace_cell(e, value, dims, i, options, cons, options.index(win), viol)
             if not win.is_keep and (not com or new != cur):
@@ -489,6 +495,16 @@ class Reference:
             ranked = sorted(out, key=lambda d: (-d[2].score, d[0]))[:quota]
             out = sorted(ranked, key=lambda d: d[0])
         return out
+
+    @staticmethod
+    def _eligible(options: list[Option], viol: list[list[bool]], hard: list[bool]) -> list[int]:
+        """The columns the policy may choose: keep-current always, a proposal only if it breaks
+        no `hard` constraint (docs/language.md, "hard")."""
+        return [
+            col
+            for col, o in enumerate(options)
+            if o.is_keep or not any(v and h for v, h in zip(viol[col], hard))
+        ]
 
     def _agree(
         self,

@@ -3,8 +3,8 @@
 Random small programs cover the six schedules, one to three rules per value (with `when` triggers on
 coordinates and on the epoch), the policies satisfy / winner_takes_all / average / quorum(k, inner)
 with replicas, Token and Float payloads, and constraints (in-set, change, the predicates `clash`
-and `big`) at several priorities. After every epoch both must agree on the commits, the payload,
-the Lamport clocks and the provenance (rule, epoch) of every cell.
+and `big`) at several priorities, soft or `hard`. After every epoch both must agree on the commits,
+the payload, the Lamport clocks and the provenance (rule, epoch) of every cell.
 """
 
 from __future__ import annotations
@@ -171,7 +171,8 @@ def programs(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
             )
         )
         target = "Txt"
-    src += [f"constraint C{i}: {c}" for i, c in enumerate(cons)]
+    hard = [draw(st.booleans()) for _ in cons]  # `hard`: a bound no commit may break
+    src += [f"constraint C{i}: {c}" + " hard" * h for i, (c, h) in enumerate(zip(cons, hard))]
     src.append(f"commit {target}[*] using satisfy(max_constraints_then_score)")
     src += [
         "rule S:",
@@ -296,7 +297,8 @@ def rich_programs(
         kinds += [f"require {pattern} in Set(0..{vocab - 2})", f"forbid {pattern} in Set(1)"]
     cons = draw(st.permutations(kinds))[: _pick(draw, [2, 3, 1, 4, 0])]
     for i, c in enumerate(cons):  # few priorities: several constraints often share a level
-        src.append(f"constraint C{i}: {c} priority {_pick(draw, [20, 5, 20, 50])}")
+        hard = " hard" if _pick(draw, [False, False, True]) else ""  # a bound no commit breaks
+        src.append(f"constraint C{i}: {c} priority {_pick(draw, [20, 5, 20, 50])}{hard}")
     src.append(f"commit {target}[*] using {policy}")
     src += [
         "rule S:",
@@ -533,6 +535,52 @@ commit A[*] using satisfy(max_constraints_then_score)
         got, want = _state(run, ref, "A")
         assert want == [(1, 1, 0, 0)] * 3
         assert got == want, e
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "satisfy(max_constraints_then_score)",
+        "winner_takes_all",
+        "quorum(2, winner_takes_all)",
+        "quorum(2, satisfy)",
+    ],
+)
+@pytest.mark.parametrize("strategy", ["all", "raster", "confidence"])
+def test_hard_constraints_equal_reference_around_given_values(policy: str, strategy: str) -> None:
+    """`hard` where the random programs seldom go: a given cell that breaks the hard constraint
+    (input is not checked) and a proposal equal to it (folded into keep-current); the favourite
+    proposal 3 breaks it and never commits, under every policy."""
+    src = f"""
+value A : Token[5] shape Seq(5)
+value MaskPlan : Event shape Set()
+rule R:
+  on A[t]
+  emit proposal A[t] := Fixed()
+constraint NoThree: forbid A[t] in Set(3) priority 5 hard
+constraint One: forbid A[t] in Set(1) priority 20
+commit A[*] using {policy}
+rule S:
+  on MaskPlan
+  emit proposal MaskPlan := SampleTiles(strategy="{strategy}", epoch=e)
+"""
+    bindings = {**BINDINGS, "Fixed": fixed_tokens}
+    front = compile_source(src, raise_errors=False)
+    assert not front.errors, [d.render() for d in front.errors]
+    run = Run(front, bindings=used(front, bindings), epochs=4)
+    ref = Reference(front.ir, bindings=bindings, epochs=4)
+    given: list[int | None] = [3, None, 1, None, 3]
+    run.set_input(
+        "A",
+        torch.tensor([-1 if v is None else v for v in given]),
+        torch.tensor([v is not None for v in given]),
+    )
+    ref.set_input("A", given)
+    for e in range(4):
+        assert run.engine.step().commits == ref.step(), e
+        got, want = _state(run, ref, "A")
+        assert got == want, e
+        assert all(p != 3 or given[i] == 3 for i, (p, *_) in enumerate(got)), got
 
 
 # ---- the engine's known disagreements with the reference (engine.py is being rewritten) --------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import textwrap
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from unittest import mock
@@ -423,17 +423,16 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     got: dict[str, Any] = {}
 
     def tracer(
-        spec: StepSpec, layout: Any, args: Sequence[Tensor], lens: tuple[int, ...]
+        key: tuple[Any, ...], make: Callable[[], Callable[..., Any]], args: Sequence[Tensor]
     ) -> tuple[Any, torch.fx.GraphModule, str]:
         import warnings
 
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        step = cmod.flat_step(cmod.value_step(spec, layout), lens)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gm = make_fx(step, tracing_mode="fake")(*args)
-        got.update(gm=gm, args=list(args), lens=lens)
+            gm = make_fx(make(), tracing_mode="fake")(*args)
+        got.update(gm=gm, args=list(args), lens=key[3])  # key: (spec, layout, signature, lens)
 
         def stop(*_: Any) -> Any:
             raise _Stop
@@ -444,7 +443,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     saved = ce.on_compile
     ce.on_compile = None
     try:
-        with mock.patch.object(cmod, "compile_step", tracer), torch.inference_mode():
+        with mock.patch.object(cmod, "compile_graph", tracer), torch.inference_mode():
             meta = cmod.StepMeta(eng.state[value], eng.why[value], active, clocks)
             ce.step(value, 0, part, run.dataplane, meta)
     except _Stop:

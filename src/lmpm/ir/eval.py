@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 
 from lmpm.errors import BindError
+from lmpm.ir import memo
 from lmpm.ir.nodes import NEIGHBORHOODS, Axis, AxisKind, Binder, Expr, Op, Program
 
 
@@ -255,7 +256,7 @@ def _py(e: Expr, names: dict[str, str]) -> str:
     return f"({a[0]} {_PY_BINARY[op]} {a[1]})"
 
 
-_COMPILED: dict[tuple[Expr, tuple[str, ...]], Callable[..., int]] = {}
+_COMPILED: dict[tuple[Expr, tuple[str, ...]], Callable[..., int]] = memo.cache()
 
 
 def compile_expr(e: Expr, variables: tuple[str, ...]) -> Callable[..., int]:

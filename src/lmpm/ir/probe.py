@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from lmpm.ir import memo
 from lmpm.ir.eval import EvalError, compile_expr, fold
 from lmpm.ir.nodes import NEIGHBORHOODS, TRUE, Axis, AxisKind, Binder, Expr, Op
 
@@ -196,7 +197,7 @@ class Compiled:
         return out
 
 
-_COMPILED: dict[Shape, Compiled] = {}
+_COMPILED: dict[Shape, Compiled] = memo.cache()
 
 
 def compiled(s: Shape) -> Compiled:

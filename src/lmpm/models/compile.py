@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lmpm.bindings import compile_flag
+from lmpm.runtime.data.compiled import signature
 
 Model = Callable[..., Any]
 
@@ -113,10 +114,6 @@ def compiled_model(fn: Model | None, rule: str, role: str = "model") -> Compiled
 # ---- explicit graphs of a module's forward (the built-in models) -------------------------------
 
 
-def _signature(args: Sequence[Tensor]) -> tuple[Any, ...]:
-    return tuple((t.dtype, tuple(t.shape), t.stride(), t.device) for t in args)
-
-
 class ModuleGraphs:
     """``fn(forward, *args) -> Tensor`` of one module, compiled once per input signature.
 
@@ -167,7 +164,7 @@ class ModuleGraphs:
         return fn
 
     def __call__(self, *args: Tensor) -> Tensor:
-        key = _signature(args)
+        key = signature(args)
         fn = self.graphs.get(key)
         if fn is None:
             fn = self.graphs[key] = self._build(args)

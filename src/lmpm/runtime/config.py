@@ -137,31 +137,73 @@ class RunConfig:
     def from_meta(cls, meta: Mapping[str, Any], where: str = "the run's log") -> RunConfig:
         """The config a run's log stores (``meta``, as :func:`lmpm.runtime.rundir.read_meta`
         reads it). Logs of earlier versions lack some keys: ``workers`` (1), ``durable``
-        (False), ``inputs`` ({}), ``trace_region`` (None). A value of the wrong type is D006.
-        ``bind`` is left empty: the modules a run directory names are code, which a resume
-        imports only through :func:`lmpm.bindings.recorded_modules` (the session reads them)."""
+        (False), ``inputs`` ({}), ``trace_region`` (None). A missing key, a value of another
+        JSON type (:data:`STORED_TYPES`) or one the config refuses is D006 (``where``: the log,
+        in the message). ``bind`` is left empty: the modules a run directory names are code,
+        which a resume imports only through :func:`lmpm.bindings.recorded_modules` (the session
+        reads them)."""
+        m = {**OLD_LOG_DEFAULTS, **meta}
+        check_stored(m, STORED_TYPES, where)
+        params, inputs = dict(m["params"]), dict(m["inputs"] or {})
+        if not all(_int(v) for v in params.values()) or not all(
+            isinstance(v, str) for v in inputs.values()
+        ):
+            raise RunDirError(f"{where} has damaged run settings; nothing was changed", code="D006")
         try:
             return cls(
-                params={str(k): int(v) for k, v in dict(meta["params"]).items()},
-                inputs={str(k): str(v) for k, v in dict(meta.get("inputs") or {}).items()},
-                seed=int(meta["seed"]),
-                backend=str(meta["backend"]),
-                epochs=meta["epochs"],
-                until=meta["until"],
-                workers=meta.get("workers", 1),
-                checkpoint_every=int(meta["checkpoint_every"]),
-                durable=bool(meta.get("durable", False)),
-                trace=str(meta["trace"]),
-                trace_region=meta.get("trace_region"),
+                params={str(k): v for k, v in params.items()},
+                inputs={str(k): v for k, v in inputs.items()},
+                **{k: m[k] for k in STORED if k not in ("params", "inputs", "bind")},
             )
-        except (KeyError, TypeError, ValueError, UsageError) as e:
-            what = e.message if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
+        except UsageError as e:
             raise RunDirError(
-                f"{where} has damaged run settings ({what}); nothing was changed", code="D006"
+                f"{where} has damaged run settings ({e.message}); nothing was changed", code="D006"
             ) from None
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+# The JSON type of each setting a log stores (a bool is no int here), and the values of those a
+# log from an earlier version lacks.
+STORED_TYPES: dict[str, tuple[type, ...]] = {
+    "params": (dict,),
+    "bind": (list,),
+    "inputs": (dict, type(None)),
+    "seed": (int,),
+    "backend": (str,),
+    "epochs": (int, type(None)),  # None: the run was started without --epochs
+    "until": (str, type(None)),
+    "workers": (int,),
+    "checkpoint_every": (int,),
+    "durable": (bool,),
+    "trace": (str,),
+    "trace_region": (str, type(None)),
+}
+OLD_LOG_DEFAULTS: dict[str, Any] = {
+    "workers": 1,
+    "durable": False,
+    "inputs": {},
+    "trace_region": None,
+}
+
+
+def check_stored(
+    meta: Mapping[str, Any], types: Mapping[str, tuple[type, ...]], where: str
+) -> None:
+    """Every key of ``types`` is in ``meta`` with one of its JSON types (a bool only where
+    ``bool`` is named), else D006 naming the key; ``where``: the log, in the message."""
+    for key, allowed in types.items():
+        if key not in meta:
+            raise RunDirError(
+                f"{where} lacks the run's `{key}` (meta table damaged); nothing was changed",
+                code="D006",
+            )
+        value = meta[key]
+        if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+            raise RunDirError(
+                f"{where} has a damaged `{key}` ({str(value)[:40]!r}); nothing was changed",
+                code="D006",
+            )
 
 
 def check_config(cfg: RunConfig) -> None:

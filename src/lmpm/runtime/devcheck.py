@@ -111,7 +111,7 @@ class _Calls:
         from lmpm.workers import batch
 
         self.model_code = batch.execute.__code__
-        self.score_code = batch._rule_score.__code__
+        self.score_code = batch.rule_score.__code__
         self.predicate_code = Checks.user_predicate.__code__
         self.vm_model_code = WorkflowRun.logits.__code__
         self.rules = rules  # name -> RulePlan (or the workflow's IR rule)

@@ -111,6 +111,42 @@ class Candidates:
     refreshed: Tensor | None  # (n,) bool: a proposal equalled the committed payload (folded)
     checksum: Tensor | None  # (n, C) int64 payload checksums, when the policy compares payloads
 
+    @classmethod
+    def build(
+        cls,
+        value: str,
+        cells: Tensor,
+        checked: tuple[Tensor, Tensor, Tensor, Tensor],
+        columns: tuple[Tensor, Tensor, Tensor],
+        refreshed: Tensor | None = None,
+        checksum: Tensor | None = None,
+    ) -> Candidates:
+        """The candidates of ``value``'s open ``cells`` from the checked table ``checked`` =
+        (valid, score, violated, applies) and its column layout ``columns`` = (rule, replica,
+        slot) per column; ``refreshed`` and ``checksum`` as the fields say."""
+        valid, score, violated, applies = checked
+        col_rule, col_replica, col_slot = columns
+        return cls(
+            value,
+            cells,
+            valid,
+            score,
+            violated,
+            applies,
+            col_rule,
+            col_replica,
+            col_slot,
+            refreshed,
+            checksum,
+        )
+
+    @classmethod
+    def of_record(cls, ve: ValueEpoch) -> Candidates:
+        """The candidates an epoch record ``ve`` kept (no fold, no checksums)."""
+        assert ve.col_replica is not None and ve.col_slot is not None
+        checked = (ve.valid, ve.score, ve.violated, ve.applies)
+        return cls.build(ve.value, ve.cells, checked, (ve.col_rule, ve.col_replica, ve.col_slot))
+
     def to_host(self) -> Candidates:
         """The same candidates with every tensor on the host (a worker on an accelerator): one
         copy of them all (:func:`pack`), one wait for the device."""

@@ -51,7 +51,7 @@ from lmpm.errors import (
 from lmpm.ir import Frontend, check, compile_file, compile_source
 from lmpm.resolve.plan import Plan, resolve
 from lmpm.resolve.policies import POLICIES
-from lmpm.runtime.config import ResumeRequest, RunConfig
+from lmpm.runtime.config import ResumeRequest, RunConfig, check_stored
 from lmpm.runtime.config import bind_specs as bind_specs
 from lmpm.runtime.control.commitlog import (
     MSG_FOREIGN,
@@ -557,19 +557,12 @@ def resumable(hint: str | None, out_dir: Path, epoch: int) -> str:
     return f"{hint}; {again}" if hint else again
 
 
-# What resuming reads from the run's metadata, with the JSON type each must have.
+# What resuming reads from the run's metadata besides its settings (RunConfig.from_meta reads
+# those), with the JSON type each must have.
 _META_TYPES: dict[str, tuple[type, ...]] = {
-    "params": (dict,),
     "source": (str,),
     "program_file": (str,),
     "program_hash": (str,),
-    "bind": (list,),
-    "seed": (int,),
-    "backend": (str,),
-    "trace": (str,),
-    "checkpoint_every": (int,),
-    "epochs": (int, type(None)),  # None: the run was started without --epochs
-    "until": (str, type(None)),
 }
 
 
@@ -585,25 +578,11 @@ def check_meta(meta: Mapping[str, Any], run_dir: Path) -> None:
             hint=f"see where it stands with `lmpm vm status {run_dir}`; run it again with "
             "`lmpm vm run`",
         )
-    for key, types in _META_TYPES.items():
-        if key not in meta:
-            raise RunDirError(
-                f"{run_dir}/lmpm.db lacks the run's `{key}` (meta table damaged); nothing was "
-                "changed",
-                code="D006",
-            )
-        if not isinstance(meta[key], types) or isinstance(meta[key], bool):
-            raise RunDirError(
-                f"{run_dir}/lmpm.db has a damaged `{key}` ({str(meta[key])[:40]!r}); nothing was "
-                "changed",
-                code="D006",
-            )
-    bad_params = [k for k, v in meta["params"].items() if not isinstance(v, int)]
-    bad_bind = [b for b in meta["bind"] if not isinstance(b, str)]
-    if bad_params or bad_bind or meta["checkpoint_every"] < 1:
-        raise RunDirError(
-            f"{run_dir}/lmpm.db has damaged run settings; nothing was changed", code="D006"
-        )
+    where = f"{run_dir}/lmpm.db"
+    check_stored(meta, _META_TYPES, where)
+    RunConfig.from_meta(meta, where)  # the stored settings, each checked
+    if not all(isinstance(b, str) for b in meta["bind"]):
+        raise RunDirError(f"{where} has damaged run settings; nothing was changed", code="D006")
 
 
 def resume(run_dir: str | Path, request: ResumeRequest | None = None, **options: Any) -> Run:

@@ -295,8 +295,11 @@ class EpochLost(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class RayOptions:
-    """Where and how :class:`RayDriver` runs its workers."""
+class RayDriverOptions:
+    """Where and how :class:`RayDriver` runs its workers. Not the epoch engine's
+    :class:`lmpm.runtime.data.raygroup.RayOptions`: a training worker's hang timeout bounds its
+    whole inner loop (600 s), not one phase of an epoch (120 s), and its recovery checkpoints go
+    to a folder rather than every ``checkpoint_every`` epochs into the run's log."""
 
     # a running Ray cluster's address; None starts a local Ray instance on 127.0.0.1 for the run
     cluster: str | None = None
@@ -318,7 +321,7 @@ class RayDriver:
         total_steps: int,
         init: dict[str, Tensor] | None = None,
         threads: int | None = None,
-        options: RayOptions = RayOptions(),
+        options: RayDriverOptions = RayDriverOptions(),
     ) -> None:
         cluster, checkpoint_dir = options.cluster, options.checkpoint_dir
         if options.timeout <= 0:

@@ -35,7 +35,7 @@ from lmpm.train.driver import (
     EpochLost,
     LocalDriver,
     RayDriver,
-    RayOptions,
+    RayDriverOptions,
     TrainFault,
     WorkerLost,
 )
@@ -230,7 +230,7 @@ class Trainer:
                     total_steps=total,
                     init=init,
                     threads=threads,
-                    options=RayOptions(cluster, timeout, ckdir),
+                    options=RayDriverOptions(cluster, timeout, ckdir),
                 )
             else:
                 self.driver = LocalDriver(

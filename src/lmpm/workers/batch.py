@@ -60,6 +60,7 @@ __all__ = [
     "execute",
     "first_cells",
     "raise_if_bad",
+    "rule_score",
 ]
 
 # Per-row fault bits of the validation mask (int8, one entry per row of a model call).
@@ -222,7 +223,7 @@ def _gather(
 def _row_key(values: list[int], sizes: list[int], device: torch.device | None) -> int | Tensor:
     if all(v == values[0] for v in values):
         return values[0]
-    per_item = torch.tensor([rng._signed(v) for v in values], dtype=torch.int64)
+    per_item = torch.tensor([rng.signed64(v) for v in values], dtype=torch.int64)
     return torch.repeat_interleave(per_item, torch.tensor(sizes)).to(device or "cpu")
 
 
@@ -754,7 +755,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         if call.vocab is not None:
             _mark_outside(bad, proposal, call.vocab)
     if call.score is not None:
-        proposal, score = _rule_score(call, proposal, backend, worker)
+        proposal, score = rule_score(call, proposal, backend, worker)
         scored = False
     if not scored:
         _mark_nonfinite(bad, score, BAD_SCORE)
@@ -770,7 +771,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
     return result, bad
 
 
-def _rule_score(
+def rule_score(
     call: BatchedCall, proposal: Tensor, backend: str, worker: str
 ) -> tuple[Tensor, Tensor]:
     """The rule's own score of every proposal: (n, k) proposals and their float64 scores."""

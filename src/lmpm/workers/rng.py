@@ -41,6 +41,7 @@ __all__ = [
     "det_log",
     "gumbel",
     "key_of",
+    "signed64",
     "uniform",
 ]
 
@@ -64,7 +65,7 @@ def key_of(name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def _signed(x: int) -> int:
+def signed64(x: int) -> int:
     """The int64 whose bits are ``x mod 2**64``."""
     x &= _M64
     return x - (1 << 64) if x >> 63 else x
@@ -86,9 +87,9 @@ def _shr(z: Tensor, s: int) -> Tensor:
 def _mix(z: Tensor) -> Tensor:
     """SplitMix64 finalizer on int64 tensors; multiplication wraps modulo 2**64 like uint64."""
     z = z ^ _shr(z, 30)
-    z = z * _signed(_C1)
+    z = z * signed64(_C1)
     z = z ^ _shr(z, 27)
-    z = z * _signed(_C2)
+    z = z * signed64(_C2)
     return z ^ _shr(z, 31)
 
 
@@ -102,8 +103,8 @@ def _combine_int(h: int, part: int, slot: int) -> int:
 
 
 def _combine(h: Tensor | int, part: Tensor, slot: int) -> Tensor:
-    mixed = _mix(part.to(torch.int64) + _signed((slot + 1) * _GAMMA))
-    return _mix(mixed ^ (_signed(h) if isinstance(h, int) else h))
+    mixed = _mix(part.to(torch.int64) + signed64((slot + 1) * _GAMMA))
+    return _mix(mixed ^ (signed64(h) if isinstance(h, int) else h))
 
 
 def bits(
@@ -136,10 +137,10 @@ def bits(
         elif isinstance(h, int):
             h = _combine_int(h, _part_int(part), slot)
         else:
-            h = _combine(h, torch.full_like(cells, _signed(_part_int(part))), slot)
+            h = _combine(h, torch.full_like(cells, signed64(_part_int(part))), slot)
     h_cell = _combine(h, cells.to(torch.int64), len(parts))  # (n,)
     draw_ids = torch.arange(draws, dtype=torch.int64, device=cells.device)
-    mixed_draws = _mix(draw_ids + _signed((len(parts) + 2) * _GAMMA))  # (draws,)
+    mixed_draws = _mix(draw_ids + signed64((len(parts) + 2) * _GAMMA))  # (draws,)
     return _mix(h_cell[:, None] ^ mixed_draws[None, :])  # (n, draws)
 
 

@@ -34,8 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from lmpm.errors import DiagnosticSink
-from lmpm.ir import eval as ir_eval
-from lmpm.ir import probe
+from lmpm.ir import memo
 from lmpm.ir.check import (
     constraints,
     firing,
@@ -116,15 +115,7 @@ def _over_cells(f: Facts, r: Rule) -> bool:
 
 def clear_caches() -> None:
     """Forget every probed fact (benchmarks use it to measure a cold check)."""
-    for d in (
-        shapes._BOUNDS,
-        firing._FIRES,
-        reads._READS,
-        future._FUTURE,
-        probe._COMPILED,
-        ir_eval._COMPILED,
-    ):
-        d.clear()
+    memo.clear()
 
 
 __all__ = ["Facts", "check", "clear_caches", "lint", "set_members", "workflow_reachable"]

@@ -3,6 +3,7 @@ fire (W205). Guards that use the epoch `e` are probed over :data:`PROBE_EPOCHS`.
 
 from __future__ import annotations
 
+from lmpm.ir import memo
 from lmpm.ir.check.facts import Facts, axes_using, vars_of
 from lmpm.ir.eval import EvalError, compile_expr, fold, names_in
 from lmpm.ir.nodes import Expr, Op, Rule
@@ -11,7 +12,8 @@ from lmpm.ir.probe import probe_cells
 # Epochs at which a guard using the epoch `e` is probed: a rule guarded by `e >= 3` fires later.
 PROBE_EPOCHS = (0, 1, 2, 3, 4, 5, 7, 8, 10, 16, 32, 64, 100, 1000, 10**6)
 
-_FIRES: dict[tuple[object, ...], bool] = {}  # per guard structure, shared by every check
+# per guard structure, shared by every check
+_FIRES: dict[tuple[object, ...], bool] = memo.cache()
 
 
 def trigger(f: Facts, r: Rule) -> Expr:

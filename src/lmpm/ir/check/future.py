@@ -6,13 +6,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 
+from lmpm.ir import memo
 from lmpm.ir.check.facts import Facts
 from lmpm.ir.eval import EvalError, evaluate
 from lmpm.ir.nodes import Axis, AxisKind, Constraint, Op, PredKind, ShapeKind, Status, Value
 from lmpm.ir.probe import Compiled, probe_indices, shape_of
 
 _Hit = tuple[tuple[int, ...], tuple[int, ...]] | None  # (probe cell, the later source cell)
-_FUTURE: dict[tuple[object, ...], _Hit] = {}  # per clause structure, shared by every check
+# per clause structure, shared by every check
+_FUTURE: dict[tuple[object, ...], _Hit] = memo.cache()
 
 
 def check_future(f: Facts, c: Constraint) -> Constraint:

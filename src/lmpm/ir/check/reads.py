@@ -3,6 +3,7 @@ decided by probing the read and the `visible` clauses at the probe cells where t
 
 from __future__ import annotations
 
+from lmpm.ir import memo
 from lmpm.ir.check.facts import Facts, axes_using, vars_of
 from lmpm.ir.check.firing import epochs_of, fires_at, trigger
 from lmpm.ir.eval import EvalError, compile_expr
@@ -11,7 +12,8 @@ from lmpm.ir.printer import axis_str, binder_str, read_str
 from lmpm.ir.probe import Compiled, probe_cells
 
 _Hit = tuple[tuple[int, ...], tuple[int, ...]] | None  # (probe cell, offending source cell)
-_READS: dict[tuple[object, ...], _Hit] = {}  # per read and clause structure, shared by every check
+# per read and clause structure, shared by every check
+_READS: dict[tuple[object, ...], _Hit] = memo.cache()
 
 
 def check_reads(f: Facts, r: Rule) -> None:

@@ -5,6 +5,7 @@ source without a guard is a warning (W202)."""
 from __future__ import annotations
 
 from lmpm.errors import LmpmError
+from lmpm.ir import memo
 from lmpm.ir.check.facts import Facts, probe_env
 from lmpm.ir.eval import EvalError, evaluate, names_in
 from lmpm.ir.nodes import AxisKind, Expr, Op, Stencil, Value
@@ -17,7 +18,7 @@ MAX_DIM = 2**48  # larger dimensions are an error (E209): no machine holds such 
 # (source axis, index, size, probe cell, variables used) per clause structure, shared by every
 # check in the process (see lmpm.ir.probe)
 _OOB = list[tuple[int, int, int, tuple[int, ...], set[str]]]
-_BOUNDS: dict[tuple[object, ...], _OOB] = {}
+_BOUNDS: dict[tuple[object, ...], _OOB] = memo.cache()
 
 
 def check_shapes(f: Facts) -> bool:

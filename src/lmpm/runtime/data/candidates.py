@@ -104,18 +104,9 @@ class Staging:
         self.staged[name] = Staged(cells, table, committed)
         for tap in self.taps:
             tap(e, name, cells, table, valid)
-        cand = Candidates(
-            name,
-            cells,
-            valid,
-            score,
-            violated,
-            applies,
-            col_rule,
-            col_rep,
-            col_slot,
-            refreshed,
-            sums,
+        checked = (valid, score, violated, applies)
+        cand = Candidates.build(
+            name, cells, checked, (col_rule, col_rep, col_slot), refreshed, sums
         )
         return cand if res.host else cand.to_host()
 

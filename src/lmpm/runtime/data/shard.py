@@ -272,18 +272,9 @@ def merge_candidates(
         g2l,
         tuple(cells_of),
     )
-    cand = Candidates(
-        name,
-        cells,
-        valid,
-        score,
-        violated,
-        applies,
-        torch.tensor(rule),
-        torch.tensor(rep),
-        torch.tensor(slot),
-        refreshed,
-        checksum,
+    columns = (torch.tensor(rule), torch.tensor(rep), torch.tensor(slot))
+    cand = Candidates.build(
+        name, cells, (valid, score, violated, applies), columns, refreshed, checksum
     )
     return cand, merged
 
@@ -293,23 +284,7 @@ def merge_records(parts: Sequence[ValueEpoch], rank: Mapping[int, int]) -> Value
     rows sorted by cell, the columns of :func:`merge_candidates`."""
     if len(parts) == 1:
         return parts[0]
-    as_cand = []
-    for i, ve in enumerate(parts):
-        assert ve.col_replica is not None and ve.col_slot is not None
-        c = Candidates(
-            ve.value,
-            ve.cells,
-            ve.valid,
-            ve.score,
-            ve.violated,
-            ve.applies,
-            ve.col_rule,
-            ve.col_replica,
-            ve.col_slot,
-            None,
-            None,
-        )
-        as_cand.append((i, c))
+    as_cand = [(i, Candidates.of_record(ve)) for i, ve in enumerate(parts)]
     cand, mg = merge_candidates(parts[0].value, as_cand, rank)
     n = cand.cells.numel()
     winner = torch.zeros(n, dtype=torch.int64)
