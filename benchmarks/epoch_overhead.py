@@ -18,6 +18,11 @@ with the same program ``P``:
 ops, counted by a ``TorchDispatchMode``) and the Python calls (cProfile) per epoch outside the model,
 over one more run with every epoch but the first counted.
 
+``--compile`` runs the program with its epoch steps compiled (``lmpm run --compile``), after one
+run that compiles them, so that the timed and counted runs compile nothing:
+
+    python benchmarks/epoch_overhead.py --quick --ops --compile
+
 The outside-model *share* also depends on the model's speed. ``--bind NAME=FILE:FUNC`` binds a
 model loaded from a file, so both trees can run one model (e.g. the pre-redesign tree's ByteLM):
 
@@ -135,6 +140,11 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="3 repeats")
     ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the epoch steps (lmpm run --compile); one untimed run compiles them first",
+    )
+    ap.add_argument(
         "--ops",
         action="store_true",
         help="also count the aten ops and Python calls per epoch outside the model",
@@ -146,11 +156,14 @@ def main() -> None:
     front = compile_file(a.program)
     modules: dict[str, Any] = {}
     bindings = dict(load(spec, modules) for spec in a.bind)
+    opts: dict[str, Any] = {"compile": True} if a.compile else {}  # (the old API has no compile)
+    if a.compile:
+        Run(front, inputs=inputs, seed=0, bindings=bindings, **opts).run(a.epochs)
     outside: list[float] = []
     whole: list[float] = []
     epochs = 0
     for _ in range(a.repeats):
-        run = Run(front, inputs=inputs, seed=0, bindings=bindings)
+        run = Run(front, inputs=inputs, seed=0, bindings=bindings, **opts)
         run.engine.keep_records = True
         res = run.run(a.epochs)
         epochs = res.epochs
@@ -159,7 +172,7 @@ def main() -> None:
             whole.append(rec.seconds * 1e6)
     out = {
         "benchmark": "epoch_overhead",
-        "case": Path(a.program).stem,
+        "case": Path(a.program).stem + ("_compiled" if a.compile else ""),
         "epochs": epochs,
         "repeats": a.repeats,
         "outside_us_p10": round(pct(outside, 0.1), 1),
@@ -170,7 +183,7 @@ def main() -> None:
     }
     if a.ops:
         for kind in ("aten_ops", "py_calls"):
-            run = Run(front, inputs=inputs, seed=0, bindings=bindings)
+            run = Run(front, inputs=inputs, seed=0, bindings=bindings, **opts)
             out[f"{kind}_per_epoch"] = round(count(run, a.epochs, kind), 1)
     print(json.dumps(out), flush=True)
 

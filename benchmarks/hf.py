@@ -16,10 +16,12 @@ run directory written (the log included), at N = 128 under the constraint; then 
 prompts of different lengths: a real run of a ``Grid2D(16, N)`` under the ``frontier`` schedule
 (every row's next cell each epoch) vs HF's left-padded batched generate.
 
-Prints one JSON line per case: ms per token of each, the ratio LMPM/HF, LMPM's time per token
-outside the model's forward, and whether the tokens were identical (asserted). The minimum of
+Prints one JSON line per case: ms per token of each, the ratio LMPM/HF, LMPM's (and, single,
+HF generate's) time per token outside the model's forward, and whether the tokens were identical
+(asserted). The minimum of
 ``--repeats`` alternated runs (the issue's method: on a shared CPU the least disturbed run is the
-closest to the cost itself). ``--quick``: N = 64, 128 and 2 repeats (scripts/bench.sh).
+closest to the cost itself; at N <= 128 at least 5). ``--quick``: N = 64, 128 and 2 repeats
+(scripts/bench.sh).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ CONSTRAINT = """constraint Small:
 """
 ALLOWED = 20000
 PROMPT = 8
+SHORT, SHORT_REPEATS = 128, 5  # N up to SHORT: at least SHORT_REPEATS alternated runs (single)
 
 
 DEVICE = "cpu"  # --device
@@ -97,10 +100,20 @@ def lmpm_run(
     return out, wall, model
 
 
-def hf_generate(net: Any, prompt: list[int], n: int, constrained: bool) -> tuple[list[int], float]:
+def hf_generate(
+    net: Any, prompt: list[int], n: int, constrained: bool
+) -> tuple[list[int], float, float]:
+    """HF's tokens, wall seconds and the seconds of its model's forwards (hooks, as for LMPM)."""
     x = torch.tensor([prompt], device=DEVICE)
-    t0 = time.perf_counter()
-    out = net.generate(
+    with _Forwards(net) as fw:
+        t0 = time.perf_counter()
+        out = _generate(net, x, n, constrained)
+        wall = time.perf_counter() - t0
+    return out[0].tolist(), wall, fw.seconds
+
+
+def _generate(net: Any, x: torch.Tensor, n: int, constrained: bool) -> Any:
+    return net.generate(
         x,
         attention_mask=torch.ones_like(x),
         max_new_tokens=n - PROMPT,
@@ -110,7 +123,6 @@ def hf_generate(net: Any, prompt: list[int], n: int, constrained: bool) -> tuple
         pad_token_id=0,
         logits_processor=processors(constrained),
     )
-    return out[0].tolist(), time.perf_counter() - t0
 
 
 def no_cache(net: Any, prompt: list[int], n: int, constrained: bool) -> tuple[list[int], float]:
@@ -138,16 +150,21 @@ def single(n: int, repeats: int, constrained: bool, loop: bool = True) -> dict[s
     gen = torch.Generator().manual_seed(n)
     prompt = torch.randint(0, ALLOWED, (PROMPT,), generator=gen).tolist()
     new = n - PROMPT
-    lm, hf, nc, outside = [], [], [], []
+    # a short N's runs last about a second each: one burst of the others' load can cover every
+    # run of one side, and its forward is the shortest, so the fixed costs per token weigh most;
+    # more alternated runs there (they are cheap)
+    repeats = max(repeats, SHORT_REPEATS) if n <= SHORT else repeats
+    lm, hf, nc, outside, hf_outside = [], [], [], [], []
     for _ in range(repeats):  # alternated
         a, wall, model = lmpm_run(net, prompt, n, constrained)
-        b, t_hf = hf_generate(net, prompt, n, constrained)
+        b, t_hf, hf_model = hf_generate(net, prompt, n, constrained)
         c, t_nc = no_cache(net, prompt, n, constrained) if loop else (b, 0.0)
         assert a == b == c, "LMPM, HF generate and the no-cache loop must commit the same tokens"
         lm.append(wall / new)
         hf.append(t_hf / new)
         nc.append(t_nc / new)
         outside.append((wall - model) / new)
+        hf_outside.append((t_hf - hf_model) / new)
     ms = lambda xs: 1e3 * min(xs)  # noqa: E731
     return {
         "case": "single",
@@ -159,6 +176,8 @@ def single(n: int, repeats: int, constrained: bool, loop: bool = True) -> dict[s
         "outlines_ms_per_token": outlines_time(net, prompt, n),
         "ratio": round(ms(lm) / ms(hf), 3),
         "lmpm_outside_forward_ms_per_token": round(ms(outside), 3),
+        # HF generate's own time per token beside the same forwards (its loop, the processor)
+        "hf_outside_forward_ms_per_token": round(ms(hf_outside), 3),
         "identical": True,
         "goal": 1.10,
         "repeats": repeats,
@@ -287,7 +306,7 @@ def outside(n: int, repeats: int, trace: str) -> dict[str, Any]:
     ids = torch.zeros(n, dtype=torch.int64)
     ids[:PROMPT] = prompt
     compiled = lmpm.compile(text=PROGRAM.format(n=n, constraint=CONSTRAINT))
-    got, forward = [], []
+    got, forward, ends = [], [], []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as tmp:
             run = compiled.runner(
@@ -300,12 +319,14 @@ def outside(n: int, repeats: int, trace: str) -> dict[str, Any]:
             run.run(1)  # start-up excluded: the run directory made, the prompt's prefill
             with _Forwards(net) as fw:
                 t0 = time.perf_counter()
-                run.run(until_stable=True)
-                run.close()  # the log flushed and the outputs written
+                run.run(until_stable=True)  # (its end: the final checkpoint, the outputs)
+                t1 = time.perf_counter()
+                run.close()  # the logs closed (SQLite moves their WAL into the database)
                 wall = time.perf_counter() - t0
         tokens = n - PROMPT - 1
         got.append((wall - fw.seconds) / tokens)
         forward.append(fw.seconds / tokens)
+        ends.append(wall - (t1 - t0))
     return {
         "case": "outside",
         "N": n,
@@ -313,6 +334,8 @@ def outside(n: int, repeats: int, trace: str) -> dict[str, Any]:
         "trace": trace,
         "outside_forward_ms_per_token": round(1e3 * min(got), 3),
         "forward_ms_per_token": round(1e3 * min(forward), 3),
+        # of the run's time beside the forwards, once per run: closing the logs (ms)
+        "close_ms": round(1e3 * min(ends), 1),
         "goal_ms": 0.3,
         "repeats": repeats,
         "note": "run dir written (the log included), the model's forward taken out by hooks, "

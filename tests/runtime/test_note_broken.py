@@ -1,4 +1,5 @@
-"""Owner.note_broken's one-cell path (causal generation) writes what the general path writes."""
+"""Owner.note_broken's queued one-cell records (causal generation) write what the general path
+writes, record by record."""
 
 from __future__ import annotations
 
@@ -55,10 +56,37 @@ def test_one_cell_matches_the_general_path(owner: Owner, changed: bool, was: boo
         owner.note_broken(record([cell, cell], violated, 3, changed, was))  # general path
         want = broken.clone()
         broken.fill_(True)
-        owner.note_broken(record([cell], violated, 3, changed, was))  # one open cell
-        assert torch.equal(broken, want)
+        owner.note_broken(record([cell], violated, 3, changed, was))  # one open cell: queued
+        assert torch.equal(owner.get_broken()["Txt"], want)  # (written before it is read)
         expect = (
             violated[0, 3 if changed else 0] if changed or was else torch.zeros(k, dtype=torch.bool)
         )
         assert torch.equal(broken[cell], expect)
+    broken.zero_()
+
+
+def test_queued_records_write_what_each_record_writes(owner: Owner) -> None:
+    """Many one-cell records (cells opened again, two table widths, some more than the queue
+    holds) written together leave what writing each one as it came leaves."""
+    broken = owner.broken["Txt"]
+    k = broken.shape[1]
+    gen = torch.Generator().manual_seed(7)
+    records = []
+    for _ in range(150):
+        c = 9 if torch.rand((), generator=gen) < 0.7 else 5
+        violated = torch.rand((1, c, k), generator=gen) < 0.5
+        cell = int(torch.randint(0, 12, (), generator=gen))  # few cells: each opened again
+        winner = int(torch.randint(0, c, (), generator=gen))
+        flags = torch.rand(2, generator=gen) < 0.5
+        records.append(record([cell], violated, winner, bool(flags[0]), bool(flags[1])))
+    broken.fill_(True)
+    for ve in records:
+        owner.note_broken(ve)
+        owner.get_broken()  # each written alone
+    want = broken.clone()
+    broken.fill_(True)
+    for ve in records:
+        owner.note_broken(ve)
+    assert torch.equal(owner.get_broken()["Txt"], want)
+    assert not torch.equal(want, torch.ones_like(want))  # (the records wrote something)
     broken.zero_()

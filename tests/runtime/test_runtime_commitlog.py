@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import sqlite3
 from pathlib import Path
@@ -16,7 +18,17 @@ from lmpm.cli import main
 from lmpm.errors import RunDirError
 from lmpm.ir import compile_source
 from lmpm.runtime.control.commitlog import restore
-from lmpm.runtime.rundir import SCHEMA_VERSION, cell_runs, connect, decode, encode
+from lmpm.runtime.control.engine import Engine
+from lmpm.runtime.records import EpochRecord
+from lmpm.runtime.rundir import (
+    SCHEMA_VERSION,
+    _commit_runs,
+    _one_commit,
+    cell_runs,
+    connect,
+    decode,
+    encode,
+)
 from lmpm.runtime.session import Run
 
 PROG = """
@@ -93,6 +105,49 @@ def test_cell_runs_cover_the_cells_exactly() -> None:
     assert len(cell_runs(cells, np.zeros(cells.size))[0]) == 4
 
 
+class _Records:
+    """An observer keeping each epoch's record (with the payload checksums the log would get)."""
+
+    wants_records = True
+
+    def __init__(self) -> None:
+        self.records: list[EpochRecord] = []
+
+    def on_start(self, engine: Engine) -> None:
+        engine.checksums = True
+
+    def on_epoch(self, engine: Engine, record: EpochRecord) -> None:
+        self.records.append(record)
+
+    def on_end(self, engine: Engine) -> None:
+        pass
+
+
+def test_one_cell_commit_row_is_the_general_paths(prog: tuple[Path, Path]) -> None:
+    """The row of an epoch's one committed cell (a decode's epoch) is the row the run splitting
+    writes for that cell alone, a NaN score included (its blob, as NaN != NaN)."""
+    seen = _Records()
+    run = Run.from_source(PROG, bind=[str(prog[1])], seed=3, observers=[seen])
+    run.run(4)
+    checked = 0
+    for rec in seen.records:
+        for ve in rec.values:
+            for r in np.flatnonzero(ve.changed.numpy()).tolist():
+                assert (
+                    _one_commit(rec.epoch, ve, r) == _commit_runs(rec.epoch, ve, np.array([r]))[0]
+                )
+                score = ve.score.clone()
+                score[r] = float("nan")
+                odd = dataclasses.replace(ve, score=score)
+                got, want = (
+                    _one_commit(rec.epoch, odd, r),
+                    _commit_runs(rec.epoch, odd, np.array([r]))[0],
+                )
+                assert repr(got) == repr(want) and got[-1] is not None
+                checked += 1
+    assert checked > 10
+
+
 def test_blob_codec_round_trips() -> None:
     for tag, arr in [
         ("B", np.array([0, 255])),
@@ -102,6 +157,16 @@ def test_blob_codec_round_trips() -> None:
         ("f", np.array([1.25], dtype=np.float32)),
     ]:
         assert decode(encode(arr, tag)).tolist() == arr.tolist()
+
+
+def _copy_forgetting(run: Path, to: Path, where: str) -> Path:
+    """A copy of run directory ``run`` whose log forgets the checkpoints ``where`` selects."""
+    shutil.copytree(run, to)
+    conn = sqlite3.connect(to / "lmpm.db")
+    conn.execute(f"DELETE FROM checkpoints WHERE {where}")
+    conn.commit()
+    conn.close()
+    return to
 
 
 def test_replaying_the_log_rebuilds_the_final_state(
@@ -117,12 +182,7 @@ def test_replaying_the_log_rebuilds_the_final_state(
         + [f"epoch-{k:08d}.cpu-0.safetensors" for k in labels]  # the worker's payload shard
     )
     # Forget every checkpoint but the first: resume must replay all commits from the log.
-    copy = tmp_path / "copy"
-    shutil.copytree(out, copy)
-    c2 = sqlite3.connect(copy / "lmpm.db")
-    c2.execute("DELETE FROM checkpoints WHERE epoch > 0")
-    c2.commit()
-    c2.close()
+    copy = _copy_forgetting(out, tmp_path / "copy", "epoch > 0")
     fresh = Run.from_source(PROG, bind=[str(prog[1])], seed=5)
     restored = restore(fresh.engine, connect(copy), copy)
     assert restored.epoch == 9 and restored.checkpoint == 0 and restored.replayed > 0
@@ -150,6 +210,62 @@ def test_replaying_the_log_rebuilds_the_final_state(
         meta["bindings"]
     )
     conn.close()
+
+
+def _fsynced_checkpoints(
+    prog: tuple[Path, Path], out: Path, monkeypatch: pytest.MonkeyPatch, *extra: str
+) -> set[str]:
+    """Run 9 epochs, a checkpoint every 4; the checkpoint files fsynced (by the name the file had
+    when its data was synced: ``.epoch-NNNNNNNN[.worker].safetensors.tmp``)."""
+    real = os.fsync
+    synced: set[str] = set()
+
+    def fsync(fd: int) -> None:
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        if name.endswith(".safetensors.tmp"):
+            synced.add(Path(name).name.removeprefix(".").removesuffix(".tmp"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    assert _run(prog, out, "--epochs", "9", "--checkpoint-every", "4", *extra) == 0
+    monkeypatch.setattr(os, "fsync", real)
+    return synced
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads /proc/self/fd (Linux)")
+def test_periodic_checkpoints_are_fsynced_only_when_durable(
+    prog: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checkpoints of every ``--checkpoint-every`` epochs are written without fsync (a power
+    cut may lose them: resume then falls back to an older one), epoch 0's and the final one with;
+    ``--durable`` fsyncs every one."""
+
+    def names(*labels: int) -> set[str]:
+        return {f"epoch-{k:08d}{w}.safetensors" for k in labels for w in ("", ".cpu-0")}
+
+    out = tmp_path / "run"
+    assert _fsynced_checkpoints(prog, out, monkeypatch) == names(0, 9)
+    assert _fsynced_checkpoints(prog, tmp_path / "durable", monkeypatch, "--durable") == names(
+        0, 4, 8, 9
+    )
+    # A power cut after epoch 8: the final checkpoint never written, the periodic ones (never
+    # fsynced) lost, their files left empty. Resume skips both for epoch 0's and replays every
+    # commit after it: the same state as from the final checkpoint.
+    cut = _copy_forgetting(out, tmp_path / "cut", "epoch = 9")
+    for ck in (cut / "checkpoints").iterdir():
+        if ck.name.startswith(("epoch-00000004.", "epoch-00000008.")):
+            ck.write_bytes(b"")
+        elif ck.name.startswith("epoch-00000009."):
+            ck.unlink()
+    fresh = Run.from_source(PROG, bind=[str(prog[1])])
+    restored = restore(fresh.engine, connect(cut), cut)
+    assert (restored.epoch, restored.checkpoint, restored.skipped) == (9, 0, 2)
+    final = Run.from_source(PROG, bind=[str(prog[1])])
+    restore(final.engine, connect(out), out)
+    sa, sb = fresh.engine.state["G"], final.engine.state["G"]
+    for f in ("committed", "clock", "rule", "epoch", "score"):
+        assert torch.equal(getattr(sa, f), getattr(sb, f)), f
+    assert torch.equal(fresh.payload("G"), final.payload("G"))
 
 
 def test_an_existing_run_is_not_overwritten(

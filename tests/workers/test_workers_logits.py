@@ -56,6 +56,9 @@ def test_temperature_scales_scores_and_inf_logits_are_never_chosen():
         ({"k": 2.5}, "k=2.5"),
         ({"pick": "best"}, "pick='best'"),
         ({"temperature": 0.0}, "temperature=0.0"),
+        ({"temperature": float("nan")}, "temperature=nan"),
+        ({"temperature": float("inf")}, "temperature=inf"),
+        ({"k": True}, "k=True"),
     ],
 )
 def test_bad_logits_record_is_r052(kwargs, what):

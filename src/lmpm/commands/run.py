@@ -116,7 +116,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--durable",
         action="store_true",
-        help="fsync the log at every epoch (SQLite synchronous=FULL): no epoch lost to a power cut",
+        help="fsync the log at every epoch (SQLite synchronous=FULL) and every checkpoint: no "
+        "epoch lost to a power cut",
     )
     p.add_argument(
         "--force",

@@ -63,6 +63,11 @@ class _Rows:
     column: Tensor  # (rows, Lc) host int64: the cache column holding each position
     length: Tensor  # (rows,) host int64: cached positions per row
     full: bool = False  # every column of ``attention`` holds a token (no padding)
+    # the decode step's room to grow (None: none yet): ``attention`` is the first columns of
+    # ``ones`` (all ones past them: the columns to come), ``column`` the first of ``columns``
+    # (zeros past them); both double when full, so a step allocates nothing of width N
+    ones: Tensor | None = None
+    columns: Tensor | None = None
 
 
 class HFCausalLM:
@@ -261,7 +266,8 @@ class HFCausalLM:
         last = (length - 1).unsqueeze(1)  # (n, 1) the new token's position in each row
         end = rows.attention.shape[1]  # the cache column it goes to
         pos = last.to(dev)
-        attention = torch.cat([rows.attention, rows.attention.new_ones(n, 1)], dim=1)
+        ones, columns = _room(rows, end + 1, width)
+        attention = ones.narrow(1, 0, end + 1)  # (n, end + 1): the new column is already 1
         out = self.model(
             input_ids=ids.gather(1, pos),
             # no padding: the mask is all ones, which transformers would look over only to drop
@@ -274,10 +280,10 @@ class HFCausalLM:
         )
         self.fed += n
         # the new position's column; those after a row's length stay 0 (as _forward keeps them)
-        column = torch.zeros(n, width, dtype=torch.int64)
-        column[:, : rows.column.shape[1]] = rows.column
-        column.scatter_(1, last, end)
-        self._rows[key] = _Rows(rows.cache, attention, index, clock, column, length, rows.full)
+        column = columns.narrow(1, 0, width).scatter_(1, last, end)
+        self._rows[key] = _Rows(
+            rows.cache, attention, index, clock, column, length, rows.full, ones, columns
+        )
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
         return out.logits[:, -1, :]
@@ -336,3 +342,18 @@ class HFCausalLM:
         cached = torch.arange(lc).unsqueeze(0) < rows.length.unsqueeze(1)
         keep = ((rows.column < start) & cached).sum(1)
         return start, torch.minimum(keep, matched)
+
+
+def _room(rows: _Rows, width: int, columns: int) -> tuple[Tensor, Tensor]:
+    """``rows``' growing buffers holding at least ``width`` attention columns (all ones past the
+    cached ones) and ``columns`` position columns (zeros past the cached ones), doubled (with
+    the cached entries copied) when too small: a decode step of width N copies nothing of it."""
+    n = rows.attention.shape[0]
+    ones, cols = rows.ones, rows.columns
+    if ones is None or ones.shape[1] < width:
+        ones = rows.attention.new_ones(n, max(2 * width, 64))
+        ones[:, : rows.attention.shape[1]] = rows.attention
+    if cols is None or cols.shape[1] < columns:
+        cols = torch.zeros(n, max(2 * columns, 64), dtype=torch.int64)
+        cols[:, : rows.column.shape[1]] = rows.column
+    return ones, cols

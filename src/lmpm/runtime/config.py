@@ -24,7 +24,8 @@ from typing import Any
 from lmpm.errors import RunDirError, UsageError
 
 DEFAULT_CHECKPOINT_EVERY = (
-    20  # epochs between payload checkpoints; resume replays at most this many
+    20  # epochs between payload checkpoints; resume replays at most this many (more after a
+    # power cut took the newest ones, which are not fsynced without --durable: docs/trace.md)
 )
 TRACE_LEVELS = ("off", "summary", "cells")
 DRIVERS = ("single", "process", "ray")

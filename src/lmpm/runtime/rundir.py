@@ -64,7 +64,7 @@ from lmpm.runtime.runfiles import (
 )
 
 if TYPE_CHECKING:
-    from lmpm.runtime.records import EpochRecord
+    from lmpm.runtime.records import EpochRecord, ValueEpoch
 
 SCHEMA_VERSION = 3  # the log schema this version writes
 OLDEST_SCHEMA = 2  # the oldest it reads and resumes
@@ -746,63 +746,98 @@ def commit_rows(record: EpochRecord) -> list[tuple[Any, ...]]:
     e = record.epoch
     for ve in record.values:
         rows = np.flatnonzero(ve.changed.cpu().numpy())
-        if rows.size == 0:
-            continue
-        win = ve.winner.cpu().numpy()[rows]
-        cells = ve.cells.cpu().numpy()[rows]
-        rule = ve.col_rule.cpu().numpy()[win]
-        clock = ve.new_clock.cpu().numpy()[rows]
-        score = ve.score.cpu().numpy()[rows, win]
-        sums = (
-            np.zeros(rows.size, np.int64)
-            if ve.checksum is None
-            else ve.checksum.cpu().numpy()[rows]
-        )
-        starts, counts, steps = cell_runs(cells, rule)
-        ends = starts + counts
-        run_of = np.repeat(np.arange(starts.size), counts)
-        cmin = np.minimum.reduceat(clock, starts)
-        cmax = np.maximum.reduceat(clock, starts)
-        smin = np.minimum.reduceat(score, starts)
-        smax = np.maximum.reduceat(score, starts)
-        kraw = np.ascontiguousarray(sums, dtype="<i8").tobytes()
-        delta = clock - cmin[run_of]
-        ctag = uint_tag(int(delta.max()) + 1)
-        craw = np.ascontiguousarray(delta, dtype=TAGS[ctag]).tobytes()
-        cw = np.dtype(TAGS[ctag]).itemsize
-        sraw = np.ascontiguousarray(score, dtype="<f8").tobytes()
-        ct = ctag.encode()
-        for s, n, st, c0, c1, s0, s1, end in zip(
-            starts.tolist(),
-            counts.tolist(),
-            steps.tolist(),
-            cmin.tolist(),
-            cmax.tolist(),
-            smin.tolist(),
-            smax.tolist(),
-            ends.tolist(),
-        ):
-            k = kraw[s * 8 : end * 8]
-            out.append(
-                (
-                    e,
-                    ve.value,
-                    int(cells[s]),
-                    int(cells[end - 1]),
-                    st,
-                    n,
-                    int(rule[s]),
-                    c0,
-                    c1,
-                    s0,
-                    s1,
-                    zlib.crc32(k),
-                    b"q" + k,
-                    None if c0 == c1 else ct + craw[s * cw : end * cw],
-                    None if s0 == s1 else b"d" + sraw[s * 8 : end * 8],
-                )
-            )
+        if rows.size == 1:  # one cell (a decode's epoch): its row without the run splitting
+            out.append(_one_commit(e, ve, int(rows[0])))
+        elif rows.size:
+            out.extend(_commit_runs(e, ve, rows))
     return out
+
+
+def _commit_runs(e: int, ve: ValueEpoch, rows: np.ndarray) -> list[tuple[Any, ...]]:
+    """:func:`commit_rows` of the record rows ``rows`` of one value."""
+    out: list[tuple[Any, ...]] = []
+    win = ve.winner.cpu().numpy()[rows]
+    cells = ve.cells.cpu().numpy()[rows]
+    rule = ve.col_rule.cpu().numpy()[win]
+    clock = ve.new_clock.cpu().numpy()[rows]
+    score = ve.score.cpu().numpy()[rows, win]
+    sums = np.zeros(rows.size, np.int64) if ve.checksum is None else ve.checksum.cpu().numpy()[rows]
+    starts, counts, steps = cell_runs(cells, rule)
+    ends = starts + counts
+    run_of = np.repeat(np.arange(starts.size), counts)
+    cmin = np.minimum.reduceat(clock, starts)
+    cmax = np.maximum.reduceat(clock, starts)
+    smin = np.minimum.reduceat(score, starts)
+    smax = np.maximum.reduceat(score, starts)
+    kraw = np.ascontiguousarray(sums, dtype="<i8").tobytes()
+    delta = clock - cmin[run_of]
+    ctag = uint_tag(int(delta.max()) + 1)
+    craw = np.ascontiguousarray(delta, dtype=TAGS[ctag]).tobytes()
+    cw = np.dtype(TAGS[ctag]).itemsize
+    sraw = np.ascontiguousarray(score, dtype="<f8").tobytes()
+    ct = ctag.encode()
+    for s, n, st, c0, c1, s0, s1, end in zip(
+        starts.tolist(),
+        counts.tolist(),
+        steps.tolist(),
+        cmin.tolist(),
+        cmax.tolist(),
+        smin.tolist(),
+        smax.tolist(),
+        ends.tolist(),
+    ):
+        k = kraw[s * 8 : end * 8]
+        out.append(
+            (
+                e,
+                ve.value,
+                int(cells[s]),
+                int(cells[end - 1]),
+                st,
+                n,
+                int(rule[s]),
+                c0,
+                c1,
+                s0,
+                s1,
+                zlib.crc32(k),
+                b"q" + k,
+                None if c0 == c1 else ct + craw[s * cw : end * cw],
+                None if s0 == s1 else b"d" + sraw[s * 8 : end * 8],
+            )
+        )
+    return out
+
+
+def _one_commit(e: int, ve: ValueEpoch, r: int) -> tuple[Any, ...]:
+    """:func:`commit_rows`' row of the one cell (record row ``r``) ``ve`` committed: the same row
+    its general path writes for a run of one cell (checked by the tests against it)."""
+    w = int(ve.winner[r])
+    cell = int(ve.cells[r])
+    clock = int(ve.new_clock[r])
+    score = float(ve.score[r, w])
+    k = np.array([0 if ve.checksum is None else int(ve.checksum[r])], dtype="<i8").tobytes()
+    rule = int(ve.col_rule[w])
+    # (a NaN score is not equal to itself: written as its blob, as the general path does)
+    scores = None if score == score else b"d" + np.array([score], dtype="<f8").tobytes()
+    crc = zlib.crc32(k)
+    return (
+        e,
+        ve.value,
+        cell,
+        cell,
+        1,
+        1,
+        rule,
+        clock,
+        clock,
+        score,
+        score,
+        crc,
+        b"q" + k,
+        None,
+        scores,
+    )
 
 
 # ---- checkpoints ------------------------------------------------------------------------------------
@@ -844,9 +879,12 @@ def safetensors_bytes(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, s
     return len(head).to_bytes(8, "little") + head + b"".join(chunks)
 
 
-def write_checkpoint_file(run_dir: Path, rel: str, data: bytes) -> tuple[str, int, str]:
-    """Write a checkpoint file beside, fsync, rename: (file, bytes, sha256)."""
-    write_file(run_dir, rel, data)  # checkpoints/ a real folder of the run, no link written
+def write_checkpoint_file(
+    run_dir: Path, rel: str, data: bytes, sync: bool = True
+) -> tuple[str, int, str]:
+    """Write a checkpoint file beside, fsync (unless ``sync`` is False), rename: (file, bytes,
+    sha256)."""
+    write_file(run_dir, rel, data, sync=sync)  # checkpoints/ a real folder of the run, no link
     return rel, len(data), hashlib.sha256(data).hexdigest()
 
 

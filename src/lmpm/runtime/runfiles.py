@@ -208,9 +208,12 @@ def _drop_stale(tmp: Path) -> None:
     os.unlink(tmp)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, *, sync: bool = True) -> None:
     """Write beside, fsync, rename, fsync the directory: readers see the old file or the whole new
-    one, never a part. The temporary file ``.NAME.tmp`` is created anew (``O_EXCL | O_NOFOLLOW``:
+    one, never a part. ``sync=False`` leaves out both fsyncs: the same for readers and for a killed
+    process (the page cache holds the file), but a power cut may lose the file or leave it short
+    (for a file whose loss is detected and survived: the periodic checkpoints, docs/trace.md).
+    The temporary file ``.NAME.tmp`` is created anew (``O_EXCL | O_NOFOLLOW``:
     a link left in its place is removed, never written through) and the rename replaces whatever
     ``path`` was, a link included, rather than writing into it. ``path``'s folder is the caller's
     (:func:`write_file` checks it inside a run). An OS failure (disk full, read-only, not a
@@ -224,7 +227,8 @@ def atomic_write(path: Path, data: bytes) -> None:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -235,14 +239,15 @@ def atomic_write(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise os_error(e, "write", path) from None
-    fsync_dir(path.parent)
+    if sync:
+        fsync_dir(path.parent)
 
 
-def write_file(run_dir: Path, rel: str, data: bytes) -> None:
+def write_file(run_dir: Path, rel: str, data: bytes, *, sync: bool = True) -> None:
     """:func:`atomic_write` of ``run_dir/rel``, its folders checked (and made) real directories of
     the run first."""
     parent = folder(run_dir, str(Path(rel).parent), create=True)
-    atomic_write(parent / Path(rel).name, data)
+    atomic_write(parent / Path(rel).name, data, sync=sync)
 
 
 def open_lock(path: Path) -> int:

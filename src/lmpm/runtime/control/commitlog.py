@@ -207,11 +207,14 @@ def state_arrays(engine: Engine) -> dict[str, np.ndarray]:
     return out
 
 
-def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> tuple[str, int, str]:
+def write_checkpoint(
+    run_dir: Path, engine: Engine, label: int, phash: str, sync: bool = True
+) -> tuple[str, int, str]:
     """Checkpoint the state at the start of epoch ``label``: the worker writes its payload shard
     first, then the control plane's file (naming the shard and its sha256) is written beside,
-    fsynced and renamed. Returns the control file's (file, bytes, sha256)."""
-    shards = engine.dataplane.checkpoint_shards(label)
+    fsynced (each file; unless ``sync`` is False) and renamed. Returns the control file's (file,
+    bytes, sha256)."""
+    shards = engine.dataplane.checkpoint_shards(label, sync)
     data = safetensors_bytes(
         state_arrays(engine),
         metadata={
@@ -221,7 +224,7 @@ def write_checkpoint(run_dir: Path, engine: Engine, label: int, phash: str) -> t
             "shards": json.dumps(shards, sort_keys=True),
         },
     )
-    return write_checkpoint_file(run_dir, checkpoint_file(label), data)
+    return write_checkpoint_file(run_dir, checkpoint_file(label), data, sync)
 
 
 # ---- resume ---------------------------------------------------------------------------------------
@@ -699,7 +702,12 @@ class CommitLog:
         label = record.epoch + 1
         ckpt = None
         if label % self.info.checkpoint_every == 0:
-            ckpt = write_checkpoint(self.run_dir, engine, label, self.info.program_hash)
+            # fsynced only with --durable: a killed process loses none of it either way, and a
+            # checkpoint a power cut lost is skipped by resume for an older one (epoch 0's and the
+            # final one are fsynced), which replays the same state (docs/trace.md, Durability)
+            ckpt = write_checkpoint(
+                self.run_dir, engine, label, self.info.program_hash, sync=self.info.durable
+            )
         maskplan = json.dumps(next(reversed(engine.maskplan.adds)), separators=(",", ":"))
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")

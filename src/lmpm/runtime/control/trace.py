@@ -428,10 +428,13 @@ class Tracer:
         if ve.disagreed is not None:  # a quorum that found no agreeing payload decided those
             lost &= ~ve.disagreed.cpu().numpy()
         sub = np.flatnonzero(lost)  # the only cells a constraint can have decided
-        resp = attribute(
-            valid[sub], violated[sub], static.priority, static.levels, fav[sub], winner[sub]
-        )  # (m, K)
-        out.decided += int(np.count_nonzero(resp.any(axis=1)))
+        if sub.size:
+            resp = attribute(
+                valid[sub], violated[sub], static.priority, static.levels, fav[sub], winner[sub]
+            )  # (m, K)
+            out.decided += int(np.count_nonzero(resp.any(axis=1)))
+        else:  # every winner is its cell's favourite (a decode's usual epoch): nothing decided
+            resp = np.zeros((0, len(ids)), dtype=bool)
         if ids:
             self._summary(ve, e, static, _Decisions(valid_t, violated, fav, winner, sub, resp), out)
         if self.level == "cells":

@@ -434,11 +434,12 @@ class DataPlane:
             self.store.close()
             self.store = None
 
-    def checkpoint(self, label: int) -> tuple[str, int, str]:
-        """Write this worker's payload checkpoint for the start of epoch ``label``."""
+    def checkpoint(self, label: int, sync: bool = True) -> tuple[str, int, str]:
+        """Write this worker's payload checkpoint for the start of epoch ``label`` (fsynced
+        unless ``sync`` is False)."""
         assert self.store is not None, "open_store first"
         return self.store.checkpoint(
-            label, {name: t.cpu().numpy() for name, t in self.payload.items()}
+            label, {name: t.cpu().numpy() for name, t in self.payload.items()}, sync
         )
 
     @property
@@ -446,9 +447,9 @@ class DataPlane:
         """The workers whose payload shards a checkpoint of this data plane holds."""
         return (self.worker,)
 
-    def checkpoint_shards(self, label: int) -> dict[str, dict[str, Any]]:
+    def checkpoint_shards(self, label: int, sync: bool = True) -> dict[str, dict[str, Any]]:
         """Per worker, the payload shard written for the start of epoch ``label``."""
-        file, size, sha = self.checkpoint(label)
+        file, size, sha = self.checkpoint(label, sync)
         return {self.worker: {"file": file, "bytes": size, "sha256": sha}}
 
     def restore_shards(

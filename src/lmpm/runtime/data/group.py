@@ -351,9 +351,9 @@ class WorkerGroup:
     def close_store(self) -> None:
         self._each("close_store")
 
-    def checkpoint_shards(self, label: int) -> dict[str, dict[str, Any]]:
+    def checkpoint_shards(self, label: int, sync: bool = True) -> dict[str, dict[str, Any]]:
         shards: dict[str, dict[str, Any]] = {}
-        for got in self._each("checkpoint_shards", label):
+        for got in self._each("checkpoint_shards", label, sync):
             shards.update(got)
         self.checkpointed = (label, shards)
         self.stored = {k: v for k, v in self.stored.items() if k[0] >= label}

@@ -70,6 +70,8 @@ from lmpm.runtime.records import (
     ValueEpoch,
 )
 
+_NOTED = 64  # one-cell records queued before note_broken writes them (see there)
+
 
 class Workers(Protocol):
     """What an owner needs of the workers beside it: candidates, and writing the winners."""
@@ -254,6 +256,7 @@ class Owner:
             for name, st in self.static.items()
             if st.constraints
         }
+        self._noted: list[ValueEpoch] = []  # records note_broken has not written yet
 
     # ---- metadata outside the epoch ---------------------------------------------------------------
     def mark_input(self, value: str, cells: Tensor) -> None:
@@ -286,34 +289,58 @@ class Owner:
         return reasons(self.why, self.state)
 
     def get_broken(self) -> dict[str, Tensor]:
+        """Per proposed value with live constraints: (ncells, K) bool, :attr:`broken` up to date."""
+        self._write_broken()
         return self.broken
 
     def broken_counts(self) -> dict[str, dict[int, int]]:
         """Per value, committed cells that violate a live constraint, by constraint id."""
-        return broken_counts(self.plan, self.broken, self.state)
+        return broken_counts(self.plan, self.get_broken(), self.state)
 
     def note_broken(self, ve: ValueEpoch) -> None:
         """Record which live constraints the payload of each open cell of ``ve`` violates after
         the epoch: the winner's verdicts where it committed, keep-current's where the cell kept
         its payload (a constraint not in the RuleSet, or not speaking about the cell, is violated
-        by nothing)."""
-        broken = self.broken.get(ve.value)
-        n = ve.cells.numel()
-        if broken is None or not n:
+        by nothing). One open cell (causal generation) waits in a queue, written with the next
+        ones in one go (:meth:`_write_broken`) before anything reads :attr:`broken` through
+        :meth:`get_broken`: a handful of operations per ``_NOTED`` epochs instead of per epoch."""
+        if ve.value not in self.broken or not ve.cells.numel():
             return
-        if n == 1:  # one open cell (causal generation): its row, without gathers and scatters
-            changed = bool(ve.changed)
-            row = broken[int(ve.cells)]
-            if changed or bool(ve.was_committed):
-                row.copy_(ve.violated[0, int(ve.winner) if changed else 0])
-            else:
-                row.fill_(False)
-            return
-        violated = ve.violated.cpu()  # (n, C, K)
-        winner = torch.where(ve.changed.cpu(), ve.winner.cpu(), 0)  # (n,)
-        now = violated[torch.arange(winner.numel()), winner]  # (n, K)
-        committed = ve.changed.cpu() | ve.was_committed.cpu()
-        broken.index_put_((ve.cells.cpu(),), now & committed.unsqueeze(1))
+        self._noted.append(ve)
+        if ve.cells.numel() > 1 or len(self._noted) >= _NOTED:
+            self._write_broken()
+
+    def _write_broken(self) -> None:
+        """Write the queued records into :attr:`broken` in epoch order: each run of one value's
+        records with one table shape at once, where a cell opened twice keeps its later verdicts."""
+        noted, self._noted = self._noted, []
+        i = 0
+        while i < len(noted):
+            key = (noted[i].value, noted[i].violated.shape[1:])
+            j = i + 1
+            while j < len(noted) and (noted[j].value, noted[j].violated.shape[1:]) == key:
+                j += 1
+            run = noted[i:j]
+            i = j
+            cells, violated, winner, changed, was = (
+                torch.cat([getattr(ve, f) for ve in run]).cpu()
+                if len(run) > 1
+                else getattr(run[0], f).cpu()
+                for f in ("cells", "violated", "winner", "changed", "was_committed")
+            )
+            m = cells.numel()
+            if len(run) > 1:  # the last row of each cell (index_put_ keeps no order among equals)
+                order = torch.sort(cells, stable=True).indices
+                ranked = cells.index_select(0, order)
+                last = torch.ones(m, dtype=torch.bool)
+                last[:-1] = ranked[1:] != ranked[:-1]
+                rows = order[last]
+                cells, violated, winner, changed, was = (
+                    t.index_select(0, rows) for t in (cells, violated, winner, changed, was)
+                )
+                m = cells.numel()
+            now = violated[torch.arange(m), torch.where(changed, winner, 0)]  # (m, K)
+            self.broken[key[0]].index_put_((cells,), now & (changed | was).unsqueeze(1))
 
     # ---- the epoch ---------------------------------------------------------------------------------
     def open_cells(self, e: int, skip: int, start: int) -> dict[str, Tensor]:
@@ -473,7 +500,8 @@ class Owner:
     ) -> Pending:
         """The agreed value waiting for its apply; why the cells that stay unset do."""
         n = cand.cells.numel()
-        commits = int(ag.changed.count_nonzero())
+        # (one open cell, causal generation: its flag itself, one read instead of a count and one)
+        commits = int(ag.changed) if n == 1 else int(ag.changed.count_nonzero())
         disagreed = self._disagreed(name, cand)
         if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
             unset = (~ag.changed & ~was).nonzero().squeeze(1)

@@ -191,11 +191,14 @@ class PayloadStore:
                 pass  # nothing was committed; the connection is closed next
             self._open = False
 
-    def checkpoint(self, label: int, payloads: dict[str, np.ndarray]) -> tuple[str, int, str]:
-        """Write the payload at the start of epoch ``label``: (file, bytes, sha256)."""
+    def checkpoint(
+        self, label: int, payloads: dict[str, np.ndarray], sync: bool = True
+    ) -> tuple[str, int, str]:
+        """Write the payload at the start of epoch ``label``: (file, bytes, sha256); fsynced
+        unless ``sync`` is False (:func:`~lmpm.runtime.runfiles.atomic_write`)."""
         arrays = {f"{name}.payload": np.ascontiguousarray(a) for name, a in payloads.items()}
         data = safetensors_bytes(arrays, {"epoch": str(label), "worker": self.worker})
-        return write_checkpoint_file(self.run_dir, checkpoint_file(label, self.worker), data)
+        return write_checkpoint_file(self.run_dir, checkpoint_file(label, self.worker), data, sync)
 
     def restore(
         self, label: int, rel: str, sha: str, upto: int, counts: dict[tuple[int, str], int]
