@@ -36,10 +36,7 @@ PUBLIC_ENTRY_POINTS = {
 # Being split in issue 45 (d45: runtime/data): shrink after merging.
 LONG_FUNCTIONS_BEING_SPLIT: set[str] = set()
 LONG_CLASSES_BEING_SPLIT: set[str] = set()
-MANY_PARAMS_BEING_SPLIT = {
-    "runtime/data/compiled.py::value_step.step",  # d45
-    "runtime/data/compiled.py::CompiledEpoch.step",  # d45
-}
+MANY_PARAMS_BEING_SPLIT: set[str] = set()
 PRIVATE_IMPORTS_BEING_SPLIT: set[str] = set()
 # Private attributes read across modules (each needs a public name in the module that owns it).
 PRIVATE_ATTRIBUTES_ELSEWHERE: set[str] = set()

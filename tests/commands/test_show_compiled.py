@@ -59,15 +59,15 @@ def test_text_compiles_with_its_spec_and_graph() -> None:
     assert "traced at 1 open cell (what epoch 0 opens)" in out
     assert "8 proposals per cell" in out
     assert "index_put_ ×8" in out and "aten ops:" in out
-    assert "17 inputs: e, cells, prop, sc, payload" in out and "vtables[Plain]" in out
+    assert "18 inputs: e, cells, prop, sc, fired, payload" in out and "vtables[Plain]" in out
     assert "9 outputs: winner, changed" in out
     written = next(line for line in out.splitlines() if "written in place:" in line)
     for name in ("payload", "committed", "clock", "rule", "epoch", "kept_score", "why"):
         assert name in written
     assert "from_input" not in written  # only an `inputs()` constraint writes it
     # --graph: the traced graph's code, its inputs named
-    assert "arg4_1 = payload" in out and "def forward(" in out
-    assert "torch.ops.aten.index_put_.default(arg4_1" in out
+    assert "arg5_1 = payload" in out and "def forward(" in out
+    assert "torch.ops.aten.index_put_.default(arg5_1" in out
     assert "Traceback" not in proc.stderr
 
 
@@ -93,14 +93,19 @@ def test_sudoku_grid_eager_cand_compiled() -> None:
     assert "def forward(" not in out  # no --graph
 
 
-def test_latent_both_eager() -> None:
+def test_latent_two_rules_compiled_predicate_eager() -> None:
     proc = cli("show", str(EX / "latent.lmpm"), "--compiled")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert "--compile: 0 of 2 values compiled" in out
+    assert "--compile: 1 of 2 values compiled" in out
     assert "Z: eager island: constraint `Bounded` is a bound Python predicate" in out
-    assert "M: eager island: 2 rules propose it (the compiled step takes one)" in out
-    assert "aten ops" not in out
+    # M's two rules: one graph with both rules' columns, each rule's clock reads
+    assert "M: compiled" in out
+    assert "Own (rule 1) proposes it: Copy(own)" in out
+    assert "Around (rule 2) proposes it: BoxMean(around)" in out
+    assert "Z (rule Around): per cell, up to 9 cells, masked" in out
+    assert "not captured: the models Copy and BoxMean" in out
+    assert "2 proposals per cell" in out and "aten ops" in out
 
 
 @pytest.mark.parametrize(
@@ -208,3 +213,20 @@ def test_every_value_is_listed_inputs_too(tmp_path: Path) -> None:
     assert "│ A     │ compiled " in out
     assert "│ S     │ input: no rule proposes it (no decision to compile) │" in out
     assert "│ model │ Uniform │ rule R │ A     │" in out
+
+
+def test_quorum_replicas_compile(tmp_path: Path) -> None:
+    prog = tmp_path / "q.lmpm"
+    prog.write_text(
+        "value Txt : Token[3] shape Seq(4)\n"
+        "rule A:\n  on Txt[t]\n  emit proposal Txt[t] := Uniform(k=2)\n"
+        "commit Txt[*] using quorum(2 of 3, satisfy)\n"
+    )
+    proc = cli("show", str(prog), "--compiled")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "Txt: compiled" in out
+    assert "A (rule 0, 3 replicas) proposes it: Uniform(k=2)" in out
+    assert "quorum(2 of 3, satisfy) (a payload 2 replicas proposed; then satisfy)" in out
+    assert "6 proposals per cell" in out  # 3 replicas of k=2, unrolled
+    assert "11 outputs: winner, changed" in out and "was, lost, checksums," in out

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from lmpm.ir import compile_file, compile_source
-from lmpm.runtime.data.compiled import _flat, value_step
+from lmpm.runtime.data.compiled import flat_step, value_step
 from lmpm.runtime.session import Run, resume
 from lmpm.workers import graphs
 from lmpm.workers.simcuda import SimTensor, simulated_cuda
@@ -29,8 +29,9 @@ from test_compiled import EX, _video, same_runs, step_only
 from test_runtime_dataplane import ENGINE_EXAMPLES, _examples
 from test_runtime_differential import BINDINGS, programs, used
 
-# the examples with a value whose step compiles (latent's values run eagerly: lmpm show --compiled)
-CAPTURED = {"gpt", "text", "text_free", "video", "video_free", "sudoku"}
+# the examples with a value whose step compiles (every one: latent's M has two rules, its Z a
+# bound predicate, an eager island; lmpm show --compiled)
+CAPTURED = {"gpt", "text", "text_free", "video", "video_free", "sudoku", "latent", "latent256"}
 
 
 @pytest.mark.parametrize("name", ENGINE_EXAMPLES)
@@ -153,23 +154,23 @@ def test_the_traced_steps_of_the_examples_make_no_host_round_trip(tmp_path: Path
             assert ce is not None
             calls = _spy(ce)
             run.run(2)
-            for spec, args in calls:
+            for spec, layout, args in calls:
                 before = len(sim.warnings)
                 with torch.inference_mode():
-                    _flat(value_step(spec), _lens(ce, spec))(*[a.clone() for a in args])
+                    flat_step(value_step(spec, layout), _lens(ce, spec))(*[a.clone() for a in args])
                 assert sim.warnings[before:] == [], (name, [w.op for w in sim.warnings[before:]])
                 seen += 1
     assert seen >= len(CAPTURED)
 
 
-def _spy(ce: Any) -> list[tuple[Any, tuple[torch.Tensor, ...]]]:
-    """The (spec, arguments) of every step ``ce`` compiles from now on."""
-    calls: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+def _spy(ce: Any) -> list[tuple[Any, Any, tuple[torch.Tensor, ...]]]:
+    """The (spec, layout, arguments) of every step ``ce`` compiles from now on."""
+    calls: list[tuple[Any, Any, tuple[torch.Tensor, ...]]] = []
     real = ce._compile
 
-    def spy(value: str, spec: Any, args: tuple[torch.Tensor, ...], e: int) -> Any:
-        calls.append((spec, args))
-        return real(value, spec, args, e)
+    def spy(spec: Any, layout: Any, args: tuple[torch.Tensor, ...], e: int) -> Any:
+        calls.append((spec, layout, args))
+        return real(spec, layout, args, e)
 
     ce._compile = spy
     return calls
@@ -177,8 +178,7 @@ def _spy(ce: Any) -> list[tuple[Any, tuple[torch.Tensor, ...]]]:
 
 def _lens(ce: Any, spec: Any) -> tuple[int, ...]:
     vtables, where, index, valid = ce._tables[spec.value]
-    others = sum(s != spec.value for s in spec.clock_sources)
-    return (len(vtables), len(where), len(index), len(valid), others)
+    return (len(vtables), len(where), len(index), len(valid), len(spec.others))
 
 
 @pytest.mark.gpu
@@ -263,13 +263,17 @@ def test_a_ruleset_change_reaches_the_captured_step() -> None:
     assert not sim.errors
 
 
-def test_the_step_head_names_the_steps_first_parameters() -> None:
-    """What the captured step copies in per epoch and puts back after a simulated capture is
-    found by name in STEP_HEAD: it must be the step's own parameter list."""
-    import inspect
-
-    from lmpm.runtime.data.compiled import STEP_HEAD, step_spec
+def test_a_simulated_capture_puts_back_every_input_the_step_writes() -> None:
+    """What a simulated capture puts back (captured.WRITTEN, named by StepInputs field) covers
+    every input the traced step writes in place, and what changes per epoch is copied in."""
+    from lmpm.commands._compiled_view import trace_value, written_inputs
+    from lmpm.runtime.data.captured import PER_EPOCH, WRITTEN
+    from lmpm.runtime.data.compiled import StepInputs
 
     run = Run(compile_file(EX / "text.lmpm"), compile=True)
-    params = list(inspect.signature(value_step(step_spec(run.plan, "Txt"))).parameters)
-    assert tuple(params[: len(STEP_HEAD)]) == STEP_HEAD
+    traced = trace_value(run, "Txt", None)
+    written = set(written_inputs(traced.graph))
+    names = StepInputs._fields
+    assert {names[i] for i in written} >= {"payload", "committed", "clock", "rule", "why"}
+    assert written <= set(WRITTEN)
+    assert {names[i] for i in PER_EPOCH} == {"e", "cells", "prop", "sc", "fired", "active"}

@@ -8,10 +8,9 @@ dispatch, captured steps and device mirror as on a GPU, each step its own (uncom
 so hundreds of programs need no inductor build each; tests/runtime/test_compiled.py compiles the
 examples with inductor on the CPU.
 
-The coverage rule ("every value compiles, except where a bound Python predicate runs; models are
-eager islands") does not hold yet: `hard` constraints, confidence quotas and the average policy
-compile, several rules per value and quorum replicas do not; the xfail(strict) tests below flip
-when they do (issue 45).
+The coverage rule holds: every value compiles (several rules, quorum replicas, every shipped
+policy, `hard` constraints, confidence quotas), except where user Python code decides it (a bound
+predicate, a registered policy); models are eager islands between compiled parts.
 """
 
 from __future__ import annotations
@@ -39,10 +38,6 @@ from compile_cases import (
 )
 from reference import Reference
 from test_runtime_differential import BINDINGS, _state
-
-WIDENED = pytest.mark.xfail(
-    strict=True, reason="issue 45: several rules per value and quorum replicas still run eagerly"
-)
 
 
 @pytest.fixture
@@ -173,9 +168,12 @@ def test_coverage_names_the_eager_islands_of_every_example() -> None:
     assert ("predicate", "NormAtMost", "constraint Bounded", "Z") in {
         (i.kind, i.name, i.where, i.value) for i in latent.islands
     }
-    # the values that compile today keep compiling
+    # every value compiles but those a bound predicate checks (latent's Z, sudoku's Grid)
     compiled = {(p, v.value) for p, (c, _) in cov.items() for v in c.values if v.compiled}
+    eager = {(p, v.value) for p, (c, _) in cov.items() for v in c.values if not v.compiled}
+    assert eager == {("latent.lmpm", "Z"), ("sudoku.lmpm", "Grid")}
     assert compiled >= {
+        ("latent.lmpm", "M"),
         ("text.lmpm", "Txt"),
         ("gpt.lmpm", "Txt"),
         ("text_free.lmpm", "Txt"),
@@ -187,7 +185,6 @@ def test_coverage_names_the_eager_islands_of_every_example() -> None:
     }
 
 
-@WIDENED
 def test_every_example_value_compiles_but_for_bound_predicates() -> None:
     bad = {
         (program, v.value, v.why)
@@ -198,7 +195,6 @@ def test_every_example_value_compiles_but_for_bound_predicates() -> None:
     assert not bad
 
 
-@WIDENED
 def test_every_random_program_value_compiles_but_for_bound_predicates() -> None:
     bad = []
     for src, kw in random_programs(50):

@@ -170,3 +170,25 @@ def test_k_needs_compile() -> None:
     with pytest.raises(UsageError, match="add --compile") as err:
         Run(front, bindings={"Mix": mix}, epochs_per_replay=4)
     assert err.value.code == "U109"
+
+
+def test_quorum_replicas_replay_single_captured_epochs() -> None:
+    """A window runs one model per value: a value with quorum replicas (or several rules) replays
+    single epochs, each value's step still compiled and captured, and says why."""
+    src = PROG + "commit A[*] using quorum(2, satisfy)\n"
+    runs = []
+    for backend in ("cpu", "simcuda"):
+        with simulated_cuda():
+            run = Run(
+                compile_source(src),
+                bindings={"Mix": mix},
+                seed=2,
+                backend=backend,
+                compile=backend != "cpu",
+                epochs_per_replay=4 if backend != "cpu" else 1,
+            )
+            runs += [run, run.run(6)]
+    same_runs(*runs)
+    ce, w = runs[2].engine.compiled, runs[2].engine.windows
+    assert ce.specs.keys() == {"A", "B"} and ce.stats.captures >= 2 and w.stats.windows == 0
+    assert "several rules or quorum replicas propose `A`" in w.summary()

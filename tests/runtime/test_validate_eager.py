@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from lmpm.errors import UsageError
 from lmpm.runtime.data.compiled import CompiledEpoch
@@ -50,14 +49,13 @@ def _corrupt(monkeypatch: pytest.MonkeyPatch, epoch: int, what: str) -> dict[str
     real = CompiledEpoch.step
     hit: dict[str, Any] = {}
 
-    def step(self: CompiledEpoch, value: str, e: int, cells: torch.Tensor, *a: Any) -> Any:
-        out = real(self, value, e, cells, *a)
+    def step(self: CompiledEpoch, value: str, e: int, part: Any, dataplane: Any, meta: Any) -> Any:
+        out = real(self, value, e, part, dataplane, meta)
         changed = out[1]
         if e == epoch and not hit and bool(changed.any()):
             row = int(changed.nonzero()[0, 0])
-            hit.update(value=value, cell=int(cells[row]))
+            hit.update(value=value, cell=int(part.cells[row]))
             if what == "payload":  # the payload the step wrote in place
-                dataplane = a[2]
                 payload = dataplane.payload[value]
                 payload[hit["cell"]] = (payload[hit["cell"]] + 1) % 6
             else:  # the new clocks it returned (on the device, the host state is set from them)

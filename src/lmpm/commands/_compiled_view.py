@@ -14,7 +14,6 @@ replaced by a tracer, and the step stops before anything runs.
 
 from __future__ import annotations
 
-import inspect
 import io
 import textwrap
 from collections import Counter
@@ -99,12 +98,14 @@ def _report(run: Run, graph: bool) -> str:
             out.append("")
             continue
         spec = ce.specs[name]
-        rp = rules[name][0]
         cps = live.get(name, [])
-        out.append(f"{name}: compiled (one graph per bucket of open cells, a power of two)")
-        out.extend(_spec_lines(run, spec, rp, cps))
+        out.append(
+            f"{name}: compiled (one graph per bucket of open cells, a power of two, and per set "
+            "of rules that proposed)"
+        )
+        out.extend(_spec_lines(run, spec, rules[name], cps))
         out.extend(_mask_lines(plan, name))
-        out.extend(_cuda_lines(rp))
+        out.extend(_cuda_lines(rules[name]))
         traced = trace_value(run, name, open0.get(name))
         out.extend(_graph_lines(traced))
         if graph:
@@ -185,7 +186,9 @@ _POLICY_NOTE = {
 }
 
 
-def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan]) -> list[str]:
+def _spec_lines(
+    run: Run, spec: StepSpec, rps: list[RulePlan], cps: list[ConstraintPlan]
+) -> list[str]:
     """What the graph bakes in, in words."""
     from lmpm.ir.printer import call_str
 
@@ -198,12 +201,16 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
     )
     if vp.vocab is not None:
         cell += f" (tokens < {vp.vocab})"
-    lines = [
-        f"  rule         {rp.name} (rule {spec.rule}) proposes it: {call_str(rp.ir.proposal)}",
-        *_read_lines(run, rp),
-        f"  cells        {shape}, {cell}",
-        f"  policy       {vp.policy_text}" + _POLICY_NOTE[spec.policy],
-    ]
+    lines = []
+    for rp in rps:
+        reps = f", {rp.replicas} replicas" if rp.replicas != 1 else ""
+        call = call_str(rp.ir.proposal)
+        lines += [f"  rule         {rp.name} (rule {rp.id}{reps}) proposes it: {call}"]
+        lines += _read_lines(run, rp)
+    note = _POLICY_NOTE[spec.policy]
+    if spec.quorum:
+        note = f" (a payload {spec.quorum} replicas proposed; then {spec.policy}{note})"
+    lines += [f"  cells        {shape}, {cell}", f"  policy       {vp.policy_text}" + note]
     if spec.quota:
         lines.append("  quota        the schedule's: the most confident winners commit")
     if not spec.checks:
@@ -232,6 +239,7 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
         index = ce.tables(spec.value, run.dataplane)[2]
         for j, src in enumerate(spec.clock_sources):
             idx = index[j] if j < len(index) else None
+            by = f" (rule {rps[spec.clock_rule[j]].name})" if len(rps) > 1 else ""
             if spec.clock_uniform[j]:
                 how = "the same cells for every cell"
                 if idx is not None:
@@ -243,17 +251,18 @@ def _spec_lines(run: Run, spec: StepSpec, rp: RulePlan, cps: list[ConstraintPlan
             if spec.clock_masked[j]:
                 how += ", masked where the read is invalid"
             own = " (its own clocks)" if src == spec.value else ""
-            lines.append(f"    {src}{own}: {how}")
+            lines.append(f"    {src}{own}{by}: {how}")
     return lines
 
 
-def _cuda_lines(rp: RulePlan) -> list[str]:
+def _cuda_lines(rps: list[RulePlan]) -> list[str]:
     """What runs captured as a CUDA graph under ``--backend cuda`` (lmpm.runtime.data.captured),
     and what does not, and why."""
-    model = rp.ir.proposal.func
+    names = list(dict.fromkeys(rp.ir.proposal.func for rp in rps))
+    model = f"the model{'s' if len(names) > 1 else ''} {' and '.join(names)}"
     return [
         "  on cuda      captured: the step, one CUDA graph per bucket, replayed each epoch",
-        f"               (records to the host in one copy); not captured: the model {model}",
+        f"               (records to the host in one copy); not captured: {model}",
         "               and the read gathers, run before it (a model may read values on the",
         "               host or make data-dependent shapes)",
     ]
@@ -347,6 +356,8 @@ def _outputs(gm: torch.fx.GraphModule) -> list[str]:
             k = len(res) if isinstance(res, (tuple, list)) else 1
             if k == len(OUTPUTS) + 1:
                 return [*OUTPUTS, OUTPUTS_COUNTS]
+            if k == len(OUTPUTS) + 3:  # a quorum's
+                return [*OUTPUTS, "lost", "checksums", OUTPUTS_COUNTS]
             return [f"out{i}" for i in range(k)]
     return []
 
@@ -395,14 +406,18 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     eng = run.engine
     vp = run.plan.values[value]
     spec = ce.specs[value]
-    rp = run.plan.rules_by_target[value][0]
-    k, _ = _proposals(rp)
+    rps = run.plan.rules_by_target[value]
+    rp = rps[0]
     opened = open_cells is not None and bool(open_cells.numel())
     if open_cells is None or not opened:
         open_cells = torch.zeros(1, dtype=torch.int64)
     n = int(open_cells.numel())
-    prop = torch.zeros((n, k, *vp.cell_shape), dtype=vp.dtype)
-    sc = torch.zeros((n, k), dtype=torch.float64)
+    # every rule replica proposing for every open cell (the layout of a full epoch)
+    layout = tuple((r.id, rep, _proposals(r)[0]) for r in rps for rep in range(r.replicas))
+    width = sum(w for _, _, w in layout)
+    prop = torch.zeros((n, width, *vp.cell_shape), dtype=vp.dtype)
+    sc = torch.zeros((n, width), dtype=torch.float64)
+    part = cmod.Fused(rp, open_cells, layout, prop, sc, None, None)
     active = torch.ones(len(spec.checks), dtype=torch.bool)
     clocks = {s: st.clock for s, st in eng.state.items()}
     got: dict[str, Any] = {}
@@ -417,7 +432,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             gm = make_fx(make(), tracing_mode="fake")(*args)
-        got.update(gm=gm, args=list(args), lens=key[2])  # key: (spec, signature, lens)
+        got.update(gm=gm, args=list(args), lens=key[3])  # key: (spec, layout, signature, lens)
 
         def stop(*_: Any) -> Any:
             raise _Stop
@@ -429,18 +444,8 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     ce.on_compile = None
     try:
         with mock.patch.object(cmod, "compile_graph", tracer), torch.inference_mode():
-            ce.step(
-                value,
-                0,
-                open_cells,
-                prop,
-                sc,
-                run.dataplane,
-                eng.state[value],
-                eng.why[value],
-                active,
-                clocks,
-            )
+            meta = cmod.StepMeta(eng.state[value], eng.why[value], active, clocks)
+            ce.step(value, 0, part, run.dataplane, meta)
     except _Stop:
         pass
     except LmpmError:
@@ -465,26 +470,24 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
     if len(names) != len(args):
         names = [f"arg{i}" for i in range(len(args))]
     written = [names[i] for i in written_inputs(gm)]
-    return Traced(gm, names, written, int(args[1].numel()), n, k, _proposals(rp)[1], opened)
+    return Traced(gm, names, written, int(args[1].numel()), n, width, _proposals(rp)[1], opened)
 
 
 def input_names(spec: StepSpec, run: Run, value: str, lens: tuple[int, ...]) -> list[str]:
     """A name per flat graph input: the step's parameters, then its tables named after the
     constraint or the clock source they belong to."""
-    from lmpm.runtime.data.compiled import value_step
+    from lmpm.runtime.data.compiled import StepInputs, StepTables
 
-    params = list(inspect.signature(value_step(spec)).parameters)
-    head = params[: len(params) - len(lens)]
     cps = run.plan.live_constraints.get(value, [])
     per: dict[str, list[str]] = {
         "vtables": [cps[j].name for j, ck in enumerate(spec.checks) if ck.in_set],
-        "where_tables": [cps[j].name for j, ck in enumerate(spec.checks) if not ck.covers_all],
+        "where": [cps[j].name for j, ck in enumerate(spec.checks) if not ck.covers_all],
         "clock_index": list(spec.clock_sources),
         "clock_valid": [s for s, m in zip(spec.clock_sources, spec.clock_masked) if m],
-        "clock_src": [s for s in spec.clock_sources if s != value],
+        "clock_src": list(spec.others),
     }
-    names = list(head)
-    for list_name, n in zip(params[len(head) :], lens):
+    names = list(StepInputs._fields)
+    for list_name, n in zip(StepTables._fields, lens):
         labels = per.get(list_name, [])
         for i in range(n):
             label = labels[i] if len(labels) == n else str(i)

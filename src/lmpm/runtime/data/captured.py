@@ -38,18 +38,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lmpm.runtime.data.compiled import STEP_HEAD
+from lmpm.runtime.data.compiled import StepInputs
 from lmpm.runtime.protocol import Layout, pack, unpack
 from lmpm.runtime.records import CellState
 from lmpm.workers import graphs
 
-# The step's arguments (lmpm.runtime.data.compiled.STEP_HEAD) that change per epoch: the epoch,
-# the open cells, the proposals, their scores and the RuleSet mask. The others stay.
-PER_EPOCH = tuple(STEP_HEAD.index(n) for n in ("e", "cells", "prop", "sc", "active"))
-ACTIVE = STEP_HEAD.index("active")
+# The step's arguments (lmpm.runtime.data.compiled.StepInputs, by field) that change per epoch:
+# the epoch, the open cells, the proposals, their scores, where their rules fired and the RuleSet
+# mask. The others stay.
+_INDEX = {name: i for i, name in enumerate(StepInputs._fields)}
+PER_EPOCH = tuple(_INDEX[n] for n in ("e", "cells", "prop", "sc", "fired", "active"))
+# inputs the run makes once and never writes (the RuleSet mask, Owner.active_mask; the "every
+# rule fired" mask): copied in only when a new one comes
+CONSTANT = (_INDEX["active"], _INDEX["fired"])
 # The arguments the step writes in place (what a simulated capture must put back).
 _WRITES = ("payload", "dp_committed", "from_input", "committed", "clock", "rule", "epoch")
-WRITTEN = tuple(STEP_HEAD.index(n) for n in (*_WRITES, "kept_score", "why"))
+WRITTEN = tuple(_INDEX[n] for n in (*_WRITES, "kept_score", "why"))
 _FIELDS = ("committed", "clock", "rule", "epoch", "score")
 
 
@@ -105,7 +109,7 @@ class _Step:
 
         written = [self.args[i] for i in WRITTEN]
         (self.packed,), self.replay = graphs.capture(body, warmup=warmup, keep=written)
-        self._active: Tensor | None = None  # the RuleSet mask last copied in
+        self._last: dict[int, Tensor] = {}  # the CONSTANT inputs last copied in
 
     def holds(self, args: Sequence[Tensor]) -> bool:
         """Whether the graph's fixed inputs are still these tensors."""
@@ -117,10 +121,10 @@ class _Step:
             a = args[i]
             if a is self.args[i]:
                 continue
-            if i == ACTIVE:  # the RuleSet's mask: the owner makes a new one when the RuleSet
-                if self._active is a:  # changes and never writes one (Owner.active_mask)
+            if i in CONSTANT:
+                if self._last.get(i) is a:
                     continue
-                self._active = a
+                self._last[i] = a
             self.args[i].copy_(a)
         self.replay()
         return unpack(self.packed.cpu(), self.layout)  # the step's one wait for the device

@@ -12,24 +12,29 @@ the run calls them directly, keyed by the shapes it compiled them for, so no dyn
 guards run per epoch (a plan of work on handles, realized by the worker).
 
 What is baked into a value's graph is static for the run: the cell shape and dtype, the commit
-policy, the constraints' kinds and priorities, the clock reads, the number of candidate columns
-(unrolled: every operation is elementwise over the open cells). What changes per epoch is an
-input: the open cells, the proposals and their scores, the epoch, the RuleSet (a (K,) bool mask),
-a schedule's quota (with the open-cell count before padding: a padded row takes no quota).
-Shapes are bucketed (the open-cell count rounded up to a power of two, padded by repeating the
-first row: identical rows make identical decisions and write identical bytes), so a run compiles
-each value once per bucket, not once per epoch; :attr:`CompileStats.compiles` counts them, and
+policy (a quorum's k), the constraints' kinds and priorities, the clock reads of each of its rules,
+the candidate columns (a :data:`Layout`: which rule replicas proposed, k proposals each, unrolled:
+every operation is elementwise over the open cells). What changes per epoch is an input
+(:class:`StepInputs`): the open cells, the proposals and their scores, where each column's rule
+fired (a rule's trigger may skip open cells), the epoch, the RuleSet (a (K,) bool mask), a
+schedule's quota (with the open-cell count before padding: a padded row takes no quota). Shapes are
+bucketed (the open-cell count rounded up to a power of two, padded by repeating the first row:
+identical rows make identical decisions and write identical bytes), so a run compiles each value
+once per bucket and layout, not once per epoch; :attr:`CompileStats.compiles` counts them, and
 inductor's on-disk cache (:func:`cache_dir`) serves later runs.
 
-A value runs eagerly (the ordinary propose/agree/apply protocol) when the compiled step cannot
-express it; :func:`eligibility` says why, and ``lmpm show --compiled`` prints it:
+Several rules per value, quorum replicas (the payloads' checksums, :func:`lmpm.runtime.protocol.
+checksum`, traced; a proposal eligible where k replicas of its rule and slot proposed it; the
+cells no payload won as NO_QUORUM, the outvoted replicas as :class:`Outvoted` columns for the
+owner's records), the ``satisfy``, ``winner_takes_all`` and ``average`` policies, ``hard``
+constraints and a schedule's quota (confidence: :func:`lmpm.runtime.data.agree.keep_top`, traced)
+are decided inside the step. A value runs eagerly (the ordinary propose/agree/apply protocol) only
+where user Python code decides it; :func:`eligibility` says why, and ``lmpm show --compiled``
+prints it:
 
-- more than one rule (or quorum replicas) proposes it;
-- its policy is not ``satisfy``, ``winner_takes_all`` or ``average`` (quorum, user policies);
-- a constraint on it is a bound Python predicate (user code).
-
-``hard`` constraints and a schedule's quota (confidence: :func:`lmpm.runtime.data.agree.keep_top`,
-traced) are decided inside the step.
+- a constraint on it is a bound Python predicate;
+- its policy is one the user registered (:func:`lmpm.resolve.policies.register`), alone or inside a
+  quorum.
 
 An epoch also runs eagerly while candidates are being recorded (``--trace cells``), a tap watches
 the candidate tables, or a fault is injected. Compiled and eager runs commit the same payload, the
@@ -62,7 +67,8 @@ from lmpm.resolve import policies
 from lmpm.resolve.plan import Plan
 from lmpm.runtime.data.agree import keep_top
 from lmpm.runtime.data.clocks import clock_reads
-from lmpm.runtime.records import HELD, NO_WINNER
+from lmpm.runtime.protocol import checksum
+from lmpm.runtime.records import HELD, NO_QUORUM, NO_WINNER
 from lmpm.workers import simcuda
 
 # The compiled steps' inductor cache (kept across runs: a warm cache skips code generation).
@@ -89,24 +95,33 @@ class _Check:
 
 @dataclass(frozen=True, slots=True)
 class StepSpec:
-    """What one value's compiled step bakes into its graph."""
+    """What one value's compiled step bakes into its graph (its candidate columns, which rules
+    and replicas proposed this epoch, are a :data:`Layout` beside it)."""
 
     value: str
-    rule: int  # the one rule proposing the value
+    rules: tuple[int, ...]  # the rules proposing the value, in plan order
     cdims: int  # len(cell_shape)
     dtype: torch.dtype
-    policy: str  # satisfy | winner_takes_all | average
+    policy: str  # satisfy | winner_takes_all | average (under a quorum: its inner policy)
+    quorum: int  # the votes a payload needs (`quorum(k, ...)`); 0: no quorum
+    folds: bool  # a proposal equal to the committed payload folds into keep-current
     checks: tuple[_Check, ...]
     priority: tuple[int, ...]  # per constraint
     # blocked reasons: constraint columns from the highest priority down, and their ids
     order: tuple[int, ...]
     ids: tuple[int, ...]
+    clock_rule: tuple[int, ...]  # per clock read: its rule's index in ``rules``
     clock_sources: tuple[str, ...]  # per clock read: the value whose clocks it reads
     clock_uniform: tuple[bool, ...]
     clock_masked: tuple[bool, ...]
+    others: tuple[str, ...]  # the other values whose clocks the reads take (one input each)
     tracks_inputs: bool  # the worker keeps the value's input flags (an `inputs()` constraint)
     quota: bool  # the schedule commits a quota of the cells (confidence)
 
+
+# One epoch's candidate columns after keep-current: per rule replica that proposed, in the
+# order the eager worker lays them out (lmpm.runtime.data.candidates), (rule id, replica, width).
+Layout = tuple[tuple[int, int, int], ...]
 
 _NO_QUOTA = 2**62  # a quota no epoch reaches
 
@@ -118,17 +133,44 @@ _POLICIES = {
 }
 
 
-def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
-    """Why ``value`` runs eagerly under ``--compile`` (None: it compiles)."""
-    rules = plan.rules_by_target.get(value, [])
+def _policy(plan: Plan, value: str) -> tuple[str | None, int, str | None]:
+    """(the policy the step runs, a quorum's votes (0: none), why it cannot (None: it can))."""
     vp = plan.values[value]
-    if len(rules) != 1:
-        return f"{len(rules)} rules propose it (the compiled step takes one)"
-    if rules[0].replicas != 1:
-        return f"{rules[0].replicas} quorum replicas propose it"
-    if vp.policy not in _POLICIES:
-        return f"its policy {vp.policy_text} is not satisfy, winner_takes_all or average"
-    if vp.policy is policies.average and not vp.dtype.is_floating_point:
+    name = _POLICIES.get(vp.policy)
+    if name is not None:
+        return name, 0, None
+    user = user_policy(plan, value)
+    k = policies.quorum_k(vp.policy, vp.policy_args) or 0
+    if user is not None:
+        return None, k, f"its policy `{user}` is user Python code (lmpm.resolve.policies.register)"
+    inner = vp.policy_args[1] if len(vp.policy_args) > 1 else "satisfy"
+    name = _POLICIES.get(policies.POLICIES[str(inner[0] if isinstance(inner, tuple) else inner)])
+    if name is None:  # (a quorum inside a quorum)
+        return None, k, f"its policy {vp.policy_text} nests a quorum in a quorum"
+    return name, k, None
+
+
+def user_policy(plan: Plan, value: str) -> str | None:
+    """The name of the user's own policy (registered Python code) that commits ``value``,
+    directly or inside a quorum; None when LMPM's policies decide it (the step traces them)."""
+    vp = plan.values[value]
+    fn, args = vp.policy, vp.policy_args
+    if fn is policies.quorum:
+        inner = args[1] if len(args) > 1 else "satisfy"
+        fn = policies.POLICIES[str(inner[0] if isinstance(inner, tuple) else inner)]
+    if fn in _POLICIES or fn is policies.quorum:
+        return None
+    return next((n for n, f in policies.POLICIES.items() if f is fn), vp.policy_text)
+
+
+def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
+    """Why ``value`` runs eagerly under ``--compile`` (None: it compiles): user Python code
+    decides it (a bound predicate, a registered policy), or it averages tokens (an error)."""
+    vp = plan.values[value]
+    name, _, why = _policy(plan, value)
+    if why is not None:
+        return why
+    if name == "average" and not vp.dtype.is_floating_point:
         return "average of a value that holds tokens (the eager epoch reports B031)"
     for cp in plan.live_constraints.get(value, []):
         if cp.pred not in (PredKind.IN_SET, PredKind.CHANGE):
@@ -137,18 +179,23 @@ def eligibility(plan: Plan, value: str, *, quota: bool = False) -> str | None:
 
 
 def step_spec(plan: Plan, value: str, *, quota: bool = False) -> StepSpec:
-    (rp,) = plan.rules_by_target[value]
+    rules = plan.rules_by_target[value]
     vp = plan.values[value]
     cps = plan.live_constraints.get(value, [])
     prio = tuple(cp.priority for cp in cps)
     order = tuple(sorted(range(len(cps)), key=lambda j: -prio[j]))  # stable: program order
-    reads = clock_reads(rp)
+    reads = [(r, cr) for r, rp in enumerate(rules) for cr in clock_reads(rp)]
+    sources = tuple(cr.source for _, cr in reads)
+    name, k, _ = _policy(plan, value)
+    assert name is not None
     return StepSpec(
         value,
-        rp.id,
+        tuple(rp.id for rp in rules),
         len(vp.cell_shape),
         vp.dtype,
-        _POLICIES[vp.policy],
+        name,
+        k,
+        not policies.aggregates(vp.policy, vp.policy_args),
         tuple(
             _Check(
                 cp.kind == "forbid",
@@ -162,12 +209,46 @@ def step_spec(plan: Plan, value: str, *, quota: bool = False) -> StepSpec:
         prio,
         order,
         tuple(cps[j].id for j in order),
-        tuple(cr.source for cr in reads),
-        tuple(cr.uniform for cr in reads),
-        tuple(cr.valid is not None for cr in reads),
+        tuple(r for r, _ in reads),
+        sources,
+        tuple(cr.uniform for _, cr in reads),
+        tuple(cr.valid is not None for _, cr in reads),
+        tuple(dict.fromkeys(s for s in sources if s != value)),
         any(cp.needs_inputs_region for cp in cps),
         quota,
     )
+
+
+class StepInputs(NamedTuple):
+    """A compiled step's fixed tensor inputs, in the order of its flat signature (the tables of
+    :class:`StepTables` follow them)."""
+
+    e: Tensor  # () int64
+    cells: Tensor  # (n,) int64, sorted, unique (padding repeats row 0)
+    prop: Tensor  # (n, P, *cell): every proposing rule replica's columns (the Layout)
+    sc: Tensor  # (n, P) float64
+    fired: Tensor  # (n, P) bool: the column's rule fired on the cell
+    payload: Tensor  # the data plane's (N, *cell)
+    dp_committed: Tensor  # the data plane's (N,) bool
+    from_input: Tensor  # the data plane's (N,) bool
+    committed: Tensor  # the owner's (N,) bool
+    clock: Tensor  # (N,) int64
+    rule: Tensor  # (N,) int64
+    epoch: Tensor  # (N,) int64
+    kept_score: Tensor  # (N,) float64
+    why: Tensor  # (N,) int64
+    active: Tensor  # (K,) bool: the constraint is in the RuleSet
+    limit: Tensor  # (2,) int64: the schedule's quota this epoch, the open cells unpadded
+
+
+class StepTables(NamedTuple):
+    """A compiled step's static tables (lists whose lengths its graph is traced for)."""
+
+    vtables: Sequence[Tensor]  # per IN_SET check: (vocab + 2,) violation table
+    where: Sequence[Tensor]  # per check not covering all cells: (N,) bool
+    clock_index: Sequence[Tensor]  # per clock read: (R,) uniform, else (N, K) source index
+    clock_valid: Sequence[Tensor]  # per masked clock read: (N, K) bool
+    clock_src: Sequence[Tensor]  # per value in StepSpec.others: its (M,) clocks
 
 
 class _Cols(NamedTuple):
@@ -178,94 +259,99 @@ class _Cols(NamedTuple):
     valid: list[Tensor]  # per column (n,) bool
     was: Tensor  # (n,) bool: the open cell was committed before the epoch
     kept: Tensor  # (n,) float64: its committed score
+    rule: tuple[int, ...]  # per column its rule id (-1: keep), from the Layout
+    slot: tuple[int, ...]  # per column its proposal slot (-1: keep)
 
 
-def value_step(spec: StepSpec) -> Callable[..., tuple[Tensor, ...]]:
-    """The plain (uncompiled) function of one value's epoch after its model: what
-    :class:`CompiledEpoch` hands to ``torch.compile``. It writes the payload and the metadata in
-    place and returns the epoch's metadata. The stages are the eager owner's (fold, check,
-    agree, apply, clocks, why), unrolled over the candidate columns: every operation is
-    elementwise over the open cells (a compiled loop reduces a row of 2..9 columns poorly)."""
+class _Agreed(NamedTuple):
+    """Stage 4's result inside the step."""
 
-    def step(
-        e: Tensor,  # () int64
-        cells: Tensor,  # (n,) int64, sorted, unique (padding repeats row 0)
-        prop: Tensor,  # (n, k, *cell)
-        sc: Tensor,  # (n, k) float64
-        payload: Tensor,  # the data plane's (N, *cell)
-        dp_committed: Tensor,  # the data plane's (N,) bool
-        from_input: Tensor,  # the data plane's (N,) bool
-        committed: Tensor,  # the owner's (N,) bool
-        clock: Tensor,  # (N,) int64
-        rule: Tensor,  # (N,) int64
-        epoch: Tensor,  # (N,) int64
-        kept_score: Tensor,  # (N,) float64
-        why: Tensor,  # (N,) int64
-        active: Tensor,  # (K,) bool: the constraint is in the RuleSet
-        limit: Tensor,  # (2,) int64: the schedule's quota this epoch, the open cells unpadded
-        vtables: Sequence[Tensor],  # per IN_SET check: (vocab + 2,) violation table
-        where_tables: Sequence[Tensor],  # per check not covering all cells: (N,) bool
-        clock_index: Sequence[Tensor],  # per clock read: (R,) uniform, else (N, K) source index
-        clock_valid: Sequence[Tensor],  # per masked clock read: (N, K) bool
-        clock_src: Sequence[Tensor],  # per clock read of another value: its (M,) clocks
-    ) -> tuple[Tensor, ...]:
-        c = _fold(spec, cells, prop, sc, payload, committed, kept_score)
-        tables = (vtables, where_tables, active, from_input)
-        verdicts, applies = _check(spec, c, cells, tables)
-        winner, changed, new = _agree(spec, c, verdicts, limit)
+    winner: Tensor  # (n,) int64 winning column (0: keep)
+    changed: Tensor  # (n,) bool: the cell commits
+    new: Tensor  # (n, *cell) the payload a committing cell writes
+    rule: Tensor | None  # (n,) the winning column's rule (None: the value has one rule)
+    contributed: list[Tensor | None] | None  # per rule: the cells its clocks count for
+    lost: Tensor | None  # (n,) bool under a quorum: no proposed payload had its k votes
+    sums: Tensor | None  # (n, C) int64 under a quorum: the candidates' payload checksums
+
+
+def columns_of(layout: Layout) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Per candidate column (column 0: keep, -1) its rule id, replica and proposal slot."""
+    rule, rep, slot = [-1], [-1], [-1]
+    for rid, replica, width in layout:
+        rule += [rid] * width
+        rep += [replica] * width
+        slot += list(range(width))
+    return tuple(rule), tuple(rep), tuple(slot)
+
+
+def value_step(spec: StepSpec, layout: Layout) -> Callable[..., tuple[Tensor, ...]]:
+    """The plain (uncompiled) function of one value's epoch after its models, for the candidate
+    columns of ``layout``: what :class:`CompiledEpoch` hands to ``torch.compile``. It writes the
+    payload and the metadata in place and returns the epoch's records. The stages are the eager
+    owner's (fold, check, agree, apply, clocks, why), unrolled over the candidate columns: every
+    operation is elementwise over the open cells (a compiled loop reduces a row of 2..9 columns
+    poorly)."""
+    rule, _, slot = columns_of(layout)
+
+    def step(x: StepInputs, t: StepTables) -> tuple[Tensor, ...]:
+        c = _fold(spec, x, rule, slot)
+        verdicts, applies = _check(spec, c, x, t)
+        ag = _agree(spec, c, verdicts, x.limit)
         # apply: a cell that keeps writes back its own payload (column 0)
-        hit = changed.reshape(-1, *([1] * spec.cdims))
-        payload.index_put_((cells,), torch.where(hit, new, c.cols[0]))
-        now = c.was | changed
-        committed.index_put_((cells,), now)
-        dp_committed.index_put_((cells,), now)
+        hit = ag.changed.reshape(-1, *([1] * spec.cdims))
+        cells = x.cells
+        x.payload.index_put_((cells,), torch.where(hit, ag.new, c.cols[0]))
+        now = c.was | ag.changed
+        x.committed.index_put_((cells,), now)
+        x.dp_committed.index_put_((cells,), now)
         if spec.tracks_inputs:
-            from_input.index_put_((cells,), from_input.index_select(0, cells) & ~changed)
-        reads = (clock_index, clock_valid, clock_src)
-        own = clock.index_select(0, cells)
-        new_clock = torch.where(changed, _clock_top(spec, cells, clock, reads) + 1, own)
-        meta = (clock, rule, epoch, kept_score)
-        _write_meta(spec, cells, meta, (changed, new_clock, e, _pick(c.score, winner, 0)))
-        stays = ~changed & ~c.was
+            x.from_input.index_put_((cells,), x.from_input.index_select(0, cells) & ~ag.changed)
+        own = x.clock.index_select(0, cells)
+        top = _clock_top(spec, x, t, ag.contributed)
+        new_clock = torch.where(ag.changed, top + 1, own)
+        _write_meta(spec, x, ag, (new_clock, _pick(c.score, ag.winner, 0)))
         code = _why(spec, c, verdicts)
+        if ag.lost is not None:  # no proposal had its k votes: the disagreement, not a constraint
+            code = torch.where(ag.lost, NO_QUORUM, code)
         if spec.quota:  # winners the quota held back: not "no candidate"
-            code = torch.where(winner != 0, HELD, code)
-        code = torch.where(stays, code, why.index_select(0, cells))
-        why.index_put_((cells,), code)
+            code = torch.where(ag.winner != 0, HELD, code)
+        code = torch.where(~ag.changed & ~c.was, code, x.why.index_select(0, cells))
+        x.why.index_put_((cells,), code)
+        quorum = () if ag.lost is None or ag.sums is None else (ag.lost, ag.sums)
         return (
-            winner,
-            changed,
-            *_records(spec, c, verdicts, applies, changed),
+            ag.winner,
+            ag.changed,
+            *_records(c, verdicts, applies, ag.changed),
             new_clock,
             c.was,
-            _counts(c, verdicts, changed, e),
+            *quorum,
+            _counts(c, verdicts, ag.changed, x.e),
         )
 
     return step
 
 
-def _fold(
-    spec: StepSpec,
-    cells: Tensor,
-    prop: Tensor,
-    sc: Tensor,
-    payload: Tensor,
-    committed: Tensor,
-    kept_score: Tensor,
-) -> _Cols:
+def _fold(spec: StepSpec, x: StepInputs, rule: tuple[int, ...], slot: tuple[int, ...]) -> _Cols:
     """Stage 2, fold candidates: the open cells' current payload as column 0, the proposals as
-    columns 1..k; a proposal equal to the committed payload is keep-current, freshly scored."""
-    current = payload.index_select(0, cells)  # (n, *cell)
-    was = committed.index_select(0, cells)
-    kept = kept_score.index_select(0, cells)
-    cols = [current] + [prop[:, j].to(spec.dtype) for j in range(prop.shape[1])]
-    scs = [sc[:, j] for j in range(prop.shape[1])]
-    same = [_equal(col, current, spec.cdims) & was for col in cols[1:]]
+    columns 1..P (valid where their rule fired); a proposal equal to the committed payload is
+    keep-current, freshly scored (not under an aggregating policy, where it counts as any)."""
+    cells = x.cells
+    current = x.payload.index_select(0, cells)  # (n, *cell)
+    was = x.committed.index_select(0, cells)
+    kept = x.kept_score.index_select(0, cells)
+    width = x.prop.shape[1]
+    cols = [current] + [x.prop[:, j].to(spec.dtype) for j in range(width)]
+    scs = [x.sc[:, j] for j in range(width)]
+    fired = [x.fired[:, j] for j in range(width)]
+    if not spec.folds:
+        return _Cols(cols, [kept, *scs], [torch.ones_like(was), *fired], was, kept, rule, slot)
+    same = [_equal(col, current, spec.cdims) & was & f for col, f in zip(cols[1:], fired)]
     refreshed = _any(same)
-    best_same = _max([torch.where(m, x, -torch.inf) for m, x in zip(same, scs)])
+    best_same = _max([torch.where(m, s, -torch.inf) for m, s in zip(same, scs)])
     score = [torch.where(refreshed, best_same, kept), *scs]
-    valid = [torch.ones_like(was)] + [~m for m in same]
-    return _Cols(cols, score, valid, was, kept)
+    valid = [torch.ones_like(was)] + [f & ~m for f, m in zip(fired, same)]
+    return _Cols(cols, score, valid, was, kept, rule, slot)
 
 
 def _equal(x: Tensor, y: Tensor, cdims: int) -> Tensor:
@@ -274,54 +360,60 @@ def _equal(x: Tensor, y: Tensor, cdims: int) -> Tensor:
 
 
 def _check(
-    spec: StepSpec, c: _Cols, cells: Tensor, tables: tuple[Any, ...]
+    spec: StepSpec, c: _Cols, x: StepInputs, t: StepTables
 ) -> tuple[list[list[Tensor]], list[Tensor]]:
     """Stage 3, check: per constraint, per column (n,) verdicts, masked by the cells the
-    constraint speaks about and the RuleSet; and per constraint the (n,) cells it applies to."""
-    vtables, where_tables, active, from_input = tables
+    constraint speaks about, the RuleSet and the candidates that exist; and per constraint the
+    (n,) cells it applies to."""
+    cells = x.cells
     n = cells.shape[0]
     was = c.was
     verdicts: list[list[Tensor]] = []  # [constraint][column]
     applies: list[Tensor] = []
-    vt = iter(vtables)
-    wt = iter(where_tables)
+    vt = iter(t.vtables)
+    wt = iter(t.where)
     for j, ck in enumerate(spec.checks):
         if ck.in_set:
             vtab = next(vt)
             hi = vtab.numel() - 2
             viol = [
-                vtab.take((x if x.dtype == torch.int64 else x.long()).clamp(-1, hi)) for x in c.cols
+                vtab.take((v if v.dtype == torch.int64 else v.long()).clamp(-1, hi)) for v in c.cols
             ]
         else:
             current = c.cols[0]
             holds = [torch.zeros_like(was)]
-            holds += [~_equal(x, current, spec.cdims) & was for x in c.cols[1:]]
+            holds += [~_equal(v, current, spec.cdims) & was for v in c.cols[1:]]
             viol = holds if ck.forbid else [~h for h in holds]
         # keep-current of an unset cell satisfies every forbid, violates every require
         viol[0] = viol[0] & was if ck.forbid else viol[0] | ~was
-        on = active[j].expand(n)
+        on = x.active[j].expand(n)
         if not ck.covers_all:
             on = on & next(wt).index_select(0, cells)
             if ck.needs_inputs:
-                on = on & from_input.index_select(0, cells)
+                on = on & x.from_input.index_select(0, cells)
         verdicts.append([v & ok & on for v, ok in zip(viol, c.valid)])
         applies.append(on)
     return verdicts, applies
 
 
-def _agree(
-    spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]], limit: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
+def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]], limit: Tensor) -> _Agreed:
     """Stage 4, agree (:func:`lmpm.runtime.data.agree.agree`, unrolled): a proposal violating a
-    `hard` constraint is not eligible; then the policy's (n,) winning column (0: keep), (n,)
-    which cells commit (a quota keeps the most confident: :func:`_quota`) and the (n, *cell)
-    payload a committing cell writes (the winner's; average: the mean of the proposals)."""
+    `hard` constraint is not eligible; under a quorum only a payload k replicas proposed
+    (:func:`_votes`); then the policy's (n,) winning column (0: keep), (n,) which cells commit
+    (a quota keeps the most confident: :func:`_quota`) and the (n, *cell) payload a committing
+    cell writes (the winner's; average: the mean of the proposals)."""
     valid = c.valid
     hard = [v for v, ck in zip(verdicts, spec.checks) if ck.hard]
     if hard:
         valid = [valid[0]] + [
             ok & ~_any([v[col] for v in hard]) for col, ok in enumerate(valid) if col
         ]
+    lost = sums = None
+    if spec.quorum:
+        sums = [checksum(col, spec.cdims) for col in c.cols]
+        agreed = _votes(c, sums, c.valid, spec.quorum)
+        lost = _any(c.valid[1:]) & ~_any(agreed[1:])
+        valid = agreed if not hard else _votes(c, sums, valid, spec.quorum)
     if spec.policy == "satisfy":
         winner = _best(c.score, _narrow(verdicts, valid, list(spec.priority)))
     elif spec.policy == "winner_takes_all":
@@ -337,7 +429,46 @@ def _agree(
         changed = _quota(changed, _pick(c.score, winner, 0), limit)
     if spec.policy == "average":  # (after the quota, as the worker's write)
         changed = changed & ~(_equal(new, c.cols[0], spec.cdims) & c.was)
-    return winner, changed, new
+    rule, contributed = _contributions(spec, c, winner, valid)
+    stacked = None if sums is None else torch.stack(sums, dim=1)
+    return _Agreed(winner, changed, new, rule, contributed, lost, stacked)
+
+
+def _votes(c: _Cols, sums: list[Tensor], valid: list[Tensor], k: int) -> list[Tensor]:
+    """:func:`lmpm.resolve.policies.quorum_eligible`, unrolled: per column, valid and proposed
+    (the same payload checksum) by ``k`` or more columns of its rule and slot, one per replica;
+    keep-current always."""
+    out = [valid[0]]
+    for j in range(1, len(valid)):
+        peers = [
+            i for i in range(1, len(valid)) if (c.rule[i], c.slot[i]) == (c.rule[j], c.slot[j])
+        ]
+        votes = _sum([valid[i] & (sums[i] == sums[j]) for i in peers])
+        out.append(valid[j] & (votes >= k))
+    return out
+
+
+def _contributions(
+    spec: StepSpec, c: _Cols, winner: Tensor, eligible: list[Tensor]
+) -> tuple[Tensor | None, list[Tensor | None] | None]:
+    """:func:`lmpm.runtime.data.decide.contributions`: with several rules, (n,) each cell's
+    winning rule and per rule the cells whose commit it contributed to (the winner's rule, or
+    every rule an average weighs; None for a rule that did not propose). One rule: (None, None)."""
+    if len(spec.rules) < 2:
+        return None, None
+    won = torch.full_like(winner, -1)
+    for j in range(1, len(c.rule)):
+        won = torch.where(winner == j, c.rule[j], won)
+    out: list[Tensor | None] = []
+    for rid in spec.rules:
+        cols = [j for j in range(1, len(c.rule)) if c.rule[j] == rid]
+        if not cols:
+            out.append(None)
+        elif spec.policy == "average":
+            out.append(_any([eligible[j] for j in cols]))
+        else:
+            out.append(won == rid)
+    return won, out
 
 
 def _quota(changed: Tensor, won: Tensor, limit: Tensor) -> Tensor:
@@ -366,44 +497,51 @@ def _average(spec: StepSpec, c: _Cols, valid: list[Tensor]) -> tuple[Tensor, Ten
 
 
 def _clock_top(
-    spec: StepSpec, cells: Tensor, clock: Tensor, reads: tuple[Sequence[Tensor], ...]
+    spec: StepSpec, x: StepInputs, t: StepTables, contributed: list[Tensor | None] | None
 ) -> Tensor:
-    """Stage 6, advance clocks: (n,) max(own clock, every clock the rule read); a committing
-    cell's new clock is one more."""
-    clock_index, clock_valid, clock_src = reads
+    """Stage 6, advance clocks (:meth:`lmpm.runtime.data.clocks.Clocks.advance`): (n,) max(own
+    clock, every clock read by a rule that contributed to the cell's commit); a committing
+    cell's new clock is one more. Clocks are never negative: a read that does not count is 0."""
+    cells = x.cells
     n = cells.shape[0]
-    top = clock.index_select(0, cells)
-    ci = iter(clock_valid)
-    cs = iter(clock_src)
+    top = x.clock.index_select(0, cells)
+    ci = iter(t.clock_valid)
+    srcs = dict(zip(spec.others, t.clock_src))
     for j, uniform in enumerate(spec.clock_uniform):
         own_read = spec.clock_sources[j] == spec.value
-        src = clock if own_read else next(cs)  # a value's own clocks: no aliased input
+        src = x.clock if own_read else srcs[spec.clock_sources[j]]  # own: no aliased input
+        valid = next(ci) if spec.clock_masked[j] else None
+        sel = None if contributed is None else contributed[spec.clock_rule[j]]
+        if contributed is not None and sel is None:
+            continue  # its rule proposed nothing this epoch
         if uniform:
-            got = src.index_select(0, clock_index[j]).amax().expand(n)
+            got = src.index_select(0, t.clock_index[j]).amax().expand(n)
         else:
-            g = src.take(clock_index[j].index_select(0, cells).long())
-            if spec.clock_masked[j]:
-                g = g * next(ci).index_select(0, cells)
+            g = src.take(t.clock_index[j].index_select(0, cells).long())
+            if valid is not None:
+                g = g * valid.index_select(0, cells)
             # a few reads unrolled (a compiled loop reduces a short row poorly); a causal
             # context's dozens of reads as one reduction (an unrolled graph would grow with N)
             width = g.shape[1]
             got = _max([g[:, i] for i in range(width)]) if width <= 8 else g.amax(dim=1)
+        if sel is not None:
+            got = torch.where(sel, got, 0)
         top = torch.maximum(top, got)
     return top
 
 
-def _write_meta(
-    spec: StepSpec, cells: Tensor, meta: tuple[Tensor, ...], new: tuple[Tensor, ...]
-) -> None:
+def _write_meta(spec: StepSpec, x: StepInputs, ag: _Agreed, new: tuple[Tensor, Tensor]) -> None:
     """Stage 7, write metadata (:func:`lmpm.runtime.data.decide.write_meta`, as a graph over the
-    open cells): clock, provenance, epoch and score of the committing ones."""
-    clock, rule, epoch, kept_score = meta
-    changed, new_clock, e, won = new
-    clock.index_put_((cells,), new_clock)
-    rule.index_put_((cells,), torch.where(changed, spec.rule, rule.index_select(0, cells)))
-    epoch.index_put_((cells,), torch.where(changed, e, epoch.index_select(0, cells)))
-    kept = kept_score.index_select(0, cells)
-    kept_score.index_put_((cells,), torch.where(changed, won, kept))
+    open cells): clock, provenance (the winning column's rule), epoch and score of the
+    committing ones."""
+    cells, changed = x.cells, ag.changed
+    new_clock, won = new
+    x.clock.index_put_((cells,), new_clock)
+    rule = spec.rules[0] if ag.rule is None else ag.rule
+    x.rule.index_put_((cells,), torch.where(changed, rule, x.rule.index_select(0, cells)))
+    x.epoch.index_put_((cells,), torch.where(changed, x.e, x.epoch.index_select(0, cells)))
+    kept = x.kept_score.index_select(0, cells)
+    x.kept_score.index_put_((cells,), torch.where(changed, won, kept))
 
 
 def _why(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> Tensor:
@@ -424,7 +562,7 @@ def _why(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> Tensor:
 
 
 def _records(
-    spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]], applies: list[Tensor], changed: Tensor
+    c: _Cols, verdicts: list[list[Tensor]], applies: list[Tensor], changed: Tensor
 ) -> tuple[Tensor, ...]:
     """The epoch's record tensors: score (n, C), valid (n, C), violated (n, C, K), applies (n, K)."""
     n = changed.shape[0]
@@ -479,7 +617,13 @@ def _pick(cols: Sequence[Tensor], winner: Tensor, cdims: int) -> Tensor:
 
 def _best(score: Sequence[Tensor], eligible: Sequence[Tensor]) -> Tensor:
     """The eligible column with the highest score, ties to the lowest column
-    (:func:`lmpm.resolve.policies.best_by_score`, unrolled); 0 when none is eligible."""
+    (:func:`lmpm.resolve.policies.best_by_score`, unrolled); 0 when none is eligible.
+
+    Not the policy's function traced: it takes an argmax over a stacked (n, C) table, which the
+    step avoids on purpose (a compiled loop reduces a row of 2..9 columns poorly: the reason the
+    step is unrolled), and :func:`~lmpm.resolve.policies.lexicographic` reads the
+    priorities with ``tolist()`` (a host read that fake-tensor tracing refuses); both are held
+    equal to these by ``LMPM_VALIDATE=eager`` and the differential tests."""
     s = [torch.where(ok, x, -torch.inf) for ok, x in zip(eligible, score)]
     top = _max(s)
     winner = torch.zeros(score[0].shape, dtype=torch.int64, device=score[0].device)
@@ -563,30 +707,13 @@ class CompileStats:
         }
 
 
-# Flat argument lists: the step's fixed tensor arguments (its first parameters, by name), then
-# its table lists (of the lengths its compile is given).
-STEP_HEAD = (
-    "e",
-    "cells",
-    "prop",
-    "sc",
-    "payload",
-    "dp_committed",
-    "from_input",
-    "committed",
-    "clock",
-    "rule",
-    "epoch",
-    "kept_score",
-    "why",
-    "active",
-    "limit",
-)
-_HEAD = len(STEP_HEAD)
+# The step's fixed inputs come first in its flat signature (by field), then its table lists.
+_HEAD = len(StepInputs._fields)
 
 
-def _flat(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Callable[..., Any]:
-    """``step`` over one flat tuple of tensors (what a traced graph takes)."""
+def flat_step(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Callable[..., Any]:
+    """``step`` over one flat tuple of tensors (what a traced graph takes): a
+    :class:`StepInputs`, then the :class:`StepTables` lists of lengths ``lens``."""
 
     def flat(*ts: Tensor) -> tuple[Tensor, ...]:
         rest = list(ts[_HEAD:])
@@ -594,7 +721,7 @@ def _flat(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Cal
         for n in lens:
             lists.append(rest[:n])
             rest = rest[n:]
-        return step(*ts[:_HEAD], *lists)
+        return step(StepInputs(*ts[:_HEAD]), StepTables(*lists))
 
     return flat
 
@@ -639,12 +766,12 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
 
 
 def compile_step(
-    spec: StepSpec, args: Sequence[Tensor], lens: tuple[int, ...]
+    spec: StepSpec, layout: Layout, args: Sequence[Tensor], lens: tuple[int, ...]
 ) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
-    """Trace ``spec``'s step on the shapes of ``args`` into one aten graph and compile it with
-    inductor (:func:`compile_graph`)."""
-    key = (spec, signature(args), lens)
-    return compile_graph(key, lambda: _flat(value_step(spec), lens), args)
+    """Trace ``spec``'s step for the columns of ``layout`` on the shapes of ``args`` into one
+    aten graph and compile it with inductor (:func:`compile_graph`)."""
+    key = (spec, layout, signature(args), lens)
+    return compile_graph(key, lambda: flat_step(value_step(spec, layout), lens), args)
 
 
 _SIMULATED: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -712,8 +839,71 @@ def compile_graph(
     return fn, gm, "cached" if cached else "built"
 
 
+class Fused(NamedTuple):
+    """One compiled value's proposals in an epoch: every proposing rule replica's columns side by
+    side, as the eager worker lays them out (:meth:`lmpm.runtime.data.candidates.Staging.build`).
+    Indexed like a :class:`~lmpm.runtime.data.calls.Proposal`: ``[0]`` a rule, ``[1]`` the cells."""
+
+    rule: Any  # the first part's RulePlan
+    cells: Tensor  # (n,) open cells some part proposed for (sorted)
+    layout: Layout
+    proposals: Tensor  # (n, P, *cell)
+    scores: Tensor  # (n, P) float64
+    fired: Tensor | None  # (n, P) bool: the column's part proposed for the cell (None: all did)
+    host_cells: Tensor | None  # ``cells`` on the host when the parts' cells differ (else None)
+
+
+def fuse(parts: Sequence[Any], dtype: torch.dtype) -> Fused:
+    """Lay out a value's parts (each rule replica's :class:`~lmpm.runtime.data.calls.Proposal`)
+    as one block of candidate columns; where a part's rule did not fire on a cell its columns are
+    not valid (zero payload, -inf score)."""
+    first = parts[0]
+    layout = tuple((p.rule.id, p.replica, p.proposals.shape[1]) for p in parts)
+    if len(parts) == 1:
+        return Fused(first.rule, first.cells, layout, first.proposals, first.scores, None, None)
+    if all(p.cells is first.cells or torch.equal(p.cells, first.cells) for p in parts[1:]):
+        prop = torch.cat([p.proposals.to(dtype) for p in parts], 1)
+        sc = torch.cat([p.scores for p in parts], 1)
+        return Fused(first.rule, first.cells, layout, prop, sc, None, None)
+    cells = torch.unique(torch.cat([p.cells for p in parts]))
+    n, width = cells.numel(), sum(w for _, _, w in layout)
+    dev = cells.device
+    prop = torch.zeros((n, width, *first.proposals.shape[2:]), dtype=dtype, device=dev)
+    sc = torch.full((n, width), -torch.inf, dtype=torch.float64, device=dev)
+    fired = torch.zeros((n, width), dtype=torch.bool, device=dev)
+    c = 0
+    for p, (_, _, w) in zip(parts, layout):
+        rows = torch.searchsorted(cells, p.cells)
+        prop[rows, c : c + w] = p.proposals.to(dtype)
+        sc[rows, c : c + w] = p.scores
+        fired[rows, c : c + w] = True
+        c += w
+    return Fused(first.rule, cells, layout, prop, sc, fired, cells.cpu())
+
+
+class Outvoted(NamedTuple):
+    """A quorum value's candidate columns after its step, as
+    :func:`lmpm.runtime.data.owner.dissent` reads them (the replicas a commit outvoted)."""
+
+    checksum: Tensor  # (n, C) int64 payload checksums
+    col_rule: Tensor  # (C,) rule id per column (-1: keep)
+    col_replica: Tensor  # (C,) replica per column
+    col_slot: Tensor  # (C,) proposal slot per column
+
+
+class StepMeta(NamedTuple):
+    """The owner's side of one value's step: its metadata (or the device's mirror of it)."""
+
+    state: Any  # the value's CellState: committed, clock, rule, epoch, score (N,)
+    why: Tensor  # (N,) int64 why-codes
+    active: Tensor  # (K,) bool: its constraints in the RuleSet
+    clocks: dict[str, Tensor]  # the clocks of the other values its rules read
+    quota: int | None = None  # the schedule's quota (Owner.quota), when it has one
+
+
 class CompiledEpoch:
-    """The compiled steps of a run's values (built lazily, one graph per value and bucket)."""
+    """The compiled steps of a run's values (built lazily, one graph per value, bucket and
+    column layout)."""
 
     def __init__(self, plan: Plan, device: torch.device, *, quota: bool = False) -> None:
         self.plan = plan
@@ -727,12 +917,12 @@ class CompiledEpoch:
             for name, why in self.reasons.items()
             if why is None
         }
-        self._rules = {name: plan.rules_by_target[name][0] for name in self.specs}
         self._tables: dict[str, tuple[list[Tensor], ...]] = {}
-        # (value, open-cell bucket, proposals per cell, their dtype) -> compiled step; the value's
-        # other inputs keep their shapes and dtypes for the whole run
-        self._fns: dict[tuple[str, int, int, torch.dtype], Callable[..., Any]] = {}
-        self._cols: dict[tuple[int, int], Tensor] = {}
+        # (value, open-cell bucket, column layout, the proposals' dtype) -> compiled step; the
+        # value's other inputs keep their shapes and dtypes for the whole run
+        self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        self._cols: dict[Layout, Tensor] = {}
+        self._ones: dict[tuple[int, int], Tensor] = {}
         self._e = torch.zeros((), dtype=torch.int64, device=device)
         # the steps' (2,) quota input: the schedule's quota, the open cells before padding
         self._limit = torch.zeros(2, dtype=torch.int64, device=device)
@@ -773,13 +963,14 @@ class CompiledEpoch:
             self.tables(value, dataplane)
 
     def tables(self, value: str, dataplane: Any) -> tuple[list[Tensor], ...]:
-        """The static tables a value's step reads (device copies, made once)."""
+        """The static tables a value's step reads (device copies, made once): its constraints'
+        and every proposing rule's clock reads (in :attr:`StepSpec.clock_rule` order)."""
         hit = self._tables.get(value)
         if hit is None:
             tabs = dataplane.tables[value]
             vtables = [t for t in tabs.tables if t is not None]
             where = [c for c, whole in zip(tabs.cells, tabs.covers_all) if not whole]
-            reads = clock_reads(self._rules[value])
+            reads = [cr for rp in self.plan.rules_by_target[value] for cr in clock_reads(rp)]
             index = [
                 dataplane.dev(cr.index) if cr.uniform else _int32(dataplane.dev(cr.index))
                 for cr in reads
@@ -788,78 +979,36 @@ class CompiledEpoch:
             hit = self._tables[value] = (vtables, where, index, valid)
         return hit
 
-    def columns(self, rule: int, k: int) -> Tensor:
-        """(C,) rule id per column for one rule proposing ``k`` candidates per cell."""
-        hit = self._cols.get((rule, k))
+    def columns(self, layout: Layout) -> Tensor:
+        """(C,) rule id per candidate column of ``layout`` (-1: keep)."""
+        hit = self._cols.get(layout)
         if hit is None:
-            hit = self._cols[(rule, k)] = torch.tensor([-1] + [rule] * k)
+            hit = self._cols[layout] = torch.tensor(columns_of(layout)[0])
         return hit
 
+    def replicas(self, layout: Layout) -> tuple[Tensor, Tensor]:
+        """(C,) replica and proposal slot per candidate column of ``layout`` (-1: keep)."""
+        _, rep, slot = columns_of(layout)
+        return torch.tensor(rep), torch.tensor(slot)
+
     def step(
-        self,
-        value: str,
-        e: int | Tensor,
-        cells: Tensor,
-        prop: Tensor,
-        sc: Tensor,
-        dataplane: Any,
-        state: Any,
-        why: Tensor,
-        active: Tensor,
-        clocks: dict[str, Tensor],
-        quota: int | None = None,
+        self, value: str, e: int | Tensor, part: Fused, dataplane: Any, meta: StepMeta
     ) -> tuple[Tensor, ...]:
-        """Run ``value``'s compiled step on one epoch's proposals; returns (winner, changed, score,
-        valid, violated, applies, new_clock, was) for the ``n`` open cells and (2,) int64: how
-        many commit, how many (cell, candidate) pairs violate a constraint. ``e`` a 0-d device
-        tensor: the step runs inside a window's capture (lmpm.runtime.data.kepochs), directly.
-        ``quota``: the schedule's (:meth:`lmpm.runtime.data.owner.Owner.quota`), when it has one."""
-        n = cells.numel()
-        b = bucket(n)
-        if b != n:  # pad by repeating row 0: identical rows decide and write identically
-            pad = b - n
-            cells = torch.cat((cells, cells[:1].expand(pad)))
-            prop = torch.cat((prop, prop[:1].expand(pad, *prop.shape[1:])))
-            sc = torch.cat((sc, sc[:1].expand(pad, *sc.shape[1:])))
+        """Run ``value``'s compiled step on one epoch's proposals; returns (winner, changed,
+        score, valid, violated, applies, new_clock, was) for the ``n`` open cells, under a
+        quorum (lost, checksums (n, C)), and (2,) int64: how many commit, how many (cell,
+        candidate) pairs violate a constraint. ``e`` a 0-d device tensor: the step runs inside a
+        window's capture (lmpm.runtime.data.kepochs), directly."""
         spec = self.specs[value]
-        if spec.quota:  # written in place: a captured graph reads it at its address
-            self._limit.copy_(torch.tensor((_NO_QUOTA if quota is None else quota, n)))
+        x, n, b = self._inputs(spec, e, part, dataplane, meta)
         vtables, where, index, valid = self.tables(value, dataplane)
-        if isinstance(e, Tensor):
-            e_t = e
-        else:
-            self._e.fill_(e)
-            e_t = self._e
-        args = (
-            e_t,
-            cells,
-            prop.contiguous(),
-            sc.contiguous(),
-            dataplane.payload[value],
-            dataplane.committed[value],
-            dataplane.from_input[value],
-            state.committed,
-            state.clock,
-            state.rule,
-            state.epoch,
-            state.score,
-            why,
-            active,
-            self._limit,
-            *vtables,
-            *where,
-            *index,
-            *valid,
-            *(clocks[s] for s in spec.clock_sources if s != value),
-        )
-        key = (value, b, prop.shape[1], prop.dtype)  # (the graph reads the proposals' dtype)
+        args = (*x, *vtables, *where, *index, *valid, *(meta.clocks[s] for s in spec.others))
+        key = (value, b, part.layout, x.prop.dtype)  # (the graph reads the proposals' dtype)
         fn = self._fns.get(key)
         if fn is None:
-            fn = self._fns[key] = self._compile(value, spec, args, e if isinstance(e, int) else -1)
+            fn = self._fns[key] = self._compile(spec, part.layout, args, e)
             self.stats.buckets.setdefault(value, set()).add(b)
-        if (
-            self.captured is not None and e_t is self._e
-        ):  # on CUDA: replay the captured graph, records on the host
+        if self.captured is not None and x.e is self._e:  # on CUDA: replay the captured graph
             out = self.captured.run(key, fn, args)
         else:
             out = fn(*args)
@@ -872,31 +1021,75 @@ class CompiledEpoch:
         n_viol = violated.any(dim=2).count_nonzero() if violated.shape[2] else changed.sum() * 0
         return (*out, torch.stack((changed.count_nonzero(), n_viol)))
 
-    def _compile(
-        self, value: str, spec: StepSpec, args: tuple[Tensor, ...], e: int
-    ) -> Callable[..., Any]:
-        vtables, where, index, valid = self._tables[value]
-        lens = (
-            len(vtables),
-            len(where),
-            len(index),
-            len(valid),
-            sum(s != value for s in spec.clock_sources),
+    def _inputs(
+        self, spec: StepSpec, e: int | Tensor, part: Fused, dataplane: Any, meta: StepMeta
+    ) -> tuple[StepInputs, int, int]:
+        """The step's :class:`StepInputs`, padded to the bucket (by repeating row 0: identical
+        rows decide and write identically); with ``n`` and the bucket."""
+        cells, prop, sc, fired = part.cells, part.proposals, part.scores, part.fired
+        n = cells.numel()
+        b = bucket(n)
+        if b != n:
+            pad = b - n
+            cells = torch.cat((cells, cells[:1].expand(pad)))
+            prop = torch.cat((prop, prop[:1].expand(pad, *prop.shape[1:])))
+            sc = torch.cat((sc, sc[:1].expand(pad, *sc.shape[1:])))
+            if fired is not None:
+                fired = torch.cat((fired, fired[:1].expand(pad, *fired.shape[1:])))
+        if fired is None:  # every part proposed for every cell: one constant input
+            key = (b, prop.shape[1])
+            fired = self._ones.get(key)
+            if fired is None:
+                fired = self._ones[key] = torch.ones(key, dtype=torch.bool, device=self.device)
+        if spec.quota:  # written in place: a captured graph reads it at its address
+            self._limit.copy_(torch.tensor((_NO_QUOTA if meta.quota is None else meta.quota, n)))
+        if isinstance(e, Tensor):
+            e_t = e
+        else:
+            self._e.fill_(e)
+            e_t = self._e
+        st = meta.state
+        x = StepInputs(
+            e_t,
+            cells,
+            prop.contiguous(),
+            sc.contiguous(),
+            fired,
+            dataplane.payload[spec.value],
+            dataplane.committed[spec.value],
+            dataplane.from_input[spec.value],
+            st.committed,
+            st.clock,
+            st.rule,
+            st.epoch,
+            st.score,
+            meta.why,
+            meta.active,
+            self._limit,
         )
+        return x, n, b
+
+    def _compile(
+        self, spec: StepSpec, layout: Layout, args: tuple[Tensor, ...], e: int | Tensor
+    ) -> Callable[..., Any]:
+        value = spec.value
+        vtables, where, index, valid = self._tables[value]
+        lens = (len(vtables), len(where), len(index), len(valid), len(spec.others))
         if self.on_compile is not None:
             self.on_compile(value, int(args[1].numel()))
         t0 = time.perf_counter()
         try:
-            sim = simulated((spec, signature(args), lens), lambda: _flat(value_step(spec), lens))
+            key = (spec, layout, signature(args), lens)
+            sim = simulated(key, lambda: flat_step(value_step(spec, layout), lens))
             if sim is not None:
                 fn, how = sim
             else:
-                fn, _, how = compile_step(spec, args, lens)
+                fn, _, how = compile_step(spec, layout, args, lens)
         except Exception as exc:  # tracing and code generation run before anything is written
             raise RuntimeFault(
                 f"--compile could not compile the epoch step of `{value}`: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                where={"value": value, "epoch": e},
+                where={"value": value, "epoch": e if isinstance(e, int) else -1},
                 code="R080",
                 hint="run without --compile (the eager epoch commits the same)",
             ) from exc

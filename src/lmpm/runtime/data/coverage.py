@@ -1,9 +1,10 @@
 """What ``--compile`` covers in a program: per value, compiled or an eager island and why; and the
 eager islands between the compiled parts (the models, bound Python predicates and scores).
 
-The rule the runtime aims at (issue 45): every proposed value's decision compiles, except where
-user Python code must run on the candidates (a bound Python predicate); the models (and their
-scores) run outside the step anyway, between compiled parts. :func:`coverage` reads it from the
+The rule the runtime holds to (issue 45): every proposed value's decision compiles (several rules,
+quorum replicas, every shipped policy, `hard` constraints, quotas), except where user Python code
+must run on the candidates (a bound Python predicate, a policy the user registered); the models
+(and their scores) run outside the step anyway, between compiled parts. :func:`coverage` reads it from the
 plan through :func:`lmpm.runtime.data.compiled.eligibility`, whatever that allows; ``lmpm show
 --compiled`` prints it, ``benchmarks/compile_coverage.py`` counts it over the examples and random
 programs, tests/runtime/test_compile_coverage.py asserts the rule.
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from lmpm.bindings import COMPILE_ATTR
 from lmpm.ir.nodes import PredKind
 from lmpm.resolve.plan import Plan
-from lmpm.runtime.data.compiled import eligibility
+from lmpm.runtime.data.compiled import eligibility, user_policy
 from lmpm.runtime.data.owner import schedule_of
 
 COMPILED = "compiled"
@@ -46,14 +47,14 @@ COMPILED = "compiled"
 class Island:
     """User or model code that runs eagerly, outside the compiled step."""
 
-    kind: str  # model | score | predicate
+    kind: str  # model | score | predicate | policy
     name: str  # the called name, as the program spells it
     where: str  # "rule R" or "constraint C"
     value: str  # the value it proposes or checks
     own_compile: bool  # a model or score compiled by its own ``lmpm_compile`` (still outside)
 
     def text(self) -> str:
-        verb = "checks" if self.kind == "predicate" else "proposes"
+        verb = {"predicate": "checks", "policy": "decides"}.get(self.kind, "proposes")
         own = ", compiled by its own lmpm_compile" if self.own_compile else ""
         return f"{self.kind} {self.name} ({self.where}, {verb} {self.value}{own})"
 
@@ -66,6 +67,8 @@ class ValueCoverage:
     why: str | None  # why its decision runs eagerly (None: it compiles)
     # the bound Python predicates on it that ``why`` names: an eager island the rule allows
     predicates: tuple[str, ...]
+    # the user's own commit policy (registered Python code) deciding it: an eager island too
+    policy: str | None = None
 
     @property
     def compiled(self) -> bool:
@@ -73,8 +76,11 @@ class ValueCoverage:
 
     @property
     def allowed(self) -> bool:
-        """Compiled, or eager only because of a bound Python predicate (the coverage rule)."""
-        return self.why is None or any(f"`{p}`" in self.why for p in self.predicates)
+        """Compiled, or eager only because user Python code decides it: a bound predicate or
+        the user's own policy (the coverage rule)."""
+        if self.why is None or self.policy is not None:
+            return True
+        return any(f"`{p}`" in self.why for p in self.predicates)
 
     def status(self) -> str:
         """``compiled`` or ``eager island: <why>``."""
@@ -99,7 +105,8 @@ class Coverage:
 
     @property
     def holds(self) -> bool:
-        """Every value compiles, or is eager only for a bound Python predicate."""
+        """Every value compiles, or is eager only for user Python code (a bound predicate, a
+        user policy)."""
         return all(v.allowed for v in self.values)
 
     def summary(self) -> str:
@@ -113,7 +120,8 @@ def coverage(plan: Plan, *, seed: int = 0) -> Coverage:
     values = []
     for name in plan.rules_by_target:
         bound = tuple(cp.name for cp in live.get(name, []) if cp.pred == PredKind.USER)
-        values.append(ValueCoverage(name, eligibility(plan, name, quota=quota), bound))
+        why = eligibility(plan, name, quota=quota)
+        values.append(ValueCoverage(name, why, bound, user_policy(plan, name)))
     proposed = set(plan.rules_by_target)
     inputs = tuple(name for name in plan.values if name not in proposed)
     return Coverage(tuple(values), inputs, tuple(_islands(plan)))
@@ -130,6 +138,9 @@ def _islands(plan: Plan) -> list[Island]:
             if rp.score is not None and rp.ir.score is not None:
                 own = hasattr(rp.score, COMPILE_ATTR)
                 out.append(Island("score", rp.ir.score.func, where, name, own))
+        policy = user_policy(plan, name)
+        if policy is not None:
+            out.append(Island("policy", policy, f"commit {name}", name, False))
         for cp in plan.live_constraints.get(name, []):
             if cp.pred == PredKind.USER and cp.ir.call is not None:
                 where = f"constraint {cp.name}"

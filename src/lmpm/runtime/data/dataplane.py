@@ -41,7 +41,14 @@ from lmpm.runtime.data.calls import ModelCalls, Proposal
 from lmpm.runtime.data.candidates import Staging
 from lmpm.runtime.data.captured import CapturedSteps, Mirror
 from lmpm.runtime.data.checks import Checks, ValueTables
-from lmpm.runtime.data.compiled import CompiledEpoch, ReadGathers
+from lmpm.runtime.data.compiled import (
+    CompiledEpoch,
+    Fused,
+    Outvoted,
+    ReadGathers,
+    StepMeta,
+    fuse,
+)
 from lmpm.runtime.data.inputs import ModelInputs
 from lmpm.runtime.data.kepochs import EpochWindows
 from lmpm.runtime.data.owner import Owner, pick
@@ -129,6 +136,8 @@ class DataPlane:
         # owner is the group's)
         self._owner = Owner(plan, self.seed) if decides else None
         self.compiled: CompiledEpoch | None = None  # a fused data plane's steps (compile)
+        # per compiled quorum value: its last step's columns (the replicas it outvoted)
+        self.outvoted: dict[str, Outvoted | None] = {}
         # LMPM_VALIDATE=eager: checks each compiled epoch against the eager decision (set by
         # Run, lmpm.runtime.session; lmpm.runtime.data.validate)
         self.validator: EagerValidator | None = None
@@ -200,10 +209,10 @@ class DataPlane:
 
     def propose_fused(
         self, req: ProposeRequest
-    ) -> tuple[ProposeReply, list[str], dict[str, Proposal]]:
+    ) -> tuple[ProposeReply, list[str], dict[str, Fused]]:
         """Run the models; build the eager values' candidates (the compiled values' come in their
         steps, :meth:`step_fused`). Returns the eager reply, the values in commit order and the
-        compiled values' proposals. An epoch that something watches (``--trace cells``, taps) or
+        compiled values' proposals (every rule replica's columns, :func:`fuse`). An epoch that something watches (``--trace cells``, taps) or
         that corrupts proposals (fault drills) runs eagerly."""
         assert self.compiled is not None
         if not self.compiled.specs or req.record or self.taps or self.corrupt_from is not None:
@@ -215,10 +224,10 @@ class DataPlane:
             self.validator.proposed(per_value, model_seconds)
         self.staging.staged = {}
         values = {}
-        fused: dict[str, Proposal] = {}
+        fused: dict[str, Fused] = {}
         for name, parts in per_value.items():
             if self.compiled.compiles(name):
-                fused[name] = parts[0]
+                fused[name] = fuse(parts, self.plan.values[name].dtype)
             else:
                 values[name] = self.staging.build(
                     name, req.epoch, parts, req.fresh.get(name, False)
@@ -226,12 +235,11 @@ class DataPlane:
         return ProposeReply(self.worker, values, model_seconds), list(per_value), fused
 
     def step_fused(
-        self, owner: Owner, name: str, e: int, part: Proposal, checksums: bool
+        self, owner: Owner, name: str, e: int, part: Fused, checksums: bool
     ) -> tuple[ValueEpoch, int, int]:
         """One compiled value's epoch: its step (payload and metadata written together), its
         commits appended to the store; its record, commits and violations."""
         assert self.compiled is not None
-        _, cells, _, prop, sc = part
         active = owner.active_mask(name, self.device)
         if self._host:  # the step writes the owner's metadata itself
             state, why = owner.state[name], owner.why[name]
@@ -243,9 +251,9 @@ class DataPlane:
             assert got is not None  # (a proposed value has why-codes)
             why = got
             spec = self.compiled.specs[name]
-            clocks = {s: mirror.get(s)[0].clock for s in spec.clock_sources if s != name}
-        quota = owner.quota(name, e)
-        out = self.compiled.step(name, e, cells, prop, sc, self, state, why, active, clocks, quota)
+            clocks = {s: mirror.get(s)[0].clock for s in spec.others}
+        meta = StepMeta(state, why, active, clocks, owner.quota(name, e))
+        out = self.compiled.step(name, e, part, self, meta)
         return self.settle_fused(owner, name, e, part, out, checksums)
 
     def settle_fused(
@@ -253,7 +261,7 @@ class DataPlane:
         owner: Owner,
         name: str,
         e: int,
-        part: Proposal,
+        part: Fused,
         out: Any,
         checksums: bool,
         written: Tensor | None = None,
@@ -264,46 +272,64 @@ class DataPlane:
         after the step, on the host (a replayed window's, whose later epochs moved the payload
         on)."""
         assert self.compiled is not None
-        rp, cells, _, prop, _ = part
-        static = owner.static[name]
-        winner, changed, score, valid, violated, applies, new_clock, was, counts = out
+        rp, cells = part.rule, part.cells
+        winner, changed, score, valid, violated, applies, new_clock, was, *quorum, counts = out
         if name in self.read_clocks.values:
             self.read_clocks.stamp(name, self.payload[name], cells[changed])
         n_commits, n_viol = counts.tolist()
+        col_rule = self.compiled.columns(part.layout)
+        host_cells = (
+            part.host_cells if part.host_cells is not None else self.calls.work_cells[rp.id]
+        )
         ve = ValueEpoch(
             name,
-            cells if self._host else self.calls.work_cells[rp.id],
+            cells if self._host else host_cells,
             valid,
             score,
-            self.compiled.columns(rp.id, prop.shape[1]),
+            col_rule,
             violated,
-            static.constraint_ids,
+            owner.static[name].constraint_ids,
             winner,
             changed,
             new_clock,
             was,
             applies,
+            disagreed=quorum[0] if quorum else None,
+        )
+        self.outvoted[name] = (
+            Outvoted(quorum[1], col_rule, *self.compiled.replicas(part.layout)) if quorum else None
         )
         if not self._host:
-            owner.settle(name, e, rp.id, ve)
+            rules = self.compiled.specs[name].rules
+            owner.settle(name, e, rp.id if len(rules) == 1 else col_rule[winner[changed]], ve)
         if n_commits and (self.store is not None or checksums):
-            if written is not None:
-                rows, new = ve.cells[changed], written[changed]
-            elif self._host:
+            self._store_fused(name, e, ve, written, checksums)
+        return ve, n_commits, n_viol
+
+    def _store_fused(
+        self, name: str, e: int, ve: ValueEpoch, written: Tensor | None, checksums: bool
+    ) -> None:
+        """Append a compiled value's committed rows to the store; their checksums on ``ve``."""
+        changed, cells = ve.changed, ve.cells
+        n_commits = int(changed.count_nonzero())
+        if written is not None:
+            rows, new = ve.cells[changed], written[changed]
+        else:
+            if self._host:
                 rows = cells if n_commits == cells.numel() else cells[changed]
             else:  # the committed rows picked on the host (no device-side mask and its wait)
-                rows = self.resident.here(
-                    ve.cells if n_commits == cells.numel() else ve.cells[changed]
-                )
-            if written is None:
-                new = self.payload[name].index_select(0, rows)
-            if self.store is not None:
-                self.store.append_commits(e, name, rows, new)
-            if checksums:
-                sums = torch.zeros(cells.numel(), dtype=torch.int64)
-                sums[changed] = checksum(new, len(self.plan.values[name].cell_shape)).cpu()
-                ve.checksum = sums
-        return ve, n_commits, n_viol
+                rows = self.resident.here(cells if n_commits == cells.numel() else cells[changed])
+            new = self.payload[name].index_select(0, rows)
+        if self.store is not None:
+            self.store.append_commits(e, name, rows, new)
+        if checksums:
+            sums = torch.zeros(cells.numel(), dtype=torch.int64)
+            sums[changed] = checksum(new, len(self.plan.values[name].cell_shape)).cpu()
+            ve.checksum = sums
+
+    def quorum_columns(self, name: str) -> Outvoted | None:
+        """A compiled quorum value's candidate columns in its last step (None: not a quorum)."""
+        return self.outvoted.get(name)
 
     def sync(self, epoch: int) -> bool:
         """Make the fused steps' commits of ``epoch`` durable (False: this worker keeps no

@@ -15,7 +15,8 @@ single epochs commit, and the records the observers see are the same.
 A window is possible when (:func:`reason` says why not):
 
 - every proposed value compiles (an eager value's model reads the payload of its epoch's start,
-  which the window has already moved on);
+  which the window has already moved on), and one rule proposes it, without quorum replicas (a
+  window runs one model per value: :meth:`lmpm.runtime.data.calls.ModelCalls.on_device`);
 - the schedule's open cells depend on the epoch only (``all``, ``red-black``, ``independent``:
   :meth:`Schedule.phase` is not None); ``raster``, ``random`` and ``confidence`` open cells by the
   committed state, a host decision each epoch;
@@ -50,6 +51,7 @@ from torch import Tensor
 
 from lmpm.errors import UsageError
 from lmpm.runtime.config import check_epochs_per_replay
+from lmpm.runtime.data.compiled import Fused, StepMeta
 from lmpm.runtime.protocol import (
     EpochRequest,
     Layout,
@@ -87,6 +89,12 @@ def reason(dataplane: Any) -> str | None:
     for name, why in compiled.reasons.items():
         if why is not None:
             return f"`{name}` runs eagerly ({why})"
+        rules = plan.rules_by_target[name]
+        if len(rules) > 1 or rules[0].replicas != 1 or compiled.specs[name].quorum:
+            return (
+                f"several rules or quorum replicas propose `{name}` (a window replays one "
+                "model per value)"
+            )
     schedule = dataplane.owner.schedule
     for name in plan.rules_by_target:
         if schedule.phase(name, 0) is None:
@@ -133,6 +141,9 @@ class Replayed:
         self.dataplane.work_cells(part[0].id, part[1])
         return self.dataplane.settle_fused(owner, name, e, part, out, checksums, written)
 
+    def quorum_columns(self, name: str) -> Any:
+        return self.dataplane.quorum_columns(name)
+
     def sync(self, epoch: int) -> bool:
         return bool(self.dataplane.sync(epoch))
 
@@ -146,7 +157,7 @@ class _Graph:
     replay: Any
     packed: Tensor
     layout: Layout
-    parts: list[dict[str, Any]]  # per epoch: value -> (rule, cells, replica, prop, score)
+    parts: list[dict[str, Any]]  # per epoch: value -> its rule's Fused proposals (host cells)
     holds: tuple[Tensor, ...]  # the tensors the graph reads at fixed addresses
 
 
@@ -308,12 +319,13 @@ class EpochWindows:
                 for name, (rp, cells_host, cells, prop, sc) in props.items():
                     st, why = states[name]
                     spec = compiled.specs[name]
-                    clocks = {s: states[s][0].clock for s in spec.clock_sources if s != name}
+                    clocks = {s: states[s][0].clock for s in spec.others}
+                    part = Fused(rp, cells, ((rp.id, 0, prop.shape[1]),), prop, sc, None, None)
                     out = compiled.step(
-                        name, e_t, cells, prop, sc, dp, st, why, actives[name], clocks
+                        name, e_t, part, dp, StepMeta(st, why, actives[name], clocks)
                     )
                     flat += [*out, dp.payload[name].index_select(0, cells)]
-                    got[name] = (rp, cells_host, 0, prop, sc)
+                    got[name] = part._replace(cells=cells_host)
                 parts.append(got)
             compiled.stats.steps = steps  # (counted per replay)
             packed, self._layout = pack(flat)

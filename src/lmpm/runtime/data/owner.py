@@ -98,6 +98,11 @@ class Fused(Protocol):
         """One fused value's epoch: its record, commits and violations."""
         ...
 
+    def quorum_columns(self, name: str) -> Any:
+        """A fused quorum value's candidate columns in its last step, as :func:`dissent` reads
+        them (None: not a quorum)."""
+        ...
+
     def sync(self, epoch: int) -> bool:
         """Make the fused values' commits of ``epoch`` durable (False: no store to keep them)."""
         ...
@@ -412,13 +417,15 @@ class Owner:
                 assert fused is not None
                 ve, n_commits, n_viol = fused.step_fused(self, name, e, parts[name], req.checksums)
                 self.note_broken(ve)
+                cand = fused.quorum_columns(name) if self.quorum[name] else None
             else:
                 p = pending[name]
                 ve, n_commits = self._commit(name, e, p, applied.values[name], phases[name])
-                if self.quorum[name]:
-                    for rep, n in dissent(p.cand, p.winner, ve.changed):
-                        dissents.append(Dissent(name, rep, workers.replica_worker(name, rep), n))
+                cand = p.cand if self.quorum[name] else None
                 n_viol = count_violations(p.cand.violated)
+            if cand is not None:
+                for rep, n in dissent(cand, ve.winner, ve.changed):
+                    dissents.append(Dissent(name, rep, workers.replica_worker(name, rep), n))
             values.append(ve)
             if n_commits:  # the cells set for the first time (fresh: every committing cell)
                 self._unset[name] -= n_commits if self.fresh[name] else newly_set(ve)
@@ -601,14 +608,15 @@ class Owner:
         self.version[name] += 1
         return new_clock
 
-    def settle(self, name: str, e: int, rule: int, ve: ValueEpoch) -> None:
+    def settle(self, name: str, e: int, rule: int | Tensor, ve: ValueEpoch) -> None:
         """Apply a step that ran on the device (the captured step on CUDA, which wrote the
-        device's mirror of this state) to the host state: its commits, and why the cells it
-        left unset stay unset."""
+        device's mirror of this state) to the host state: its commits (``rule``: their
+        provenance, one id or one per commit), and why the cells it left unset stay unset."""
         changed = ve.changed
         won = pick(ve.score, ve.winner)[changed]
         write_meta(self.state[name], ve.cells[changed], ve.new_clock[changed], rule, e, won)
-        self._blocked(name, ve, self.static[name], (~changed & ~ve.was_committed).nonzero()[:, 0])
+        unset = (~changed & ~ve.was_committed).nonzero()[:, 0]
+        self._blocked(name, ve, self.static[name], unset, ve.disagreed)
         if self.schedule.has_quota:
             self._held(name, ve.cells, ve.winner, changed, ve.was_committed)
 
