@@ -8,8 +8,9 @@ exactly as ``--compile`` traces it, but inductor does not run (tracing takes wel
 code generation ten). ``--graph`` prints the traced graph's code.
 
 The trace goes through :meth:`CompiledEpoch.step` itself, so the inputs are assembled, padded to
-the shape bucket and ordered as in a run; only :func:`~lmpm.runtime.data.compiled.compile_step` is
-replaced by a tracer, and the step stops before anything runs.
+the shape bucket and ordered as in a run; only the step's compiler
+(:attr:`~lmpm.runtime.data.compiled.CompiledEpoch.compiler`) is replaced by a tracer, and the step
+stops before anything runs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from unittest import mock
 
 import torch
 from torch import Tensor
@@ -440,10 +440,10 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
         # "reused": the caller counts no compile and does none of a fresh compile's upkeep
         return stop, gm, "reused"
 
-    saved = ce.on_compile
-    ce.on_compile = None
+    saved = ce.on_compile, ce.compiler
+    ce.on_compile, ce.compiler = None, tracer
     try:
-        with mock.patch.object(cmod, "compile_graph", tracer), torch.inference_mode():
+        with torch.inference_mode():
             meta = cmod.StepMeta(eng.state[value], eng.why[value], active, clocks)
             ce.step(value, 0, part, run.dataplane, meta)
     except _Stop:
@@ -459,7 +459,7 @@ def trace_value(run: Run, value: str, open_cells: Tensor | None) -> Traced:
             hint="`lmpm run --compile` fails the same way; run without --compile",
         ) from None
     finally:
-        ce.on_compile = saved
+        ce.on_compile, ce.compiler = saved
     if "gm" not in got:
         raise RuntimeFault(
             f"the epoch step of `{value}` was not traced", where={"value": value}, code="R080"

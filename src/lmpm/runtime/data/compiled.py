@@ -765,15 +765,6 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
     return fn
 
 
-def compile_step(
-    spec: StepSpec, layout: Layout, args: Sequence[Tensor], lens: tuple[int, ...]
-) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
-    """Trace ``spec``'s step for the columns of ``layout`` on the shapes of ``args`` into one
-    aten graph and compile it with inductor (:func:`compile_graph`)."""
-    key = (spec, layout, signature(args), lens)
-    return compile_graph(key, lambda: flat_step(value_step(spec, layout), lens), args)
-
-
 _SIMULATED: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
 
@@ -790,6 +781,13 @@ def simulated(
         return hit, "reused"
     fn = _SIMULATED[key] = make()
     return fn, "simulated"
+
+
+# (key, make, args) -> (the callable graph, its aten graph, how it was obtained): compile_graph
+Compiler = Callable[
+    [tuple[Any, ...], Callable[[], Callable[..., Any]], Sequence[Tensor]],
+    tuple[Callable[..., Any], torch.fx.GraphModule, str],
+]
 
 
 def compile_graph(
@@ -931,6 +929,9 @@ class CompiledEpoch:
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))
         # called before a step is compiled: (value, open-cell bucket); the CLI shows a note
         self.on_compile: Callable[[str, int], None] | None = None
+        # how a step's graph is made from (key, make, args): compile_graph (trace and compile);
+        # `lmpm show --compiled` puts a tracer here that stops before anything runs
+        self.compiler: Compiler = compile_graph
 
     def compiles(self, value: str) -> bool:
         return value in self.specs
@@ -1084,7 +1085,8 @@ class CompiledEpoch:
             if sim is not None:
                 fn, how = sim
             else:
-                fn, _, how = compile_step(spec, layout, args, lens)
+                make = lambda: flat_step(value_step(spec, layout), lens)  # noqa: E731
+                fn, _, how = self.compiler(key, make, args)
         except Exception as exc:  # tracing and code generation run before anything is written
             raise RuntimeFault(
                 f"--compile could not compile the epoch step of `{value}`: "
