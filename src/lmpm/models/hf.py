@@ -62,6 +62,7 @@ class _Rows:
     clock: Tensor  # (rows, Lc) host int64: its write clock when fed
     column: Tensor  # (rows, Lc) host int64: the cache column holding each position
     length: Tensor  # (rows,) host int64: cached positions per row
+    lengths: list[int]  # the same as numbers (the decode step's checks: no tensor op)
     full: bool = False  # every column of ``attention`` holds a token (no padding)
     # the decode step's room to grow (None: none yet): ``attention`` is the first columns of
     # ``ones`` (all ones past them: the columns to come), ``column`` the first of ``columns``
@@ -99,6 +100,7 @@ class HFCausalLM:
         self.read = read
         self.max_cached = int(max_cached)
         self._rows: OrderedDict[tuple[Any, ...], _Rows] = OrderedDict()
+        self._names: dict[int, _ReadNames] = {}  # the read's input names, by the inputs' count
         self.fed = 0  # tokens fed through the model so far (cache reuse: tests, benchmarks)
         # one of its parameters: where the model is (a module's ``to`` moves its parameters in
         # place, so this one's device follows the model's without a walk over them every call)
@@ -151,22 +153,25 @@ class HFCausalLM:
     ) -> Logits:
         if pick not in PICKS:
             raise ValueError(f"pick={pick!r}; expected one of {PICKS}")
-        name = self._read_name(inputs)
-        ids = inputs[f"{name}_dense"]  # (n, L)
+        names = self._names.get(len(inputs))
+        if names is None or names.dense not in inputs:  # (the same names every call of a rule)
+            names = self._names[len(inputs)] = _ReadNames.of(self._read_name(inputs))
+        ids = inputs[names.dense]  # (n, L)
         device = ids.device
         if self._param is not None and self._param.device != device:
             self.to(device)
-        index, clock = inputs[f"{name}_dense_index"], inputs[f"{name}_dense_clock"]
+        index, clock = inputs[names.index], inputs[names.clock]
         if device.type != "cpu":  # one copy to the host for the bookkeeping
             index, clock = torch.stack([index, clock]).cpu()  # (n, L) each
         # (on the host they are this call's own tensors: kept as they are, never written)
-        length = inputs[f"{name}_length"].cpu()
-        if int(length.min()) < 1:
+        length = inputs[names.length].cpu()
+        lengths = length.tolist()
+        if min(lengths, default=1) < 1:
             raise ValueError(
-                f"a cell's read `{name}` holds no token yet; a causal LM needs at least one "
+                f"a cell's read `{names.read}` holds no token yet; a causal LM needs at least one "
                 "(give the prompt's first cells as input)"
             )
-        logits = self._forward(ids, index, clock, length, generation)  # (n, V)
+        logits = self._forward(ids, index, clock, length, lengths, generation)  # (n, V)
         # the worker masks the lowered constraints, then takes the top k or draws k (Logits)
         return Logits(logits, k=int(k), pick=pick, temperature=float(temperature))
 
@@ -184,7 +189,13 @@ class HFCausalLM:
         return names[0]
 
     def _forward(
-        self, ids: Tensor, index: Tensor, clock: Tensor, length: Tensor, generation: int
+        self,
+        ids: Tensor,
+        index: Tensor,
+        clock: Tensor,
+        length: Tensor,
+        lengths: list[int],
+        generation: int,
     ) -> Tensor:
         """Next-token logits of every row: feed what its cache lacks, reuse the rest."""
         n, width = ids.shape
@@ -192,8 +203,8 @@ class HFCausalLM:
         rows = self._rows.pop(key, None)
         if rows is None:
             rows = self._subset(key)
-        elif self._appends(rows, index, clock, length):  # one new token per row: the decode step
-            return self._append(key, rows, ids, index, clock, length)
+        elif self._appends(rows, index, clock, lengths):  # one new token per row: a decode step
+            return self._append(key, rows, ids, index, clock, length, lengths)
         start_col, keep = self._reuse(rows, index, clock, length)
         # per row, the first position to feed: those in columns before start_col stay cached
         first = keep  # (n,)
@@ -231,20 +242,20 @@ class HFCausalLM:
         column.scatter_(1, torch.where(real, pos, width), col_new)
         column = column[:, :width]
         full = bool(attention.all())
-        self._rows[key] = _Rows(cache, attention, index, clock, column, length, full)
+        self._rows[key] = _Rows(cache, attention, index, clock, column, length, lengths, full)
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
         return out.logits[:, -1, :]
 
     @staticmethod
-    def _appends(rows: _Rows, index: Tensor, clock: Tensor, length: Tensor) -> bool:
+    def _appends(rows: _Rows, index: Tensor, clock: Tensor, lengths: list[int]) -> bool:
         """Every row holds its cached positions unchanged (same cells, same clocks) and one
         more after them: the step of a decode, one token per row."""
         lc = rows.index.shape[1]
-        if index.shape[1] < lc or not torch.equal(length, rows.length + 1):
+        if index.shape[1] < lc or lengths != [m + 1 for m in rows.lengths]:
             return False
-        now_index, now_clock = index[:, :lc], clock[:, :lc]
-        if int(rows.length.min()) < lc:  # rows of several lengths: a row's new token lies
+        now_index, now_clock = index.narrow(1, 0, lc), clock.narrow(1, 0, lc)
+        if min(rows.lengths) < lc:  # rows of several lengths: a row's new token lies
             # within the cached width, where its cached entries are 0 (the dense read's rest)
             cached = torch.arange(lc) < rows.length.unsqueeze(1)
             now_index, now_clock = now_index * cached, now_clock * cached
@@ -258,12 +269,13 @@ class HFCausalLM:
         index: Tensor,
         clock: Tensor,
         length: Tensor,
+        lengths: list[int],
     ) -> Tensor:
         """Feed each row its one new token (the last of its prefix) after its cache: the decode
         step of :meth:`_forward` without its general bookkeeping."""
         n, width = ids.shape
         dev = ids.device
-        last = (length - 1).unsqueeze(1)  # (n, 1) the new token's position in each row
+        last = rows.length.unsqueeze(1)  # (n, 1) the new token's position in each row
         end = rows.attention.shape[1]  # the cache column it goes to
         pos = last.to(dev)
         ones, columns = _room(rows, end + 1, width)
@@ -282,7 +294,7 @@ class HFCausalLM:
         # the new position's column; those after a row's length stay 0 (as _forward keeps them)
         column = columns.narrow(1, 0, width).scatter_(1, last, end)
         self._rows[key] = _Rows(
-            rows.cache, attention, index, clock, column, length, rows.full, ones, columns
+            rows.cache, attention, index, clock, column, length, lengths, rows.full, ones, columns
         )
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
@@ -309,6 +321,7 @@ class HFCausalLM:
                 rows.clock.index_select(0, pick),
                 rows.column.index_select(0, pick),
                 rows.length.index_select(0, pick),
+                [rows.lengths[i] for i in pick.tolist()],
             )
         return None
 
@@ -342,6 +355,23 @@ class HFCausalLM:
         cached = torch.arange(lc).unsqueeze(0) < rows.length.unsqueeze(1)
         keep = ((rows.column < start) & cached).sum(1)
         return start, torch.minimum(keep, matched)
+
+
+@dataclass(frozen=True, slots=True)
+class _ReadNames:
+    """The input names of the read holding the prefix (``read``: its name in the rule)."""
+
+    read: str
+    dense: str
+    index: str
+    clock: str
+    length: str
+
+    @staticmethod
+    def of(read: str) -> _ReadNames:
+        return _ReadNames(
+            read, f"{read}_dense", f"{read}_dense_index", f"{read}_dense_clock", f"{read}_length"
+        )
 
 
 def _room(rows: _Rows, width: int, columns: int) -> tuple[Tensor, Tensor]:

@@ -628,6 +628,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 R_TYPE,
             )
         keys = call.keys
+        finite_max = False  # every row's max logit is known finite
         if chosen is not None:
             if logits.dim() != 2:
                 raise fail(
@@ -653,7 +654,13 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     )
                 return noise[0]
 
-            if call.mask is None:
+            fast = None  # the greedy choice of a decode step, worked out on the host
+            if chosen.pick == "top" and chosen.k == 1:
+                fast = choose.greedy_rows(logits, call.mask)
+            if fast is not None:
+                proposal = fast.proposal  # (n, 1), masked (n, 2): with the model alone's choice
+                finite_max = fast.finite
+            elif call.mask is None:
                 proposal = choose.choose(
                     logits, chosen.k, chosen.pick, chosen.temperature, gumbel, None
                 )  # (n, k)
@@ -702,10 +709,12 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         else:  # (n,) of (n, V), or (n, k) of (n, k, V): one token per distribution
             score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
         # a NaN or +inf logit, or every token -inf: the distribution's max is not finite (amax
-        # propagates NaN): one reduction instead of three passes over the vocabulary
-        rowmax = logits.amax(dim=-1)  # (n,) | (n, k)
-        if not _finite(rowmax):
-            bad |= _rows_any(~torch.isfinite(rowmax)).to(torch.int8) * BAD_LOGITS
+        # propagates NaN): one reduction instead of three passes over the vocabulary (none
+        # where the greedy choice read the maxima already)
+        if not finite_max:
+            rowmax = logits.amax(dim=-1)  # (n,) | (n, k)
+            if not _finite(rowmax):
+                bad |= _rows_any(~torch.isfinite(rowmax)).to(torch.int8) * BAD_LOGITS
         if not _finite(score):
             score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
         scored = True  # (finite: no need to look again below)

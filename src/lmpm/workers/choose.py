@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ __all__ = [
     "argmax_rows",
     "choose",
     "greedy",
+    "greedy_rows",
     "keep_column",
     "masked",
 ]
@@ -163,6 +165,51 @@ def greedy(logits: Tensor, mask: VocabMask) -> tuple[Tensor, Tensor]:
         raise AssertionError("the greedy choice draws no noise")
 
     return choose(logits, 1, "top", 1.0, no_noise, mask), alone
+
+
+class Greedy(NamedTuple):
+    """The worker's greedy choice of each row (:func:`greedy_rows`)."""
+
+    proposal: Tensor  # (n, 1) int64, or with a mask (n, 2): the choice, then the model alone's
+    finite: bool  # every row's highest logit is finite (as ``logits.amax(-1)`` would say)
+
+
+def greedy_rows(logits: Tensor, mask: VocabMask | None) -> Greedy | None:
+    """``choose(logits, 1, "top", ...)``, and with a mask :func:`greedy` then
+    :func:`alone_column`, in one step for a few rows of float logits on the host whose
+    favourites the mask keeps (the decode step of a language model): the argmax and the look-ups
+    in NumPy, no tensor op besides. None where that does not hold (the caller then takes the
+    general path).
+
+    The favourite's logit is the row's max (a NaN one: NumPy's argmax, like torch's, picks the
+    first NaN), so it also says whether every row's max is finite, as the worker's check of the
+    logits asks (one pass over the vocabulary less)."""
+    n = logits.shape[0]
+    if not (
+        logits.device.type == "cpu"
+        and logits.dtype in _NUMPY_ROWS
+        and logits.dim() == 2
+        and logits.shape[1]
+        and n <= _FEW
+    ):
+        return None
+    table = logits.detach().numpy()  # (n, V), a view
+    alone = table.argmax(axis=1)  # (n,) the first of each row's maxima
+    best = table[np.arange(n), alone].tolist()
+    if mask is None:
+        top = alone.reshape(n, 1)
+    else:
+        drop = mask.sets.drop_host
+        if not all(
+            b > -math.inf and not drop[i] for b, i in zip(best, alone.tolist(), strict=True)
+        ):
+            return None
+        top = np.stack((alone, alone), axis=1)  # (n, 2)
+    finite = all(math.isfinite(b) for b in best)
+    return Greedy(torch.from_numpy(top.astype(np.int64, copy=False)), finite)
+
+
+_NUMPY_ROWS = (torch.float32, torch.float64)
 
 
 def keep_column(proposal: Tensor, logits: Tensor, mask: VocabMask | None) -> Tensor:

@@ -130,11 +130,17 @@ def dense_read(
     """The dense layout of one read (see the module doc): from its slots (n, K[, *cell]), mask and
     index (n, K), and the slots' clocks (n, K) when asked for."""
     n, k = mask.shape
+    if n == 1 and k and mask.device.type == "cpu":  # one row (a decode step): read on the host
+        row = mask.numpy()[0]  # (K,) bool, a view
+        width = int(row.sum())
+        if row[:width].all():  # a causal prefix: its visible slots lead, narrowed
+            length = torch.tensor([width], dtype=torch.int64)
+            return _leading(name, data, index, clock, length, None, width)
     length = mask.sum(1)  # (n,)
     width = int(length.max()) if n and k else 0
     left = torch.arange(k, device=mask.device) < length.unsqueeze(1)  # (n, K)
     if torch.equal(mask, left):  # the visible slots come first (a causal prefix): no scatter
-        return _leading(name, data, index, clock, length, left.narrow(1, 0, width))
+        return _leading(name, data, index, clock, length, left.narrow(1, 0, width), width)
     # each visible slot's place in its row (slot order); the others go to a sink column, dropped
     place = torch.where(mask, mask.cumsum(1) - 1, width)  # (n, K)
 
@@ -156,18 +162,24 @@ def dense_read(
 
 
 def _leading(
-    name: str, data: Tensor, index: Tensor, clock: Tensor | None, length: Tensor, real: Tensor
+    name: str,
+    data: Tensor,
+    index: Tensor,
+    clock: Tensor | None,
+    length: Tensor,
+    real: Tensor | None,
+    width: int,
 ) -> Mapping[str, Tensor]:
     """:func:`dense_read` of slots whose visible ones lead each row: the first ``width`` slots,
-    0 past each row's length (``real`` (n, width): the entries within it). Rows of one length
-    (one open cell: a decode step) are the slots themselves, narrowed."""
-    width = real.shape[1]
-    ragged = not bool(real.all())
+    0 past each row's length (``real`` (n, width): the entries within it; None: every one is).
+    Rows of one length (one open cell: a decode step) are the slots themselves, narrowed."""
+    ragged = real is not None and not bool(real.all())
 
     def dense(t: Tensor) -> Tensor:
         t = t.narrow(1, 0, width)
         if not ragged:
             return t
+        assert real is not None
         keep = real.reshape(*real.shape, *([1] * (t.dim() - 2)))
         return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
