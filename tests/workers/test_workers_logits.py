@@ -167,3 +167,49 @@ def test_the_row_argmax_is_torchs_first_of_maxima(dtype: torch.dtype) -> None:
     assert got.dtype == torch.int64
     assert torch.equal(got, t.argmax(dim=1))
     assert got[1] == 4 and got[2] == 0 and got[3] == 2
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_host_greedy_step_chooses_and_checks_what_the_general_path_does(seed: int) -> None:
+    """``greedy_rows`` (a decode step's greedy choice in NumPy) proposes what ``greedy`` then
+    ``alone_column`` (or, unmasked, ``choose``) do, says "every row's max is finite" exactly when
+    ``logits.amax`` does, and leaves to the general path the rows whose favourite is refused or
+    NaN; through a backend, the choice, its scores and its faults are those of the general path."""
+    g = torch.Generator().manual_seed(seed)
+    n, vocab = 1 + seed % 3, 16
+    logits = torch.randn(n, vocab, generator=g, dtype=torch.float64 if seed % 5 == 0 else None)
+    if seed % 4 == 1:
+        logits[0, 3] = torch.inf
+    if seed % 6 == 2:
+        logits[n - 1] = -torch.inf  # every token refused by the model
+    if seed % 7 == 3:
+        logits[0, 5] = torch.nan
+    ok = torch.rand(1, vocab, generator=g) < (0.95 if seed % 2 else 0.4)
+    mask = VocabMask(MaskSets(ok, ((0,),)), torch.ones(n, 1, dtype=torch.bool))
+    finite = bool(torch.isfinite(logits.amax(dim=-1)).all())
+    for m in (None, mask):
+        got = choose.greedy_rows(logits, m)
+        if m is None:
+            want = choose.choose(logits, 1, "top", 1.0, lambda v: torch.zeros(n, v), None)
+        else:
+            top, alone = choose.greedy(logits, m)
+            want = choose.alone_column(top, alone)
+            if got is None:  # only where a favourite is refused or NaN
+                assert any(
+                    not (b > -torch.inf) or not ok[0, i]
+                    for b, i in zip(logits.amax(1).tolist(), alone.tolist())
+                )
+                continue
+        assert got is not None
+        assert torch.equal(got.proposal, want)
+        assert got.finite == finite
+    # through the worker: a fault where the general path has one, the same choice otherwise
+    model = lambda inputs: Logits(logits.clone(), k=1, pick="top")  # noqa: E731
+    if finite:
+        res = _run(model, torch.arange(n), vocab, mask=mask)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        assert torch.equal(res.score, logp.gather(1, res.proposal).double())
+    else:
+        with pytest.raises(ModelError) as err:
+            _run(model, torch.arange(n), vocab, mask=mask)
+        assert err.value.code == "R056"

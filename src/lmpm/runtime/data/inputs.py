@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,6 +22,34 @@ from lmpm.ir.eval import evaluate
 from lmpm.resolve.plan import Plan, RulePlan, ValuePlan
 from lmpm.runtime.data.reads import ReadClocks, dense_read, read_options
 from lmpm.runtime.data.resident import Resident, ours
+
+# payload dtypes NumPy holds: one open cell's rows of such a value are read there (host_slots)
+_NUMPY = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
+
+
+def host_slots(
+    index: Tensor, valid: Tensor, cell: int, payload: Tensor, committed: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(payload (1, K, *cell), mask (1, K), index (1, K)) of the slots of host cell ``cell``
+    (``index``/``valid``: the read's static tables): what the general gather makes, looked up in
+    NumPy, whose few small operations cost a fraction of torch's between two forwards of a model
+    (the decode step of a language model). ``index`` is a view of the plan's table."""
+    idx = index.numpy()[cell : cell + 1]  # (1, K)
+    mask = valid.numpy()[cell : cell + 1] & committed.numpy()[idx]
+    data = payload.numpy()[idx]  # (1, K, *cell)
+    return torch.from_numpy(data), torch.from_numpy(mask), torch.from_numpy(idx)
 
 
 class ModelInputs:
@@ -68,10 +97,12 @@ class ModelInputs:
         phase = res.phase.get(rp.target)
         key = None if phase is None else (rp.id, phase)
         copy = rp.id not in self.trusted  # copies of anything the worker keeps
+        one = None  # the one open cell whose rows are read on the host (a decode step)
         if n == 1 and not copy:  # one open cell (causal generation): views of its rows
             c = int((cells if on_host is None else on_host).item())
             key = None
             rows = lambda t, *_: res.dev(t).narrow(0, c, 1)  # noqa: E731
+            one = c if res.host else None
         else:
             rows = res.rows
         coords = rows(vp.coords, cells, key and ("coords", *key))
@@ -89,6 +120,8 @@ class ModelInputs:
             payload = res.payload[rd.source]
             if j in gathered:
                 data, mask, idx = gathered[j]
+            elif one is not None and not rd.uniform and payload.dtype in _NUMPY:
+                data, mask, idx = host_slots(rd.index, rd.valid, one, payload, committed)
             elif rd.uniform:
                 # Every cell reads the same cells: one gathered row, broadcast (an expanded view
                 # cannot be written in place).
@@ -137,9 +170,16 @@ class ModelInputs:
         if "clocks" in opts:
             res = self.res
             clocks = self.read_clocks.clocks(source, res.payload[source], res.committed[source])
-            clock = torch.where(mask, clocks.take(idx), 0)  # (n, K)
+            since = self.since.get(rp.id, -1)
+            if idx.shape[0] == 1 and idx.device.type == "cpu":  # one row: read in NumPy
+                ahead = np.where(mask.numpy(), clocks.numpy()[idx.numpy()], 0)  # (1, K)
+                clock = torch.from_numpy(ahead)
+                changed = torch.from_numpy(ahead > since)
+            else:
+                clock = torch.where(mask, clocks.take(idx), 0)  # (n, K)
+                changed = clock > since
             out[f"{name}_clock"] = clock
-            out[f"{name}_changed"] = clock > self.since.get(rp.id, -1)
+            out[f"{name}_changed"] = changed
         if "dense" in opts:
             out.update(dense_read(name, data, mask, idx, clock))
         return out
