@@ -371,6 +371,11 @@ def _merge_masks(
     if head is None:
         return None
     if len(masks) == 1:
+        if device is None or (
+            head.applies.device == device
+            and (head.current is None or head.current.device == device)
+        ):
+            return head  # (already where the call runs: the record as it is)
         return VocabMask(
             head.sets,
             _place(head.applies, device, transfer),
