@@ -199,7 +199,7 @@ class HFCausalLM:
     ) -> Tensor:
         """Next-token logits of every row: feed what its cache lacks, reuse the rest."""
         n, width = ids.shape
-        key = (generation, *index[:, 0].tolist())  # the rows: their first cells
+        key = (generation, *index.numpy()[:, 0].tolist())  # the rows: their first cells
         rows = self._rows.pop(key, None)
         if rows is None:
             rows = self._subset(key)
@@ -280,8 +280,10 @@ class HFCausalLM:
         pos = last.to(dev)
         ones, columns = _room(rows, end + 1, width)
         attention = ones.narrow(1, 0, end + 1)  # (n, end + 1): the new column is already 1
+        # (one row: its new token is a view of its prefix; a model never writes its input ids)
+        fed = ids.narrow(1, lengths[0] - 1, 1) if n == 1 else ids.gather(1, pos)
         out = self.model(
-            input_ids=ids.gather(1, pos),
+            input_ids=fed,
             # no padding: the mask is all ones, which transformers would look over only to drop
             # it (one query a row, no padding: SDPA needs no mask)
             attention_mask=None if rows.full else attention,
@@ -292,7 +294,11 @@ class HFCausalLM:
         )
         self.fed += n
         # the new position's column; those after a row's length stay 0 (as _forward keeps them)
-        column = columns.narrow(1, 0, width).scatter_(1, last, end)
+        if n == 1:  # (on the host, as a number)
+            columns.numpy()[0, lengths[0] - 1] = end
+            column = columns.narrow(1, 0, width)
+        else:
+            column = columns.narrow(1, 0, width).scatter_(1, last, end)
         self._rows[key] = _Rows(
             rows.cache, attention, index, clock, column, length, lengths, rows.full, ones, columns
         )
