@@ -13,8 +13,9 @@ One value's epoch is a list of stages, each a short function over tensors:
 6. **advance clocks** -- :func:`contributions` names the rules each committed cell's clock reads
    (:mod:`lmpm.runtime.data.clocks` advances them);
 7. **write metadata** -- :func:`write_meta`, the ONE writer of a value's cell metadata (committed,
-   clock, rule, epoch, score; :func:`write_cell` is its one-cell form, through numpy views): the eager owner's commits, the shard owners' exchanged commits, the
-   device step's :meth:`~lmpm.runtime.data.owner.Owner.settle`, inputs and resume all call it;
+   clock, rule, epoch, score; :func:`write_cell` is its one-cell form, through numpy views): the
+   eager owner's commits, the shard owners' exchanged commits, the device step's
+   :meth:`~lmpm.runtime.data.owner.Owner.settle`, inputs and resume all call it;
 8. **record why** -- :func:`blocked_why`: why each cell left unset stays unset.
 
 The eager :class:`~lmpm.runtime.data.owner.Owner` runs the stages in order; the shard owner
