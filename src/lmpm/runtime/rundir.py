@@ -101,6 +101,7 @@ COUNTED = {
     "driver_cpu_s": "REAL",
     "checksum": "INTEGER",
 }
+INSERT_COMMIT = "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 INSERT_EPOCH = f"INSERT INTO epochs ({', '.join(EPOCH_COLUMNS)}) VALUES ({', '.join('?' * len(EPOCH_COLUMNS))})"
 
 # RuleSet events (enable/disable a constraint from an epoch on); logs written before it have none
