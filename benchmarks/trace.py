@@ -12,6 +12,12 @@ Prints JSON lines:
 - ``trace_cells``: ``--trace cells`` on a 32×32 region (``Vid[0, 0..31, 0..31]``) against off.
 - ``commit_log``: the log's cost per epoch (ms; with the log against no log at all, and as
   measured inside the observer) and the database size per million committed cells.
+- ``commit_floor``: SQLite's own cost of a one-cell epoch (a decode's), the log's and the payload
+  store's schemas in a temporary directory, µs per epoch: an empty transaction (the floor of any
+  epoch that is its own transaction), the log's epoch (its commit row, two summary rows, its
+  epoch row) and the store's row; with ``synchronous=NORMAL`` (the default) and ``FULL``
+  (``--durable``), and the log's epochs grouped ``GROUP`` to a transaction (what a group commit
+  would save; LMPM does not group: each epoch is durable before the next starts, docs/trace.md).
 
     python benchmarks/trace.py [--epochs 8] [--repeat 3]
 """
@@ -104,6 +110,90 @@ def one(
     return out
 
 
+GROUP = 8  # epochs per transaction in commit_floor's group-commit row
+FLOOR_EPOCHS = 400  # epochs per timed batch in commit_floor (a multiple of 10 * GROUP)
+
+
+def commit_floor(repeat: int) -> dict[str, Any]:
+    """SQLite's cost per one-cell epoch (the ``commit_floor`` line; see the module doc)."""
+    import sqlite3
+
+    from lmpm.runtime.rundir import INSERT_COMMIT, INSERT_EPOCH, SCHEMA, STORE_SCHEMA
+
+    def commit(e: int) -> tuple[Any, ...]:
+        return (e, "Txt", e, e, 1, 1, 0, e, e, 0.5, 0.5, 7, b"q" + bytes(8), None, None)
+
+    def summary(e: int) -> list[tuple[Any, ...]]:
+        return [(e, 0, -1, 1, 0, 0, 0, None), (e, 0, 0, 1, 0, 0, 0, None)]
+
+    def epoch(e: int) -> tuple[Any, ...]:
+        return (e, 1, 1, 2, 1, 0, 0, 0.01, 0.009, 1e-4, "[1]", time.time(), 0, 0, 0.01, 7)
+
+    def log_epoch(conn: sqlite3.Connection, e: int) -> None:
+        conn.execute(INSERT_COMMIT, commit(e))
+        conn.executemany("INSERT INTO trace_summary VALUES (?,?,?,?,?,?,?,?)", summary(e))
+        conn.execute(INSERT_EPOCH, epoch(e))
+
+    out: dict[str, Any] = {"benchmark": "trace", "case": "commit_floor", "group": GROUP}
+    with tempfile.TemporaryDirectory() as tmp:
+        for sync in ("NORMAL", "FULL"):
+            conns = []
+            for name, ddl in (("log", SCHEMA), ("store", STORE_SCHEMA)):
+                conn = sqlite3.connect(str(Path(tmp) / f"{name}-{sync}.db"), isolation_level=None)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(f"PRAGMA synchronous={sync}")
+                conn.executescript(f"BEGIN;{ddl}COMMIT;")
+                conns.append(conn)
+            log, store = conns
+            n = FLOOR_EPOCHS if sync == "NORMAL" else FLOOR_EPOCHS // 10  # (FULL: fsyncs)
+            next_epoch = [0]
+
+            def per_epoch(step: Any, per_call: int = 1) -> float:
+                best = float("inf")
+                for _ in range(repeat + 2):
+                    e0 = next_epoch[0]
+                    t0 = time.perf_counter()
+                    for e in range(e0, e0 + n, per_call):
+                        step(e)
+                    best = min(best, (time.perf_counter() - t0) / n)
+                    next_epoch[0] = e0 + n
+                return round(best * 1e6, 1)
+
+            def empty(e: int) -> None:
+                log.execute("BEGIN IMMEDIATE")
+                log.execute("COMMIT")
+
+            def one(e: int) -> None:
+                log.execute("BEGIN IMMEDIATE")
+                log_epoch(log, e)
+                log.execute("COMMIT")
+
+            def grouped(e: int) -> None:
+                log.execute("BEGIN IMMEDIATE")
+                for g in range(e, e + GROUP):
+                    log_epoch(log, g)
+                log.execute("COMMIT")
+
+            def row(e: int) -> None:
+                store.execute(
+                    "INSERT INTO rows VALUES (?,?,?,?,?,?,?)",
+                    (e, "Txt", e, 1, 1, 7, b"q" + bytes(8)),
+                )
+
+            key = sync.lower()
+            out[f"empty_txn_us_{key}"] = per_epoch(empty)
+            out[f"log_epoch_us_{key}"] = per_epoch(one)
+            out[f"store_row_us_{key}"] = per_epoch(row)
+            out[f"log_epoch_grouped_us_{key}"] = per_epoch(grouped, GROUP)
+            for conn in conns:
+                conn.close()
+    # the ratio: the log's epoch against the bare transaction it cannot go below
+    out["log_epoch_over_empty_txn"] = round(
+        out["log_epoch_us_normal"] / out["empty_txn_us_normal"], 2
+    )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--epochs", type=int, default=8)
@@ -120,6 +210,7 @@ def main() -> None:
     if args.quick:
         args.epochs, args.repeat = 4, 1
     torch.set_num_threads(args.threads)
+    print(json.dumps(commit_floor(args.repeat)), flush=True)
     front, plan, p = setup()
     configs = ["none", "off", "summary", "cells", "durable"]
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
