@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -114,27 +115,53 @@ GROUP = 8  # epochs per transaction in commit_floor's group-commit row
 FLOOR_EPOCHS = 400  # epochs per timed batch in commit_floor (a multiple of 10 * GROUP)
 
 
+def _floor_rows(e: int) -> tuple[tuple[Any, ...], list[tuple[Any, ...]], tuple[Any, ...]]:
+    """A one-cell epoch's log rows: its commit row, two summary rows, its epoch row."""
+    commit = (e, "Txt", e, e, 1, 1, 0, e, e, 0.5, 0.5, 7, b"q" + bytes(8), None, None)
+    summary = [(e, 0, -1, 1, 0, 0, 0, None), (e, 0, 0, 1, 0, 0, 0, None)]
+    epoch = (e, 1, 1, 2, 1, 0, 0, 0.01, 0.009, 1e-4, "[1]", time.time(), 0, 0, 0.01, 7)
+    return commit, summary, epoch
+
+
+def _log_epochs(conn: sqlite3.Connection, first: int, count: int) -> None:
+    """``count`` one-cell epochs from ``first`` in one transaction (0: an empty transaction)."""
+    from lmpm.runtime.rundir import INSERT_COMMIT, INSERT_EPOCH
+
+    conn.execute("BEGIN IMMEDIATE")
+    for e in range(first, first + count):
+        commit, summary, epoch = _floor_rows(e)
+        conn.execute(INSERT_COMMIT, commit)
+        conn.executemany("INSERT INTO trace_summary VALUES (?,?,?,?,?,?,?,?)", summary)
+        conn.execute(INSERT_EPOCH, epoch)
+    conn.execute("COMMIT")
+
+
+def _store_row(conn: sqlite3.Connection, first: int, count: int) -> None:
+    """The store's row of a one-cell epoch: one INSERT, its own transaction."""
+    conn.execute("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", (first, "Txt", first, 1, 1, 7, b"q0"))
+
+
+def _us_per_epoch(
+    step: Any, conn: sqlite3.Connection, epochs: int, group: int, repeat: int, first: int
+) -> float:
+    """Min over ``repeat`` batches of ``epochs`` epochs (``group`` a call) of µs per epoch; the
+    batches number their epochs from ``first`` on, never twice."""
+    best = float("inf")
+    for r in range(repeat):
+        e0 = first + r * epochs
+        t0 = time.perf_counter()
+        for e in range(e0, e0 + epochs, group):
+            step(conn, e, group)
+        best = min(best, (time.perf_counter() - t0) / epochs)
+    return round(best * 1e6, 1)
+
+
 def commit_floor(repeat: int) -> dict[str, Any]:
     """SQLite's cost per one-cell epoch (the ``commit_floor`` line; see the module doc)."""
-    import sqlite3
-
-    from lmpm.runtime.rundir import INSERT_COMMIT, INSERT_EPOCH, SCHEMA, STORE_SCHEMA
-
-    def commit(e: int) -> tuple[Any, ...]:
-        return (e, "Txt", e, e, 1, 1, 0, e, e, 0.5, 0.5, 7, b"q" + bytes(8), None, None)
-
-    def summary(e: int) -> list[tuple[Any, ...]]:
-        return [(e, 0, -1, 1, 0, 0, 0, None), (e, 0, 0, 1, 0, 0, 0, None)]
-
-    def epoch(e: int) -> tuple[Any, ...]:
-        return (e, 1, 1, 2, 1, 0, 0, 0.01, 0.009, 1e-4, "[1]", time.time(), 0, 0, 0.01, 7)
-
-    def log_epoch(conn: sqlite3.Connection, e: int) -> None:
-        conn.execute(INSERT_COMMIT, commit(e))
-        conn.executemany("INSERT INTO trace_summary VALUES (?,?,?,?,?,?,?,?)", summary(e))
-        conn.execute(INSERT_EPOCH, epoch(e))
+    from lmpm.runtime.rundir import SCHEMA, STORE_SCHEMA
 
     out: dict[str, Any] = {"benchmark": "trace", "case": "commit_floor", "group": GROUP}
+    reps = repeat + 2
     with tempfile.TemporaryDirectory() as tmp:
         for sync in ("NORMAL", "FULL"):
             conns = []
@@ -146,45 +173,15 @@ def commit_floor(repeat: int) -> dict[str, Any]:
                 conns.append(conn)
             log, store = conns
             n = FLOOR_EPOCHS if sync == "NORMAL" else FLOOR_EPOCHS // 10  # (FULL: fsyncs)
-            next_epoch = [0]
-
-            def per_epoch(step: Any, per_call: int = 1) -> float:
-                best = float("inf")
-                for _ in range(repeat + 2):
-                    e0 = next_epoch[0]
-                    t0 = time.perf_counter()
-                    for e in range(e0, e0 + n, per_call):
-                        step(e)
-                    best = min(best, (time.perf_counter() - t0) / n)
-                    next_epoch[0] = e0 + n
-                return round(best * 1e6, 1)
-
-            def empty(e: int) -> None:
-                log.execute("BEGIN IMMEDIATE")
-                log.execute("COMMIT")
-
-            def one(e: int) -> None:
-                log.execute("BEGIN IMMEDIATE")
-                log_epoch(log, e)
-                log.execute("COMMIT")
-
-            def grouped(e: int) -> None:
-                log.execute("BEGIN IMMEDIATE")
-                for g in range(e, e + GROUP):
-                    log_epoch(log, g)
-                log.execute("COMMIT")
-
-            def row(e: int) -> None:
-                store.execute(
-                    "INSERT INTO rows VALUES (?,?,?,?,?,?,?)",
-                    (e, "Txt", e, 1, 1, 7, b"q" + bytes(8)),
-                )
-
             key = sync.lower()
-            out[f"empty_txn_us_{key}"] = per_epoch(empty)
-            out[f"log_epoch_us_{key}"] = per_epoch(one)
-            out[f"store_row_us_{key}"] = per_epoch(row)
-            out[f"log_epoch_grouped_us_{key}"] = per_epoch(grouped, GROUP)
+            out[f"empty_txn_us_{key}"] = _us_per_epoch(
+                lambda c, e, g: _log_epochs(c, e, 0), log, n, 1, reps, 0
+            )
+            out[f"log_epoch_us_{key}"] = _us_per_epoch(_log_epochs, log, n, 1, reps, 0)
+            out[f"store_row_us_{key}"] = _us_per_epoch(_store_row, store, n, 1, reps, 0)
+            out[f"log_epoch_grouped_us_{key}"] = _us_per_epoch(
+                _log_epochs, log, n, GROUP, reps, reps * n
+            )
             for conn in conns:
                 conn.close()
     # the ratio: the log's epoch against the bare transaction it cannot go below
