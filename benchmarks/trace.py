@@ -12,6 +12,12 @@ Prints JSON lines:
 - ``trace_cells``: ``--trace cells`` on a 32×32 region (``Vid[0, 0..31, 0..31]``) against off.
 - ``commit_log``: the log's cost per epoch (ms; with the log against no log at all, and as
   measured inside the observer) and the database size per million committed cells.
+- ``commit_floor``: SQLite's own cost of a one-cell epoch (a decode's), the log's and the payload
+  store's schemas in a temporary directory, µs per epoch: an empty transaction (the floor of any
+  epoch that is its own transaction), the log's epoch (its commit row, two summary rows, its
+  epoch row) and the store's row; with ``synchronous=NORMAL`` (the default) and ``FULL``
+  (``--durable``), and the log's epochs grouped ``GROUP`` to a transaction (what a group commit
+  would save; LMPM does not group: each epoch is durable before the next starts, docs/trace.md).
 
     python benchmarks/trace.py [--epochs 8] [--repeat 3]
 """
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -104,6 +111,86 @@ def one(
     return out
 
 
+GROUP = 8  # epochs per transaction in commit_floor's group-commit row
+FLOOR_EPOCHS = 400  # epochs per timed batch in commit_floor (a multiple of 10 * GROUP)
+
+
+def _floor_rows(e: int) -> tuple[tuple[Any, ...], list[tuple[Any, ...]], tuple[Any, ...]]:
+    """A one-cell epoch's log rows: its commit row, two summary rows, its epoch row."""
+    commit = (e, "Txt", e, e, 1, 1, 0, e, e, 0.5, 0.5, 7, b"q" + bytes(8), None, None)
+    summary = [(e, 0, -1, 1, 0, 0, 0, None), (e, 0, 0, 1, 0, 0, 0, None)]
+    epoch = (e, 1, 1, 2, 1, 0, 0, 0.01, 0.009, 1e-4, "[1]", time.time(), 0, 0, 0.01, 7)
+    return commit, summary, epoch
+
+
+def _log_epochs(conn: sqlite3.Connection, first: int, count: int) -> None:
+    """``count`` one-cell epochs from ``first`` in one transaction (0: an empty transaction)."""
+    from lmpm.runtime.rundir import INSERT_COMMIT, INSERT_EPOCH
+
+    conn.execute("BEGIN IMMEDIATE")
+    for e in range(first, first + count):
+        commit, summary, epoch = _floor_rows(e)
+        conn.execute(INSERT_COMMIT, commit)
+        conn.executemany("INSERT INTO trace_summary VALUES (?,?,?,?,?,?,?,?)", summary)
+        conn.execute(INSERT_EPOCH, epoch)
+    conn.execute("COMMIT")
+
+
+def _store_row(conn: sqlite3.Connection, first: int, count: int) -> None:
+    """The store's row of a one-cell epoch: one INSERT, its own transaction."""
+    conn.execute("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", (first, "Txt", first, 1, 1, 7, b"q0"))
+
+
+def _us_per_epoch(
+    step: Any, conn: sqlite3.Connection, epochs: int, group: int, repeat: int, first: int
+) -> float:
+    """Min over ``repeat`` batches of ``epochs`` epochs (``group`` a call) of µs per epoch; the
+    batches number their epochs from ``first`` on, never twice."""
+    best = float("inf")
+    for r in range(repeat):
+        e0 = first + r * epochs
+        t0 = time.perf_counter()
+        for e in range(e0, e0 + epochs, group):
+            step(conn, e, group)
+        best = min(best, (time.perf_counter() - t0) / epochs)
+    return round(best * 1e6, 1)
+
+
+def commit_floor(repeat: int) -> dict[str, Any]:
+    """SQLite's cost per one-cell epoch (the ``commit_floor`` line; see the module doc)."""
+    from lmpm.runtime.rundir import SCHEMA, STORE_SCHEMA
+
+    out: dict[str, Any] = {"benchmark": "trace", "case": "commit_floor", "group": GROUP}
+    reps = repeat + 2
+    with tempfile.TemporaryDirectory() as tmp:
+        for sync in ("NORMAL", "FULL"):
+            conns = []
+            for name, ddl in (("log", SCHEMA), ("store", STORE_SCHEMA)):
+                conn = sqlite3.connect(str(Path(tmp) / f"{name}-{sync}.db"), isolation_level=None)
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.execute(f"PRAGMA synchronous={sync}")
+                conn.executescript(f"BEGIN;{ddl}COMMIT;")
+                conns.append(conn)
+            log, store = conns
+            n = FLOOR_EPOCHS if sync == "NORMAL" else FLOOR_EPOCHS // 10  # (FULL: fsyncs)
+            key = sync.lower()
+            out[f"empty_txn_us_{key}"] = _us_per_epoch(
+                lambda c, e, g: _log_epochs(c, e, 0), log, n, 1, reps, 0
+            )
+            out[f"log_epoch_us_{key}"] = _us_per_epoch(_log_epochs, log, n, 1, reps, 0)
+            out[f"store_row_us_{key}"] = _us_per_epoch(_store_row, store, n, 1, reps, 0)
+            out[f"log_epoch_grouped_us_{key}"] = _us_per_epoch(
+                _log_epochs, log, n, GROUP, reps, reps * n
+            )
+            for conn in conns:
+                conn.close()
+    # the ratio: the log's epoch against the bare transaction it cannot go below
+    out["log_epoch_over_empty_txn"] = round(
+        out["log_epoch_us_normal"] / out["empty_txn_us_normal"], 2
+    )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--epochs", type=int, default=8)
@@ -120,6 +207,7 @@ def main() -> None:
     if args.quick:
         args.epochs, args.repeat = 4, 1
     torch.set_num_threads(args.threads)
+    print(json.dumps(commit_floor(args.repeat)), flush=True)
     front, plan, p = setup()
     configs = ["none", "off", "summary", "cells", "durable"]
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in configs}

@@ -153,14 +153,14 @@ _GRID = Run(compile_source(CELLS), seed=0)  # G 4×4; Lock (100), Low (10) and D
 
 
 @st.composite
-def value_epochs(draw: st.DrawFn) -> ValueEpoch:
+def value_epochs(draw: st.DrawFn, max_cells: int = 16) -> ValueEpoch:
     """Random metadata of one epoch of G: ties, unset (-inf) and NaN scores, several rules, any
     coverage, any winner; more structure than the engine ever produces, never a payload."""
     plan = _GRID.plan
     ids = [cp.id for cp in plan.constraints if cp.target == "G"]
     k = draw(st.integers(0, len(ids)))
     chosen = sorted(draw(st.permutations(ids))[:k])
-    cells = sorted(draw(st.sets(st.integers(0, 15), min_size=1, max_size=16)))
+    cells = sorted(draw(st.sets(st.integers(0, 15), min_size=1, max_size=max_cells)))
     n, c = len(cells), draw(st.integers(1, 5))
     seed = draw(st.integers(0, 2**31 - 1))
     g = np.random.default_rng(seed)
@@ -199,6 +199,34 @@ def test_summary_rows_equal_the_reference_on_random_metadata(values: list[ValueE
     _check(_GRID.plan, _GRID.engine, records)
 
 
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(value_epochs(max_cells=1), min_size=1, max_size=3), st.data())
+def test_one_cell_epochs_equal_the_reference(values: list[ValueEpoch], data: st.DataObject) -> None:
+    """A one-cell epoch (a decode's) is counted from Python lists when its favourite won, else by
+    the NumPy passes: the reference's rows either way; the lists' path is taken when it applies."""
+    from lmpm.runtime.control import trace
+
+    if data.draw(st.booleans()):  # the favourite wins (the lists' path), or any winner
+        values = [dataclasses.replace(ve, winner=_favourite(ve)) for ve in values]
+    records = [EpochRecord(e, [ve], 0, 0, 0, 0, 0.0, 0.0) for e, ve in enumerate(values)]
+    _check(_GRID.plan, _GRID.engine, records)
+    tracer = Tracer(_GRID.plan, "summary")
+    for e, ve in enumerate(values):
+        if not ve.constraint_ids.numel():
+            continue
+        out = trace.TraceRows()
+        taken = trace._one_cell_summary(
+            ve, ve.valid.numpy(), e, tracer._static(ve), tracer._layout, out
+        )
+        assert taken == (int(ve.winner[0]) == int(_favourite(ve)[0]))
+
+
+def _favourite(ve: ValueEpoch) -> torch.Tensor:
+    from lmpm.runtime.control import trace
+
+    return torch.from_numpy(trace.favourite(ve.valid.numpy().T, ve.score.numpy().T))
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 80), st.integers(1, 20), st.integers(0, 2**32 - 1))
 def test_the_favourites_paths_agree(c: int, n: int, seed: int) -> None:
@@ -224,3 +252,5 @@ def test_the_favourites_paths_agree(c: int, n: int, seed: int) -> None:
             mp.setattr(trace, "WIDE", wide)
             got.append(trace.favourite(valid, score))
     assert got[0].tolist() == want.tolist() and got[1].tolist() == want.tolist()
+    one = [trace.favourite_of_one(valid[:, j].tolist(), score[:, j].tolist()) for j in range(n)]
+    assert one == want.tolist()  # one cell's, from Python lists

@@ -101,6 +101,7 @@ COUNTED = {
     "driver_cpu_s": "REAL",
     "checksum": "INTEGER",
 }
+INSERT_COMMIT = "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 INSERT_EPOCH = f"INSERT INTO epochs ({', '.join(EPOCH_COLUMNS)}) VALUES ({', '.join('?' * len(EPOCH_COLUMNS))})"
 
 # RuleSet events (enable/disable a constraint from an epoch on); logs written before it have none
@@ -152,10 +153,11 @@ CREATE TABLE checkpoints (
   created REAL NOT NULL);
 CREATE TABLE resumes (id INTEGER PRIMARY KEY, at REAL NOT NULL, from_epoch INTEGER NOT NULL,
   argv TEXT);
+-- trace_summary WITHOUT ROWID: an epoch's rows touch one b-tree (its key), not a table and an index
 CREATE TABLE trace_summary (
   epoch INTEGER NOT NULL, constraint_id INTEGER NOT NULL, rule INTEGER NOT NULL,
   checked INTEGER NOT NULL, violations INTEGER NOT NULL, won INTEGER NOT NULL, lost INTEGER NOT NULL,
-  blocked_where TEXT, PRIMARY KEY (epoch, constraint_id, rule));
+  blocked_where TEXT, PRIMARY KEY (epoch, constraint_id, rule)) WITHOUT ROWID;
 CREATE TABLE trace_cells (
   epoch INTEGER NOT NULL, value TEXT NOT NULL, cell INTEGER NOT NULL, coord TEXT NOT NULL,
   candidates INTEGER NOT NULL, winner INTEGER NOT NULL, winner_rule INTEGER NOT NULL,

@@ -64,6 +64,7 @@ from lmpm.runtime.rundir import (
     CHECKPOINT_DIR,
     CHECKPOINT_NAME,
     DB_NAME,
+    INSERT_COMMIT,
     INSERT_EPOCH,
     KEEP_RULE,
     SCHEMA,
@@ -567,6 +568,8 @@ class CommitLog:
         self.log_seconds = 0.0  # time spent in on_epoch, the log's whole cost to the run
         self._ruleset_logged = 0  # engine.ruleset_events already in the log
         self.wants_records = True  # the epoch records' per-cell part (not when the owners log)
+        self._maskplan_elem: object = None  # the mask plan element last logged, and its JSON
+        self._maskplan_json = ""
 
     # Observer protocol
     def on_start(self, engine: Engine) -> None:
@@ -713,15 +716,16 @@ class CommitLog:
             ckpt = write_checkpoint(
                 self.run_dir, engine, label, self.info.program_hash, sync=self.info.durable
             )
-        maskplan = json.dumps(next(reversed(engine.maskplan.adds)), separators=(",", ":"))
+        maskplan = self._maskplan(engine)
         conn = self.conn
         conn.execute("BEGIN IMMEDIATE")
         try:
             self._log_ruleset(engine)
             _insert_faults(conn, record)
-            conn.executemany(
-                "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows.commits
-            )
+            if len(rows.commits) == 1:  # (a decode's epoch: execute binds one row the faster)
+                conn.execute(INSERT_COMMIT, rows.commits[0])
+            elif rows.commits:
+                conn.executemany(INSERT_COMMIT, rows.commits)
             if rows.trace is not None:
                 rows.trace.insert(conn)
             if ckpt is not None:
@@ -742,6 +746,15 @@ class CommitLog:
             self._checkpointed = label
             self._prune_files()
         self.log_seconds += time.perf_counter() - t0
+
+    def _maskplan(self, engine: Engine) -> str:
+        """The epochs row's ``maskplan``: the mask plan's newest element as JSON (encoded once
+        while it stays the same element, as it does epoch after epoch)."""
+        elem = next(reversed(engine.maskplan.adds))
+        if elem is not self._maskplan_elem:
+            self._maskplan_json = json.dumps(elem, separators=(",", ":"))
+            self._maskplan_elem = elem
+        return self._maskplan_json
 
     def _epoch_rows(self, engine: Engine, record: EpochRecord) -> _EpochRows:
         """The epoch's per-cell rows and totals: from the records, or (``record.log``) the

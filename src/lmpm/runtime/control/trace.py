@@ -36,7 +36,7 @@ import json
 import re
 import sqlite3
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,6 +79,9 @@ MAX_CELL_CONSTRAINTS = 63  # cells level: violations are an int64 bitmask over c
 # over a few columns is faster for many cells and few candidates; one call per epoch for k = V)
 WIDE = 64
 FEW = 8  # ... and open cells at or below which the one-call reduction is the cheaper too
+# Candidates × constraints of a one-cell epoch up to which its summary is counted from Python
+# lists (a decode with k up to a few hundred; k = V goes through the NumPy passes)
+ONE_CELL = 1024
 
 
 # ---- regions: `Vid[0, 0..15, *]` ----------------------------------------------------------------
@@ -366,6 +369,60 @@ def attribute(
     return np.where(gone_by_hard, excluded, by_level)
 
 
+def favourite_of_one(valid: Sequence[bool], score: Sequence[float]) -> int:
+    """:func:`favourite` of one cell from Python lists (its C candidates' validity and scores):
+    the lowest valid column with the highest score; 0 when none is valid or a valid score is NaN.
+
+    >>> favourite_of_one([True, True, False], [0.5, 2.0, 9.0])
+    1
+    """
+    scores = [s for ok, s in zip(valid, score) if ok]
+    if not scores or any(s != s for s in scores):  # (NaN is not equal to itself)
+        return 0
+    top = max(scores)
+    return next(c for c, (ok, s) in enumerate(zip(valid, score)) if ok and s == top)
+
+
+def _one_cell_summary(
+    ve: ValueEpoch,
+    valid: np.ndarray,
+    e: int,
+    static: _Constraints,
+    layout_of: Callable[[Tensor], _Layout],
+    out: TraceRows,
+) -> bool:
+    """The summary rows of an epoch of one open cell whose winner is its score favourite (a
+    decode's usual epoch: no constraint decided it), appended to ``out`` from Python lists: the
+    rows :meth:`Tracer._summary` writes (the tests hold them equal), without its few dozen NumPy
+    calls on arrays of a handful of elements. False (nothing appended) for any other epoch: more
+    cells, more than :data:`ONE_CELL` candidate verdicts, or a cell a constraint may have decided."""
+    n, c = valid.shape
+    k = len(static.ids)
+    if n != 1 or c * max(k, 1) > ONE_CELL:
+        return False
+    ok = valid[0].tolist()  # (C,)
+    winner = int(ve.winner.cpu().numpy()[0])
+    if favourite_of_one(ok, ve.score.cpu().numpy()[0].tolist()) != winner:
+        if ve.disagreed is None or not bool(ve.disagreed.cpu().numpy()[0]):
+            return False  # a constraint may have decided it: the general path attributes it
+    layout = layout_of(ve.col_rule)
+    nr = len(layout.rules)
+    violated = ve.violated.cpu().numpy()[0].tolist()  # (C, K)
+    valid_r = [0] * nr  # valid candidates per rule
+    viol_rk = [[0] * k for _ in range(nr)]  # (R, K) candidates violating each constraint
+    for col, r in enumerate(layout.col_r.tolist()):
+        valid_r[r] += ok[col]
+        row = viol_rk[r]
+        for j, v in enumerate(violated[col]):
+            row[j] += v
+    applies = ve.applies.cpu().numpy()[0].tolist()  # (K,)
+    for r, rule in enumerate(layout.rules):
+        for j, cid in enumerate(static.ids):
+            if applies[j] and valid_r[r]:
+                out.summary.append((e, cid, rule, valid_r[r], viol_rk[r][j], 0, 0, None))
+    return True
+
+
 class Tracer:
     """Turns each epoch's :class:`~lmpm.runtime.records.EpochRecord` into trace rows.
 
@@ -446,6 +503,8 @@ class Tracer:
         if not ids and self.level != "cells":
             return  # nothing to count, nothing decided by a constraint
         valid = ve.valid.cpu().numpy()  # (n, C)
+        if self.level != "cells" and _one_cell_summary(ve, valid, e, static, self._layout, out):
+            return  # one open cell its favourite won (a decode's epoch): counted from lists
         violated = ve.violated.cpu().numpy()  # (n, C, K)
         winner = ve.winner.cpu().numpy()  # (n,)
         valid_t = np.ascontiguousarray(valid.T)  # (C, n): per-candidate passes are contiguous

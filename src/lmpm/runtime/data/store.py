@@ -58,6 +58,9 @@ if TYPE_CHECKING:
     from lmpm.resolve.plan import Plan
 
 
+INSERT_ROW = "INSERT INTO rows VALUES (?,?,?,?,?,?,?)"
+
+
 class PayloadStore:
     """The durable payload of one worker (see the module doc)."""
 
@@ -90,7 +93,8 @@ class PayloadStore:
             raise RunDirError(
                 f"cannot open the payload store {self.path}: {e}", code="D012"
             ) from None
-        self._open = False
+        self._open = False  # a transaction is open (per-cell log rows, candidates staged)
+        self._rows: list[tuple[Any, ...]] = []  # the ``rows`` staged for the next sync
 
     def _begin(self) -> None:
         if not self._open:
@@ -122,11 +126,7 @@ class PayloadStore:
         self._insert_rows(rows)
 
     def _insert_rows(self, rows: list[tuple[Any, ...]]) -> None:
-        try:
-            self._begin()
-            self.conn.executemany("INSERT INTO rows VALUES (?,?,?,?,?,?,?)", rows)
-        except sqlite3.Error as e:
-            raise sqlite_error(e, "write the payload store", self.path) from None
+        self._rows.extend(rows)  # written at sync: a decode's one row is one statement then
 
     def append_log(
         self,
@@ -186,15 +186,24 @@ class PayloadStore:
             raise sqlite_error(e, "write the payload store", self.path) from None
 
     def sync(self, epoch: int) -> None:
-        """Make everything staged for ``epoch`` durable (before the control plane logs it)."""
-        if self._open:
-            try:
+        """Make everything staged for ``epoch`` durable (before the control plane logs it): one
+        transaction; a lone payload row (a decode's epoch) is one INSERT, its own transaction."""
+        rows, self._rows = self._rows, []
+        try:
+            if len(rows) == 1 and not self._open:
+                self.conn.execute(INSERT_ROW, rows[0])
+                return
+            if rows:
+                self._begin()
+                self.conn.executemany(INSERT_ROW, rows)
+            if self._open:
                 self.conn.execute("COMMIT")
-            except sqlite3.Error as e:
-                raise sqlite_error(e, "commit the payload store", self.path) from None
-            self._open = False
+                self._open = False
+        except sqlite3.Error as e:
+            raise sqlite_error(e, "commit the payload store", self.path) from None
 
     def rollback(self) -> None:
+        self._rows = []
         if self._open:
             try:
                 self.conn.execute("ROLLBACK")
