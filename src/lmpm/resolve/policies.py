@@ -236,6 +236,13 @@ def quorum_eligible(checksum: Tensor, valid: Tensor, rule: Tensor, slot: Tensor,
     return valid & ((votes >= k) | (rule == -1)[None, :])
 
 
+def quorum_lost(checksum: Tensor, valid: Tensor, rule: Tensor, slot: Tensor, k: int) -> Tensor:
+    """(n,) bool: the cells where some replica proposed but no proposed payload had its ``k``
+    votes (:func:`quorum_eligible`'s arguments): why such a cell stays unset (NO_QUORUM)."""
+    agreed = quorum_eligible(checksum, valid, rule, slot, k)
+    return valid[:, 1:].any(dim=1) & ~agreed[:, 1:].any(dim=1)
+
+
 def quorum_k(policy: Policy, args: tuple[Any, ...]) -> int | None:
     """The votes a payload needs under ``policy(args)``: k of ``quorum(k ...)``, else None."""
     if policy is not quorum:

@@ -437,10 +437,9 @@ def _agree(spec: StepSpec, c: _Cols, tab: tuple[Tensor, Tensor, Tensor], limit: 
     else:
         decision = policies.get_policy(spec.policy)(a)
     winner = decision.winner
-    lost = None
-    if sums is not None:  # (lmpm.runtime.data.decide.quorum_lost: the hard-blind votes)
-        agreed = policies.quorum_eligible(sums, valid, rule, slot, spec.quorum)
-        lost = valid[:, 1:].any(dim=1) & ~agreed[:, 1:].any(dim=1)
+    lost = None  # (as lmpm.runtime.data.decide.quorum_lost: the votes before `hard`)
+    if sums is not None:
+        lost = policies.quorum_lost(sums, valid, rule, slot, spec.quorum)
     w = decision.weights
     new = _pick(c.cols, winner, spec.cdims) if w is None else _mean(spec, c, w)
     changed = winner != 0
