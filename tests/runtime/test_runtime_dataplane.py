@@ -239,7 +239,9 @@ def _vandal_predicate(ctx: Any) -> torch.Tensor:
 
 def _vandal_policy(a: Agree, *args: Any) -> Decision:
     d = policies.satisfy(a, *args)
-    for t in (a.valid, a.score, a.violated, a.priority, a.rule, a.replica, a.slot):
+    for t in (a.valid, a.score, a.violated, a.levels.key, a.rule, a.replica, a.slot):
+        if t is None:
+            continue
         t.fill_(0) if t.dtype != torch.bool else t.fill_(True)
     return d
 

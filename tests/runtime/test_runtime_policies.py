@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmpm.errors import BindError
-from lmpm.resolve.policies import Agree, get_policy
+from lmpm.resolve.policies import Agree, get_policy, levels_of
 
 
 def agree(
@@ -26,7 +26,7 @@ def agree(
         torch.ones_like(p, dtype=torch.bool),
         torch.tensor(score, dtype=torch.float64),
         torch.tensor(violated, dtype=torch.bool).reshape(p.shape[0], c, len(priority)),
-        torch.tensor(priority),
+        levels_of(tuple(priority), torch.device("cpu")),
         torch.tensor(rule or [-1] + [0] * (c - 1)),
         torch.tensor([-1, *range(c - 1)]),
         torch.tensor(slot or [-1] + [0] * (c - 1)),
@@ -67,7 +67,7 @@ def test_average_needs_numbers() -> None:
         torch.ones(1, 3, dtype=torch.bool),
         torch.zeros(1, 3, dtype=torch.float64),
         torch.zeros(1, 3, 0, dtype=torch.bool),
-        torch.zeros(0, dtype=torch.int64),
+        levels_of((), torch.device("cpu")),
         torch.tensor([-1, 0, 0]),
         torch.tensor([-1, 0, 0]),
         torch.tensor([-1, 0, 1]),
@@ -100,7 +100,7 @@ def test_unknown_policy_lists_the_known_ones() -> None:
 def _satisfy_by_hand(a: Agree) -> list[int]:
     """satisfy() as its definition reads: per cell, the valid candidate maximizing (satisfied
     constraints per priority level, highest level first; score; -column)."""
-    levels = sorted(set(a.priority.tolist()), reverse=True)
+    levels = sorted(set(a.levels.priority), reverse=True)
     winners = []
     for i in range(a.checksum.shape[0]):
         best: tuple[Any, ...] | None = None
@@ -111,7 +111,7 @@ def _satisfy_by_hand(a: Agree) -> list[int]:
             sat = tuple(
                 sum(
                     not bool(a.violated[i, c, k])
-                    for k, p in enumerate(a.priority.tolist())
+                    for k, p in enumerate(a.levels.priority)
                     if p == level
                 )
                 for level in levels
@@ -152,7 +152,7 @@ def test_satisfy_equals_its_definition_on_random_candidates(seed: int) -> None:
         valid,
         score,
         torch.rand(n, c, k, generator=g) > 0.5,
-        torch.tensor(priority),
+        levels_of(tuple(priority), torch.device("cpu")),
         torch.tensor([-1] + [0] * (c - 1)),
         torch.tensor([-1] + [0] * (c - 1)),
         torch.tensor([-1, *range(c - 1)]),

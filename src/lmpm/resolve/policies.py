@@ -20,7 +20,7 @@ Add a policy::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -40,11 +40,49 @@ class Agree:
     valid: Tensor  # (n, C) bool: the candidate exists (padding is False; keep is always True)
     score: Tensor  # (n, C) float64; keep's score is the committed score (-inf when unset)
     violated: Tensor  # (n, C, K) bool
-    priority: Tensor  # (K,) int64 priority of each constraint
+    levels: Levels  # the constraints' priorities (host values, built once per value)
     rule: Tensor  # (C,) int64 rule index of each column; -1 for keep
     replica: Tensor  # (C,) int64 quorum replica of each column; -1 for keep
     slot: Tensor  # (C,) int64 proposal slot within its rule (replicas share slots); -1 for keep
     numeric: bool = False  # the value's payload is numeric (Float, Tensor[D]): it can be averaged
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """The priorities of a value's K constraints, as the policies read them: host values built
+    once per value (:func:`levels`), never read from a tensor per call, so a policy traces
+    under fake tensors (the compiled step, :mod:`lmpm.runtime.data.compiled`, calls the policies
+    themselves)."""
+
+    priority: tuple[int, ...]  # per constraint
+    # (K,) float64 on the candidates' device: minus the weight of one violation of each
+    # constraint in a packed key (:func:`_packed_weights`); None when K < 2 or it does not fit
+    key: Tensor | None
+
+
+def levels(priority: tuple[int, ...], device: torch.device) -> Levels:
+    """``priority``'s :class:`Levels` with a fresh key on ``device`` (what a traced step builds
+    inside its graph). Eager callers use :func:`levels_of`."""
+    key = _packed_weights(priority) if len(priority) > 1 else None
+    if key is None:
+        return Levels(priority, None)
+    return Levels(priority, host_tensor(key, torch.float64, device))
+
+
+def host_tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A (len(values),) tensor of host values built by factory operations (one ``full`` each,
+    stacked), not copied from a host list: traced, it is computed inside the graph rather than
+    held as a tensor constant (a compiled step's graph is called with its inputs alone)."""
+    if not values:
+        return torch.empty(0, dtype=dtype, device=device)
+    return torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
+
+
+@lru_cache(maxsize=256)
+def levels_of(priority: tuple[int, ...], device: torch.device) -> Levels:
+    """:func:`levels`, built once per priorities and device (shared between calls: never
+    written)."""
+    return levels(priority, device)
 
 
 @dataclass(slots=True)
@@ -90,14 +128,14 @@ def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
     if k == 1:
         ok = eligible > a.violated.squeeze(2)  # eligible and not violated (bools: a > b is a & ~b)
         return torch.where(ok.any(dim=1, keepdim=True), ok, eligible)
-    weights = _packed_weights(tuple(a.priority.tolist()), a.violated.device)
-    if weights is not None:
+    if a.levels.key is not None:
         # one key per candidate, ordered as the levels order them: keep the eligible maxima
-        key = a.violated.to(torch.float64) @ weights  # (n, C), minus the packed violation counts
+        # (exact: a sum of distinct powers of two below 2**53, in any order)
+        key = torch.where(a.violated, a.levels.key, 0.0).sum(dim=2)  # (n, C)
         key = torch.where(eligible, key, -torch.inf)
         return eligible & (key == key.amax(dim=1, keepdim=True))
     sat = ~a.violated  # (n, C, K)
-    priority = a.priority.tolist()
+    priority = a.levels.priority
     for prio in sorted(set(priority), reverse=True):
         ks = [j for j, p in enumerate(priority) if p == prio]
         if len(ks) == 1:
@@ -111,15 +149,13 @@ def lexicographic(a: Agree, eligible: Tensor) -> Tensor:
     return eligible
 
 
-@lru_cache(maxsize=256)
-def _packed_weights(priority: tuple[int, ...], device: torch.device) -> Tensor | None:
-    """(K,) float64: minus the weight of one violation of each constraint in a packed key.
+def _packed_weights(priority: tuple[int, ...]) -> tuple[float, ...] | None:
+    """Per constraint, minus the weight of one violation of it in a packed key.
 
     Each priority level owns a bit field wide enough for its count of violations, the highest
     level in the top bits, so the integer order of ``sum violated * -weight`` is the lexicographic
     order of (violations at the highest level, ..., at the lowest), reversed: the largest key has
-    the fewest. Exact in float64 while the fields fit in 53 bits (None otherwise: loop the levels).
-    Shared between calls: never written."""
+    the fewest. Exact in float64 while the fields fit in 53 bits (None otherwise: loop the levels)."""
     shift: dict[int, int] = {}
     bits = 0
     for prio in sorted(set(priority)):  # the lowest level in the lowest bits
@@ -127,9 +163,7 @@ def _packed_weights(priority: tuple[int, ...], device: torch.device) -> Tensor |
         bits += priority.count(prio).bit_length()
     if bits > 53:
         return None
-    return torch.tensor(
-        [-float(1 << shift[p]) for p in priority], dtype=torch.float64, device=device
-    )
+    return tuple(-float(1 << shift[p]) for p in priority)
 
 
 @register("satisfy")
@@ -148,7 +182,7 @@ def satisfy(a: Agree, mode: str = "max_constraints_then_score", *_: Any) -> Deci
 def winner_takes_all(a: Agree, *_: Any) -> Decision:
     """The highest-scoring proposal wins whatever the constraints say (they are still traced)."""
     proposals = a.valid.clone()
-    proposals[:, 0] = False
+    proposals.select(1, 0).fill_(False)  # (a scalar fill: no tensor constant when traced)
     any_prop = proposals.any(dim=1)
     winner = best_by_score(a.score, proposals)
     winner = torch.where(any_prop, winner, torch.zeros_like(winner))
@@ -166,7 +200,7 @@ def average(a: Agree, *_: Any) -> Decision:
             hint="use satisfy(max_constraints_then_score) for tokens",
         )
     proposals = a.valid.clone()
-    proposals[:, 0] = False
+    proposals.select(1, 0).fill_(False)  # (a scalar fill: no tensor constant when traced)
     has = proposals.any(dim=1)
     # the first valid proposal names the winning rule (provenance); the payload is the mean
     winner = torch.where(has, proposals.view(torch.uint8).argmax(dim=1), 0)
@@ -186,7 +220,7 @@ def quorum(a: Agree, k: int | Of = 2, inner: Any = "satisfy", *inner_args: Any) 
         inner_name, args = inner[0], tuple(inner[1])
     fn = get_policy(str(inner_name))
     narrowed = Agree(
-        a.checksum, eligible, a.score, a.violated, a.priority, a.rule, a.replica, a.slot, a.numeric
+        a.checksum, eligible, a.score, a.violated, a.levels, a.rule, a.replica, a.slot, a.numeric
     )
     return fn(narrowed, *args)
 
@@ -200,6 +234,13 @@ def quorum_eligible(checksum: Tensor, valid: Tensor, rule: Tensor, slot: Tensor,
     same &= valid[:, None, :]
     votes = same.sum(dim=2)  # (n, C)
     return valid & ((votes >= k) | (rule == -1)[None, :])
+
+
+def quorum_lost(checksum: Tensor, valid: Tensor, rule: Tensor, slot: Tensor, k: int) -> Tensor:
+    """(n,) bool: the cells where some replica proposed but no proposed payload had its ``k``
+    votes (:func:`quorum_eligible`'s arguments): why such a cell stays unset (NO_QUORUM)."""
+    agreed = quorum_eligible(checksum, valid, rule, slot, k)
+    return valid[:, 1:].any(dim=1) & ~agreed[:, 1:].any(dim=1)
 
 
 def quorum_k(policy: Policy, args: tuple[Any, ...]) -> int | None:
@@ -261,10 +302,14 @@ __all__ = [
     "POLICIES",
     "Agree",
     "Decision",
+    "Levels",
     "Of",
     "aggregates",
     "average",
     "get_policy",
+    "host_tensor",
+    "levels",
+    "levels_of",
     "quorum",
     "register",
     "replicas",

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lmpm.resolve import policies
 from lmpm.resolve.plan import ValuePlan
-from lmpm.resolve.policies import Agree, Decision
+from lmpm.resolve.policies import Agree, Decision, Levels, levels_of
 from lmpm.runtime.protocol import Candidates
 
 # The policies shipped with LMPM never write into their inputs; any other policy gets copies.
@@ -38,13 +38,14 @@ def agree(
     vp: ValuePlan,
     cand: Candidates,
     kept_score: Tensor,
-    priority: Tensor,
+    priority: tuple[int, ...],
     quota: int | None,
     fresh: bool = False,
     hard: Tensor | None = None,
 ) -> Agreed:
     """Run ``vp``'s policy on ``cand``. ``kept_score``: (n,) committed score of each open cell
-    (-inf when unset); ``priority``: (K,) constraint priorities; ``quota``: at most this many cells
+    (-inf when unset); ``priority``: the K constraints' priorities (host values, built once per
+    value); ``quota``: at most this many cells
     commit, the highest-scoring winners first (ties: lower cell); ``fresh``: every open cell is
     unset; ``hard``: (K,) bool, the `hard` constraints: a proposal violating one is not eligible
     (keep-current always is, so such a cell keeps its value, or stays unset)."""
@@ -55,23 +56,21 @@ def agree(
         score[:, 0] = kept_score
     checksum = cand.checksum if cand.checksum is not None else _NO_CHECKSUMS
     valid = cand.valid
-    if hard is not None:  # (n, C): proposals (column 1 on) that violate a hard constraint
-        out = (cand.violated & hard.to(cand.violated.device)).any(dim=2)
-        out[:, 0] = False
-        valid = valid & ~out
+    if hard is not None:
+        valid = drop_hard(valid, cand.violated, hard.to(cand.violated.device))
     a = Agree(
         checksum,
         valid,
         score,
         cand.violated,
-        priority,
+        levels_of(priority, cand.violated.device),
         cand.col_rule,
         cand.col_replica,
         cand.col_slot,
         vp.dtype.is_floating_point,
     )
     if vp.policy not in _TRUSTED:
-        a = Agree(*(t.clone() if isinstance(t, Tensor) else t for t in _fields(a)))  # type: ignore[arg-type]
+        a = Agree(*(_copy(t) for t in _fields(a)))  # type: ignore[arg-type]
     decision: Decision = vp.policy(a, *vp.policy_args)
     winner = decision.winner
     changed = winner != 0
@@ -80,6 +79,15 @@ def agree(
         conf = torch.where(changed, score[torch.arange(n), winner], -torch.inf)
         changed = changed & keep_top(conf, quota)
     return Agreed(score, winner, changed, decision.weights)
+
+
+def drop_hard(valid: Tensor, violated: Tensor, hard: Tensor) -> Tensor:
+    """(n, C) bool: ``valid`` less the proposals (column 1 on) that violate a `hard` constraint
+    (``violated`` (n, C, K), ``hard`` (K,) bool); keep-current always stays eligible. The eager
+    agreement and the compiled step (traced) both call it."""
+    out = (violated & hard).any(dim=2)
+    out.select(1, 0).fill_(False)
+    return valid & ~out
 
 
 def keep_top(conf: Tensor, quota: int | Tensor) -> Tensor:
@@ -95,3 +103,12 @@ def keep_top(conf: Tensor, quota: int | Tensor) -> Tensor:
 
 def _fields(a: Agree) -> tuple[object, ...]:
     return tuple(getattr(a, f) for f in a.__dataclass_fields__)
+
+
+def _copy(t: object) -> object:
+    """A copy of one :class:`Agree` field for a policy LMPM does not ship (it may write it)."""
+    if isinstance(t, Tensor):
+        return t.clone()
+    if isinstance(t, Levels) and t.key is not None:
+        return Levels(t.priority, t.key.clone())
+    return t

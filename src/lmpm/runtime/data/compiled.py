@@ -27,10 +27,11 @@ Several rules per value, quorum replicas (the payloads' checksums, :func:`lmpm.r
 checksum`, traced; a proposal eligible where k replicas of its rule and slot proposed it; the
 cells no payload won as NO_QUORUM, the outvoted replicas as :class:`Outvoted` columns for the
 owner's records), the ``satisfy``, ``winner_takes_all`` and ``average`` policies, ``hard``
-constraints and a schedule's quota (confidence: :func:`lmpm.runtime.data.agree.keep_top`, traced)
-are decided inside the step. A value runs eagerly (the ordinary propose/agree/apply protocol) only
-where user Python code decides it; :func:`eligibility` says why, and ``lmpm show --compiled``
-prints it:
+constraints and a schedule's quota (confidence: :func:`lmpm.runtime.data.agree.keep_top`) are
+decided inside the step, by the eager functions themselves traced (:mod:`lmpm.resolve.policies`,
+:func:`lmpm.runtime.data.agree.drop_hard`). A value runs eagerly (the ordinary
+propose/agree/apply protocol) only where user Python code decides it; :func:`eligibility` says
+why, and ``lmpm show --compiled`` prints it:
 
 - a constraint on it is a bound Python predicate;
 - its policy is one the user registered (:func:`lmpm.resolve.policies.register`), alone or inside a
@@ -65,7 +66,7 @@ from lmpm.errors import RuntimeFault
 from lmpm.ir.nodes import PredKind
 from lmpm.resolve import policies
 from lmpm.resolve.plan import Plan
-from lmpm.runtime.data.agree import keep_top
+from lmpm.runtime.data.agree import drop_hard, keep_top
 from lmpm.runtime.data.clocks import clock_reads
 from lmpm.runtime.protocol import checksum
 from lmpm.runtime.records import HELD, NO_QUORUM, NO_WINNER
@@ -260,6 +261,7 @@ class _Cols(NamedTuple):
     was: Tensor  # (n,) bool: the open cell was committed before the epoch
     kept: Tensor  # (n,) float64: its committed score
     rule: tuple[int, ...]  # per column its rule id (-1: keep), from the Layout
+    replica: tuple[int, ...]  # per column its rule's replica (-1: keep)
     slot: tuple[int, ...]  # per column its proposal slot (-1: keep)
 
 
@@ -289,15 +291,16 @@ def value_step(spec: StepSpec, layout: Layout) -> Callable[..., tuple[Tensor, ..
     """The plain (uncompiled) function of one value's epoch after its models, for the candidate
     columns of ``layout``: what :class:`CompiledEpoch` hands to ``torch.compile``. It writes the
     payload and the metadata in place and returns the epoch's records. The stages are the eager
-    owner's (fold, check, agree, apply, clocks, why), unrolled over the candidate columns: every
-    operation is elementwise over the open cells (a compiled loop reduces a row of 2..9 columns
-    poorly)."""
-    rule, _, slot = columns_of(layout)
+    owner's (fold, check, agree, apply, clocks, why); fold and check are unrolled over the
+    candidate columns (every operation elementwise over the open cells), agree is the eager
+    agreement's own functions over the stacked (n, C) tables (:func:`_agree`)."""
+    columns = columns_of(layout)
 
     def step(x: StepInputs, t: StepTables) -> tuple[Tensor, ...]:
-        c = _fold(spec, x, rule, slot)
+        c = _fold(spec, x, columns)
         verdicts, applies = _check(spec, c, x, t)
-        ag = _agree(spec, c, verdicts, x.limit)
+        tab = _tables(c, verdicts)
+        ag = _agree(spec, c, tab, x.limit)
         # apply: a cell that keeps writes back its own payload (column 0)
         hit = ag.changed.reshape(-1, *([1] * spec.cdims))
         cells = x.cells
@@ -322,7 +325,8 @@ def value_step(spec: StepSpec, layout: Layout) -> Callable[..., tuple[Tensor, ..
         return (
             ag.winner,
             ag.changed,
-            *_records(c, verdicts, applies, ag.changed),
+            *tab,
+            _applies(applies, ag.changed),
             new_clock,
             c.was,
             *quorum,
@@ -332,10 +336,11 @@ def value_step(spec: StepSpec, layout: Layout) -> Callable[..., tuple[Tensor, ..
     return step
 
 
-def _fold(spec: StepSpec, x: StepInputs, rule: tuple[int, ...], slot: tuple[int, ...]) -> _Cols:
+def _fold(spec: StepSpec, x: StepInputs, columns: tuple[tuple[int, ...], ...]) -> _Cols:
     """Stage 2, fold candidates: the open cells' current payload as column 0, the proposals as
-    columns 1..P (valid where their rule fired); a proposal equal to the committed payload is
-    keep-current, freshly scored (not under an aggregating policy, where it counts as any)."""
+    columns 1..P (valid where their rule fired; ``columns``: :func:`columns_of` the Layout); a
+    proposal equal to the committed payload is keep-current, freshly scored (not under an
+    aggregating policy, where it counts as any)."""
     cells = x.cells
     current = x.payload.index_select(0, cells)  # (n, *cell)
     was = x.committed.index_select(0, cells)
@@ -345,13 +350,13 @@ def _fold(spec: StepSpec, x: StepInputs, rule: tuple[int, ...], slot: tuple[int,
     scs = [x.sc[:, j] for j in range(width)]
     fired = [x.fired[:, j] for j in range(width)]
     if not spec.folds:
-        return _Cols(cols, [kept, *scs], [torch.ones_like(was), *fired], was, kept, rule, slot)
+        return _Cols(cols, [kept, *scs], [torch.ones_like(was), *fired], was, kept, *columns)
     same = [_equal(col, current, spec.cdims) & was & f for col, f in zip(cols[1:], fired)]
     refreshed = _any(same)
     best_same = _max([torch.where(m, s, -torch.inf) for m, s in zip(same, scs)])
     score = [torch.where(refreshed, best_same, kept), *scs]
     valid = [torch.ones_like(was)] + [f & ~m for f, m in zip(fired, same)]
-    return _Cols(cols, score, valid, was, kept, rule, slot)
+    return _Cols(cols, score, valid, was, kept, *columns)
 
 
 def _equal(x: Tensor, y: Tensor, cdims: int) -> Tensor:
@@ -396,64 +401,62 @@ def _check(
     return verdicts, applies
 
 
-def _agree(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]], limit: Tensor) -> _Agreed:
-    """Stage 4, agree (:func:`lmpm.runtime.data.agree.agree`, unrolled): a proposal violating a
-    `hard` constraint is not eligible; under a quorum only a payload k replicas proposed
-    (:func:`_votes`); then the policy's (n,) winning column (0: keep), (n,) which cells commit
-    (a quota keeps the most confident: :func:`_quota`) and the (n, *cell) payload a committing
-    cell writes (the winner's; average: the mean of the proposals)."""
-    valid = c.valid
-    hard = [v for v, ck in zip(verdicts, spec.checks) if ck.hard]
-    if hard:
-        valid = [valid[0]] + [
-            ok & ~_any([v[col] for v in hard]) for col, ok in enumerate(valid) if col
-        ]
-    lost = sums = None
+def _agree(spec: StepSpec, c: _Cols, tab: tuple[Tensor, Tensor, Tensor], limit: Tensor) -> _Agreed:
+    """Stage 4, agree: the eager agreement's own functions (:func:`lmpm.runtime.data.agree.agree`)
+    traced over the stacked (n, C) tables ``tab`` (score, valid, violated): a proposal violating a
+    `hard` constraint is not eligible (:func:`~lmpm.runtime.data.agree.drop_hard`), then the
+    policy itself (:mod:`lmpm.resolve.policies`: a quorum's votes, its inner policy) picks the
+    (n,) winning column (0: keep); which cells commit (a quota keeps the most confident:
+    :func:`_quota`) and the (n, *cell) payload a committing cell writes (the winner's; an
+    aggregating policy's: :func:`_mean` of its weights)."""
+    score, valid, violated = tab
+    dev = score.device
+    hard = [ck.hard for ck in spec.checks]
+    eligible = valid
+    if any(hard):
+        eligible = drop_hard(valid, violated, policies.host_tensor(hard, torch.bool, dev))
+    sums = (
+        torch.stack([checksum(col, spec.cdims) for col in c.cols], dim=1) if spec.quorum else None
+    )
+    rule, replica, slot = (
+        policies.host_tensor(t, torch.int64, dev) for t in (c.rule, c.replica, c.slot)
+    )
+    a = policies.Agree(
+        torch.empty(0, dtype=torch.int64, device=dev) if sums is None else sums,
+        eligible,
+        score,
+        violated,
+        policies.levels(spec.priority, dev),  # its key built inside the graph
+        rule,
+        replica,
+        slot,
+        spec.dtype.is_floating_point,
+    )
     if spec.quorum:
-        sums = [checksum(col, spec.cdims) for col in c.cols]
-        agreed = _votes(c, sums, c.valid, spec.quorum)
-        lost = _any(c.valid[1:]) & ~_any(agreed[1:])
-        valid = agreed if not hard else _votes(c, sums, valid, spec.quorum)
-    if spec.policy == "satisfy":
-        winner = _best(c.score, _narrow(verdicts, valid, list(spec.priority)))
-    elif spec.policy == "winner_takes_all":
-        eligible = [torch.zeros_like(c.was), *valid[1:]]
-        winner = _best(c.score, eligible)
-        winner = torch.where(_any(eligible[1:]), winner, torch.zeros_like(winner))
-    if spec.policy == "average":  # the first valid proposal names the rule, the payload the mean
-        winner, new = _average(spec, c, valid)
+        decision = policies.quorum(a, spec.quorum, spec.policy)
     else:
-        new = _pick(c.cols, winner, spec.cdims)
+        decision = policies.get_policy(spec.policy)(a)
+    winner = decision.winner
+    lost = None  # (as lmpm.runtime.data.decide.quorum_lost: the votes before `hard`)
+    if sums is not None:
+        lost = policies.quorum_lost(sums, valid, rule, slot, spec.quorum)
+    w = decision.weights
+    new = _pick(c.cols, winner, spec.cdims) if w is None else _mean(spec, c, w)
     changed = winner != 0
     if spec.quota:
         changed = _quota(changed, _pick(c.score, winner, 0), limit)
-    if spec.policy == "average":  # (after the quota, as the worker's write)
+    if w is not None:  # (after the quota, as the worker's write) an unchanged mean is no commit
         changed = changed & ~(_equal(new, c.cols[0], spec.cdims) & c.was)
-    rule, contributed = _contributions(spec, c, winner, valid)
-    stacked = None if sums is None else torch.stack(sums, dim=1)
-    return _Agreed(winner, changed, new, rule, contributed, lost, stacked)
-
-
-def _votes(c: _Cols, sums: list[Tensor], valid: list[Tensor], k: int) -> list[Tensor]:
-    """:func:`lmpm.resolve.policies.quorum_eligible`, unrolled: per column, valid and proposed
-    (the same payload checksum) by ``k`` or more columns of its rule and slot, one per replica;
-    keep-current always."""
-    out = [valid[0]]
-    for j in range(1, len(valid)):
-        peers = [
-            i for i in range(1, len(valid)) if (c.rule[i], c.slot[i]) == (c.rule[j], c.slot[j])
-        ]
-        votes = _sum([valid[i] & (sums[i] == sums[j]) for i in peers])
-        out.append(valid[j] & (votes >= k))
-    return out
+    won, contributed = _contributions(spec, c, winner, w)
+    return _Agreed(winner, changed, new, won, contributed, lost, sums)
 
 
 def _contributions(
-    spec: StepSpec, c: _Cols, winner: Tensor, eligible: list[Tensor]
+    spec: StepSpec, c: _Cols, winner: Tensor, weights: Tensor | None
 ) -> tuple[Tensor | None, list[Tensor | None] | None]:
     """:func:`lmpm.runtime.data.decide.contributions`: with several rules, (n,) each cell's
     winning rule and per rule the cells whose commit it contributed to (the winner's rule, or
-    every rule an average weighs; None for a rule that did not propose). One rule: (None, None)."""
+    every rule an aggregate weighs; None for a rule that did not propose). One rule: (None, None)."""
     if len(spec.rules) < 2:
         return None, None
     won = torch.full_like(winner, -1)
@@ -464,8 +467,8 @@ def _contributions(
         cols = [j for j in range(1, len(c.rule)) if c.rule[j] == rid]
         if not cols:
             out.append(None)
-        elif spec.policy == "average":
-            out.append(_any([eligible[j] for j in cols]))
+        elif weights is not None:
+            out.append(_any([weights[:, j] > 0 for j in cols]))
         else:
             out.append(won == rid)
     return won, out
@@ -482,18 +485,14 @@ def _quota(changed: Tensor, won: Tensor, limit: Tensor) -> Tensor:
     return torch.where(real, kept, kept[0].expand(kept.shape[0]))
 
 
-def _average(spec: StepSpec, c: _Cols, valid: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """:func:`lmpm.resolve.policies.average` and the worker's weighted write
-    (:meth:`lmpm.runtime.data.dataplane.DataPlane.apply`), the same float64 sums: the first
-    valid proposal's column and the mean of the valid proposals."""
-    winner = torch.zeros_like(c.was, dtype=torch.int64)
-    for j in reversed(range(1, len(valid))):
-        winner = torch.where(valid[j], j, winner)
-    w = torch.stack([torch.zeros_like(c.score[0]), *(v.to(torch.float64) for v in valid[1:])], 1)
-    wv = w.reshape(*w.shape, *([1] * spec.cdims))
+def _mean(spec: StepSpec, c: _Cols, weights: Tensor) -> Tensor:
+    """The worker's weighted write of an aggregating policy's :class:`~lmpm.resolve.policies.
+    Decision` (:meth:`lmpm.runtime.data.dataplane.DataPlane.apply`), the same float64 sums:
+    ``sum_c w[c] * candidate[c] / sum_c w[c]`` per cell."""
+    wv = weights.reshape(*weights.shape, *([1] * spec.cdims))
     table = torch.stack(c.cols, dim=1).to(torch.float64)
-    count = w.sum(dim=1).clamp(min=1e-300).reshape(-1, *([1] * spec.cdims))
-    return winner, ((wv * table).sum(dim=1) / count).to(spec.dtype)
+    count = weights.sum(dim=1).clamp(min=1e-300).reshape(-1, *([1] * spec.cdims))
+    return ((wv * table).sum(dim=1) / count).to(spec.dtype)
 
 
 def _clock_top(
@@ -561,19 +560,22 @@ def _why(spec: StepSpec, c: _Cols, verdicts: list[list[Tensor]]) -> Tensor:
     return code
 
 
-def _records(
-    c: _Cols, verdicts: list[list[Tensor]], applies: list[Tensor], changed: Tensor
-) -> tuple[Tensor, ...]:
-    """The epoch's record tensors: score (n, C), valid (n, C), violated (n, C, K), applies (n, K)."""
-    n = changed.shape[0]
-    ncol = len(c.cols)
+def _tables(c: _Cols, verdicts: list[list[Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
+    """The candidate tables the policies take and the epoch records: score (n, C) float64, valid
+    (n, C) bool, violated (n, C, K) bool."""
+    n = c.was.shape[0]
     if verdicts:
         violated = torch.stack([torch.stack(v, dim=1) for v in verdicts], dim=2)
-        applies_t = torch.stack(applies, dim=1)
     else:
-        violated = torch.zeros((n, ncol, 0), dtype=torch.bool, device=changed.device)
-        applies_t = torch.ones((n, 0), dtype=torch.bool, device=changed.device)
-    return torch.stack(c.score, dim=1), torch.stack(c.valid, dim=1), violated, applies_t
+        violated = torch.zeros((n, len(c.cols), 0), dtype=torch.bool, device=c.was.device)
+    return torch.stack(c.score, dim=1), torch.stack(c.valid, dim=1), violated
+
+
+def _applies(applies: list[Tensor], changed: Tensor) -> Tensor:
+    """The epoch record's (n, K) bool: the cells each constraint applies to."""
+    if applies:
+        return torch.stack(applies, dim=1)
+    return torch.ones((changed.shape[0], 0), dtype=torch.bool, device=changed.device)
 
 
 def _counts(c: _Cols, verdicts: list[list[Tensor]], changed: Tensor, e: Tensor) -> Tensor:
@@ -613,46 +615,6 @@ def _pick(cols: Sequence[Tensor], winner: Tensor, cdims: int) -> Tensor:
         hit = (winner == j).reshape(-1, *([1] * cdims))
         out = torch.where(hit, cols[j], out)
     return out
-
-
-def _best(score: Sequence[Tensor], eligible: Sequence[Tensor]) -> Tensor:
-    """The eligible column with the highest score, ties to the lowest column
-    (:func:`lmpm.resolve.policies.best_by_score`, unrolled); 0 when none is eligible.
-
-    Not the policy's function traced: it takes an argmax over a stacked (n, C) table, which the
-    step avoids on purpose (a compiled loop reduces a row of 2..9 columns poorly: the reason the
-    step is unrolled), and :func:`~lmpm.resolve.policies.lexicographic` reads the
-    priorities with ``tolist()`` (a host read that fake-tensor tracing refuses); both are held
-    equal to these by ``LMPM_VALIDATE=eager`` and the differential tests."""
-    s = [torch.where(ok, x, -torch.inf) for ok, x in zip(eligible, score)]
-    top = _max(s)
-    winner = torch.zeros(score[0].shape, dtype=torch.int64, device=score[0].device)
-    found = torch.zeros_like(eligible[0])
-    for j, (ok, x) in enumerate(zip(eligible, s)):
-        hit = ok & (x == top) & ~found
-        winner = torch.where(hit, j, winner)
-        found = found | hit
-    return winner
-
-
-def _narrow(
-    verdicts: list[list[Tensor]], eligible: list[Tensor], priority: list[int]
-) -> list[Tensor]:
-    """:func:`lmpm.resolve.policies.lexicographic`, unrolled over the columns."""
-    for prio in sorted(set(priority), reverse=True):
-        ks = [j for j, p in enumerate(priority) if p == prio]
-        if len(ks) == 1:
-            ok = [e & ~v for e, v in zip(eligible, verdicts[ks[0]])]
-            some = _any(ok)
-            eligible = [torch.where(some, o, e) for o, e in zip(ok, eligible)]
-            continue
-        count = []
-        for c, e in enumerate(eligible):
-            sat = _sum([~verdicts[j][c] for j in ks])
-            count.append(torch.where(e, sat, -1))
-        top = _max(count)
-        eligible = [e & (x == top) for e, x in zip(eligible, count)]
-    return eligible
 
 
 def _sum(xs: Sequence[Tensor]) -> Tensor:

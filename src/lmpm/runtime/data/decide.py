@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lmpm.resolve import policies
 from lmpm.resolve.plan import RulePlan
-from lmpm.resolve.policies import quorum_eligible
 from lmpm.runtime.protocol import Applied, Candidates, ValueDecision
 from lmpm.runtime.records import NO_QUORUM, NO_WINNER, CellState, ValueEpoch
 
@@ -78,8 +78,7 @@ def quorum_lost(cand: Candidates, k: int | None) -> Tensor | None:
     proposed payload had its k votes (None: no quorum, or no checksums to compare)."""
     if k is None or cand.checksum is None:
         return None
-    agreed = quorum_eligible(cand.checksum, cand.valid, cand.col_rule, cand.col_slot, k)
-    return cand.valid[:, 1:].any(dim=1) & ~agreed[:, 1:].any(dim=1)
+    return policies.quorum_lost(cand.checksum, cand.valid, cand.col_rule, cand.col_slot, k)
 
 
 # ---- apply -------------------------------------------------------------------------------------

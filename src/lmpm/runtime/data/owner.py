@@ -120,6 +120,7 @@ class ValueStatic:
     priority: Tensor  # (K,) int64
     constraint_ids: Tensor  # (K,) int64 ids into plan.constraints
     hard: Tensor | None = None  # (K,) bool: `hard` constraints (None: none is)
+    levels: tuple[int, ...] = ()  # the K priorities as host values (what the policies read)
 
 
 def _hard_mask(constraints: list[ConstraintPlan]) -> Tensor | None:
@@ -223,6 +224,7 @@ class Owner:
                 torch.tensor([cp.priority for cp in live.get(name, [])], dtype=torch.int64),
                 torch.tensor([cp.id for cp in live.get(name, [])], dtype=torch.int64),
                 _hard_mask(live.get(name, [])),
+                tuple(cp.priority for cp in live.get(name, [])),
             )
             for name, rules in by_target.items()
         }
@@ -505,7 +507,7 @@ class Owner:
             kept = st.score.index_select(0, cells)
             was = st.committed.index_select(0, cells)
         vp = self.plan.values[name]
-        ag = agree(vp, cand, kept, static.priority, quota, self.fresh[name], static.hard)
+        ag = agree(vp, cand, kept, static.levels, quota, self.fresh[name], static.hard)
         return ag, was
 
     def _pending(
