@@ -145,7 +145,7 @@ def test_video_example_padded_buckets() -> None:
     # the run calls each graph itself, not through compile_fx's Python wrappers (checked equal
     # once on copies; a torch upgrade that moves the graph falls back to the wrappers silently)
     fns = run.engine.compiled._fns.values()  # type: ignore[union-attr]
-    assert fns and all(getattr(fn, "__name__", "") == "direct" for fn in fns)
+    assert fns and all(getattr(g.fn, "__name__", "") == "direct" for g in fns)
 
 
 def test_compiled_read_gathers_give_the_model_what_eager_gathers() -> None:
