@@ -755,7 +755,7 @@ class Graph:
     resume, a restore) is checked in full once (:func:`signature`), and a graph for another
     signature is compiled (:meth:`CompiledEpoch.step`)."""
 
-    __slots__ = ("fn", "sig", "first", "held")
+    __slots__ = ("first", "fn", "held", "sig")
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[Tensor], first: int) -> None:
         self.fn = fn
