@@ -970,6 +970,8 @@ class CompiledEpoch:
         self._cols: dict[Layout, Tensor] = {}
         self._ones: dict[tuple[int, int], Tensor] = {}
         self._e = torch.zeros((), dtype=torch.int64, device=device)
+        # on the CPU the epoch is written through a NumPy view of it: no tensor operation
+        self._e_host = self._e.numpy() if self._e.device.type == "cpu" else None
         # the steps' (2,) quota input: the schedule's quota, the open cells before padding
         self._limit = torch.zeros(2, dtype=torch.int64, device=device)
         # off the CPU: the steps captured as CUDA graphs (lmpm.runtime.data.captured)
@@ -1115,7 +1117,10 @@ class CompiledEpoch:
         if isinstance(e, Tensor):
             e_t = e
         else:
-            self._e.fill_(e)
+            if self._e_host is not None:
+                self._e_host[()] = e
+            else:
+                self._e.fill_(e)
             e_t = self._e
         st = meta.state
         x = StepInputs(
