@@ -9,7 +9,9 @@ cell stays unset. Each costs microseconds of Python and dispatcher time whatever
 value (:func:`value_step`, no Python left in it) with ``make_fx`` into one aten graph, which
 inductor compiles into a few fused C++ kernels behind a C++ wrapper. These are explicit graphs:
 the run calls them directly, keyed by the shapes it compiled them for, so no dynamo frame and no
-guards run per epoch (a plan of work on handles, realized by the worker).
+torch guards run per epoch (a plan of work on handles, realized by the worker); their one guard is
+an identity test per tensor of the run they read (:class:`Graph`), which lets the C++ wrapper skip
+its per-call size asserts.
 
 What is baked into a value's graph is static for the run: the cell shape and dtype, the commit
 policy (a quorum's k), the constraints' kinds and priorities, the clock reads of each of its rules,
