@@ -294,10 +294,11 @@ class Engine:
         records = self.keep_records or any(
             getattr(o, "wants_records", True) for o in self.observers
         )
+        # (checked once before the loop: after each epoch the check below has just run)
+        if self.epoch < limit and stop_when_stable and self.is_stable():
+            res.stable = True  # a resumed run that had already become stable
+            return
         while self.epoch < limit:
-            if stop_when_stable and self.is_stable():
-                res.stable = True  # a resumed run that had already become stable
-                break
             if self.windows is not None:
                 self._replay(limit, stop_when_stable)
             rec = self._step(records)

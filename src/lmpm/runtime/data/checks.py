@@ -182,8 +182,8 @@ class Checks:
                 viol[:, 0] &= committed
             else:
                 viol[:, 0] |= ~committed
-        else:
-            viol.select(1, 0).fill_(not forbid)
+        else:  # (one indexed fill: a select and a fill are two operations)
+            viol.index_fill_(1, self.res.fill("col0", (1,), torch.int64, 0), not forbid)
         return viol
 
     def user_predicate(self, cp: ConstraintPlan, ct: CandidateTable) -> Tensor:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -75,6 +76,15 @@ class Clocks:
         # (rule, read, phase) -> rows of the read's tables for that phase's cells: a cyclic
         # schedule opens the same cells every few epochs, so they are gathered once
         self._rows: dict[tuple[int, int, int], tuple[Tensor, Tensor | None]] = {}
+        # numpy views of the reads' tables, and of each source's clocks (made once per tensor):
+        # one open cell's clock is read in numpy (:meth:`advance_one`)
+        self._tables = {
+            rid: tuple(
+                (cr.index.numpy(), None if cr.valid is None else cr.valid.numpy()) for cr in crs
+            )
+            for rid, crs in self.reads.items()
+        }
+        self._clocks: dict[str, tuple[Tensor, np.ndarray]] = {}
 
     def _gather(
         self, rp: RulePlan, j: int, cr: ClockRead, cells: Tensor, phase: int | None
@@ -116,6 +126,24 @@ class Clocks:
                 top = got.squeeze(1) if got.shape[1] == 1 else got.amax(dim=1)
             read_max = top if read_max is None else torch.maximum(read_max, top)
         return read_max
+
+    def _host_clock(self, source: str, clock: Tensor) -> np.ndarray:
+        hit = self._clocks.get(source)
+        if hit is None or hit[0] is not clock:
+            hit = self._clocks[source] = (clock, clock.numpy())
+        return hit[1]
+
+    def advance_one(self, state: Mapping[str, Clocked], rp: RulePlan, c: int, own: int) -> int:
+        """:meth:`advance` of one committing cell ``c`` (own clock ``own``) of a one-rule value,
+        on host clocks: 1 + max(own, every clock ``rp`` reads for it), read in numpy."""
+        top = own
+        for cr, (index, valid) in zip(self.reads[rp.id], self._tables[rp.id]):
+            src = self._host_clock(cr.source, state[cr.source].clock)
+            got = src[index] if cr.uniform else src[index[c]]
+            if valid is not None and not cr.uniform:
+                got = got * valid[c]
+            top = max(top, int(got.max()))
+        return top + 1
 
     def advance(
         self,

@@ -32,8 +32,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from lmpm.errors import InputError, RunDirError, UsageError
 from lmpm.resolve.plan import Plan, RulePlan
@@ -77,6 +79,13 @@ _RESIDENT: dict[str, dict[str, Any]] = {
     "cuda": {"results_to_host": False},
     "simcuda": {"results_to_host": False},  # the same backend on the simulated device
 }
+# payload dtypes numpy holds (bfloat16 has no numpy twin): one cell of these is written in numpy
+_NUMPY = frozenset(
+    (
+        *(torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64),
+        *(torch.float16, torch.float32, torch.float64),
+    )
+)
 
 
 class DataPlane:
@@ -125,6 +134,7 @@ class DataPlane:
         self.store: Any = None  # a PayloadStore (lmpm.runtime.data.store) once the run has a dir
         # per value: the cells the last apply wrote (the halo transports send the routed ones)
         self.written: dict[str, Tensor] = {}
+        self._views: dict[str, tuple[Tensor, Tensor, tuple[np.ndarray, np.ndarray] | None]] = {}
         # this epoch's requests and replies as they would cross a process boundary, counted when
         # ``count_bytes`` is set (in this process nothing crosses: one-process runs pay nothing)
         self.count_bytes = False
@@ -562,12 +572,7 @@ class DataPlane:
                 if not bool(changed.all()):
                     keep = changed.nonzero().squeeze(1)
                     cells, new = cells.index_select(0, keep), new.index_select(0, keep)
-            self.payload[name].index_copy_(0, cells, new)
-            self.read_clocks.stamp(name, self.payload[name], cells)
-            self.written[name] = cells
-            self.committed[name].index_fill_(0, cells, True)
-            if name in self._tracks_inputs:
-                self.from_input[name].index_fill_(0, cells, False)
+            self._write(name, cells, new)
             sums = checksum(new, cdims) if req.checksums else None
             if self.store is not None:
                 self.store.append_commits(req.epoch, name, cells, new)
@@ -583,6 +588,36 @@ class DataPlane:
         if self.count_bytes:
             self.traffic.count(req, reply)
         return reply
+
+    def _write(self, name: str, cells: Tensor, new: Tensor) -> None:
+        """Write ``new`` (m, *cell) into ``cells`` of ``name`` and mark them committed. One cell of
+        a scalar value on the host (causal generation) is two numpy stores, the tensors' versions
+        bumped as a tensor write bumps them (the read caches key on them)."""
+        views = self._cell_views(name) if cells.numel() == 1 else None
+        if views is None:
+            self.payload[name].index_copy_(0, cells, new)
+            self.committed[name].index_fill_(0, cells, True)
+        else:
+            c = int(cells)
+            views[0][c] = new.item()
+            views[1][c] = True
+            increment_version(self.payload[name])
+            increment_version(self.committed[name])
+        self.read_clocks.stamp(name, self.payload[name], cells)
+        self.written[name] = cells
+        if name in self._tracks_inputs:
+            self.from_input[name].index_fill_(0, cells, False)
+
+    def _cell_views(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """numpy views of a scalar value's host payload and committed flags (made once per
+        tensor pair; None: not on the host, cells with a shape, or a dtype numpy lacks)."""
+        payload, committed = self.payload[name], self.committed[name]
+        hit = self._views.get(name)
+        if hit is None or hit[0] is not payload or hit[1] is not committed:
+            ok = self._host and payload.dim() == 1 and payload.dtype in _NUMPY
+            views = (payload.numpy(), committed.numpy()) if ok else None
+            hit = self._views[name] = (payload, committed, views)
+        return hit[2]
 
     def record_columns(self, epoch: int, value: str, which: Tensor, cols: list[int]) -> None:
         """Record the staged candidates of ``value``'s cells in ``which`` (``--trace cells``), local

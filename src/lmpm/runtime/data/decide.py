@@ -13,8 +13,9 @@ One value's epoch is a list of stages, each a short function over tensors:
 6. **advance clocks** -- :func:`contributions` names the rules each committed cell's clock reads
    (:mod:`lmpm.runtime.data.clocks` advances them);
 7. **write metadata** -- :func:`write_meta`, the ONE writer of a value's cell metadata (committed,
-   clock, rule, epoch, score): the eager owner's commits, the shard owners' exchanged commits, the
-   device step's :meth:`~lmpm.runtime.data.owner.Owner.settle`, inputs and resume all call it;
+   clock, rule, epoch, score; :func:`write_cell` is its one-cell form, through numpy views): the
+   eager owner's commits, the shard owners' exchanged commits, the device step's
+   :meth:`~lmpm.runtime.data.owner.Owner.settle`, inputs and resume all call it;
 8. **record why** -- :func:`blocked_why`: why each cell left unset stays unset.
 
 The eager :class:`~lmpm.runtime.data.owner.Owner` runs the stages in order; the shard owner
@@ -24,7 +25,9 @@ The eager :class:`~lmpm.runtime.data.owner.Owner` runs the stages in order; the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -110,6 +113,27 @@ def contributions(
 
 
 # ---- write metadata ----------------------------------------------------------------------------
+class CellArrays(NamedTuple):
+    """numpy views of a host :class:`CellState`'s tensors (they share its memory): one cell's
+    metadata read and written without a tensor operation (:func:`write_cell`)."""
+
+    committed: np.ndarray  # (N,) bool
+    clock: np.ndarray  # (N,) int64
+    rule: np.ndarray  # (N,) int64
+    epoch: np.ndarray  # (N,) int64
+    score: np.ndarray  # (N,) float64
+
+    @staticmethod
+    def of(st: CellState) -> CellArrays:
+        return CellArrays(
+            st.committed.numpy(),
+            st.clock.numpy(),
+            st.rule.numpy(),
+            st.epoch.numpy(),
+            st.score.numpy(),
+        )
+
+
 def write_meta(
     st: CellState,
     idx: Tensor,
@@ -137,6 +161,16 @@ def write_meta(
         st.score.index_put_((idx,), score)
     else:
         st.score.index_fill_(0, idx, score)
+
+
+def write_cell(st: CellArrays, c: int, clock: int, rule: int, epoch: int, score: float) -> None:
+    """:func:`write_meta` of one cell ``c`` (causal generation's commit) through numpy views: the
+    same five fields, a few scalar stores instead of five indexed tensor writes."""
+    st.committed[c] = True
+    st.clock[c] = clock
+    st.rule[c] = rule
+    st.epoch[c] = epoch
+    st.score[c] = score
 
 
 def newly_set(ve: ValueEpoch) -> int:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -37,6 +38,7 @@ from lmpm.resolve.schedules import Schedule, make_schedule
 from lmpm.runtime.data.agree import Agreed, agree
 from lmpm.runtime.data.clocks import Clocks, Opened
 from lmpm.runtime.data.decide import (
+    CellArrays,
     Pending,
     applied_changed,
     blocked_why,
@@ -44,6 +46,7 @@ from lmpm.runtime.data.decide import (
     count_violations,
     newly_set,
     quorum_lost,
+    write_cell,
     write_meta,
 )
 from lmpm.runtime.data.texpr import mask_of
@@ -257,6 +260,7 @@ class Owner:
             if st.constraints
         }
         self._noted: list[ValueEpoch] = []  # records note_broken has not written yet
+        self._arrays: dict[str, tuple[CellState, CellArrays]] = {}  # see arrays()
 
     # ---- metadata outside the epoch ---------------------------------------------------------------
     def mark_input(self, value: str, cells: Tensor) -> None:
@@ -275,6 +279,15 @@ class Owner:
         self.version[value] += 1
         if value in self.why:
             self.why[value] = torch.where(state.committed, NEVER_OPENED, UNKNOWN)
+
+    def arrays(self, name: str) -> CellArrays:
+        """numpy views of ``name``'s (host) metadata, made once per :class:`CellState`: one open
+        cell's commit reads and writes them without tensor operations."""
+        st = self.state[name]
+        hit = self._arrays.get(name)
+        if hit is None or hit[0] is not st:
+            hit = self._arrays[name] = (st, CellArrays.of(st))
+        return hit[1]
 
     def unset(self) -> dict[str, int]:
         """Per value: how many of its cells are unset."""
@@ -591,6 +604,8 @@ class Owner:
         """Advance the committing cells' clocks and write their metadata; (n,) the new clocks."""
         static = self.static[name]
         cells = p.cand.cells
+        if commits == 1 and len(static.rules) == 1 and cells.numel() == 1:
+            return self._write_one(name, e, p, int(cells), 0 if self.fresh[name] else int(own))
         contributed, won_rule = contributions(static.rules, p.cand, p.winner, p.weights)
         opened = Opened(own, cells, phase, self.fresh[name])
         new_clock = self.clocks.advance(
@@ -607,6 +622,16 @@ class Owner:
         write_meta(self.state[name], idx, clock, rule[0] if rule else static.rules[0].id, e, won)
         self.version[name] += 1
         return new_clock
+
+    def _write_one(self, name: str, e: int, p: Pending, c: int, own: int) -> Tensor:
+        """:meth:`_write` of one committing cell ``c`` of a one-rule value (causal generation):
+        the same clock and metadata, read and written as numpy scalars; (1,) its new clock."""
+        (rp,) = self.static[name].rules
+        clock = self.clocks.advance_one(self.state, rp, c, own)
+        score = float(p.score.take(p.winner))  # the winner's (policy's) score
+        write_cell(self.arrays(name), c, clock, rp.id, e, score)
+        self.version[name] += 1
+        return torch.from_numpy(np.array([clock], dtype=np.int64))
 
     def settle(self, name: str, e: int, rule: int | Tensor, ve: ValueEpoch) -> None:
         """Apply a step that ran on the device (the captured step on CUDA, which wrote the
