@@ -24,7 +24,7 @@ from lmpm.errors import UsageError
 from lmpm.ir import compile_file, compile_source
 from lmpm.models import text
 from lmpm.models.null import random_tokens, zero_score
-from lmpm.runtime.data.compiled import bucket, eligibility
+from lmpm.runtime.data.compiled import Graph, bucket, eligibility
 from lmpm.runtime.records import RunResult
 from lmpm.runtime.session import Run, resume
 from lmpm.workers.simcuda import simulated_cuda
@@ -118,6 +118,47 @@ def test_text_example(monkeypatch: pytest.MonkeyPatch) -> None:
     assert run.engine.compiled.summary().startswith("compiled 1 of 1 values")  # type: ignore[union-attr]
 
 
+def test_step_holds_its_inputs_and_checks_a_new_tensor_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step's graph asserts no input shape per call (compile_graph(guarded=True)): its Graph
+    holds the run's tensors by identity. A new tensor there (a restore) with the same signature
+    is checked once and held, nothing recompiled, the commits unchanged; the held tensor is the
+    one the step then writes."""
+    step_only(monkeypatch)
+    front = compile_file(EX / "text.lmpm")
+    prompt = str(EX / "text" / "prompt.txt")
+    _, _, run, _ = both(lambda c: Run(front, inputs={"Txt": prompt}, compile=c), epochs=12)
+    again = Run(front, inputs={"Txt": prompt}, compile=True)
+    again.run(6)
+    compiled = again.engine.compiled
+    assert compiled is not None
+    compiles = compiled.stats.compiles
+    st = again.engine.dataplane.owner.state["Txt"]
+    st.clock = st.clock.clone()  # as a restore replaces it: same shape, another tensor
+    assert again.run(12).epochs == 6  # (run(n): up to epoch n)
+    assert compiled.stats.compiles == compiles
+    (g,) = compiled._fns.values()
+    assert any(t is st.clock for t in g.held)
+    assert torch.equal(st.clock, run.engine.dataplane.owner.state["Txt"].clock)
+    assert torch.equal(again.engine.dataplane.payload["Txt"], run.engine.dataplane.payload["Txt"])
+
+
+def test_graph_refuses_inputs_of_another_signature() -> None:
+    """A Graph held to its inputs: the same tensors hold; a new one of the same signature is
+    held after one full check; one of another shape or stride is refused (the caller compiles a
+    graph for it)."""
+    args = [torch.zeros(4), torch.ones(8, dtype=torch.int64), torch.ones(3, 2)]
+    g = Graph(lambda *ts: ts, args, 1)
+    assert g.holds([torch.zeros(4), *args[1:]])  # (the per-call head is not held)
+    other = [args[0], args[1].clone(), args[2]]
+    assert not g.holds(other)
+    assert g.check(other) and g.holds(other) and not g.holds(args)
+    assert not g.check([args[0], torch.ones(9, dtype=torch.int64), args[2]])
+    assert not g.check([args[0], args[1], torch.ones(2, 3).t()])  # same shape, another stride
+    assert g.holds(other)  # a refused check holds nothing new
+
+
 VIDEO = {"Model": random_tokens, "CoarseGen": random_tokens, "ModelScore": zero_score}
 
 
@@ -145,7 +186,7 @@ def test_video_example_padded_buckets() -> None:
     # the run calls each graph itself, not through compile_fx's Python wrappers (checked equal
     # once on copies; a torch upgrade that moves the graph falls back to the wrappers silently)
     fns = run.engine.compiled._fns.values()  # type: ignore[union-attr]
-    assert fns and all(getattr(fn, "__name__", "") == "direct" for fn in fns)
+    assert fns and all(getattr(g.fn, "__name__", "") == "direct" for g in fns)
 
 
 def test_compiled_read_gathers_give_the_model_what_eager_gathers() -> None:

@@ -9,7 +9,9 @@ cell stays unset. Each costs microseconds of Python and dispatcher time whatever
 value (:func:`value_step`, no Python left in it) with ``make_fx`` into one aten graph, which
 inductor compiles into a few fused C++ kernels behind a C++ wrapper. These are explicit graphs:
 the run calls them directly, keyed by the shapes it compiled them for, so no dynamo frame and no
-guards run per epoch (a plan of work on handles, realized by the worker).
+torch guards run per epoch (a plan of work on handles, realized by the worker); their one guard is
+an identity test per tensor of the run they read (:class:`Graph`), which lets the C++ wrapper skip
+its per-call size asserts.
 
 What is baked into a value's graph is static for the run: the cell shape and dtype, the commit
 policy (a quorum's k), the constraints' kinds and priorities, the clock reads of each of its rules,
@@ -50,7 +52,9 @@ the owner's metadata on the device, and the epoch's records reach the host in on
 
 from __future__ import annotations
 
+import functools
 import gc
+import operator
 import os
 import time
 import warnings
@@ -671,6 +675,10 @@ class CompileStats:
 
 # The step's fixed inputs come first in its flat signature (by field), then its table lists.
 _HEAD = len(StepInputs._fields)
+# The step's inputs made per epoch at the shapes its key fixes come first (e, cells, prop, sc,
+# fired); the run's tensors follow (a Graph holds them; the RuleSet mask among them is replaced
+# only when the RuleSet changes, and then checked once).
+_PER_EPOCH = StepInputs._fields.index("payload")
 
 
 def flat_step(step: Callable[..., tuple[Tensor, ...]], lens: tuple[int, ...]) -> Callable[..., Any]:
@@ -696,6 +704,39 @@ _GRAPHS: dict[tuple[Any, ...], tuple[Callable[..., Any], torch.fx.GraphModule]] 
 def signature(args: Sequence[Tensor]) -> tuple[Any, ...]:
     """What a compiled graph is specialised to in its inputs: dtype, shape, strides, device."""
     return tuple((t.dtype, tuple(t.shape), t.stride(), t.device) for t in args)
+
+
+class Graph:
+    """A compiled graph and the inputs it is called with, checked cheaply per call.
+
+    A graph compiled with ``guarded=True`` (:func:`compile_graph`) asserts nothing about its
+    inputs: it reads and writes them at the sizes and strides it was compiled for. Its caller
+    keys it by what fixes the shapes of the inputs that change per call (a step's value, bucket,
+    column layout and dtype: the open cells, proposals, scores, fired and RuleSet mask are made
+    contiguous at those shapes) and holds the run's other inputs (the payload, the owner's
+    metadata, the static tables) here: :meth:`holds` is true while they are the very tensors the
+    signature was checked on (one identity test per input, C-level). A new tensor there (a
+    resume, a restore) is checked in full once (:func:`signature`), and a graph for another
+    signature is compiled (:meth:`CompiledEpoch.step`)."""
+
+    __slots__ = ("first", "fn", "held", "sig")
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Tensor], first: int) -> None:
+        self.fn = fn
+        self.sig = signature(args)
+        self.first = first  # args[first:] are the run's (checked by identity)
+        self.held: tuple[Tensor, ...] = tuple(args[first:])
+
+    def holds(self, args: Sequence[Tensor]) -> bool:
+        """Whether the run's inputs in ``args`` are the tensors last checked."""
+        return all(map(operator.is_, args[self.first :], self.held))
+
+    def check(self, args: Sequence[Tensor]) -> bool:
+        """Check ``args`` in full against the graph's signature; hold them when they match."""
+        if signature(args) != self.sig:
+            return False
+        self.held = tuple(args[self.first :])
+        return True
 
 
 def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any]:
@@ -758,13 +799,17 @@ def compile_graph(
     args: Sequence[Tensor],
     *,
     cpp_wrapper: bool = True,
+    guarded: bool = False,
 ) -> tuple[Callable[..., Any], torch.fx.GraphModule, str]:
     """Trace ``make()`` (a function of flat tensors, with no Python decision that depends on
     their values) on the shapes of ``args`` into one aten graph with ``make_fx`` and compile it
     with inductor: explicit graphs, no dynamo frame and no guards; the caller calls the result
     only with inputs of this signature (``key`` says everything else the graph depends on).
-    Returns (compiled, graph, how): "built" (code generated now), "cached" (inductor's on-disk
-    cache had it, from an earlier run) or "reused" (this process had it)."""
+    ``guarded``: the caller holds every call to that signature itself (a :class:`Graph`), so on
+    the CPU the graph asserts no input's size and stride per call and allocates its scratch
+    buffers as one block (together a third of a one-cell step's call). Returns (compiled, graph,
+    how): "built" (code generated now), "cached" (inductor's on-disk cache had it, from an
+    earlier run) or "reused" (this process had it)."""
     hit = _GRAPHS.get(key)
     if hit is not None:
         return hit[0], hit[1], "reused"
@@ -786,6 +831,11 @@ def compile_graph(
             # do lane by lane through a stack buffer (7× slower at 32,768 open cells).
             "cpp.simdlen": 1,
         }
+        if guarded:
+            # The C++ wrapper checks each input's sizes and strides with a std::stringstream
+            # built per input and call; a Graph has checked them once. One allocation for the
+            # intermediate buffers instead of one each (a one-cell step has ~25).
+            options |= {"size_asserts": False, "memory_planning": True}
         from torch._dynamo.utils import counters
 
         hits = counters["inductor"]["fxgraph_cache_hit"]
@@ -878,12 +928,14 @@ class CompiledEpoch:
             if why is None
         }
         self._tables: dict[str, tuple[list[Tensor], ...]] = {}
-        # (value, open-cell bucket, column layout, the proposals' dtype) -> compiled step; the
-        # value's other inputs keep their shapes and dtypes for the whole run
-        self._fns: dict[tuple[Any, ...], Callable[..., Any]] = {}
+        # (value, open-cell bucket, column layout, the proposals' dtype) -> compiled step, with
+        # the run's tensors it reads (held by identity: a Graph)
+        self._fns: dict[tuple[Any, ...], Graph] = {}
         self._cols: dict[Layout, Tensor] = {}
         self._ones: dict[tuple[int, int], Tensor] = {}
         self._e = torch.zeros((), dtype=torch.int64, device=device)
+        # on the CPU the epoch is written through a NumPy view of it: no tensor operation
+        self._e_host = self._e.numpy() if self._e.device.type == "cpu" else None
         # the steps' (2,) quota input: the schedule's quota, the open cells before padding
         self._limit = torch.zeros(2, dtype=torch.int64, device=device)
         # off the CPU: the steps captured as CUDA graphs (lmpm.runtime.data.captured)
@@ -891,9 +943,10 @@ class CompiledEpoch:
         os.environ.setdefault(CACHE_ENV, str(cache_dir()))
         # called before a step is compiled: (value, open-cell bucket); the CLI shows a note
         self.on_compile: Callable[[str, int], None] | None = None
-        # how a step's graph is made from (key, make, args): compile_graph (trace and compile);
+        # how a step's graph is made from (key, make, args): compile_graph (trace and compile,
+        # guarded: the step holds its inputs itself, a Graph);
         # `lmpm show --compiled` puts a tracer here that stops before anything runs
-        self.compiler: Compiler = compile_graph
+        self.compiler: Compiler = functools.partial(compile_graph, guarded=True)
 
     def compiles(self, value: str) -> bool:
         return value in self.specs
@@ -967,14 +1020,13 @@ class CompiledEpoch:
         vtables, where, index, valid = self.tables(value, dataplane)
         args = (*x, *vtables, *where, *index, *valid, *(meta.clocks[s] for s in spec.others))
         key = (value, b, part.layout, x.prop.dtype)  # (the graph reads the proposals' dtype)
-        fn = self._fns.get(key)
-        if fn is None:
-            fn = self._fns[key] = self._compile(spec, part.layout, args, e)
-            self.stats.buckets.setdefault(value, set()).add(b)
+        g = self._fns.get(key)
+        if g is None or not g.holds(args):
+            g = self._graph(key, spec, part.layout, args, e, g)
         if self.captured is not None and x.e is self._e:  # on CUDA: replay the captured graph
-            out = self.captured.run(key, fn, args)
+            out = self.captured.run(key, g.fn, args)
         else:
-            out = fn(*args)
+            out = g.fn(*args)
         self.stats.steps += 1
         if b == n:
             return tuple(out)
@@ -984,6 +1036,24 @@ class CompiledEpoch:
         n_viol = violated.any(dim=2).count_nonzero() if violated.shape[2] else changed.sum() * 0
         return (*out, torch.stack((changed.count_nonzero(), n_viol)))
 
+    def _graph(
+        self,
+        key: tuple[Any, ...],
+        spec: StepSpec,
+        layout: Layout,
+        args: tuple[Tensor, ...],
+        e: int | Tensor,
+        g: Graph | None,
+    ) -> Graph:
+        """The graph of ``key`` for ``args``: ``g`` when the run's inputs that are new tensors
+        have its signature (then held), else one compiled for theirs (inductor's and this
+        process's caches make a return to an earlier signature cheap)."""
+        if g is not None and g.check(args):
+            return g
+        g = self._fns[key] = Graph(self._compile(spec, layout, args, e), args, _PER_EPOCH)
+        self.stats.buckets.setdefault(spec.value, set()).add(key[1])
+        return g
+
     def _inputs(
         self, spec: StepSpec, e: int | Tensor, part: Fused, dataplane: Any, meta: StepMeta
     ) -> tuple[StepInputs, int, int]:
@@ -992,7 +1062,9 @@ class CompiledEpoch:
         cells, prop, sc, fired = part.cells, part.proposals, part.scores, part.fired
         n = cells.numel()
         b = bucket(n)
-        if b != n:
+        if b == n:
+            cells = cells.contiguous()  # (the graph reads it at the stride it was compiled for)
+        else:
             pad = b - n
             cells = torch.cat((cells, cells[:1].expand(pad)))
             prop = torch.cat((prop, prop[:1].expand(pad, *prop.shape[1:])))
@@ -1009,7 +1081,10 @@ class CompiledEpoch:
         if isinstance(e, Tensor):
             e_t = e
         else:
-            self._e.fill_(e)
+            if self._e_host is not None:
+                self._e_host[()] = e
+            else:
+                self._e.fill_(e)
             e_t = self._e
         st = meta.state
         x = StepInputs(
@@ -1102,7 +1177,7 @@ class ReadGathers:
         self.stats = stats if stats is not None else CompileStats()  # the run's, shared
         # rule id -> its non-uniform reads and their static tables, (index, valid) per read
         self._reads: dict[int, tuple[list[int], list[tuple[Tensor, Tensor]]]] = {}
-        self._fns: dict[tuple[int, int], Callable[..., Any]] = {}  # (rule id, bucket) -> graph
+        self._fns: dict[tuple[int, int], Graph] = {}  # (rule id, bucket) -> graph
 
     def prepare(self, rp: Any, dp: Any) -> tuple[list[int], list[tuple[Tensor, Tensor]]]:
         """``rp``'s non-uniform reads and their tables on ``dp``'s device (static: made when the
@@ -1122,23 +1197,32 @@ class ReadGathers:
         b = bucket(n)
         if b != n:  # padded by repeating the first cell; the rows past n are dropped
             cells = torch.cat((cells, cells[:1].expand(b - n)))
-        args: list[Tensor] = [cells]
+        args: list[Tensor] = [cells.contiguous()]
         for j, (index, valid) in zip(reads, tables):
             src = rp.reads[j].source
             args += [index, valid, dp.payload[src], dp.committed[src]]
-        fn = self._fns.get((rp.id, b))
-        if fn is None:
-            cdims = tuple(dp.payload[rp.reads[j].source].dim() - 1 for j in reads)
-            t0 = time.perf_counter()
-            key = ("gather", cdims, signature(args))
-            sim = simulated(key, lambda: _gather_fn(cdims))
-            if sim is not None:
-                fn, how = sim
-            else:
-                fn, _, how = compile_graph(key, lambda: _gather_fn(cdims), args)
-            self.stats.record(how, time.perf_counter() - t0)
-            self._fns[(rp.id, b)] = fn
-        out = fn(*args)
+        g = self._fns.get((rp.id, b))
+        if g is None or not g.holds(args):
+            g = self._graph(rp, b, args, g)
+        out = g.fn(*args)
         if b != n:
             out = [t[:n] for t in out]
         return {j: (out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i, j in enumerate(reads)}
+
+    def _graph(self, rp: Any, b: int, args: list[Tensor], g: Graph | None) -> Graph:
+        """The gather graph of ``rp`` for a bucket of ``b`` cells and ``args`` (after the open
+        cells: the static tables and the read values' tensors, held by :class:`Graph`)."""
+        if g is not None and g.check(args):
+            return g
+        reads = self._reads[rp.id][0]
+        cdims = tuple(args[3 + 4 * i].dim() - 1 for i in range(len(reads)))  # the payloads'
+        t0 = time.perf_counter()
+        key = ("gather", cdims, signature(args))
+        sim = simulated(key, lambda: _gather_fn(cdims))
+        if sim is not None:
+            fn, how = sim
+        else:
+            fn, _, how = compile_graph(key, lambda: _gather_fn(cdims), args, guarded=True)
+        self.stats.record(how, time.perf_counter() - t0)
+        g = self._fns[(rp.id, b)] = Graph(fn, args, 1)
+        return g
