@@ -159,6 +159,25 @@ def test_graph_refuses_inputs_of_another_signature() -> None:
     assert g.holds(other)  # a refused check holds nothing new
 
 
+def test_a_graph_holding_a_constant_keeps_its_wrappers() -> None:
+    """A traced step that makes a tensor constant (``torch.tensor`` inside the trace) compiles to a
+    graph whose ``call`` takes the constant as an extra input only the wrappers pass: it is kept
+    wrapped (called bare it would read past its inputs) and computes what eager computes."""
+    from lmpm.runtime.data.compiled import compile_graph
+
+    def make() -> Any:
+        def step(x: torch.Tensor) -> tuple[torch.Tensor]:
+            return (x * torch.tensor([2.0, 3.0, 5.0]),)
+
+        return step
+
+    x = torch.arange(3, dtype=torch.float32)
+    fn, gm, _ = compile_graph(("test-constant", 3), make, [x])
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    assert getattr(fn, "__name__", "") != "direct"
+    assert torch.equal(fn(x)[0], torch.tensor([0.0, 3.0, 10.0]))
+
+
 VIDEO = {"Model": random_tokens, "CoarseGen": random_tokens, "ModelScore": zero_score}
 
 

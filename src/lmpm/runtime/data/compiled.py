@@ -844,7 +844,10 @@ def compile_graph(
         with config.patch(options):
             fn: Callable[..., Any] = compile_fx(gm, [t.clone() for t in args])  # type: ignore[assignment]
         cached = counters["inductor"]["fxgraph_cache_hit"] > hits
-    fn = _direct(fn, args)
+    if not any(node.op == "get_attr" for node in gm.graph.nodes):
+        # a graph holding a tensor constant takes it as an extra input of ``call`` that only the
+        # wrappers pass: called alone it would read past its inputs (a crash, not an exception)
+        fn = _direct(fn, args)
     _GRAPHS[key] = (fn, gm)
     return fn, gm, "cached" if cached else "built"
 
