@@ -424,3 +424,26 @@ def test_a_one_cell_epoch_writes_the_payload_row_of_a_run_of_one(
     finally:
         store.close()
         run.close()
+
+
+@pytest.mark.parametrize("value", [0, 3, 255, 300, -1])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8])
+def test_a_one_cell_payload_packed_from_the_scalar_is_numpys_bytes(
+    prog: tuple[Path, Path], tmp_path: Path, value: int, dtype: torch.dtype
+) -> None:
+    """A one-number cell's payload is packed from the scalar (a decode's epoch): the same bytes as
+    NumPy's conversion to the tag's type, also for a number out of the tag's range (NumPy's wrap)."""
+    from lmpm.runtime.data.store import PayloadStore
+    from lmpm.runtime.rundir import encode
+
+    run = Run.from_source(PROG, bind=[str(prog[1])])
+    store = PayloadStore(tmp_path, "w0", run.plan)
+    try:
+        payload = torch.tensor([value]).to(dtype)
+        store.append_commits(0, "G", torch.tensor([5]), payload)
+        store.sync(0)
+        (row,) = store.conn.execute("SELECT payload FROM rows").fetchall()
+        assert row[0] == encode(payload.numpy(), store.tags["G"])
+    finally:
+        store.close()
+        run.close()
