@@ -1,5 +1,6 @@
-"""One open cell's reads on the host (lmpm.runtime.data.inputs.host_slots): what the general
-gather makes, looked up in NumPy."""
+"""One open cell's reads on the host (lmpm.runtime.data.inputs.host_slots,
+lmpm.runtime.data.reads.dense_host): what the general gather and dense layout make, looked up in
+NumPy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from lmpm.runtime.data.inputs import host_slots
+from lmpm.runtime.data.reads import dense_host, dense_read
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -36,3 +38,37 @@ def test_the_host_slots_are_the_general_gathers(seed: int) -> None:
     assert idx.data_ptr() == want_idx.data_ptr()  # a view of the table's row
     data.view(-1).fill_(1)  # the payload's rows are the call's own: the value is untouched
     assert torch.equal(payload, before)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_the_host_dense_row_is_the_general_dense_layout(seed: int) -> None:
+    """One row on the host: a causal prefix (its visible slots leading, of any length, 0 and K
+    included) gets the general dense layout, as views of the slot arrays (memory shared); any
+    other row is left to the general path (None)."""
+    g = torch.Generator().manual_seed(seed)
+    k = 9
+    cell = () if seed % 3 else (2,)
+    data = torch.randint(1, 50, (1, k, *cell), generator=g)
+    index = torch.randint(1, 50, (1, k), generator=g)
+    clock = torch.randint(1, 50, (1, k), generator=g)
+    if seed % 2:  # a causal prefix
+        width = (0, k, *torch.randint(1, k, (6,), generator=g).tolist())[seed // 2]
+        mask = torch.arange(k).unsqueeze(0) < width
+    else:  # visible slots anywhere (leading ones now and then)
+        mask = torch.rand(1, k, generator=g) < 0.5
+    leads = bool(mask[0, : int(mask.sum())].all())
+    with_clock = seed % 4 != 1
+    got = dense_host(
+        "x", data.numpy(), mask.numpy(), index.numpy(), clock.numpy() if with_clock else None
+    )
+    if not leads:
+        assert got is None
+        return
+    assert got is not None
+    want = dense_read("x", data, mask, index, clock if with_clock else None)
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key])
+    if int(got["x_length"]):  # views of the slots (an empty tensor has no memory)
+        assert got["x_dense"].data_ptr() == data.data_ptr()
+        assert got["x_dense_index"].data_ptr() == index.data_ptr()

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from lmpm.ir.eval import evaluate
 from lmpm.resolve.plan import Plan, RulePlan, ValuePlan
-from lmpm.runtime.data.reads import ReadClocks, dense_read, read_options
+from lmpm.runtime.data.reads import ReadClocks, dense_host, dense_read, read_options
 from lmpm.runtime.data.resident import Resident, ours
 
 # payload dtypes NumPy holds: one open cell's rows of such a value are read there (host_slots)
@@ -46,10 +46,19 @@ def host_slots(
     (``index``/``valid``: the read's static tables): what the general gather makes, looked up in
     NumPy, whose few small operations cost a fraction of torch's between two forwards of a model
     (the decode step of a language model). ``index`` is a view of the plan's table."""
+    data, mask, idx = _host_arrays(index, valid, cell, payload, committed)
+    return torch.from_numpy(data), torch.from_numpy(mask), torch.from_numpy(idx)
+
+
+def _host_arrays(
+    index: Tensor, valid: Tensor, cell: int, payload: Tensor, committed: Tensor
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`host_slots` as the NumPy arrays the tensors wrap (the opted-in extras of the same
+    row are worked out from them, not from the tensors)."""
     idx = index.numpy()[cell : cell + 1]  # (1, K)
     mask = valid.numpy()[cell : cell + 1] & committed.numpy()[idx]
     data = payload.numpy()[idx]  # (1, K, *cell)
-    return torch.from_numpy(data), torch.from_numpy(mask), torch.from_numpy(idx)
+    return data, mask, idx
 
 
 class ModelInputs:
@@ -116,12 +125,14 @@ class ModelInputs:
             else {}
         )
         for j, rd in enumerate(rp.reads):
+            host = None  # the NumPy arrays of one host row's slots (data, mask, index)
             committed = res.committed[rd.source]
             payload = res.payload[rd.source]
             if j in gathered:
                 data, mask, idx = gathered[j]
             elif one is not None and not rd.uniform and payload.dtype in _NUMPY:
-                data, mask, idx = host_slots(rd.index, rd.valid, one, payload, committed)
+                host = _host_arrays(rd.index, rd.valid, one, payload, committed)
+                data, mask, idx = (torch.from_numpy(a) for a in host)
             elif rd.uniform:
                 # Every cell reads the same cells: one gathered row, broadcast (an expanded view
                 # cannot be written in place).
@@ -149,7 +160,9 @@ class ModelInputs:
             opts = self.read_opts.get(rp.id)
             if opts:
                 for name in rd.args:
-                    inputs.update(self.read_extras(rp, opts, name, rd.source, data, mask, idx))
+                    inputs.update(
+                        self.read_extras(rp, opts, name, rd.source, data, mask, idx, host)
+                    )
         return inputs
 
     def read_extras(
@@ -161,18 +174,22 @@ class ModelInputs:
         data: Tensor,
         mask: Tensor,
         idx: Tensor,
+        host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> dict[str, Tensor]:
         """What an opted-in model asks of read ``name`` beyond its slots
         (:mod:`lmpm.runtime.data.reads`): clocks and the delta since its previous call, and the
-        dense layout."""
+        dense layout. ``host``: the NumPy arrays ``data``, ``mask`` and ``idx`` wrap (one open
+        cell's row read on the host), from which the extras are worked out in NumPy too."""
         out: dict[str, Tensor] = {}
         clock = None
+        ahead = None  # the clock row in NumPy (one row on the host)
         if "clocks" in opts:
             res = self.res
             clocks = self.read_clocks.clocks(source, res.payload[source], res.committed[source])
             since = self.since.get(rp.id, -1)
             if idx.shape[0] == 1 and idx.device.type == "cpu":  # one row: read in NumPy
-                ahead = np.where(mask.numpy(), clocks.numpy()[idx.numpy()], 0)  # (1, K)
+                row_mask, row_idx = (host[1], host[2]) if host else (mask.numpy(), idx.numpy())
+                ahead = np.where(row_mask, clocks.numpy()[row_idx], 0)  # (1, K)
                 clock = torch.from_numpy(ahead)
                 changed = torch.from_numpy(ahead > since)
             else:
@@ -181,7 +198,8 @@ class ModelInputs:
             out[f"{name}_clock"] = clock
             out[f"{name}_changed"] = changed
         if "dense" in opts:
-            out.update(dense_read(name, data, mask, idx, clock))
+            dense = None if host is None else dense_host(name, *host, ahead)
+            out.update(dense or dense_read(name, data, mask, idx, clock))
         return out
 
     def uniform_read(

@@ -32,12 +32,13 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lmpm.errors import BindError
 
-__all__ = ["READS_ATTR", "READ_OPTIONS", "ReadClocks", "dense_read", "read_options"]
+__all__ = ["READS_ATTR", "READ_OPTIONS", "ReadClocks", "dense_host", "dense_read", "read_options"]
 
 READ_OPTIONS = frozenset({"clocks", "dense"})
 READS_ATTR = "lmpm_reads"  # the attribute by which a model asks for more of its reads
@@ -158,6 +159,34 @@ def dense_read(
     }
     if clock is not None:
         out[f"{name}_dense_clock"] = dense(clock)
+    return out
+
+
+def dense_host(
+    name: str,
+    data: np.ndarray,
+    mask: np.ndarray,
+    index: np.ndarray,
+    clock: np.ndarray | None,
+) -> Mapping[str, Tensor] | None:
+    """:func:`dense_read` of one row held in NumPy (a decode step's read on the host: ``data``
+    (1, K[, *cell]), ``mask``, ``index`` and ``clock`` (1, K) the arrays its slot tensors wrap)
+    when the row is a causal prefix, its visible slots leading: those arrays narrowed in NumPy
+    and wrapped, which share memory with the slot tensors as :func:`dense_read`'s views do, at a
+    fraction of torch's cost per operation. None for any other row (:func:`dense_read` then)."""
+    row = mask[0]  # (K,) bool
+    if not row.size:
+        return None
+    width = int(row.sum())
+    if not row[:width].all():
+        return None
+    out = {
+        f"{name}_dense": torch.from_numpy(data[:, :width]),
+        f"{name}_length": torch.from_numpy(np.array([width], dtype=np.int64)),
+        f"{name}_dense_index": torch.from_numpy(index[:, :width]),
+    }
+    if clock is not None:
+        out[f"{name}_dense_clock"] = torch.from_numpy(clock[:, :width])
     return out
 
 
