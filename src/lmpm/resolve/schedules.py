@@ -121,12 +121,15 @@ class Schedule:
     no proposal can fold into keep-current and every commit is a first commit).
     ``has_quota``: :meth:`quota` may limit an epoch's commits (else it is always None, and the
     control plane need not count the committed cells to ask).
+    ``phased``: :meth:`phase` may name a phase (else it is always None, and the owner need not ask
+    it every epoch).
     """
 
     name = "all"
     period = 1
     opens_committed = True
     has_quota = False  # quota() limits the commits of an epoch
+    phased = True  # phase() may return a phase
 
     def open_cells(
         self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
@@ -203,6 +206,8 @@ class Raster(Schedule):
     name = "raster"
     opens_committed = False
 
+    phased = False
+
     def phase(self, value: str, e: int) -> int | None:
         return None
 
@@ -249,6 +254,8 @@ class Frontier(Schedule):
     name = "frontier"
     opens_committed = False
 
+    phased = False
+
     def phase(self, value: str, e: int) -> int | None:
         return None
 
@@ -280,6 +287,8 @@ class Random(Schedule):
 
     name = "random"
     opens_committed = False
+
+    phased = False
 
     def phase(self, value: str, e: int) -> int | None:
         return None
@@ -313,6 +322,8 @@ class Confidence(Schedule):
     name = "confidence"
     opens_committed = False
     has_quota = True
+
+    phased = False
 
     def phase(self, value: str, e: int) -> int | None:
         return None

@@ -27,8 +27,8 @@ class ORSet:
     def add(self, element: Hashable) -> Tag:
         self.counter += 1
         tag = (self.replica, self.counter)
-        had = self.adds.get(element)
-        self.adds[element] = frozenset((tag,)) if had is None else had | {tag}
+        adds = self.adds  # (the control plane adds one element an epoch: no dict.get call)
+        adds[element] = adds[element] | {tag} if element in adds else frozenset((tag,))
         return tag
 
     def remove(self, element: Hashable) -> None:

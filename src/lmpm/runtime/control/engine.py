@@ -147,7 +147,7 @@ class Engine:
                 until, cycle = epoch_horizon(rp.trigger, env, vp.ncells)
                 self._until = max(self._until, until)
                 self._cycle = math.lcm(self._cycle, cycle)
-        self.quiet = 0  # counted epochs without a commit since the last commit (see _count_quiet)
+        self.quiet = 0  # counted epochs without a commit since the last commit (see _epoch)
         self._unset: Mapping[str, int] | None = None  # per value, after the last epoch (report)
         self.stop: StopReason | None = None
         self._started = False
@@ -298,10 +298,11 @@ class Engine:
         if self.epoch < limit and stop_when_stable and self.is_stable():
             res.stable = True  # a resumed run that had already become stable
             return
+        guard = self.guard
         while self.epoch < limit:
             if self.windows is not None:
                 self._replay(limit, stop_when_stable)
-            rec = self._step(records)
+            rec = self._step(records) if guard else self._epoch(records)
             res.epochs += 1
             res.commits += rec.commits
             res.attempts += rec.attempts
@@ -310,7 +311,8 @@ class Engine:
                 res.records.append(rec)
             if progress is not None:
                 progress(rec)
-            if stop_when_stable and self.is_stable():
+            # (right after a commit nothing is counted yet: is_stable's first test, done here)
+            if stop_when_stable and self.quiet and self.is_stable():
                 res.stable = True
                 break
 
@@ -348,12 +350,6 @@ class Engine:
         commit any more, whatever the number of further epochs."""
         # the period is at least one epoch: right after a commit there is nothing to count
         return self.quiet > 0 and self.quiet >= self.stable_period()
-
-    def _count_quiet(self, e: int, commits: int) -> None:
-        if commits:
-            self.quiet = 0
-        elif e >= self._until:  # before the horizon a guard may still switch a rule on
-            self.quiet += 1
 
     def _request(self, e: int, records: bool = True) -> EpochRequest:
         """Epoch ``e``'s request: the schedules that open a few unset cells pass over the cells
@@ -415,7 +411,11 @@ class Engine:
         self.maskplan.add(("open", e, report.opened))
         self._unset = report.unset  # the owner hands over a fresh mapping
         self.epoch = e + 1
-        self._count_quiet(e, report.commits)
+        # count the epochs without a commit (before the horizon a guard may still switch a rule on)
+        if report.commits:
+            self.quiet = 0
+        elif e >= self._until:
+            self.quiet += 1
         rec = self._record(report, time.perf_counter() - t0, time.process_time() - cpu0)
         for o in self.observers:
             o.on_epoch(self, rec)
@@ -423,10 +423,13 @@ class Engine:
 
     @staticmethod
     def _record(report: EpochReport, seconds: float, cpu_s: float) -> EpochRecord:
+        opened = 0
+        for _, n in report.opened:
+            opened += n
         return EpochRecord(
             report.epoch,
             report.values,
-            sum(n for _, n in report.opened),
+            opened,
             report.commits,
             report.attempts,
             report.violations,

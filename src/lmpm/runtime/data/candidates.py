@@ -66,6 +66,8 @@ class Staging:
         self.taps = taps
         self.staged: dict[str, Staged] = {}
         self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
+        # per table shape (n, C): its constant parts, made once (see _fills)
+        self._fill_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
 
     def build(
         self,
@@ -78,18 +80,22 @@ class Staging:
         vp = self.plan.values[name]
         tabs = self.checks.tables[name]
         res = self.res
-        if len(parts) == 1:
-            cells = parts[0].cells
+        if len(parts) == 1:  # one rule fired (the common case): no generators
+            part = parts[0]
+            cells = part.cells
+            widths = [part.proposals.shape[1]]
+            key: tuple[tuple[int, int, int], ...] = ((part.rule.id, part.replica, widths[0]),)
+            ncol = 1 + widths[0]
         else:
             cells = torch.unique(torch.cat([p.cells for p in parts]))
-        n = cells.numel()
-        widths = [p.proposals.shape[1] for p in parts]
+            widths = [p.proposals.shape[1] for p in parts]
+            key = tuple((p.rule.id, p.replica, w) for p, w in zip(parts, widths))
+            ncol = 1 + sum(widths)
+        n = cells.shape[0]
+        fills = self._fill_cache.get((n, ncol)) or self._fills(n, ncol)
         current = res.payload[name].index_select(0, cells)  # (n, *cell)
-        if fresh:
-            committed = res.fill("unset", (n,), torch.bool, False)
-        else:
-            committed = res.committed[name].index_select(0, cells)
-        table, valid, score, all_valid = self._layout(vp, parts, widths, cells, current)
+        committed = fills[0] if fresh else res.committed[name].index_select(0, cells)
+        table, valid, score, all_valid = self._layout(vp, parts, widths, cells, current, fills)
         refreshed: Tensor | None = None
         any_committed = not fresh and bool(committed.any())
         if any_committed and tabs.folds:
@@ -99,16 +105,28 @@ class Staging:
             name, vp, e, cells, table, valid, current, committed, any_committed, all_valid
         )
         violated, applies = self.checks.check(ct, tabs)
-        col_rule, col_rep, col_slot = self.columns(parts, widths)
+        col_rule, col_rep, col_slot = self._columns_cache.get(key) or self.columns(key)
         sums = checksum(table, len(vp.cell_shape)) if tabs.checksums else None
         self.staged[name] = Staged(cells, table, committed)
         for tap in self.taps:
             tap(e, name, cells, table, valid)
-        checked = (valid, score, violated, applies)
-        cand = Candidates.build(
-            name, cells, checked, (col_rule, col_rep, col_slot), refreshed, sums
+        cand = Candidates(
+            name, cells, valid, score, violated, applies, col_rule, col_rep, col_slot, refreshed, sums
         )
         return cand if res.host else cand.to_host()
+
+    def _fills(self, n: int, ncol: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The constant parts of an (n, ncol) table, made once per shape: (n,) bool committed
+        before the epoch (False: a fresh schedule's unset cells), (n, 1) float64 keep-current's
+        score (-inf), (n, ncol) bool valid (all True). Never written in place, never handed to
+        user code as its own (predicates get copies)."""
+        dev = self.res.device
+        hit = self._fill_cache[(n, ncol)] = (
+            torch.zeros(n, dtype=torch.bool, device=dev),
+            torch.full((n, 1), -torch.inf, dtype=torch.float64, device=dev),
+            torch.ones((n, ncol), dtype=torch.bool, device=dev),
+        )
+        return hit
 
     def _layout(
         self,
@@ -117,20 +135,20 @@ class Staging:
         widths: list[int],
         cells: Tensor,
         current: Tensor,
+        fills: tuple[Tensor, Tensor, Tensor],
     ) -> tuple[Tensor, Tensor, Tensor, bool]:
         """The table of ``cells`` (sorted) before folding: (table (n, C, *cell), valid (n, C),
         score (n, C) float64, every candidate valid). Column 0 keeps ``current``; each part's
-        proposals follow in order, invalid where its rule did not fire."""
-        res = self.res
-        n = cells.numel()
-        ncol = 1 + sum(widths)
-        if len(parts) == 1:
+        proposals follow in order, invalid where its rule did not fire. ``fills``: the table's
+        constant parts (:meth:`_fills`)."""
+        _, keep_score, all_valid = fills
+        n, ncol = all_valid.shape
+        if len(widths) == 1:
             prop, sc = parts[0].proposals, parts[0].scores
             prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
             table = torch.cat((current.unsqueeze(1), prop), 1)
-            score = torch.cat((res.fill("keep_score", (n, 1), torch.float64, -torch.inf), sc), 1)
-            return table, res.ones((n, ncol)), score, True
-        dev = res.device
+            return table, all_valid, torch.cat((keep_score, sc), 1), True
+        dev = self.res.device
         table = torch.zeros((n, ncol, *vp.cell_shape), dtype=vp.dtype, device=dev)
         table[:, 0] = current
         valid = torch.zeros((n, ncol), dtype=torch.bool, device=dev)
@@ -145,14 +163,9 @@ class Staging:
             c += w
         return table, valid, score, False
 
-    def columns(self, parts: list[Proposal], widths: list[int]) -> tuple[Tensor, ...]:
-        """(C,) rule id, replica and slot of each candidate column (-1: keep); per layout."""
-        if len(parts) == 1:  # one rule fired (the common case): no generator
-            key: tuple[tuple[int, int, int], ...] = (
-                (parts[0].rule.id, parts[0].replica, widths[0]),
-            )
-        else:
-            key = tuple((p.rule.id, p.replica, w) for p, w in zip(parts, widths))
+    def columns(self, key: tuple[tuple[int, int, int], ...]) -> tuple[Tensor, ...]:
+        """(C,) rule id, replica and slot of each candidate column (-1: keep) of the layout
+        ``key`` (per part: rule id, replica, width); made once per layout."""
         hit = self._columns_cache.get(key)
         if hit is None:
             rule, rep, slot = [-1], [-1], [-1]

@@ -91,6 +91,8 @@ class Checks:
         self.res = res
         self.worker = worker
         self.tables = value_tables(plan, res, checksum_policies)
+        self._col0 = torch.zeros(1, dtype=torch.int64, device=res.device)  # keep-current's column
+        self._applies_all: dict[tuple[int, int], Tensor] = {}  # (n, K): every verdict counts
         # per value with a lowered mask (lmpm.resolve.masks): its sets on this device, and the
         # index of each lowered constraint among the value's live ones
         self.masks: dict[str, tuple[MaskSets, tuple[int, ...]]] = {}
@@ -122,8 +124,8 @@ class Checks:
                 torch.zeros((n, ncol, 0), dtype=torch.bool, device=dev),
                 torch.ones((n, 0), dtype=torch.bool, device=dev),
             )
-        verdicts: list[Tensor] = []
-        applies_cols: list[Tensor | None] = []
+        verdicts: tuple[Tensor, ...] = ()
+        applies_cols: tuple[Tensor | None, ...] = ()
         everywhere = True  # every constraint speaks about every open cell
         active = res.active
         for cp, whole, vtable, ccells in zip(
@@ -131,8 +133,8 @@ class Checks:
         ):
             if active is not None and cp.id not in active:
                 # not in the RuleSet this epoch: not evaluated, speaks about no cell
-                verdicts.append(torch.zeros((n, ncol), dtype=torch.bool, device=dev))
-                applies_cols.append(torch.zeros(n, dtype=torch.bool, device=dev))
+                verdicts += (torch.zeros((n, ncol), dtype=torch.bool, device=dev),)
+                applies_cols += (torch.zeros(n, dtype=torch.bool, device=dev),)
                 everywhere = False
                 continue
             verdict = self.violations(cp, ct, vtable)
@@ -147,11 +149,13 @@ class Checks:
                 everywhere = False
             if not ct.all_valid:
                 verdict = verdict & valid
-            verdicts.append(verdict)
-            applies_cols.append(where)
+            verdicts += (verdict,)
+            applies_cols += (where,)
         violated = verdicts[0].unsqueeze(2) if k == 1 else torch.stack(verdicts, dim=2)
-        if everywhere:
-            applies = res.ones((n, k))
+        if everywhere:  # one all-True mask per shape (read only, as the replies are)
+            applies = self._applies_all.get((n, k))
+            if applies is None:
+                applies = self._applies_all[(n, k)] = res.ones((n, k))
         else:
             ones = torch.ones(n, dtype=torch.bool, device=dev)
             applies = torch.stack([ones if a is None else a for a in applies_cols], dim=1)
@@ -166,7 +170,7 @@ class Checks:
         if cp.pred == PredKind.IN_SET:
             assert vtable is not None
             tok = table if table.dtype == torch.int64 else table.long()
-            viol = vtable.take(tok.clamp(-1, vtable.numel() - 2))
+            viol = vtable.take(tok.clamp(-1, vtable.shape[0] - 2))
         else:
             if cp.pred == PredKind.CHANGE:
                 differs = table != ct.current.unsqueeze(1)
@@ -183,7 +187,7 @@ class Checks:
             else:
                 viol[:, 0] |= ~committed
         else:  # (one indexed fill: a select and a fill are two operations)
-            viol.index_fill_(1, self.res.fill("col0", (1,), torch.int64, 0), not forbid)
+            viol.index_fill_(1, self._col0, not forbid)
         return viol
 
     def user_predicate(self, cp: ConstraintPlan, ct: CandidateTable) -> Tensor:

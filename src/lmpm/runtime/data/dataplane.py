@@ -131,6 +131,7 @@ class DataPlane:
         # values whose `inputs()` region some constraint reads: the only ones whose input flags
         # the worker must keep up to date
         self._tracks_inputs = {cp.target for cp in plan.constraints if cp.needs_inputs_region}
+        self._cdims = {name: len(vp.cell_shape) for name, vp in plan.values.items()}  # cell dims
         self.store: Any = None  # a PayloadStore (lmpm.runtime.data.store) once the run has a dir
         # per value: the cells the last apply wrote (the halo transports send the routed ones)
         self.written: dict[str, Tensor] = {}
@@ -183,7 +184,8 @@ class DataPlane:
         fused: Any = self if self.compiled is not None else None
         if self.windows is not None and self.windows.holds(req.epoch):
             fused = self.windows.take(req)  # replayed already, in a window of K epochs
-        report = self.owner.epoch(self, req, fused)
+        owner = self._owner if self._owner is not None else self.owner  # (a group's: raises)
+        report = owner.epoch(self, req, fused)
         if self.validator is not None:
             self.validator.check(req, report)
         report.control_bytes = self.traffic.control_bytes
@@ -514,11 +516,12 @@ class DataPlane:
     def propose(self, req: ProposeRequest) -> ProposeReply:
         e = req.epoch
         per_value, model_seconds = self.run_models(req)
-        self.staging.staged = {}
-        values = {
-            name: self.staging.build(name, e, parts, req.fresh.get(name, False))
-            for name, parts in per_value.items()
-        }
+        staging = self.staging
+        staging.staged = {}
+        fresh = req.fresh
+        values = {}
+        for name in per_value:
+            values[name] = staging.build(name, e, per_value[name], name in fresh and fresh[name])
         if req.record and self.store is not None:
             for name, cells in req.record.items():
                 st = self.staging.staged.get(name)
@@ -544,12 +547,14 @@ class DataPlane:
         """Write the winners of every value, make them durable, report what changed."""
         out: dict[str, Applied] = {}
         self.written = {}
-        for name, d in req.values.items():
+        host = self._host
+        for name in req.values:
+            d = req.values[name]
             st = self.staging.staged[name]
             vp = self.plan.values[name]
-            cdims = len(vp.cell_shape)
+            cdims = self._cdims[name]
             rows = None if d.rows is None else self.resident.here(d.rows)
-            winner = self.resident.here(d.winner)
+            winner = d.winner if host else self.resident.here(d.winner)
             table = st.table if rows is None else st.table.index_select(0, rows)
             cells = st.cells if rows is None else st.cells.index_select(0, rows)
             changed: Tensor | None = None
@@ -593,7 +598,7 @@ class DataPlane:
         """Write ``new`` (m, *cell) into ``cells`` of ``name`` and mark them committed. One cell of
         a scalar value on the host (causal generation) is two numpy stores, the tensors' versions
         bumped as a tensor write bumps them (the read caches key on them)."""
-        views = self._cell_views(name) if cells.numel() == 1 else None
+        views = self._cell_views(name) if cells.shape[0] == 1 else None
         if views is None:
             self.payload[name].index_copy_(0, cells, new)
             self.committed[name].index_fill_(0, cells, True)
@@ -601,8 +606,7 @@ class DataPlane:
             c = int(cells)
             views[0][c] = new.item()
             views[1][c] = True
-            increment_version(self.payload[name])
-            increment_version(self.committed[name])
+            increment_version((self.payload[name], self.committed[name]))
         self.read_clocks.stamp(name, self.payload[name], cells)
         self.written[name] = cells
         if name in self._tracks_inputs:

@@ -246,6 +246,16 @@ class Owner:
             name: torch.full((plan.values[name].ncells,), NEVER_OPENED) for name in by_target
         }
         self.compiled: Any = None  # the CompiledEpoch of a fused data plane (--compile)
+        # built once for the epoch's skeleton (one open cell costs a few dozen calls): the rules as
+        # (rule, target, triggered), each value's quorum votes (None: no quorum) and whether one
+        # rule proposes it, and whether the values come in name order (the report's `opened`)
+        self._rules = tuple((rp, rp.target, self.triggered[rp.id]) for rp in plan.rules)
+        self._quorum_k = {
+            name: quorum_k(plan.values[name].policy, plan.values[name].policy_args)
+            for name in self.static
+        }
+        self._single = {name: len(st.rules) == 1 for name, st in self.static.items()}
+        self._in_order = list(self.static) == sorted(self.static)
         # per value: bumped when its state changes other than by a fused step on a device
         # (settle), so that the device's mirror of it (lmpm.runtime.data.captured) copies it again
         self.version = dict.fromkeys(self.state, 0)
@@ -253,7 +263,8 @@ class Owner:
         self._unset = {name: self._count_unset(name) for name in self.state}
         self._active: frozenset[int] | None = None
         self._active_mask: dict[str, Tensor] = {}
-        self._consts: dict[tuple[str, int, torch.dtype], Tensor] = {}
+        # per count n of open cells: (kept score, was committed, own clock) of n unset cells
+        self._unset_rows: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
         # per proposed value with live constraints: (ncells, K) bool, the constraints each
         # committed cell's payload violated the last time the cell was open (the stop summary)
         self.broken = {
@@ -312,17 +323,20 @@ class Owner:
         """Per value, committed cells that violate a live constraint, by constraint id."""
         return broken_counts(self.plan, self.get_broken(), self.state)
 
-    def note_broken(self, ve: ValueEpoch) -> None:
+    def note_broken(self, ve: ValueEpoch, n: int | None = None) -> None:
         """Record which live constraints the payload of each open cell of ``ve`` violates after
         the epoch: the winner's verdicts where it committed, keep-current's where the cell kept
         its payload (a constraint not in the RuleSet, or not speaking about the cell, is violated
         by nothing). One open cell (causal generation) waits in a queue, written with the next
         ones in one go (:meth:`_write_broken`) before anything reads :attr:`broken` through
-        :meth:`get_broken`: a handful of operations per ``_NOTED`` epochs instead of per epoch."""
-        if ve.value not in self.broken or not ve.cells.numel():
+        :meth:`get_broken`: a handful of operations per ``_NOTED`` epochs instead of per epoch.
+        ``n``: the record's number of cells, where the caller knows it."""
+        if n is None:
+            n = ve.cells.shape[0]
+        if not n or ve.value not in self.broken:
             return
         self._noted.append(ve)
-        if ve.cells.numel() > 1 or len(self._noted) >= _NOTED:
+        if n > 1 or len(self._noted) >= _NOTED:
             self._write_broken()
 
     def _write_broken(self) -> None:
@@ -367,14 +381,38 @@ class Owner:
             for name in self.static
         }
 
-    def work(self, e: int, open_: Mapping[str, Tensor]) -> tuple[RuleWork, ...]:
-        """The plan of work: the cells each rule fires on in epoch ``e``."""
-        work: list[RuleWork] = []
-        for rp in self.plan.rules:
-            cells = open_.get(rp.target)
-            if cells is None:
+    def _open(
+        self, e: int, skip: int, start: int
+    ) -> tuple[dict[str, Tensor], dict[str, int], tuple[tuple[str, int], ...], dict[str, int | None]]:
+        """:meth:`open_cells` with what the epoch needs of them: the cells per value, their
+        counts, (value, count) in name order (the report's), and the schedule's phase per value
+        (None: the open cells vary within a phase)."""
+        schedule = self.schedule
+        phased = schedule.phased
+        open_: dict[str, Tensor] = {}
+        counts: dict[str, int] = {}
+        phases: dict[str, int | None] = {}
+        opened: tuple[tuple[str, int], ...] = ()
+        for name in self.static:
+            cells = open_[name] = schedule.open_cells(
+                name, self.state[name].committed, e, skip, start
+            )
+            n = counts[name] = cells.shape[0]
+            opened += ((name, n),)
+            phases[name] = schedule.phase(name, e) if phased and not self.guarded[name] else None
+        return open_, counts, opened if self._in_order else tuple(sorted(opened)), phases
+
+    def work(
+        self, e: int, open_: Mapping[str, Tensor], counts: Mapping[str, int] | None = None
+    ) -> tuple[RuleWork, ...]:
+        """The plan of work: the cells each rule fires on in epoch ``e`` (``counts``: the number
+        of open cells per value, where the caller has them)."""
+        work: tuple[RuleWork, ...] = ()
+        for rp, target, triggered in self._rules:
+            if target not in open_:
                 continue
-            if self.triggered[rp.id]:
+            cells = open_[target]
+            if triggered:
                 vp = self.plan.values[rp.target]
                 env: dict[str, Any] = dict(self.plan.env)
                 env["e"] = e
@@ -382,9 +420,13 @@ class Owner:
                 fire = torch.zeros(vp.ncells, dtype=torch.bool)
                 fire[cells] = True
                 cells = (fire & mask_of(rp.trigger, env, vp.ncells)).nonzero().squeeze(1)
-            if cells.numel():
-                work.append(RuleWork(rp.id, cells))
-        return tuple(work)
+            elif counts is not None:
+                if counts[target]:
+                    work += (RuleWork(rp.id, cells),)
+                continue
+            if cells.shape[0]:
+                work += (RuleWork(rp.id, cells),)
+        return work
 
     def set_active(self, active: frozenset[int] | None) -> None:
         if active != self._active:
@@ -404,29 +446,30 @@ class Owner:
         """Run epoch ``req.epoch`` on ``workers``: open, propose, check, agree, apply, commit.
         ``fused``: the data plane that runs the compiled values' steps (``--compile``)."""
         e = req.epoch
-        self.set_active(req.active)
-        open_ = self.open_cells(e, req.skip, req.start)
-        opened = tuple(sorted((k, int(v.numel())) for k, v in open_.items()))
-        phases = {
-            name: None if self.guarded[name] else self.schedule.phase(name, e) for name in open_
-        }
-        preq = ProposeRequest(e, self.work(e, open_), self.fresh, req.record, phases, req.active)
+        if req.active != self._active:
+            self.set_active(req.active)
+        open_, counts, opened, phases = self._open(e, req.skip, req.start)
+        work = self.work(e, open_, counts)
+        preq = ProposeRequest(e, work, self.fresh, req.record, phases, req.active)
         parts: dict[str, Any] = {}
         if fused is not None:
             reply, order, parts = fused.propose_fused(preq)
         else:
             reply = workers.propose(preq)
-            order = list(reply.values)
-        self._not_fired(open_, reply, parts)
-        pending = {name: self._agree(name, e, cand) for name, cand in reply.values.items()}
+            order = reply.values
+        self._not_fired(open_, reply, parts, counts)
+        pending: dict[str, Pending] = {}
+        decisions: dict[str, ValueDecision] = {}
+        for name in reply.values:
+            p = pending[name] = self._agree(name, e, reply.values[name])
+            decisions[name] = p.decision()
         if pending or not parts:
-            decisions = {name: p.decision() for name, p in pending.items()}
             applied = workers.apply(ApplyRequest(e, decisions, req.checksums))
         else:
             applied = ApplyReply(workers.worker, {}, False)
         commits = violations = attempts = 0
         values: list[ValueEpoch] = []
-        dissents: list[Dissent] = []
+        dissents: tuple[Dissent, ...] = ()
         for name in order:  # the order eager commits in: a value's clocks read the ones before
             if name in parts:
                 assert fused is not None
@@ -439,13 +482,12 @@ class Owner:
                 cand = p.cand if self.quorum[name] else None
                 n_viol = count_violations(p.cand.violated)
             if cand is not None:
-                for rep, n in dissent(cand, ve.winner, ve.changed):
-                    dissents.append(Dissent(name, rep, workers.replica_worker(name, rep), n))
+                dissents += self._dissents(workers, name, cand, ve)
             values.append(ve)
             if n_commits:  # the cells set for the first time (fresh: every committing cell)
                 self._unset[name] -= n_commits if self.fresh[name] else newly_set(ve)
             commits += n_commits
-            attempts += int(ve.cells.numel())
+            attempts += ve.cells.shape[0]
             violations += n_viol
         durable = not pending or applied.durable
         if parts and fused is not None:
@@ -458,26 +500,44 @@ class Owner:
             attempts,
             violations,
             reply.model_seconds,
-            self.unset(),
-            tuple(dissents),
+            dict(self._unset),
+            dissents,
             values,
             durable=durable or not commits,
         )
 
+    @staticmethod
+    def _dissents(workers: Workers, name: str, cand: Any, ve: ValueEpoch) -> tuple[Dissent, ...]:
+        """The replicas of a quorum value whose proposals the commits of ``ve`` outvoted."""
+        return tuple(
+            Dissent(name, rep, workers.replica_worker(name, rep), n)
+            for rep, n in dissent(cand, ve.winner, ve.changed)
+        )
+
     def _not_fired(
-        self, open_: Mapping[str, Tensor], reply: ProposeReply, parts: Mapping[str, Any]
+        self,
+        open_: Mapping[str, Tensor],
+        reply: ProposeReply,
+        parts: Mapping[str, Any],
+        counts: Mapping[str, int] | None = None,
     ) -> None:
         """Mark the open cells no rule fired on (the proposed ones that stay unset are refined by
-        _blocked; cells that commit need no reason)."""
-        for name, cells in open_.items():
-            proposed = reply.values.get(name)
-            seen = parts[name][1] if name in parts else proposed.cells if proposed else None
-            if seen is None or seen.numel() != cells.numel():
+        _blocked; cells that commit need no reason). ``counts``: the open cells per value, where
+        the caller has them."""
+        proposed = reply.values
+        for name in open_:
+            cells = open_[name]
+            if name in parts:
+                seen = parts[name][1]
+            else:
+                seen = proposed[name].cells if name in proposed else None
+            n = cells.shape[0] if counts is None else counts[name]
+            if seen is None or seen.shape[0] != n:
                 self.why[name].index_fill_(0, cells, NOT_FIRED)
 
     def _agree(self, name: str, e: int, cand: Candidates) -> Pending:
         """Agree on one value's candidates; record why the cells that stay unset do."""
-        quota = self.quota(name, e)
+        quota = self.quota(name, e) if self.schedule.has_quota else None
         ag, was = self._policy(name, e, cand, quota)
         return self._pending(name, cand, ag, was, quota)
 
@@ -499,10 +559,9 @@ class Owner:
         st = self.state[name]
         static = self.static[name]
         cells = cand.cells
-        n = cells.numel()
-        if self.fresh[name]:  # every open cell is unset (never written: see _const)
-            kept = self._const("kept", n, torch.float64, -torch.inf)
-            was = self._const("was", n, torch.bool, False)
+        if self.fresh[name]:  # every open cell is unset (never written: see _unset_meta)
+            n = cells.shape[0]
+            kept, was, _ = self._unset_rows.get(n) or self._unset_meta(n)
         else:
             kept = st.score.index_select(0, cells)
             was = st.committed.index_select(0, cells)
@@ -514,10 +573,11 @@ class Owner:
         self, name: str, cand: Candidates, ag: Agreed, was: Tensor, quota: int | None
     ) -> Pending:
         """The agreed value waiting for its apply; why the cells that stay unset do."""
-        n = cand.cells.numel()
+        n = cand.cells.shape[0]
         # (one open cell, causal generation: its flag itself, one read instead of a count and one)
         commits = int(ag.changed) if n == 1 else int(ag.changed.count_nonzero())
-        disagreed = self._disagreed(name, cand)
+        k = self._quorum_k[name]  # under a quorum: the cells where no payload had its k votes
+        disagreed = None if k is None else quorum_lost(cand, k)
         if commits < n:  # why the cells that stay unset do (nothing to do when all commit)
             unset = (~ag.changed & ~was).nonzero().squeeze(1)
             self._blocked(name, cand, self.static[name], unset, disagreed)
@@ -527,11 +587,6 @@ class Owner:
         return Pending(
             cand, ag.score, ag.winner, ag.changed, ag.weights, rows, was, commits, disagreed
         )
-
-    def _disagreed(self, name: str, cand: Candidates) -> Tensor | None:
-        """(n,) bool under a quorum: the cells where no proposed payload had its k votes."""
-        vp = self.plan.values[name]
-        return quorum_lost(cand, quorum_k(vp.policy, vp.policy_args))
 
     def _blocked(
         self,
@@ -565,10 +620,15 @@ class Owner:
         st = self.state[name]
         cells = cand.cells
         fresh = self.fresh[name]
-        n = cells.numel()
-        own = self._const("own", n, torch.int64, 0) if fresh else st.clock.index_select(0, cells)
+        n = cells.shape[0]
+        if fresh:
+            own = (self._unset_rows.get(n) or self._unset_meta(n))[2]
+        else:
+            own = st.clock.index_select(0, cells)
         new_clock = own
-        if commits:
+        if commits == 1 and n == 1 and self._single[name]:  # causal generation's commit
+            new_clock = self._write_one(name, e, p, int(cells), 0 if fresh else int(own))
+        elif commits:
             new_clock = self._write(name, e, p, own, changed, commits, rows, phase)
         ve = ValueEpoch(
             name,
@@ -589,7 +649,7 @@ class Owner:
             sums = torch.zeros(n, dtype=torch.int64)
             sums[changed] = got.checksum
             ve.checksum = sums
-        self.note_broken(ve)
+        self.note_broken(ve, n)
         return ve, commits
 
     def _write(
@@ -606,8 +666,6 @@ class Owner:
         """Advance the committing cells' clocks and write their metadata; (n,) the new clocks."""
         static = self.static[name]
         cells = p.cand.cells
-        if commits == 1 and len(static.rules) == 1 and cells.numel() == 1:
-            return self._write_one(name, e, p, int(cells), 0 if self.fresh[name] else int(own))
         contributed, won_rule = contributions(static.rules, p.cand, p.winner, p.weights)
         opened = Opened(own, cells, phase, self.fresh[name])
         new_clock = self.clocks.advance(
@@ -652,11 +710,15 @@ class Owner:
         held = (winner != 0) & ~changed & ~was
         self.why[name].index_put_((cells[held],), torch.full_like(cells[held], HELD))
 
-    def _const(self, kind: str, n: int, dtype: torch.dtype, fill: Any) -> Tensor:
-        """A filled (n,) tensor made once: the metadata of unset cells. Only ever read (records
-        and agreement copy from it; no user code receives it)."""
-        key = (kind, n, dtype)
-        hit = self._consts.get(key)
+    def _unset_meta(self, n: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The metadata of n unset cells, made once per n: (n,) float64 kept score -inf, (n,) bool
+        was committed False, (n,) int64 own clock 0. Only ever read (records and agreement copy
+        from them; no user code receives them)."""
+        hit = self._unset_rows.get(n)
         if hit is None:
-            hit = self._consts[key] = torch.full((n,), fill, dtype=dtype)
+            hit = self._unset_rows[n] = (
+                torch.full((n,), -torch.inf, dtype=torch.float64),
+                torch.zeros(n, dtype=torch.bool),
+                torch.zeros(n, dtype=torch.int64),
+            )
         return hit
