@@ -214,7 +214,8 @@ class Raster(Schedule):
     def __init__(self, k: int) -> None:
         super().__init__()
         self.k = k
-        self._views: dict[str, tuple[Tensor, np.ndarray | None]] = {}
+        # per value: (its committed flags, a numpy view of them or None, every cell's id)
+        self._views: dict[str, tuple[Tensor, np.ndarray | None, Tensor]] = {}
 
     def open_cells(
         self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
@@ -222,24 +223,25 @@ class Raster(Schedule):
         # cells tried without a commit are passed over: the next k unset cells after them
         # The control plane's flags are host tensors: numpy reads them through a view in a
         # fraction of the time of torch's nonzero (this runs every epoch of causal generation).
-        flags = self._flags(value, committed)
+        hit = self._views.get(value)
+        if hit is None or hit[0] is not committed:
+            hit = self._flags(value, committed)
+        flags = hit[1]
         if flags is None:  # flags on an accelerator
             return (~committed).nonzero().squeeze(1)[skip * self.k : (skip + 1) * self.k]
         if self.k == 1 and not skip:
             first = int(flags.argmin())  # the first unset cell (0 when every cell is committed)
             # (narrow: a view, cheaper than slicing; none when every cell is committed)
-            return self._all(value, flags.size).narrow(0, first, 0 if flags[first] else 1)
+            return hit[2].narrow(0, first, 0 if flags[first] else 1)
         unset = np.flatnonzero(~flags)[skip * self.k : (skip + 1) * self.k]
         return torch.from_numpy(unset.astype(np.int64, copy=False))
 
-    def _flags(self, value: str, committed: Tensor) -> np.ndarray | None:
-        """A numpy view of ``committed`` (made once per tensor; it sees in-place writes), or None
-        when the flags are not on the host."""
-        hit = self._views.get(value)
-        if hit is None or hit[0] is not committed:
-            view = committed.numpy() if committed.device.type == "cpu" else None
-            hit = self._views[value] = (committed, view)
-        return hit[1]
+    def _flags(self, value: str, committed: Tensor) -> tuple[Tensor, np.ndarray | None, Tensor]:
+        """(``committed``, a numpy view of it or None when the flags are not on the host, every
+        cell's id), made once per tensor (the view sees in-place writes)."""
+        view = committed.numpy() if committed.device.type == "cpu" else None
+        hit = self._views[value] = (committed, view, self._all(value, committed.shape[0]))
+        return hit
 
     def stable_after(self, unset: int) -> int:
         return max(1, -(-unset // self.k))  # every unset cell opened once

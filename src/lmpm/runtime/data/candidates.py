@@ -80,7 +80,8 @@ class Staging:
         vp = self.plan.values[name]
         tabs = self.checks.tables[name]
         res = self.res
-        if len(parts) == 1:  # one rule fired (the common case): no generators
+        one = len(parts) == 1
+        if one:  # one rule fired (the common case): no generators
             part = parts[0]
             cells = part.cells
             widths = [part.proposals.shape[1]]
@@ -95,7 +96,7 @@ class Staging:
         fills = self._fill_cache.get((n, ncol)) or self._fills(n, ncol)
         current = res.payload[name].index_select(0, cells)  # (n, *cell)
         committed = fills[0] if fresh else res.committed[name].index_select(0, cells)
-        table, valid, score, all_valid = self._layout(vp, parts, widths, cells, current, fills)
+        table, valid, score, all_valid = self._layout(vp, parts, widths, cells, current, fills, one)
         refreshed: Tensor | None = None
         any_committed = not fresh and bool(committed.any())
         if any_committed and tabs.folds:
@@ -111,7 +112,17 @@ class Staging:
         for tap in self.taps:
             tap(e, name, cells, table, valid)
         cand = Candidates(
-            name, cells, valid, score, violated, applies, col_rule, col_rep, col_slot, refreshed, sums
+            name,
+            cells,
+            valid,
+            score,
+            violated,
+            applies,
+            col_rule,
+            col_rep,
+            col_slot,
+            refreshed,
+            sums,
         )
         return cand if res.host else cand.to_host()
 
@@ -136,14 +147,15 @@ class Staging:
         cells: Tensor,
         current: Tensor,
         fills: tuple[Tensor, Tensor, Tensor],
+        one: bool,
     ) -> tuple[Tensor, Tensor, Tensor, bool]:
         """The table of ``cells`` (sorted) before folding: (table (n, C, *cell), valid (n, C),
         score (n, C) float64, every candidate valid). Column 0 keeps ``current``; each part's
         proposals follow in order, invalid where its rule did not fire. ``fills``: the table's
-        constant parts (:meth:`_fills`)."""
+        constant parts (:meth:`_fills`); ``one``: one part."""
         _, keep_score, all_valid = fills
         n, ncol = all_valid.shape
-        if len(widths) == 1:
+        if one:
             prop, sc = parts[0].proposals, parts[0].scores
             prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
             table = torch.cat((current.unsqueeze(1), prop), 1)

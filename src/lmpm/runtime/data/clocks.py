@@ -143,7 +143,11 @@ class Clocks:
         for cr, (index, valid) in zip(self.reads[rp.id], self._tables[rp.id]):
             clock = state[cr.source].clock
             hit = views.get(cr.source)
-            src = hit[1] if hit is not None and hit[0] is clock else self._host_clock(cr.source, clock)
+            src = (
+                hit[1]
+                if hit is not None and hit[0] is clock
+                else self._host_clock(cr.source, clock)
+            )
             got = src[index] if cr.uniform else src[index[c]]
             if valid is not None and not cr.uniform:
                 got = got * valid[c]

@@ -23,7 +23,7 @@ applied together at its end, so an epoch's result does not depend on the order i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,6 +60,7 @@ from lmpm.runtime.protocol import (
     ProposeReply,
     ProposeRequest,
     RuleWork,
+    ValueDecision,
 )
 from lmpm.runtime.records import (
     HELD,
@@ -343,20 +344,24 @@ class Owner:
         """Write the queued records into :attr:`broken` in epoch order: each run of one value's
         records with one table shape at once, where a cell opened twice keeps its later verdicts."""
         noted, self._noted = self._noted, []
-        i = 0
-        while i < len(noted):
+        i, total = 0, len(noted)
+        while i < total:
             key = (noted[i].value, noted[i].violated.shape[1:])
             j = i + 1
-            while j < len(noted) and (noted[j].value, noted[j].violated.shape[1:]) == key:
+            while j < total and (noted[j].value, noted[j].violated.shape[1:]) == key:
                 j += 1
             run = noted[i:j]
             i = j
-            cells, violated, winner, changed, was = (
-                torch.cat([getattr(ve, f) for ve in run]).cpu()
-                if len(run) > 1
-                else getattr(run[0], f).cpu()
-                for f in ("cells", "violated", "winner", "changed", "was_committed")
-            )
+            if len(run) > 1:
+                cells = torch.cat([ve.cells for ve in run]).cpu()
+                violated = torch.cat([ve.violated for ve in run]).cpu()
+                winner = torch.cat([ve.winner for ve in run]).cpu()
+                changed = torch.cat([ve.changed for ve in run]).cpu()
+                was = torch.cat([ve.was_committed for ve in run]).cpu()
+            else:
+                (ve,) = run
+                cells, violated, winner = ve.cells.cpu(), ve.violated.cpu(), ve.winner.cpu()
+                changed, was = ve.changed.cpu(), ve.was_committed.cpu()
             m = cells.numel()
             if len(run) > 1:  # the last row of each cell (index_put_ keeps no order among equals)
                 order = torch.sort(cells, stable=True).indices
@@ -383,7 +388,9 @@ class Owner:
 
     def _open(
         self, e: int, skip: int, start: int
-    ) -> tuple[dict[str, Tensor], dict[str, int], tuple[tuple[str, int], ...], dict[str, int | None]]:
+    ) -> tuple[
+        dict[str, Tensor], dict[str, int], tuple[tuple[str, int], ...], dict[str, int | None]
+    ]:
         """:meth:`open_cells` with what the epoch needs of them: the cells per value, their
         counts, (value, count) in name order (the report's), and the schedule's phase per value
         (None: the open cells vary within a phase)."""
@@ -452,6 +459,7 @@ class Owner:
         work = self.work(e, open_, counts)
         preq = ProposeRequest(e, work, self.fresh, req.record, phases, req.active)
         parts: dict[str, Any] = {}
+        order: Iterable[str]  # the proposed values in commit order
         if fused is not None:
             reply, order, parts = fused.propose_fused(preq)
         else:
