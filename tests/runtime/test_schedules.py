@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from lmpm.resolve.schedules import Frontier, Raster, ScheduleSpec, make_schedule
 from lmpm.runtime.data.texpr import coords
+from lmpm.signatures import STRATEGIES
 
 
 @settings(max_examples=200, deadline=None)
@@ -62,3 +63,16 @@ def test_frontier_opens_the_next_k_unset_cells_of_every_row(
     assert sched.stable_after(int((~committed).sum())) * k >= max(
         (int((~committed.view(rows, width)[r]).sum()) for r in range(rows)), default=0
     )
+
+
+def test_a_schedule_that_names_no_phase_never_returns_one() -> None:
+    """Owner.epoch asks `phase` only of the schedules whose `phased` is set: the others must
+    answer None in every epoch (the open cells depend on the state)."""
+    shape = (3, 4)
+    for strategy in STRATEGIES:
+        sched = make_schedule(
+            ScheduleSpec(strategy, 1, 4), {"V": coords(shape)}, {"V": torch.arange(12) % 2}, 0
+        )
+        if not sched.phased:
+            assert all(sched.phase("V", e) is None for e in range(6)), strategy
+    assert make_schedule(ScheduleSpec("red-black"), {"V": coords(shape)}, {}, 0).phased
