@@ -817,18 +817,30 @@ def _one_commit(e: int, ve: ValueEpoch, r: int) -> tuple[Any, ...]:
     its general path writes for a run of one cell (checked by the tests against it)."""
     # (NumPy views of the host tensors: a tensor's scalar index costs several µs each)
     w = int(ve.winner.cpu().numpy()[r])
-    cell = int(ve.cells.cpu().numpy()[r])
-    clock = int(ve.new_clock.cpu().numpy()[r])
-    score = float(ve.score.cpu().numpy()[r, w])
     sum_ = 0 if ve.checksum is None else int(ve.checksum.cpu().numpy()[r])
-    k = sum_.to_bytes(8, "little", signed=True)
-    rule = int(ve.col_rule.cpu().numpy()[w])
-    # (a NaN score is not equal to itself: written as its blob, as the general path does)
-    scores = None if score == score else b"d" + struct.pack("<d", score)
-    crc = zlib.crc32(k)
-    return (
+    return one_commit_row(
         e,
         ve.value,
+        int(ve.cells.cpu().numpy()[r]),
+        int(ve.col_rule.cpu().numpy()[w]),
+        int(ve.new_clock.cpu().numpy()[r]),
+        float(ve.score.cpu().numpy()[r, w]),
+        sum_,
+    )
+
+
+def one_commit_row(
+    e: int, value: str, cell: int, rule: int, clock: int, score: float, sum_: int
+) -> tuple[Any, ...]:
+    """The ``commits`` row of one cell committed alone in epoch ``e``, from its numbers (its
+    winning rule, clock after the epoch, score, payload checksum): the row :func:`commit_rows`'
+    general path writes for a run of one cell."""
+    k = sum_.to_bytes(8, "little", signed=True)
+    # (a NaN score is not equal to itself: written as its blob, as the general path does)
+    scores = None if score == score else b"d" + struct.pack("<d", score)
+    return (
+        e,
+        value,
         cell,
         cell,
         1,
@@ -838,7 +850,7 @@ def _one_commit(e: int, ve: ValueEpoch, r: int) -> tuple[Any, ...]:
         clock,
         score,
         score,
-        crc,
+        zlib.crc32(k),
         b"q" + k,
         None,
         scores,

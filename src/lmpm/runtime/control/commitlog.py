@@ -59,7 +59,7 @@ from lmpm.ir.serialize import to_dict, to_json
 from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.control.trace import TraceRows
 from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
-from lmpm.runtime.records import INPUT_RULE, CellState, committed_sum
+from lmpm.runtime.records import INPUT_RULE, CellState, OneCell, committed_sum, wrap64
 from lmpm.runtime.rundir import (
     CHECKPOINT_DIR,
     CHECKPOINT_NAME,
@@ -79,6 +79,7 @@ from lmpm.runtime.rundir import (
     decode,
     detach_shards,
     load_checkpoint,
+    one_commit_row,
     read_checkpoint,
     read_meta,
     remove_stores,
@@ -760,6 +761,9 @@ class CommitLog:
         """The epoch's per-cell rows and totals: from the records, or (``record.log``) the
         owners' merged summary when they wrote the per-cell rows into their stores."""
         if record.log is None:  # the per-cell rows come from the records
+            ones = [one for one in map(OneCell.of, record.values) if one is not None]
+            if len(ones) == len(record.values):  # one open cell per value (a decode's epoch)
+                return self._one_cell_rows(record, ones)
             commits = commit_rows(record)
             trace = self.tracer.record(engine, record) if self.tracer is not None else None
             # (NumPy: torch's threaded count over a row of k = V candidates costs milliseconds)
@@ -769,6 +773,29 @@ class CommitLog:
         if self.tracer is not None:
             trace = TraceRows(summary=list(record.log.summary), decided=record.log.decided)
         return _EpochRows([], trace, record.log.candidates, record.log.checksum)
+
+    def _one_cell_rows(self, record: EpochRecord, ones: list[OneCell]) -> _EpochRows:
+        """:meth:`_epoch_rows` of an epoch whose values had one open cell each, from their numbers
+        read once (``ones``): the rows and totals of the general path (the tests hold them
+        equal), without its tensor reads per field."""
+        e = record.epoch
+        commits = [
+            one_commit_row(
+                e,
+                ve.value,
+                one.cell,
+                one.col_rule[one.winner],
+                one.clock,
+                one.score[one.winner],
+                0 if one.checksum is None else one.checksum,
+            )
+            for ve, one in zip(record.values, ones)
+            if one.changed
+        ]
+        trace = None if self.tracer is None else self.tracer.rows(e, record.values, ones)
+        sums = [one.checksum if one.changed else 0 for one in ones if one.checksum is not None]
+        checksum = wrap64(sum(sums)) if sums else None
+        return _EpochRows(commits, trace, sum(sum(one.valid) for one in ones), checksum)
 
     def _log_ruleset(self, engine: Engine) -> None:
         """Insert the RuleSet events made since the last epoch (inside the caller's transaction:
