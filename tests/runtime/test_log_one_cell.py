@@ -22,7 +22,7 @@ from lmpm.runtime.control import commitlog
 from lmpm.runtime.control.commitlog import CommitLog, RunInfo
 from lmpm.runtime.control.trace import Tracer
 from lmpm.runtime.records import EpochRecord, OneCell, ValueEpoch
-from lmpm.runtime.rundir import DB_NAME, STORE_DIR
+from lmpm.runtime.rundir import DB_NAME, PAGE_SIZE, STORE_DIR
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_runtime_trace_summary import _GRID, value_epochs
@@ -170,3 +170,74 @@ def test_a_runs_log_holds_the_general_paths_rows(
     assert len(fast_rows[f"{DB_NAME}:commits"]) > 5
     for table in fast_rows:
         assert fast_rows[table] == general_rows[table], table
+
+
+_OPENED = st.lists(st.tuples(st.text(max_size=4), st.integers(0, 2**40)), max_size=3).map(tuple)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("open"), st.integers(0, 2**62) | st.booleans(), _OPENED),
+            st.tuples(st.text(max_size=5), st.integers(), _OPENED),
+            st.tuples(st.just("open"), st.integers()),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_the_mask_plans_json_is_json_dumps(elems: list[tuple[Any, ...]]) -> None:
+    """The epochs row's ``maskplan`` (an epoch's element written around its cached ``opened``) is
+    ``json.dumps`` of the element, element after element."""
+    import json
+
+    log = _log("off")
+    for elem in elems:
+        assert log._maskplan_text(elem) == json.dumps(elem, separators=(",", ":"))
+
+
+def _page_size(db: Path) -> int:
+    conn = sqlite3.connect(db)
+    try:
+        return int(conn.execute("PRAGMA page_size").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def _repage(db: Path, size: int) -> None:
+    """Rewrite ``db`` with ``size``-byte pages (as an older version created it), still WAL."""
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")
+        conn.execute(f"PRAGMA page_size={size}")
+        conn.execute("VACUUM")
+        conn.execute("PRAGMA journal_mode=WAL")
+    finally:
+        conn.close()
+
+
+def test_new_logs_take_the_page_size_and_older_ones_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new run's log and payload store have PAGE_SIZE-byte pages; a run whose files have
+    SQLite's default 4 KiB pages (an older version's) resumes in them, to the rows of a run made
+    in one go."""
+    text = ["--input", f"Txt={EX / 'text' / 'prompt.txt'}", "--set", "N=40", "--quiet"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(["run", str(EX / "text.lmpm"), *text, "--epochs", "12", "--out", str(whole)]) == 0
+    assert main(["run", str(EX / "text.lmpm"), *text, "--epochs", "6", "--out", str(part)]) == 0
+    dbs = [part / DB_NAME, *sorted((part / STORE_DIR).glob("*.db"))]
+    assert len(dbs) == 2 and {_page_size(db) for db in dbs} == {PAGE_SIZE}
+    for db in dbs:
+        _repage(db, 4096)
+    assert main(["run", "--resume", str(part), "--epochs", "12", "--quiet"]) == 0
+    capsys.readouterr()
+    assert {_page_size(db) for db in dbs} == {4096}
+    got, want = _dump(part), _dump(whole)
+    resumes = f"{DB_NAME}:resumes"
+    assert len(got.pop(resumes)) == 1 and not want.pop(resumes)
+    for table in want:
+        if table.endswith((":meta", ":checkpoints")):  # (the resume's argv; the part's end)
+            continue
+        assert got[table] == want[table], table

@@ -101,6 +101,12 @@ COUNTED = {
     "driver_cpu_s": "REAL",
     "checksum": "INTEGER",
 }
+# The page size of a new log or payload store (an existing one keeps its own). A one-cell epoch
+# changes a page of each table it appends to (and of the commits' epoch index), and each changed
+# page is a frame of the write-ahead log: 2 KiB pages write and fsync (at the WAL's checkpoints and
+# the close) half the bytes of SQLite's default 4 KiB, and wide epochs' rows (a video's tiles) are
+# written as fast (1 KiB pages: slower there, little faster for a decode; docs/trace.md)
+PAGE_SIZE = 2048
 INSERT_COMMIT = "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 INSERT_EPOCH = f"INSERT INTO epochs ({', '.join(EPOCH_COLUMNS)}) VALUES ({', '.join('?' * len(EPOCH_COLUMNS))})"
 

@@ -67,6 +67,7 @@ from lmpm.runtime.rundir import (
     INSERT_COMMIT,
     INSERT_EPOCH,
     KEEP_RULE,
+    PAGE_SIZE,
     SCHEMA,
     SCHEMA_VERSION,
     attach_shards,
@@ -571,6 +572,8 @@ class CommitLog:
         self.wants_records = True  # the epoch records' per-cell part (not when the owners log)
         self._maskplan_elem: object = None  # the mask plan element last logged, and its JSON
         self._maskplan_json = ""
+        self._opened: object = None  # the last epoch element's open cells per value, and its JSON
+        self._opened_json = ""
 
     # Observer protocol
     def on_start(self, engine: Engine) -> None:
@@ -609,6 +612,7 @@ class CommitLog:
     def _create(self, engine: Engine, tmp: Path) -> None:
         conn = sqlite3.connect(str(tmp), isolation_level=None)
         try:
+            conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # (a new database's, before WAL mode)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={'FULL' if self.info.durable else 'NORMAL'}")
             self._fill(engine, conn)
@@ -753,9 +757,22 @@ class CommitLog:
         while it stays the same element, as it does epoch after epoch)."""
         elem = next(reversed(engine.maskplan.adds))
         if elem is not self._maskplan_elem:
-            self._maskplan_json = json.dumps(elem, separators=(",", ":"))
+            self._maskplan_json = self._maskplan_text(elem)
             self._maskplan_elem = elem
         return self._maskplan_json
+
+    def _maskplan_text(self, elem: Any) -> str:
+        """``json.dumps(elem, separators=(",", ":"))``. An epoch's ``("open", epoch, opened)`` (a new
+        element every epoch) is written around the JSON of its ``opened``, encoded once while it
+        stays the same (a decode's one open cell of one value, epoch after epoch)."""
+        if isinstance(elem, tuple) and len(elem) == 3 and elem[0] == "open":
+            e, opened = elem[1], elem[2]
+            if type(e) is int:  # (not a bool: JSON's true)
+                if opened != self._opened:
+                    self._opened_json = json.dumps(opened, separators=(",", ":"))
+                    self._opened = opened
+                return f'["open",{e},{self._opened_json}]'
+        return json.dumps(elem, separators=(",", ":"))
 
     def _epoch_rows(self, engine: Engine, record: EpochRecord) -> _EpochRows:
         """The epoch's per-cell rows and totals: from the records, or (``record.log``) the
