@@ -147,7 +147,7 @@ def _dump(run_dir: Path) -> dict[str, list[tuple[Any, ...]]]:
     return out
 
 
-@pytest.mark.parametrize("trace", ["summary", "off"])
+@pytest.mark.parametrize("trace", ["summary", "off", "cells"])
 def test_a_runs_log_holds_the_general_paths_rows(
     tmp_path: Path, trace: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -55,7 +55,8 @@ def checksum(payload: Tensor, cell_dims: int) -> Tensor:
     >>> bool(a[0] == a[1]), bool(a[0] == a[2])
     (True, False)
     """
-    if not cell_dims and payload.is_cpu and payload.numel() == 1:
+    # (not while torch.compile traces a compiled step: .item() would break its graph)
+    if not cell_dims and payload.is_cpu and payload.numel() == 1 and not _compiling():
         one = _checksum_of_one(payload.item())
         if one is not None:  # (a decode's commit: torch's few kernels on one number cost ~20 µs)
             return torch.full(payload.shape, one, dtype=torch.int64)
@@ -72,6 +73,7 @@ def checksum(payload: Tensor, cell_dims: int) -> Tensor:
 
 
 _U64 = (1 << 64) - 1
+_compiling = torch.compiler.is_compiling
 
 
 def _i64(n: int) -> int:
