@@ -913,12 +913,17 @@ class CommitLog:
         self.conn.execute("COMMIT")
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        """Close the payload stores, then the log: each close folds its WAL into its database and
+        fsyncs it, in the two-step commit's order (a power cut between the two leaves payload
+        rows of epochs the log lacks, which resume drops; never a logged epoch without them)."""
         dp = getattr(self, "_dataplane", None)
-        if dp is not None:
-            dp.close_store()
+        try:
+            if dp is not None:
+                dp.close_store()
+        finally:
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
 
     def _prune_files(self) -> None:
         """Delete checkpoint files no committed row references (pruned ones, or a crash's orphan):
