@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -506,24 +507,54 @@ def _finite(t: Tensor) -> bool:
 _FEW = 64  # elements read as Python numbers rather than reduced (_finite)
 
 
-def _mark_nonfinite(bad: Tensor, t: Tensor, code: int) -> None:
-    """``bad |= code`` on the rows of ``t`` holding NaN or ±inf. On the host, where looking costs
-    no device sync, one min/max pass (both NaN when any element is) says whether there are any;
-    the rows are only worked out when there are."""
-    if bad.device.type == "cpu" and t.numel() and not t.is_complex() and _finite(t):
-        return
-    bad |= _rows_any(~torch.isfinite(t)).to(torch.int8) * code
+def _flag(bad: Tensor | None, rows: Tensor, code: int) -> Tensor:
+    """The fault bitmask ``bad`` (None: no fault yet) with ``code`` on ``rows`` ((N,) bool)."""
+    flags = rows.to(torch.int8) * code
+    return flags if bad is None else bad | flags
 
 
-def _mark_outside(bad: Tensor, proposal: Tensor, vocab: int) -> None:
-    """``bad |= BAD_TOKEN`` on the rows holding a token outside [0, vocab) (host: one min/max
-    pass when every token is inside)."""
-    if bad.device.type == "cpu" and proposal.numel():
+def _mark_nonfinite(bad: Tensor | None, t: Tensor, code: int) -> Tensor | None:
+    """``bad`` with ``code`` on the rows of ``t`` holding NaN or ±inf. On the host, where looking
+    costs no device sync, one min/max pass (both NaN when any element is) says whether there are
+    any; the rows are only worked out when there are."""
+    if t.device.type == "cpu" and t.numel() and not t.is_complex() and _finite(t):
+        return bad
+    return _flag(bad, _rows_any(~torch.isfinite(t)), code)
+
+
+def _mark_outside(bad: Tensor | None, proposal: Tensor, vocab: int) -> Tensor | None:
+    """``bad`` with ``BAD_TOKEN`` on the rows holding a token outside [0, vocab) (host: one
+    min/max pass when every token is inside)."""
+    if proposal.device.type == "cpu" and proposal.numel():
         lo, hi = torch.aminmax(proposal)
         if int(lo) >= 0 and int(hi) < vocab:
-            return
-    outside = (proposal < 0) | (proposal >= vocab)
-    bad |= _rows_any(outside).to(torch.int8) * BAD_TOKEN
+            return bad
+    return _flag(bad, _rows_any((proposal < 0) | (proposal >= vocab)), BAD_TOKEN)
+
+
+_CLEAN: dict[tuple[int, torch.device], Tensor] = {}  # (N, device) -> the bitmask of no fault
+
+
+def _clean(n: int, device: torch.device) -> Tensor:
+    """The bitmask of a call of ``n`` rows without a fault: int8 zeros, one tensor per (n,
+    device), made once and never written (execute makes a new one for a fault, and
+    :func:`raise_if_bad` knows this one at sight)."""
+    clean = _CLEAN.get((n, device))
+    if clean is None:
+        clean = _CLEAN[(n, device)] = torch.zeros(n, dtype=torch.int8, device=device)
+    return clean
+
+
+def _host_scores(logp: Tensor, tokens: list[int], columns: int) -> Tensor:
+    """(n, columns) float64: row i's log-prob of ``tokens[i]`` in every column (host ``logp``
+    (n, V) float32), 0 where it is not finite: what gathering the greedy columns from ``logp``,
+    zeroing what is not finite and widening to float64 give, read as numbers (a decode step)."""
+    table = logp.numpy()
+    rows = []
+    for i, t in enumerate(tokens):
+        v = table.item(i, t)
+        rows.append([v if math.isfinite(v) else 0.0] * columns)
+    return torch.from_numpy(np.array(rows, dtype=np.float64))
 
 
 def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResult, Tensor]:
@@ -603,7 +634,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 code=R_DEVICE,
                 hint=HINT_DEVICE,
             )
-    bad = torch.zeros(n, dtype=torch.int8, device=device)
+    bad: Tensor | None = None  # the per-row fault bits, made at the first fault
     scored = False  # the scores are known finite
 
     if proposal is None and logits is None:
@@ -634,6 +665,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             )
         keys = call.keys
         finite_max = False  # every row's max logit is known finite
+        fast = None  # the greedy choice of a decode step, worked out on the host
         if chosen is not None:
             if logits.dim() != 2:
                 raise fail(
@@ -659,7 +691,6 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     )
                 return noise[0]
 
-            fast = None  # the greedy choice of a decode step, worked out on the host
             if chosen.pick == "top" and chosen.k == 1:
                 fast = choose.greedy_rows(logits, call.mask)
             if fast is not None:
@@ -706,22 +737,26 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 )  # (n,)
                 proposal = choose.alone_column(proposal.unsqueeze(1), alone)  # (n, 2)
             logp = torch.log_softmax(logits.float(), dim=-1)
-        if logits.dim() == 2 and call.mask is not None and call.mask.current is not None:
+        kept = logits.dim() == 2 and call.mask is not None and call.mask.current is not None
+        if kept:
             two = proposal if proposal.dim() == 2 else proposal.unsqueeze(1)
             proposal = choose.keep_column(two, logits, call.mask)  # (n, k + 1)
-        if logits.dim() == 2 and proposal.dim() == 2:  # (n, k) tokens of one distribution
-            score = logp.gather(1, proposal)
-        else:  # (n,) of (n, V), or (n, k) of (n, k, V): one token per distribution
-            score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
+        if fast is not None and not kept:  # the decode step's scores, read as numbers
+            score = _host_scores(logp, fast.tokens, proposal.shape[1])  # (n, 1 | 2) float64
+        else:
+            if logits.dim() == 2 and proposal.dim() == 2:  # (n, k) tokens of one distribution
+                score = logp.gather(1, proposal)
+            else:  # (n,) of (n, V), or (n, k) of (n, k, V): one token per distribution
+                score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
+            if not _finite(score):
+                score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
         # a NaN or +inf logit, or every token -inf: the distribution's max is not finite (amax
         # propagates NaN): one reduction instead of three passes over the vocabulary (none
         # where the greedy choice read the maxima already)
         if not finite_max:
             rowmax = logits.amax(dim=-1)  # (n,) | (n, k)
             if not _finite(rowmax):
-                bad |= _rows_any(~torch.isfinite(rowmax)).to(torch.int8) * BAD_LOGITS
-        if not _finite(score):
-            score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
+                bad = _flag(bad, _rows_any(~torch.isfinite(rowmax)), BAD_LOGITS)
         scored = True  # (finite: no need to look again below)
     else:
         assert proposal is not None
@@ -768,14 +803,14 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 else R_SHAPE,
             )
         if proposal.is_floating_point() or proposal.is_complex():
-            _mark_nonfinite(bad, proposal, BAD_PROPOSAL)
+            bad = _mark_nonfinite(bad, proposal, BAD_PROPOSAL)
         if call.vocab is not None:
-            _mark_outside(bad, proposal, call.vocab)
+            bad = _mark_outside(bad, proposal, call.vocab)
     if call.score is not None:
         proposal, score = rule_score(call, proposal, backend, worker)
         scored = False
     if not scored:
-        _mark_nonfinite(bad, score, BAD_SCORE)
+        bad = _mark_nonfinite(bad, score, BAD_SCORE)
     result = GroupResult(
         rule=call.rule,
         cells=call.cells,
@@ -785,7 +820,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         item_ids=call.item_ids,
         offsets=call.offsets,
     )
-    return result, bad
+    return result, bad if bad is not None else _clean(n, device)
 
 
 def rule_score(
@@ -829,6 +864,8 @@ def rule_score(
 
 def raise_if_bad(result: GroupResult, bad: Tensor, *, backend: str, worker: str) -> None:
     """Raise ModelError naming the faulty cells when the bitmask ``bad`` (host, (N,)) has a fault."""
+    if _CLEAN.get((bad.shape[0], bad.device)) is bad:
+        return  # (execute's bitmask of no fault)
     if not (bad.numpy().any() if bad.device.type == "cpu" else bool(bad.any())):
         return  # (on the host NumPy looks: a tensor op costs more between two forwards)
     rows = torch.nonzero(bad).flatten()
