@@ -195,13 +195,16 @@ def greedy_rows(logits: Tensor, mask: VocabMask | None) -> Greedy | None:
     ):
         return None
     table = logits.detach().numpy()  # (n, V), a view
-    if n == 1:  # (one row, the decode step: the flat argmax is the row's, read as numbers)
-        tokens = [int(table.argmax())]
-        best = [table.item(tokens[0])]
-    else:
-        alone = table.argmax(axis=1)  # (n,) the first of each row's maxima
-        tokens = alone.tolist()
-        best = table[np.arange(n), alone].tolist()
+    if n == 1:  # one row (the decode step): its flat argmax, read as numbers
+        t = int(table.argmax())
+        b = table.item(t)
+        if mask is not None and not (b > -math.inf and not mask.sets.drop_host[t]):
+            return None
+        top = np.array([[t] if mask is None else [t, t]], dtype=np.int64)
+        return Greedy(torch.from_numpy(top), math.isfinite(b), [t])
+    alone = table.argmax(axis=1)  # (n,) the first of each row's maxima
+    tokens = alone.tolist()
+    best = table[np.arange(n), alone].tolist()
     if mask is not None:
         drop = mask.sets.drop_host
         if not all(b > -math.inf and not drop[i] for b, i in zip(best, tokens, strict=True)):
