@@ -234,7 +234,7 @@ def _build_one(
     """:func:`_build_call` of one item (an epoch's one rule firing: the common case): its inputs
     as they are (placed on ``device``), nothing to concatenate or pad."""
     rule, n = item.rule, item.n
-    inputs: dict[str, Tensor] = {}
+    elsewhere = False  # some input is not on ``device`` yet
     for name, t in item.inputs.items():
         if not isinstance(t, Tensor):
             raise UsageError(
@@ -246,7 +246,13 @@ def _build_one(
                 f"rule '{rule}': input '{name}' has shape {tuple(t.shape)} but the item has "
                 f"{n} cells; inputs are batched over cells along dim 0"
             )
-        inputs[name] = _place(t, device, transfer)
+        elsewhere = elsewhere or (device is not None and t.device != device)
+    tensors: dict[str, Tensor] = item.inputs  # type: ignore[assignment]  # checked just above
+    inputs = (
+        {name: _place(t, device, transfer) for name, t in tensors.items()}
+        if elsewhere
+        else dict(tensors)  # (the model's own dict: what it adds stays in its call)
+    )
     if item.cells.dim() != 1 or item.cells.dtype != torch.int64:
         raise UsageError(
             f"rule '{rule}': cells must be an int64 tensor of shape (n,), got "

@@ -49,8 +49,8 @@ def resolve_refs(
     read: set[str] = set()
     out: list[WorkItem] = []
     for item in items:
-        if not any(isinstance(v, Ref) for v in item.inputs.values()):
-            out.append(item)
+        if not any(issubclass(kind, Ref) for kind in set(map(type, item.inputs.values()))):
+            out.append(item)  # (the inputs' few distinct types looked at: no Ref among them)
             continue
         inputs: dict[str, Tensor | Ref] = {}
         for name, v in item.inputs.items():
