@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -70,6 +71,9 @@ class _Rows:
     length: Tensor  # (rows,) host int64: cached positions per row
     lengths: list[int]  # the same as numbers (the decode step's checks: no tensor op)
     full: bool = False  # every column of ``attention`` holds a token (no padding)
+    # ``columns`` as the NumPy array it wraps, where a decode step of one row wrote into it
+    # (``Tensor.numpy`` costs ~15 µs cold after a forward; NumPy's write a fraction)
+    host_columns: np.ndarray | None = None
 
     @property
     def attention(self) -> Tensor:
@@ -300,6 +304,8 @@ class HFCausalLM:
         end = rows.end  # the cache column it goes to
         pos = last if dev.type == "cpu" else last.to(dev)
         mask, columns = _room(rows, end + 1, width)
+        # (one row: ``columns`` as NumPy, where its new position's column goes)
+        host: np.ndarray | None = None
         # (one row: its new token is a view of its prefix; a model never writes its input ids)
         fed = ids.narrow(1, lengths[0] - 1, 1) if n == 1 else ids.gather(1, pos)
         out = self.model(
@@ -315,11 +321,14 @@ class HFCausalLM:
         self.fed += n
         # the new position's column; those after a row's length stay 0 (as _forward keeps them)
         if n == 1:  # (on the host, as a number)
-            columns.numpy()[0, lengths[0] - 1] = end
+            host = rows.host_columns if columns is rows.columns else None
+            if host is None:
+                host = columns.numpy()
+            host[0, lengths[0] - 1] = end
         else:
             columns.narrow(1, 0, width).scatter_(1, last, end)
         self._rows[key] = _Rows(
-            rows.cache, mask, end + 1, index, clock, columns, length, lengths, rows.full
+            rows.cache, mask, end + 1, index, clock, columns, length, lengths, rows.full, host
         )
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
