@@ -725,7 +725,8 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     alone = first[:, 0]
                 proposal = choose.alone_column(proposal, alone)  # (n, k + 1)
             temp = float(chosen.temperature)
-            wide = logits.float()  # (float32 logits: the same tensor; / 1.0 changes nothing)
+            # (float32 logits as they are; / 1.0 changes nothing)
+            wide = logits if logits.dtype == torch.float32 else logits.float()
             logp = torch.log_softmax(wide / temp if temp != 1.0 else wide, dim=-1)
         else:
             proposal = rng.categorical(

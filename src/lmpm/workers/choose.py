@@ -194,7 +194,7 @@ def greedy_rows(logits: Tensor, mask: VocabMask | None) -> Greedy | None:
         and n <= _FEW
     ):
         return None
-    table = logits.detach().numpy()  # (n, V), a view
+    table = (logits.detach() if logits.requires_grad else logits).numpy()  # (n, V), a view
     if n == 1:  # one row (the decode step): its flat argmax, read as numbers
         t = int(table.argmax())
         b = table.item(t)

@@ -100,10 +100,12 @@ class CpuBackend:
         calls = batch_items(items, device=self.device)
         state = _CpuState(n_items=len(items))
         by_group: dict[str | None, list[BatchedCall]] = {}
-        for call in calls:
-            by_group.setdefault(call.group, []).append(call)
-        if self._pool is not None and len(by_group) > 1:
-            state.futures = [self._pool.submit(self._run, group) for group in by_group.values()]
+        pool = self._pool
+        if pool is not None and len(calls) > 1:  # (groups run as tasks of the pool)
+            for call in calls:
+                by_group.setdefault(call.group, []).append(call)
+        if pool is not None and len(by_group) > 1:
+            state.futures = [pool.submit(self._run, group) for group in by_group.values()]
             for key in read:
                 pending = [f for f in self._readers.get(key, []) if not f.done()]
                 self._readers[key] = pending + state.futures
