@@ -74,6 +74,10 @@ class _Rows:
     # ``columns`` as the NumPy array it wraps, where a decode step of one row wrote into it
     # (``Tensor.numpy`` costs ~15 µs cold after a forward; NumPy's write a fraction)
     host_columns: np.ndarray | None = None
+    # ``index`` and ``clock`` as NumPy arrays, kept by a decode step of one row for the next
+    # one's check (their bytes compared: no ``Tensor.numpy`` of the cached rows)
+    host_index: np.ndarray | None = None
+    host_clock: np.ndarray | None = None
 
     @property
     def attention(self) -> Tensor:
@@ -218,12 +222,15 @@ class HFCausalLM:
     ) -> Tensor:
         """Next-token logits of every row: feed what its cache lacks, reuse the rest."""
         n, width = ids.shape
-        key = (generation, *index.numpy()[:, 0].tolist())  # the rows: their first cells
+        host_index, host_clock = index.numpy(), clock.numpy()  # (n, L) each
+        key = (generation, *host_index[:, 0].tolist())  # the rows: their first cells
         rows = self._rows.pop(key, None)
         if rows is None:
             rows = self._subset(key)
-        elif self._appends(rows, index, clock, lengths):  # one new token per row: a decode step
-            return self._append(key, rows, ids, index, clock, length, lengths)
+        elif self._appends(rows, index, lengths, host_index, host_clock):  # a decode step
+            return self._append(
+                key, rows, ids, (index, clock, length), lengths, host_index, host_clock
+            )
         start_col, keep = self._reuse(rows, index, clock, length)
         # per row, the first position to feed: those in columns before start_col stay cached
         first = keep  # (n,)
@@ -268,18 +275,27 @@ class HFCausalLM:
         return out.logits.select(1, -1)  # (n, V)
 
     @staticmethod
-    def _appends(rows: _Rows, index: Tensor, clock: Tensor, lengths: list[int]) -> bool:
+    def _appends(
+        rows: _Rows,
+        index: Tensor,
+        lengths: list[int],
+        host_index: np.ndarray,
+        host_clock: np.ndarray,
+    ) -> bool:
         """Every row holds its cached positions unchanged (same cells, same clocks) and one
-        more after them: the step of a decode, one token per row."""
+        more after them: the step of a decode, one token per row (``host_index``,
+        ``host_clock``: the call's index and clocks as NumPy)."""
         lc = rows.index.shape[1]
         if index.shape[1] < lc or lengths != [m + 1 for m in rows.lengths]:
             return False
         if len(lengths) == 1:  # one row, its positions filling the cached width: their bytes
-            cached, now = rows.index.numpy(), index.numpy()[:, :lc]
-            if cached.tobytes() != now.tobytes():
+            cached = rows.host_index if rows.host_index is not None else rows.index.numpy()
+            if cached.tobytes() != host_index[:, :lc].tobytes():
                 return False
-            return rows.clock.numpy().tobytes() == clock.numpy()[:, :lc].tobytes()
-        now_index, now_clock = index.narrow(1, 0, lc), clock.narrow(1, 0, lc)
+            held = rows.host_clock if rows.host_clock is not None else rows.clock.numpy()
+            return held.tobytes() == host_clock[:, :lc].tobytes()
+        now_index = index.narrow(1, 0, lc)
+        now_clock = torch.from_numpy(host_clock).narrow(1, 0, lc)  # (the call's clock tensor)
         if min(rows.lengths) < lc:  # rows of several lengths: a row's new token lies
             # within the cached width, where its cached entries are 0 (the dense read's rest)
             cached_t = torch.arange(lc) < rows.length.unsqueeze(1)
@@ -291,13 +307,14 @@ class HFCausalLM:
         key: tuple[Any, ...],
         rows: _Rows,
         ids: Tensor,
-        index: Tensor,
-        clock: Tensor,
-        length: Tensor,
+        read: tuple[Tensor, Tensor, Tensor],
         lengths: list[int],
+        host_index: np.ndarray,
+        host_clock: np.ndarray,
     ) -> Tensor:
         """Feed each row its one new token (the last of its prefix) after its cache: the decode
         step of :meth:`_forward` without its general bookkeeping."""
+        index, clock, length = read  # (n, L), (n, L), (n,) on the host
         n, width = ids.shape
         dev = ids.device
         last = rows.length.unsqueeze(1)  # (n, 1) the new token's position in each row
@@ -328,7 +345,18 @@ class HFCausalLM:
         else:
             columns.narrow(1, 0, width).scatter_(1, last, end)
         self._rows[key] = _Rows(
-            rows.cache, mask, end + 1, index, clock, columns, length, lengths, rows.full, host
+            rows.cache,
+            mask,
+            end + 1,
+            index,
+            clock,
+            columns,
+            length,
+            lengths,
+            full=rows.full,
+            host_columns=host,
+            host_index=host_index,
+            host_clock=host_clock,
         )
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
