@@ -830,6 +830,11 @@ def compile_graph(
             # Scalar loops: a step is gathers and scatters by cell index, which vectorized loops
             # do lane by lane through a stack buffer (7× slower at 32,768 open cells).
             "cpp.simdlen": 1,
+            # A stack of unrolled columns (the candidate tables) as one pointwise loop: inductor's
+            # CPU default writes each column into a slice of the stacked buffer, a tensor view
+            # made and freed per column and call (27 of a one-cell text step's ~75 tensor
+            # handles: 23 -> 18 us a call with warm caches)
+            "force_pointwise_cat": True,
         }
         if guarded:
             # The C++ wrapper checks each input's sizes and strides with a std::stringstream
@@ -931,6 +936,7 @@ class CompiledEpoch:
             if why is None
         }
         self._tables: dict[str, tuple[list[Tensor], ...]] = {}
+        self._flat: dict[str, tuple[Tensor, ...]] = {}  # value -> its tables, in step order
         # (value, open-cell bucket, column layout, the proposals' dtype) -> compiled step, with
         # the run's tensors it reads (held by identity: a Graph)
         self._fns: dict[tuple[Any, ...], Graph] = {}
@@ -1019,14 +1025,36 @@ class CompiledEpoch:
         candidate) pairs violate a constraint. ``e`` a 0-d device tensor: the step runs inside a
         window's capture (lmpm.runtime.data.kepochs), directly."""
         spec = self.specs[value]
-        x, n, b = self._inputs(spec, e, part, dataplane, meta)
-        vtables, where, index, valid = self.tables(value, dataplane)
-        args = (*x, *vtables, *where, *index, *valid, *(meta.clocks[s] for s in spec.others))
-        key = (value, b, part.layout, x.prop.dtype)  # (the graph reads the proposals' dtype)
+        head, n, b = self._inputs(spec, e, part, meta)
+        st = meta.state
+        tables = self._flat.get(value)
+        if tables is None:
+            tables = self._flat[value] = tuple(
+                t for ts in self.tables(value, dataplane) for t in ts
+            )
+        # the run's tensors (a Graph holds them by identity), in StepInputs order, then the tables
+        args = (
+            *head,
+            dataplane.payload[value],
+            dataplane.committed[value],
+            dataplane.from_input[value],
+            st.committed,
+            st.clock,
+            st.rule,
+            st.epoch,
+            st.score,
+            meta.why,
+            meta.active,
+            self._limit,
+            *tables,
+            *[meta.clocks[s] for s in spec.others],
+        )
+        prop = head[2]
+        key = (value, b, part.layout, prop.dtype)  # (the graph reads the proposals' dtype)
         g = self._fns.get(key)
         if g is None or not g.holds(args):
             g = self._graph(key, spec, part.layout, args, e, g)
-        if self.captured is not None and x.e is self._e:  # on CUDA: replay the captured graph
+        if self.captured is not None and head[0] is self._e:  # on CUDA: replay the captured graph
             out = self.captured.run(key, g.fn, args)
         else:
             out = g.fn(*args)
@@ -1058,16 +1086,15 @@ class CompiledEpoch:
         return g
 
     def _inputs(
-        self, spec: StepSpec, e: int | Tensor, part: Fused, dataplane: Any, meta: StepMeta
-    ) -> tuple[StepInputs, int, int]:
-        """The step's :class:`StepInputs`, padded to the bucket (by repeating row 0: identical
-        rows decide and write identically); with ``n`` and the bucket."""
+        self, spec: StepSpec, e: int | Tensor, part: Fused, meta: StepMeta
+    ) -> tuple[tuple[Tensor, ...], int, int]:
+        """The step's inputs made per epoch (:class:`StepInputs` up to ``payload``: e, cells,
+        prop, sc, fired) padded to the bucket (by repeating row 0: identical rows decide and
+        write identically); with ``n`` and the bucket."""
         cells, prop, sc, fired = part.cells, part.proposals, part.scores, part.fired
         n = cells.numel()
         b = bucket(n)
-        if b == n:
-            cells = cells.contiguous()  # (the graph reads it at the stride it was compiled for)
-        else:
+        if b != n:
             pad = b - n
             cells = torch.cat((cells, cells[:1].expand(pad)))
             prop = torch.cat((prop, prop[:1].expand(pad, *prop.shape[1:])))
@@ -1089,26 +1116,9 @@ class CompiledEpoch:
             else:
                 self._e.fill_(e)
             e_t = self._e
-        st = meta.state
-        x = StepInputs(
-            e_t,
-            cells,
-            prop.contiguous(),
-            sc.contiguous(),
-            fired,
-            dataplane.payload[spec.value],
-            dataplane.committed[spec.value],
-            dataplane.from_input[spec.value],
-            st.committed,
-            st.clock,
-            st.rule,
-            st.epoch,
-            st.score,
-            meta.why,
-            meta.active,
-            self._limit,
-        )
-        return x, n, b
+        # (the graph reads them at the strides it was compiled for; contiguous() of a
+        # contiguous tensor is the tensor itself)
+        return (e_t, cells.contiguous(), prop.contiguous(), sc.contiguous(), fired), n, b
 
     def _compile(
         self, spec: StepSpec, layout: Layout, args: tuple[Tensor, ...], e: int | Tensor
