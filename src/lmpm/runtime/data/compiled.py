@@ -725,7 +725,7 @@ class Graph:
         self.fn = fn
         # the inductor module's own ``call`` (a list of inputs in) where ``fn`` is a bare one
         # (_direct): the caller passes it a list, one Python frame fewer per call
-        self.call: Callable[[list[Tensor]], Any] | None = _LIST_CALLS.get(fn)
+        self.call: Callable[[Sequence[Tensor]], Any] | None = _LIST_CALLS.get(fn)
         self.sig = signature(args)
         self.first = first  # args[first:] are the run's (checked by identity)
         self.held: tuple[Tensor, ...] = tuple(args[first:])
@@ -749,13 +749,14 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
     call does: checked once, on copies of the inputs (outputs and inputs written in place equal).
     Otherwise ``fn`` as it is. The graph is the inductor module's ``call`` (a list of inputs in,
     a list of outputs back), which ``CompiledFxGraph.__call__`` runs and which AOT autograd's
-    wrapper carries as ``current_callable``."""
+    wrapper carries as ``current_callable``; with a C++ wrapper, its C++ entry itself
+    (:func:`_entry`)."""
     inner: Any = fn
     while not callable(getattr(inner, "current_callable", None)):
         inner = getattr(inner, "__wrapped__", None)
         if inner is None:
             return fn
-    call = inner.current_callable
+    call = _entry(inner.current_callable)
 
     def direct(*ts: Tensor) -> Any:
         return call(list(ts))
@@ -772,8 +773,27 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
     return fn
 
 
-# a bare graph (_direct's) -> the inductor module's ``call`` it wraps (Graph.call)
-_LIST_CALLS: dict[Callable[..., Any], Callable[[list[Tensor]], Any]] = {}
+def _entry(call: Callable[[list[Tensor]], Any]) -> Callable[[Sequence[Tensor]], Any]:
+    """A C++-wrapped inductor module's ``call`` as its C++ entry between the two conversions of
+    tensors to and from handles: ``call`` (``_wrap_func``'s ``g`` over the entry ``f``) first
+    turns every input that is not a tensor into one, in a Python loop over the inputs (a step
+    has ~20, all tensors). Any other ``call``: itself (:func:`_direct` checks the result)."""
+    code = getattr(call, "__code__", None)
+    cells = getattr(call, "__closure__", None)
+    if code is None or code.co_freevars != ("f",) or not cells:
+        return call
+    entry = cells[0].cell_contents
+    to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+    from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+
+    def bare(args: Sequence[Tensor]) -> Any:
+        return from_handles(entry(to_handles(args)))
+
+    return bare
+
+
+# a bare graph (_direct's) -> the inductor call it wraps, taking its inputs as one sequence
+_LIST_CALLS: dict[Callable[..., Any], Callable[[Sequence[Tensor]], Any]] = {}
 
 
 _SIMULATED: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -884,9 +904,10 @@ def fuse(parts: Sequence[Any], dtype: torch.dtype) -> Fused:
     as one block of candidate columns; where a part's rule did not fire on a cell its columns are
     not valid (zero payload, -inf score)."""
     first = parts[0]
-    layout = tuple((p.rule.id, p.replica, p.proposals.shape[1]) for p in parts)
-    if len(parts) == 1:
+    if len(parts) == 1:  # (one rule replica: its proposals are the columns as they are)
+        layout = ((first.rule.id, first.replica, first.proposals.shape[1]),)
         return Fused(first.rule, first.cells, layout, first.proposals, first.scores, None, None)
+    layout = tuple((p.rule.id, p.replica, p.proposals.shape[1]) for p in parts)
     if all(p.cells is first.cells or torch.equal(p.cells, first.cells) for p in parts[1:]):
         prop = torch.cat([p.proposals.to(dtype) for p in parts], 1)
         sc = torch.cat([p.scores for p in parts], 1)
@@ -1055,7 +1076,7 @@ class CompiledEpoch:
             meta.active,
             self._limit,
             *tables,
-            *[meta.clocks[s] for s in spec.others],
+            *([meta.clocks[s] for s in spec.others] if spec.others else ()),
         )
         prop = head[2]
         key = (value, b, part.layout, prop.dtype)  # (the graph reads the proposals' dtype)
@@ -1066,7 +1087,7 @@ class CompiledEpoch:
         if self.captured is not None and head[0] is self._e:  # on CUDA: replay the captured graph
             out = self.captured.run(key, g.fn, args)
         elif g.call is not None:
-            out = g.call(list(args))
+            out = g.call(args)
         else:
             out = g.fn(*args)
         self.stats.steps += 1

@@ -88,6 +88,9 @@ _NUMPY = frozenset(
 )
 
 
+_NO_CLOCKS: dict[str, Tensor] = {}  # a compiled step that reads no other value's clocks
+
+
 class DataPlane:
     """One worker: resident payload, models, constraint checks, commits. See the module doc.
 
@@ -222,11 +225,14 @@ class DataPlane:
     ) -> tuple[ProposeReply, list[str], dict[str, Fused]]:
         """Run the models; build the eager values' candidates (the compiled values' come in their
         steps, :meth:`step_fused`). Returns the eager reply, the values in commit order and the
-        compiled values' proposals (every rule replica's columns, :func:`fuse`). An epoch that something watches (``--trace cells``, taps) or
-        that corrupts proposals (fault drills) runs eagerly."""
-        assert self.compiled is not None
-        if not self.compiled.specs or req.record or self.taps or self.corrupt_from is not None:
-            self.compiled.stats.eager_epochs += 1
+        compiled values' proposals (every rule replica's columns, :func:`fuse`). An epoch that
+        something watches (``--trace cells``, taps) or that corrupts proposals (fault drills) runs
+        eagerly."""
+        compiled = self.compiled
+        assert compiled is not None
+        specs = compiled.specs  # the values that compile
+        if not specs or req.record or self.taps or self.corrupt_from is not None:
+            compiled.stats.eager_epochs += 1
             reply = self.propose(req)
             return reply, list(reply.values), {}
         per_value, model_seconds = self.run_models(req)
@@ -236,7 +242,7 @@ class DataPlane:
         values = {}
         fused: dict[str, Fused] = {}
         for name, parts in per_value.items():
-            if self.compiled.compiles(name):
+            if name in specs:
                 fused[name] = fuse(parts, self.plan.values[name].dtype)
             else:
                 values[name] = self.staging.build(
@@ -254,7 +260,7 @@ class DataPlane:
         others = compiled.specs[name].others  # the values whose clocks its rules read
         if self._host:  # the step writes the owner's metadata itself
             state, why = owner.state[name], owner.why[name]
-            clocks = {s: owner.state[s].clock for s in others}
+            clocks = {s: owner.state[s].clock for s in others} if others else _NO_CLOCKS
         else:  # a captured step: the device's mirror of it (its records come back to the host)
             mirror = self._mirror
             assert mirror is not None
