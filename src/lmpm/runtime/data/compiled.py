@@ -61,7 +61,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -756,10 +756,12 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
         inner = getattr(inner, "__wrapped__", None)
         if inner is None:
             return fn
-    call = _entry(inner.current_callable)
+    call = inner.current_callable
+    bare = _entry(call)
+    run = call if bare is None else bare
 
     def direct(*ts: Tensor) -> Any:
-        return call(list(ts))
+        return run(list(ts))
 
     a, b = [t.clone() for t in args], [t.clone() for t in args]
     try:
@@ -768,22 +770,27 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
         return fn
     same = len(want) == len(got) and all(torch.equal(x, y) for x, y in zip(want, got))
     if same and all(torch.equal(x, y) for x, y in zip(a, b)):
-        _LIST_CALLS[direct] = call
+        if bare is not None:
+            _LIST_CALLS[direct] = bare
         return direct
     return fn
 
 
-def _entry(call: Callable[[list[Tensor]], Any]) -> Callable[[Sequence[Tensor]], Any]:
+def _entry(call: Callable[[list[Tensor]], Any]) -> Callable[[Sequence[Tensor]], Any] | None:
     """A C++-wrapped inductor module's ``call`` as its C++ entry between the two conversions of
-    tensors to and from handles: ``call`` (``_wrap_func``'s ``g`` over the entry ``f``) first
-    turns every input that is not a tensor into one, in a Python loop over the inputs (a step
-    has ~20, all tensors). Any other ``call``: itself (:func:`_direct` checks the result)."""
+    tensors to and from handles (the inputs a sequence of tensors): ``call`` (``_wrap_func``'s
+    ``g`` over the entry ``f``) first turns every input that is not a tensor into one, in a
+    Python loop over the inputs (a step has ~20, all tensors). None for any other ``call`` (a
+    Python wrapper); :func:`_direct` checks the result either way."""
     code = getattr(call, "__code__", None)
     cells = getattr(call, "__closure__", None)
     if code is None or code.co_freevars != ("f",) or not cells:
-        return call
+        return None
     entry = cells[0].cell_contents
-    to_handles = torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+    # (typed for a list; pybind11 converts any sequence, the step's tuple of arguments)
+    to_handles = cast(
+        Callable[[Sequence[Tensor]], Any], torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+    )
     from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
 
     def bare(args: Sequence[Tensor]) -> Any:
@@ -905,7 +912,7 @@ def fuse(parts: Sequence[Any], dtype: torch.dtype) -> Fused:
     not valid (zero payload, -inf score)."""
     first = parts[0]
     if len(parts) == 1:  # (one rule replica: its proposals are the columns as they are)
-        layout = ((first.rule.id, first.replica, first.proposals.shape[1]),)
+        layout: Layout = ((first.rule.id, first.replica, first.proposals.shape[1]),)
         return Fused(first.rule, first.cells, layout, first.proposals, first.scores, None, None)
     layout = tuple((p.rule.id, p.replica, p.proposals.shape[1]) for p in parts)
     if all(p.cells is first.cells or torch.equal(p.cells, first.cells) for p in parts[1:]):

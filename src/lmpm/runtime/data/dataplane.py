@@ -257,7 +257,8 @@ class DataPlane:
         commits appended to the store; its record, commits and violations."""
         compiled = self.compiled
         assert compiled is not None
-        others = compiled.specs[name].others  # the values whose clocks its rules read
+        spec = compiled.specs[name]
+        others = spec.others  # the values whose clocks its rules read
         if self._host:  # the step writes the owner's metadata itself
             state, why = owner.state[name], owner.why[name]
             clocks = {s: owner.state[s].clock for s in others} if others else _NO_CLOCKS
@@ -269,7 +270,8 @@ class DataPlane:
             why = got
             clocks = {s: mirror.get(s)[0].clock for s in others}
         active = owner.active_mask(name, self.device)
-        meta = StepMeta(state, why, active, clocks, owner.quota(name, e))
+        quota = owner.quota(name, e) if spec.quota else None  # (a schedule with a quota)
+        meta = StepMeta(state, why, active, clocks, quota)
         out = compiled.step(name, e, part, self, meta)
         return self.settle_fused(owner, name, e, part, out, checksums)
 
