@@ -723,8 +723,8 @@ class Graph:
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[Tensor], first: int) -> None:
         self.fn = fn
-        # the inductor module's own ``call`` (a list of inputs in) where ``fn`` is a bare one
-        # (_direct): the caller passes it a list, one Python frame fewer per call
+        # where ``fn`` is a bare graph (_direct), the C++ entry it calls (_entry): the caller
+        # passes it its tuple of inputs, one Python frame and list fewer per call
         self.call: Callable[[Sequence[Tensor]], Any] | None = _LIST_CALLS.get(fn)
         self.sig = signature(args)
         self.first = first  # args[first:] are the run's (checked by identity)
@@ -867,7 +867,7 @@ def compile_graph(
             "cpp.simdlen": 1,
             # A stack of unrolled columns (the candidate tables) as one pointwise loop: inductor's
             # CPU default writes each column into a slice of the stacked buffer, a tensor view
-            # made and freed per column and call (27 of a one-cell text step's ~75 tensor
+            # made and freed per column and call (30 of a one-cell text step's ~75 tensor
             # handles: 23 -> 18 us a call with warm caches)
             "force_pointwise_cat": True,
         }
