@@ -17,7 +17,9 @@ Prints JSON lines:
   epoch that is its own transaction), the log's epoch (its commit row, two summary rows, its
   epoch row) and the store's row; with ``synchronous=NORMAL`` (the default) and ``FULL``
   (``--durable``), and the log's epochs grouped ``GROUP`` to a transaction (what a group commit
-  would save; LMPM does not group: each epoch is durable before the next starts, docs/trace.md).
+  would save; LMPM does not group: each epoch is durable before the next starts, docs/trace.md);
+  the close of both after those epochs (ms); in the run's pages (``page_size``) and, as the
+  baseline, SQLite's default 4 KiB (``*_4k``, NORMAL).
 
     python benchmarks/trace.py [--epochs 8] [--repeat 3]
 """
@@ -156,38 +158,57 @@ def _us_per_epoch(
     return round(best * 1e6, 1)
 
 
-def commit_floor(repeat: int) -> dict[str, Any]:
-    """SQLite's cost per one-cell epoch (the ``commit_floor`` line; see the module doc)."""
+def _floor(tmp: str, sync: str, page: int, reps: int) -> dict[str, float]:
+    """The one-cell epoch's costs (µs) in a new log and payload store made as a run makes them
+    (``page``-byte pages, WAL, ``sync``), and (``close_ms``) the close of both after them: SQLite
+    folds each WAL into its database and fsyncs it, as a run's close does."""
     from lmpm.runtime.rundir import SCHEMA, STORE_SCHEMA
 
+    conns = []
+    for name, ddl in (("log", SCHEMA), ("store", STORE_SCHEMA)):
+        conn = sqlite3.connect(str(Path(tmp) / f"{name}-{sync}-{page}.db"), isolation_level=None)
+        conn.execute(f"PRAGMA page_size={page}")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={sync}")
+        conn.executescript(f"BEGIN;{ddl}COMMIT;")
+        conns.append(conn)
+    log, store = conns
+    n = FLOOR_EPOCHS if sync == "NORMAL" else FLOOR_EPOCHS // 10  # (FULL: fsyncs)
+    out = {
+        "empty_txn_us": _us_per_epoch(lambda c, e, g: _log_epochs(c, e, 0), log, n, 1, reps, 0),
+        "log_epoch_us": _us_per_epoch(_log_epochs, log, n, 1, reps, 0),
+        "store_row_us": _us_per_epoch(_store_row, store, n, 1, reps, 0),
+        "log_epoch_grouped_us": _us_per_epoch(_log_epochs, log, n, GROUP, reps, reps * n),
+    }
+    t0 = time.perf_counter()
+    for conn in conns:
+        conn.close()
+    out["close_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+    return out
+
+
+def commit_floor(repeat: int) -> dict[str, Any]:
+    """SQLite's cost per one-cell epoch (the ``commit_floor`` line; see the module doc)."""
+    from lmpm.runtime.rundir import PAGE_SIZE
+
     out: dict[str, Any] = {"benchmark": "trace", "case": "commit_floor", "group": GROUP}
+    out["page_size"] = PAGE_SIZE
     reps = repeat + 2
     with tempfile.TemporaryDirectory() as tmp:
+        # the baseline of the page size's ratio: SQLite's default 4 KiB pages (the runs of the
+        # versions before PAGE_SIZE), NORMAL, measured first
+        base = _floor(tmp, "NORMAL", 4096, reps)
         for sync in ("NORMAL", "FULL"):
-            conns = []
-            for name, ddl in (("log", SCHEMA), ("store", STORE_SCHEMA)):
-                conn = sqlite3.connect(str(Path(tmp) / f"{name}-{sync}.db"), isolation_level=None)
-                conn.execute("PRAGMA journal_mode=WAL")
-                conn.execute(f"PRAGMA synchronous={sync}")
-                conn.executescript(f"BEGIN;{ddl}COMMIT;")
-                conns.append(conn)
-            log, store = conns
-            n = FLOOR_EPOCHS if sync == "NORMAL" else FLOOR_EPOCHS // 10  # (FULL: fsyncs)
-            key = sync.lower()
-            out[f"empty_txn_us_{key}"] = _us_per_epoch(
-                lambda c, e, g: _log_epochs(c, e, 0), log, n, 1, reps, 0
-            )
-            out[f"log_epoch_us_{key}"] = _us_per_epoch(_log_epochs, log, n, 1, reps, 0)
-            out[f"store_row_us_{key}"] = _us_per_epoch(_store_row, store, n, 1, reps, 0)
-            out[f"log_epoch_grouped_us_{key}"] = _us_per_epoch(
-                _log_epochs, log, n, GROUP, reps, reps * n
-            )
-            for conn in conns:
-                conn.close()
-    # the ratio: the log's epoch against the bare transaction it cannot go below
+            for k, v in _floor(tmp, sync, PAGE_SIZE, reps).items():
+                out[f"{k}_{sync.lower()}"] = v
+    for k in ("log_epoch_us", "store_row_us", "close_ms"):
+        out[f"{k}_normal_4k"] = base[k]
+    # the ratios: the log's epoch against the bare transaction it cannot go below, and against
+    # the same epoch in 4 KiB pages
     out["log_epoch_over_empty_txn"] = round(
         out["log_epoch_us_normal"] / out["empty_txn_us_normal"], 2
     )
+    out["log_epoch_over_4k_pages"] = round(out["log_epoch_us_normal"] / base["log_epoch_us"], 2)
     return out
 
 

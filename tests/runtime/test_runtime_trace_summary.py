@@ -22,7 +22,7 @@ from lmpm.ir import compile_source
 from lmpm.resolve.plan import Plan
 from lmpm.runtime.control.engine import Engine
 from lmpm.runtime.control.trace import Tracer, box_text
-from lmpm.runtime.records import EpochRecord, ValueEpoch
+from lmpm.runtime.records import EpochRecord, OneCell, ValueEpoch
 from lmpm.runtime.session import Run
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -215,9 +215,9 @@ def test_one_cell_epochs_equal_the_reference(values: list[ValueEpoch], data: st.
         if not ve.constraint_ids.numel():
             continue
         out = trace.TraceRows()
-        taken = trace._one_cell_summary(
-            ve, ve.valid.numpy(), e, tracer._static(ve), tracer._layout, out
-        )
+        one = OneCell.of(ve)
+        assert one is not None
+        taken = trace._one_cell_summary(ve, one, e, tracer._static(ve), tracer._layout, out)
         assert taken == (int(ve.winner[0]) == int(_favourite(ve)[0]))
 
 

@@ -116,6 +116,44 @@ class ValueEpoch:
     disagreed: Tensor | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class OneCell:
+    """A :class:`ValueEpoch` of one open cell (a decode's epoch) as Python numbers, each tensor
+    read once (a small tensor's ``tolist`` costs a fraction of a NumPy view and an index): what
+    the commit log's row, the epoch's counts and the trace's summary of such an epoch read."""
+
+    cell: int
+    valid: list[bool]  # (C,)
+    score: list[float]  # (C,)
+    col_rule: list[int]  # (C,)
+    violated: list[list[bool]]  # (C, K)
+    applies: list[bool]  # (K,)
+    winner: int
+    changed: bool
+    clock: int  # the cell's clock after the epoch
+    checksum: int | None  # the committed payload's (None: the record carries none)
+    disagreed: bool  # a quorum's replicas disagreed on the cell
+
+    @staticmethod
+    def of(ve: ValueEpoch) -> OneCell | None:
+        """``ve`` read into Python numbers; None unless it has exactly one open cell."""
+        if ve.cells.numel() != 1:
+            return None
+        return OneCell(
+            ve.cells.tolist()[0],
+            ve.valid.tolist()[0],
+            ve.score.tolist()[0],
+            ve.col_rule.tolist(),
+            ve.violated.tolist()[0],
+            ve.applies.tolist()[0],
+            ve.winner.tolist()[0],
+            ve.changed.tolist()[0],
+            ve.new_clock.tolist()[0],
+            None if ve.checksum is None else ve.checksum.tolist()[0],
+            False if ve.disagreed is None else ve.disagreed.tolist()[0],
+        )
+
+
 def wire_code(cls: type, code: int) -> type:
     """Pickle references to ``cls`` as a two-byte extension code (``copyreg``; codes 240-255 are
     for private use) instead of its module and name. The messages between the planes are a few

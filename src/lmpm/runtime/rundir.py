@@ -101,6 +101,12 @@ COUNTED = {
     "driver_cpu_s": "REAL",
     "checksum": "INTEGER",
 }
+# The page size of a new log or payload store (an existing one keeps its own). A one-cell epoch
+# changes a page of each table it appends to (and of the commits' epoch index), and each changed
+# page is a frame of the write-ahead log: 2 KiB pages write and fsync (at the WAL's checkpoints and
+# the close) half the bytes of SQLite's default 4 KiB, and wide epochs' rows (a video's tiles) are
+# written as fast (1 KiB pages: slower there, little faster for a decode; docs/trace.md)
+PAGE_SIZE = 2048
 INSERT_COMMIT = "INSERT INTO commits VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
 INSERT_EPOCH = f"INSERT INTO epochs ({', '.join(EPOCH_COLUMNS)}) VALUES ({', '.join('?' * len(EPOCH_COLUMNS))})"
 
@@ -817,18 +823,30 @@ def _one_commit(e: int, ve: ValueEpoch, r: int) -> tuple[Any, ...]:
     its general path writes for a run of one cell (checked by the tests against it)."""
     # (NumPy views of the host tensors: a tensor's scalar index costs several µs each)
     w = int(ve.winner.cpu().numpy()[r])
-    cell = int(ve.cells.cpu().numpy()[r])
-    clock = int(ve.new_clock.cpu().numpy()[r])
-    score = float(ve.score.cpu().numpy()[r, w])
     sum_ = 0 if ve.checksum is None else int(ve.checksum.cpu().numpy()[r])
-    k = sum_.to_bytes(8, "little", signed=True)
-    rule = int(ve.col_rule.cpu().numpy()[w])
-    # (a NaN score is not equal to itself: written as its blob, as the general path does)
-    scores = None if score == score else b"d" + struct.pack("<d", score)
-    crc = zlib.crc32(k)
-    return (
+    return one_commit_row(
         e,
         ve.value,
+        int(ve.cells.cpu().numpy()[r]),
+        int(ve.col_rule.cpu().numpy()[w]),
+        int(ve.new_clock.cpu().numpy()[r]),
+        float(ve.score.cpu().numpy()[r, w]),
+        sum_,
+    )
+
+
+def one_commit_row(
+    e: int, value: str, cell: int, rule: int, clock: int, score: float, sum_: int
+) -> tuple[Any, ...]:
+    """The ``commits`` row of one cell committed alone in epoch ``e``, from its numbers (its
+    winning rule, clock after the epoch, score, payload checksum): the row :func:`commit_rows`'
+    general path writes for a run of one cell."""
+    k = sum_.to_bytes(8, "little", signed=True)
+    # (a NaN score is not equal to itself: written as its blob, as the general path does)
+    scores = None if score == score else b"d" + struct.pack("<d", score)
+    return (
+        e,
+        value,
         cell,
         cell,
         1,
@@ -838,7 +856,7 @@ def _one_commit(e: int, ve: ValueEpoch, r: int) -> tuple[Any, ...]:
         clock,
         score,
         score,
-        crc,
+        zlib.crc32(k),
         b"q" + k,
         None,
         scores,

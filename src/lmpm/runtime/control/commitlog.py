@@ -59,7 +59,7 @@ from lmpm.ir.serialize import to_dict, to_json
 from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.control.trace import TraceRows
 from lmpm.runtime.lock import fsync_dir, os_error, sqlite_error
-from lmpm.runtime.records import INPUT_RULE, CellState, committed_sum
+from lmpm.runtime.records import INPUT_RULE, CellState, OneCell, committed_sum, wrap64
 from lmpm.runtime.rundir import (
     CHECKPOINT_DIR,
     CHECKPOINT_NAME,
@@ -67,6 +67,7 @@ from lmpm.runtime.rundir import (
     INSERT_COMMIT,
     INSERT_EPOCH,
     KEEP_RULE,
+    PAGE_SIZE,
     SCHEMA,
     SCHEMA_VERSION,
     attach_shards,
@@ -79,6 +80,7 @@ from lmpm.runtime.rundir import (
     decode,
     detach_shards,
     load_checkpoint,
+    one_commit_row,
     read_checkpoint,
     read_meta,
     remove_stores,
@@ -570,6 +572,8 @@ class CommitLog:
         self.wants_records = True  # the epoch records' per-cell part (not when the owners log)
         self._maskplan_elem: object = None  # the mask plan element last logged, and its JSON
         self._maskplan_json = ""
+        self._opened: object = None  # the last epoch element's open cells per value, and its JSON
+        self._opened_json = ""
 
     # Observer protocol
     def on_start(self, engine: Engine) -> None:
@@ -608,6 +612,7 @@ class CommitLog:
     def _create(self, engine: Engine, tmp: Path) -> None:
         conn = sqlite3.connect(str(tmp), isolation_level=None)
         try:
+            conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # (a new database's, before WAL mode)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA synchronous={'FULL' if self.info.durable else 'NORMAL'}")
             self._fill(engine, conn)
@@ -752,14 +757,30 @@ class CommitLog:
         while it stays the same element, as it does epoch after epoch)."""
         elem = next(reversed(engine.maskplan.adds))
         if elem is not self._maskplan_elem:
-            self._maskplan_json = json.dumps(elem, separators=(",", ":"))
+            self._maskplan_json = self._maskplan_text(elem)
             self._maskplan_elem = elem
         return self._maskplan_json
+
+    def _maskplan_text(self, elem: Any) -> str:
+        """``json.dumps(elem, separators=(",", ":"))``. An epoch's ``("open", epoch, opened)`` (a new
+        element every epoch) is written around the JSON of its ``opened``, encoded once while it
+        stays the same (a decode's one open cell of one value, epoch after epoch)."""
+        if isinstance(elem, tuple) and len(elem) == 3 and elem[0] == "open":
+            e, opened = elem[1], elem[2]
+            if type(e) is int:  # (not a bool: JSON's true)
+                if opened != self._opened:
+                    self._opened_json = json.dumps(opened, separators=(",", ":"))
+                    self._opened = opened
+                return f'["open",{e},{self._opened_json}]'
+        return json.dumps(elem, separators=(",", ":"))
 
     def _epoch_rows(self, engine: Engine, record: EpochRecord) -> _EpochRows:
         """The epoch's per-cell rows and totals: from the records, or (``record.log``) the
         owners' merged summary when they wrote the per-cell rows into their stores."""
         if record.log is None:  # the per-cell rows come from the records
+            ones = [one for one in map(OneCell.of, record.values) if one is not None]
+            if len(ones) == len(record.values):  # one open cell per value (a decode's epoch)
+                return self._one_cell_rows(record, ones)
             commits = commit_rows(record)
             trace = self.tracer.record(engine, record) if self.tracer is not None else None
             # (NumPy: torch's threaded count over a row of k = V candidates costs milliseconds)
@@ -769,6 +790,29 @@ class CommitLog:
         if self.tracer is not None:
             trace = TraceRows(summary=list(record.log.summary), decided=record.log.decided)
         return _EpochRows([], trace, record.log.candidates, record.log.checksum)
+
+    def _one_cell_rows(self, record: EpochRecord, ones: list[OneCell]) -> _EpochRows:
+        """:meth:`_epoch_rows` of an epoch whose values had one open cell each, from their numbers
+        read once (``ones``): the rows and totals of the general path (the tests hold them
+        equal), without its tensor reads per field."""
+        e = record.epoch
+        commits = [
+            one_commit_row(
+                e,
+                ve.value,
+                one.cell,
+                one.col_rule[one.winner],
+                one.clock,
+                one.score[one.winner],
+                0 if one.checksum is None else one.checksum,
+            )
+            for ve, one in zip(record.values, ones)
+            if one.changed
+        ]
+        trace = None if self.tracer is None else self.tracer.rows(e, record.values, ones)
+        sums = [one.checksum if one.changed else 0 for one in ones if one.checksum is not None]
+        checksum = wrap64(sum(sums)) if sums else None
+        return _EpochRows(commits, trace, sum(sum(one.valid) for one in ones), checksum)
 
     def _log_ruleset(self, engine: Engine) -> None:
         """Insert the RuleSet events made since the last epoch (inside the caller's transaction:
@@ -869,12 +913,17 @@ class CommitLog:
         self.conn.execute("COMMIT")
 
     def close(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        """Close the payload stores, then the log: each close folds its WAL into its database and
+        fsyncs it, in the two-step commit's order (a power cut between the two leaves payload
+        rows of epochs the log lacks, which resume drops; never a logged epoch without them)."""
         dp = getattr(self, "_dataplane", None)
-        if dp is not None:
-            dp.close_store()
+        try:
+            if dp is not None:
+                dp.close_store()
+        finally:
+            if self.conn is not None:
+                self.conn.close()
+                self.conn = None
 
     def _prune_files(self) -> None:
         """Delete checkpoint files no committed row references (pruned ones, or a crash's orphan):

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lmpm.errors import UsageError
-from lmpm.runtime.records import Box, box_text  # torch-free, as the run directory format
+from lmpm.runtime.records import Box, OneCell, box_text  # torch-free, as the run directory format
 from lmpm.runtime.rundir import (  # the torch-free run directory format: `lmpm trace` stays fast
     EPOCH_COLUMNS,
     checkpoint_shards,
@@ -385,29 +385,27 @@ def favourite_of_one(valid: Sequence[bool], score: Sequence[float]) -> int:
 
 def _one_cell_summary(
     ve: ValueEpoch,
-    valid: np.ndarray,
+    one: OneCell,
     e: int,
     static: _Constraints,
     layout_of: Callable[[Tensor], _Layout],
     out: TraceRows,
 ) -> bool:
-    """The summary rows of an epoch of one open cell whose winner is its score favourite (a
-    decode's usual epoch: no constraint decided it), appended to ``out`` from Python lists: the
-    rows :meth:`Tracer._summary` writes (the tests hold them equal), without its few dozen NumPy
-    calls on arrays of a handful of elements. False (nothing appended) for any other epoch: more
-    cells, more than :data:`ONE_CELL` candidate verdicts, or a cell a constraint may have decided."""
-    n, c = valid.shape
+    """The summary rows of ``ve``, an epoch of one open cell (``one``: its numbers) whose winner
+    is its score favourite (a decode's usual epoch: no constraint decided it), appended to ``out``
+    from Python lists: the rows :meth:`Tracer._summary` writes (the tests hold them equal),
+    without its few dozen NumPy calls on arrays of a handful of elements. False (nothing
+    appended) for any other epoch: more than :data:`ONE_CELL` candidate verdicts, or a cell a
+    constraint may have decided."""
     k = len(static.ids)
-    if n != 1 or c * max(k, 1) > ONE_CELL:
+    if len(one.valid) * max(k, 1) > ONE_CELL:
         return False
-    ok = valid[0].tolist()  # (C,)
-    winner = int(ve.winner.cpu().numpy()[0])
-    if favourite_of_one(ok, ve.score.cpu().numpy()[0].tolist()) != winner:
-        if ve.disagreed is None or not bool(ve.disagreed.cpu().numpy()[0]):
-            return False  # a constraint may have decided it: the general path attributes it
+    ok = one.valid  # (C,)
+    if favourite_of_one(ok, one.score) != one.winner and not one.disagreed:
+        return False  # a constraint may have decided it: the general path attributes it
     layout = layout_of(ve.col_rule)
     nr = len(layout.rules)
-    violated = ve.violated.cpu().numpy()[0].tolist()  # (C, K)
+    violated = one.violated  # (C, K)
     valid_r = [0] * nr  # valid candidates per rule
     viol_rk = [[0] * k for _ in range(nr)]  # (R, K) candidates violating each constraint
     for col, r in enumerate(layout.col_r.tolist()):
@@ -415,7 +413,7 @@ def _one_cell_summary(
         row = viol_rk[r]
         for j, v in enumerate(violated[col]):
             row[j] += v
-    applies = ve.applies.cpu().numpy()[0].tolist()  # (K,)
+    applies = one.applies  # (K,)
     for r, rule in enumerate(layout.rules):
         for j, cid in enumerate(static.ids):
             if applies[j] and valid_r[r]:
@@ -472,12 +470,19 @@ class Tracer:
     def record(self, engine: Engine, record: EpochRecord) -> TraceRows:
         return self.rows(record.epoch, record.values)
 
-    def rows(self, epoch: int, values: Sequence[ValueEpoch]) -> TraceRows:
-        """The trace rows of one epoch's records (one owner's, or every owner's merged)."""
+    def rows(
+        self,
+        epoch: int,
+        values: Sequence[ValueEpoch],
+        ones: Sequence[OneCell | None] | None = None,
+    ) -> TraceRows:
+        """The trace rows of one epoch's records (one owner's, or every owner's merged);
+        ``ones``: per value, its numbers when it had one open cell, where the caller read them
+        already (:meth:`OneCell.of`)."""
         t0 = time.perf_counter()
         out = TraceRows()
-        for ve in values:
-            self._value(ve, epoch, out)
+        for i, ve in enumerate(values):
+            self._value(ve, epoch, out, None if ones is None else ones[i])
         self.seconds += time.perf_counter() - t0
         return out
 
@@ -497,14 +502,16 @@ class Tracer:
             self._constraints[key] = found
         return found
 
-    def _value(self, ve: ValueEpoch, e: int, out: TraceRows) -> None:
+    def _value(self, ve: ValueEpoch, e: int, out: TraceRows, one: OneCell | None) -> None:
         static = self._static(ve)
         ids = static.ids
         if not ids and self.level != "cells":
             return  # nothing to count, nothing decided by a constraint
+        if self.level != "cells":
+            one = one if one is not None else OneCell.of(ve)
+            if one is not None and _one_cell_summary(ve, one, e, static, self._layout, out):
+                return  # one open cell its favourite won (a decode's epoch): counted from lists
         valid = ve.valid.cpu().numpy()  # (n, C)
-        if self.level != "cells" and _one_cell_summary(ve, valid, e, static, self._layout, out):
-            return  # one open cell its favourite won (a decode's epoch): counted from lists
         violated = ve.violated.cpu().numpy()  # (n, C, K)
         winner = ve.winner.cpu().numpy()  # (n,)
         valid_t = np.ascontiguousarray(valid.T)  # (C, n): per-candidate passes are contiguous

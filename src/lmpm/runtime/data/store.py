@@ -36,6 +36,7 @@ from lmpm.errors import RunDirError
 from lmpm.runtime.lock import sqlite_error
 from lmpm.runtime.received import check_schema, harden
 from lmpm.runtime.rundir import (
+    PAGE_SIZE,
     SHARDED,
     STORE_DIR,
     STORE_SCHEMA,
@@ -93,6 +94,7 @@ class PayloadStore:
             except RunDirError:
                 self.conn.close()
                 raise
+            self.conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # a new store's (before WAL mode)
             self.conn.execute("PRAGMA journal_mode=WAL")
             # as durable as the commit log (--durable: FULL, every epoch's commit fsynced; else
             # NORMAL: a killed process loses nothing, a power cut the last epochs of both)
