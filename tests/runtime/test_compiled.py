@@ -206,6 +206,8 @@ def test_video_example_padded_buckets() -> None:
     # once on copies; a torch upgrade that moves the graph falls back to the wrappers silently)
     fns = run.engine.compiled._fns.values()  # type: ignore[union-attr]
     assert fns and all(getattr(g.fn, "__name__", "") == "direct" for g in fns)
+    # ... and its C++ entry itself, past the Python loop over the inputs of inductor's `call`
+    assert all(g.call is not None and g.call.__name__ == "bare" for g in fns)
 
 
 def test_compiled_read_gathers_give_the_model_what_eager_gathers() -> None:

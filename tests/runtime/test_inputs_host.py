@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmpm.runtime.data.inputs import host_slots
+from lmpm.runtime.data.inputs import HostViews, host_slots
 from lmpm.runtime.data.reads import dense_host, dense_read
 
 
@@ -72,3 +72,18 @@ def test_the_host_dense_row_is_the_general_dense_layout(seed: int) -> None:
     if int(got["x_length"]):  # views of the slots (an empty tensor has no memory)
         assert got["x_dense"].data_ptr() == data.data_ptr()
         assert got["x_dense_index"].data_ptr() == index.data_ptr()
+
+
+def test_the_host_views_follow_writes_and_replaced_tensors() -> None:
+    """A worker's NumPy view of a host tensor is made once and shows in-place writes; a tensor
+    replaced (a restore: a new object, or new storage) gets its own view, never a stale one."""
+    views = HostViews()
+    committed = torch.zeros(5, dtype=torch.bool)
+    first = views(committed)
+    assert views(committed) is first  # made once
+    committed[2] = True  # a commit writes in place: the view shows it
+    assert first.tolist() == [False, False, True, False, False]
+    restored = torch.ones(5, dtype=torch.bool)  # a restore hands in another tensor
+    assert views(restored).tolist() == [True] * 5
+    committed.set_(torch.ones(3, dtype=torch.bool))  # the same tensor on new storage
+    assert views(committed).tolist() == [True] * 3

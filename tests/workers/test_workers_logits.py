@@ -213,3 +213,27 @@ def test_the_host_greedy_step_chooses_and_checks_what_the_general_path_does(seed
         with pytest.raises(ModelError) as err:
             _run(model, torch.arange(n), vocab, mask=mask)
         assert err.value.code == "R056"
+
+
+def test_a_call_without_a_fault_shares_one_clean_bitmask_and_a_fault_gets_its_own() -> None:
+    """``execute`` hands every call of n rows without a fault the same all-zero bitmask (made
+    once, never written: ``raise_if_bad`` passes it at sight); a fault makes a new one, which
+    names the faulty rows, and leaves the shared one zero."""
+    from lmpm.workers.batch import _build_call, execute, raise_if_bad
+
+    def call_of(logits: torch.Tensor):
+        item = WorkItem("gen", lambda inputs: Logits(logits, k=1, pick="top"), {}, torch.arange(2))
+        return _build_call([item], [0], None, None)
+
+    fine = torch.randn(2, 8)
+    first, clean = execute(call_of(fine), backend="cpu", worker="w")
+    _, again = execute(call_of(fine * 2), backend="cpu", worker="w")
+    assert again is clean and clean.tolist() == [0, 0]
+    raise_if_bad(first, clean, backend="cpu", worker="w")
+    broken = fine.clone()
+    broken[1, 3] = torch.nan
+    res, bad = execute(call_of(broken), backend="cpu", worker="w")
+    assert bad is not clean and bad.tolist() == [0, 8] and clean.tolist() == [0, 0]
+    with pytest.raises(ModelError) as err:
+        raise_if_bad(res, bad, backend="cpu", worker="w")
+    assert err.value.code == "R056"

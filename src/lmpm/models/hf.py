@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -54,21 +55,41 @@ __all__ = ["HFCausalLM"]
 
 @dataclass(slots=True)
 class _Rows:
-    """A KV cache of a set of rows (one per open cell's prefix), as the model last saw them."""
+    """A KV cache of a set of rows (one per open cell's prefix), as the model last saw them.
 
-    cache: Any  # transformers DynamicCache: (rows, heads, width, head_dim) per layer
-    attention: Tensor  # (rows, width) on the model's device: 1 where a column holds a token
+    The decode step's room to grow: ``mask``'s first ``end`` columns are the attention mask (all
+    ones past them: the columns to come), ``columns``' first Lc the cache column of each position
+    (zeros past them); a step that outgrows them doubles them, so it allocates nothing of width N
+    and narrows neither (:attr:`attention` and :attr:`column` are the views)."""
+
+    cache: Any  # transformers DynamicCache: (rows, heads, end, head_dim) per layer
+    mask: Tensor  # (rows, >= end) on the model's device: 1 where a column holds a token
+    end: int  # the cache's columns
     index: Tensor  # (rows, Lc) host int64: the cell of each cached position (dense order)
     clock: Tensor  # (rows, Lc) host int64: its write clock when fed
-    column: Tensor  # (rows, Lc) host int64: the cache column holding each position
+    columns: Tensor  # (rows, >= Lc) host int64: the cache column holding each position
     length: Tensor  # (rows,) host int64: cached positions per row
     lengths: list[int]  # the same as numbers (the decode step's checks: no tensor op)
     full: bool = False  # every column of ``attention`` holds a token (no padding)
-    # the decode step's room to grow (None: none yet): ``attention`` is the first columns of
-    # ``ones`` (all ones past them: the columns to come), ``column`` the first of ``columns``
-    # (zeros past them); both double when full, so a step allocates nothing of width N
-    ones: Tensor | None = None
-    columns: Tensor | None = None
+    # ``columns`` as the NumPy array it wraps, where a decode step of one row wrote into it
+    # (``Tensor.numpy`` costs ~15 µs cold after a forward; NumPy's write a fraction)
+    host_columns: np.ndarray | None = None
+    # ``index`` and ``clock`` as NumPy arrays, kept by a decode step of one row for the next
+    # one's check (their bytes compared: no ``Tensor.numpy`` of the cached rows)
+    host_index: np.ndarray | None = None
+    host_clock: np.ndarray | None = None
+
+    @property
+    def attention(self) -> Tensor:
+        """(rows, end) 1 where a cache column holds a token."""
+        m = self.mask
+        return m if m.shape[1] == self.end else m.narrow(1, 0, self.end)
+
+    @property
+    def column(self) -> Tensor:
+        """(rows, Lc) the cache column holding each cached position."""
+        c, lc = self.columns, self.index.shape[1]
+        return c if c.shape[1] == lc else c.narrow(1, 0, lc)
 
 
 class HFCausalLM:
@@ -164,7 +185,9 @@ class HFCausalLM:
         if device.type != "cpu":  # one copy to the host for the bookkeeping
             index, clock = torch.stack([index, clock]).cpu()  # (n, L) each
         # (on the host they are this call's own tensors: kept as they are, never written)
-        length = inputs[names.length].cpu()
+        length = inputs[names.length]
+        if device.type != "cpu":
+            length = length.cpu()
         lengths = length.tolist()
         if min(lengths, default=1) < 1:
             raise ValueError(
@@ -199,12 +222,15 @@ class HFCausalLM:
     ) -> Tensor:
         """Next-token logits of every row: feed what its cache lacks, reuse the rest."""
         n, width = ids.shape
-        key = (generation, *index.numpy()[:, 0].tolist())  # the rows: their first cells
+        host_index, host_clock = index.numpy(), clock.numpy()  # (n, L) each
+        key = (generation, *host_index[:, 0].tolist())  # the rows: their first cells
         rows = self._rows.pop(key, None)
         if rows is None:
             rows = self._subset(key)
-        elif self._appends(rows, index, clock, lengths):  # one new token per row: a decode step
-            return self._append(key, rows, ids, index, clock, length, lengths)
+        elif self._appends(rows, index, lengths, host_index, host_clock):  # a decode step
+            return self._append(
+                key, rows, ids, (index, clock, length), lengths, host_index, host_clock
+            )
         start_col, keep = self._reuse(rows, index, clock, length)
         # per row, the first position to feed: those in columns before start_col stay cached
         first = keep  # (n,)
@@ -221,8 +247,8 @@ class HFCausalLM:
             attention = block_mask
         else:
             cache = rows.cache
-            if start_col < rows.attention.shape[1]:  # drop the columns from start_col on
-                cache.crop(start_col - rows.attention.shape[1])  # (5.24+: minus how many)
+            if start_col < rows.end:  # drop the columns from start_col on
+                cache.crop(start_col - rows.end)  # (5.24+: minus how many)
             attention = torch.cat([rows.attention[:, :start_col], block_mask], dim=1)
         out = self.model(
             input_ids=feed,
@@ -242,23 +268,38 @@ class HFCausalLM:
         column.scatter_(1, torch.where(real, pos, width), col_new)
         column = column[:, :width]
         full = bool(attention.all())
-        self._rows[key] = _Rows(cache, attention, index, clock, column, length, lengths, full)
+        end = attention.shape[1]
+        self._rows[key] = _Rows(cache, attention, end, index, clock, column, length, lengths, full)
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
-        return out.logits[:, -1, :]
+        return out.logits.select(1, -1)  # (n, V)
 
     @staticmethod
-    def _appends(rows: _Rows, index: Tensor, clock: Tensor, lengths: list[int]) -> bool:
+    def _appends(
+        rows: _Rows,
+        index: Tensor,
+        lengths: list[int],
+        host_index: np.ndarray,
+        host_clock: np.ndarray,
+    ) -> bool:
         """Every row holds its cached positions unchanged (same cells, same clocks) and one
-        more after them: the step of a decode, one token per row."""
+        more after them: the step of a decode, one token per row (``host_index``,
+        ``host_clock``: the call's index and clocks as NumPy)."""
         lc = rows.index.shape[1]
         if index.shape[1] < lc or lengths != [m + 1 for m in rows.lengths]:
             return False
-        now_index, now_clock = index.narrow(1, 0, lc), clock.narrow(1, 0, lc)
+        if len(lengths) == 1:  # one row, its positions filling the cached width: their bytes
+            cached = rows.host_index if rows.host_index is not None else rows.index.numpy()
+            if cached.tobytes() != host_index[:, :lc].tobytes():
+                return False
+            held = rows.host_clock if rows.host_clock is not None else rows.clock.numpy()
+            return held.tobytes() == host_clock[:, :lc].tobytes()
+        now_index = index.narrow(1, 0, lc)
+        now_clock = torch.from_numpy(host_clock).narrow(1, 0, lc)  # (the call's clock tensor)
         if min(rows.lengths) < lc:  # rows of several lengths: a row's new token lies
             # within the cached width, where its cached entries are 0 (the dense read's rest)
-            cached = torch.arange(lc) < rows.length.unsqueeze(1)
-            now_index, now_clock = now_index * cached, now_clock * cached
+            cached_t = torch.arange(lc) < rows.length.unsqueeze(1)
+            now_index, now_clock = now_index * cached_t, now_clock * cached_t
         return torch.equal(rows.index, now_index) and torch.equal(rows.clock, now_clock)
 
     def _append(
@@ -266,27 +307,29 @@ class HFCausalLM:
         key: tuple[Any, ...],
         rows: _Rows,
         ids: Tensor,
-        index: Tensor,
-        clock: Tensor,
-        length: Tensor,
+        read: tuple[Tensor, Tensor, Tensor],
         lengths: list[int],
+        host_index: np.ndarray,
+        host_clock: np.ndarray,
     ) -> Tensor:
         """Feed each row its one new token (the last of its prefix) after its cache: the decode
         step of :meth:`_forward` without its general bookkeeping."""
+        index, clock, length = read  # (n, L), (n, L), (n,) on the host
         n, width = ids.shape
         dev = ids.device
         last = rows.length.unsqueeze(1)  # (n, 1) the new token's position in each row
-        end = rows.attention.shape[1]  # the cache column it goes to
-        pos = last.to(dev)
-        ones, columns = _room(rows, end + 1, width)
-        attention = ones.narrow(1, 0, end + 1)  # (n, end + 1): the new column is already 1
+        end = rows.end  # the cache column it goes to
+        pos = last if dev.type == "cpu" else last.to(dev)
+        mask, columns = _room(rows, end + 1, width)
+        # (one row: ``columns`` as NumPy, where its new position's column goes)
+        host: np.ndarray | None = None
         # (one row: its new token is a view of its prefix; a model never writes its input ids)
         fed = ids.narrow(1, lengths[0] - 1, 1) if n == 1 else ids.gather(1, pos)
         out = self.model(
             input_ids=fed,
             # no padding: the mask is all ones, which transformers would look over only to drop
-            # it (one query a row, no padding: SDPA needs no mask)
-            attention_mask=None if rows.full else attention,
+            # it (one query a row, no padding: SDPA needs no mask); else the new column is 1
+            attention_mask=None if rows.full else mask.narrow(1, 0, end + 1),
             position_ids=pos,
             cache=rows.cache,  # (filled in place)
             use_cache=True,
@@ -295,16 +338,29 @@ class HFCausalLM:
         self.fed += n
         # the new position's column; those after a row's length stay 0 (as _forward keeps them)
         if n == 1:  # (on the host, as a number)
-            columns.numpy()[0, lengths[0] - 1] = end
-            column = columns.narrow(1, 0, width)
+            host = rows.host_columns if columns is rows.columns else None
+            if host is None:
+                host = columns.numpy()
+            host[0, lengths[0] - 1] = end
         else:
-            column = columns.narrow(1, 0, width).scatter_(1, last, end)
+            columns.narrow(1, 0, width).scatter_(1, last, end)
         self._rows[key] = _Rows(
-            rows.cache, attention, index, clock, column, length, lengths, rows.full, ones, columns
+            rows.cache,
+            mask,
+            end + 1,
+            index,
+            clock,
+            columns,
+            length,
+            lengths,
+            full=rows.full,
+            host_columns=host,
+            host_index=host_index,
+            host_clock=host_clock,
         )
         while len(self._rows) > self.max_cached:
             self._rows.popitem(last=False)
-        return out.logits[:, -1, :]
+        return out.logits.select(1, -1)  # (n, V)
 
     def _subset(self, key: tuple[Any, ...]) -> _Rows | None:
         """The cached rows of ``key`` taken out of a larger cached set holding them all (a
@@ -319,13 +375,14 @@ class HFCausalLM:
                 continue
             rows = self._rows.pop(held)
             pick = torch.tensor([place[first] for first in want], dtype=torch.int64)
-            rows.cache.batch_select_indices(pick.to(rows.attention.device))  # (in place)
+            rows.cache.batch_select_indices(pick.to(rows.mask.device))  # (in place)
             return _Rows(
                 rows.cache,
-                rows.attention.index_select(0, pick.to(rows.attention.device)),
+                rows.mask.index_select(0, pick.to(rows.mask.device)),
+                rows.end,
                 rows.index.index_select(0, pick),
                 rows.clock.index_select(0, pick),
-                rows.column.index_select(0, pick),
+                rows.columns.index_select(0, pick),
                 rows.length.index_select(0, pick),
                 [rows.lengths[i] for i in pick.tolist()],
             )
@@ -346,14 +403,14 @@ class HFCausalLM:
             and torch.equal(rows.clock, clock[:, :lc])
             and bool((length > rows.length).all())
         ):  # every cached position unchanged, new ones after it (one token an epoch): keep all
-            return rows.attention.shape[1], rows.length
+            return rows.end, rows.length
         w = min(width, lc)
         posr = torch.arange(w).unsqueeze(0)
         same = (rows.index[:, :w] == index[:, :w]) & (rows.clock[:, :w] == clock[:, :w])
         same &= posr < torch.minimum(rows.length, length - 1).unsqueeze(1)
         # matched: leading equal positions per row (at most length - 1: the last is fed again)
         matched = torch.cumprod(same.to(torch.int64), dim=1).sum(1)  # (n,)
-        end = rows.attention.shape[1]
+        end = rows.end
         at = rows.column.gather(1, matched.clamp(max=max(lc - 1, 0)).unsqueeze(1)).squeeze(1)
         col = torch.where(matched < rows.length, at, end)  # first column to drop, per row
         start = int(col.min())
@@ -384,12 +441,13 @@ def _room(rows: _Rows, width: int, columns: int) -> tuple[Tensor, Tensor]:
     """``rows``' growing buffers holding at least ``width`` attention columns (all ones past the
     cached ones) and ``columns`` position columns (zeros past the cached ones), doubled (with
     the cached entries copied) when too small: a decode step of width N copies nothing of it."""
-    n = rows.attention.shape[0]
-    ones, cols = rows.ones, rows.columns
-    if ones is None or ones.shape[1] < width:
-        ones = rows.attention.new_ones(n, max(2 * width, 64))
-        ones[:, : rows.attention.shape[1]] = rows.attention
-    if cols is None or cols.shape[1] < columns:
+    mask, cols = rows.mask, rows.columns
+    n = mask.shape[0]
+    if mask.shape[1] < width:
+        mask = mask.new_ones(n, max(2 * width, 64))
+        mask[:, : rows.end] = rows.attention
+    if cols.shape[1] < columns:
         cols = torch.zeros(n, max(2 * columns, 64), dtype=torch.int64)
-        cols[:, : rows.column.shape[1]] = rows.column
-    return ones, cols
+        lc = rows.index.shape[1]
+        cols[:, :lc] = rows.column
+    return mask, cols

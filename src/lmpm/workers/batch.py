@@ -31,6 +31,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -100,7 +101,7 @@ MSG_OUTPUT_TYPE = (
 )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per call, never changed
 class RowKeys:
     """RNG key parts per row of a call: an int when every item agrees, else an int64 (N,) tensor."""
 
@@ -110,7 +111,7 @@ class RowKeys:
     replica: int | Tensor
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: built per call (frozen costs ~2 µs a build), never changed
 class BatchedCall:
     """One model call covering several work items (rows of item i: ``offsets[i]:offsets[i+1]``)."""
 
@@ -233,7 +234,7 @@ def _build_one(
     """:func:`_build_call` of one item (an epoch's one rule firing: the common case): its inputs
     as they are (placed on ``device``), nothing to concatenate or pad."""
     rule, n = item.rule, item.n
-    inputs: dict[str, Tensor] = {}
+    elsewhere = False  # some input is not on ``device`` yet
     for name, t in item.inputs.items():
         if not isinstance(t, Tensor):
             raise UsageError(
@@ -245,7 +246,13 @@ def _build_one(
                 f"rule '{rule}': input '{name}' has shape {tuple(t.shape)} but the item has "
                 f"{n} cells; inputs are batched over cells along dim 0"
             )
-        inputs[name] = _place(t, device, transfer)
+        elsewhere = elsewhere or (device is not None and t.device != device)
+    tensors: dict[str, Tensor] = item.inputs  # type: ignore[assignment]  # checked just above
+    inputs = (
+        {name: _place(t, device, transfer) for name, t in tensors.items()}
+        if elsewhere
+        else dict(tensors)  # (the model's own dict: what it adds stays in its call)
+    )
     if item.cells.dim() != 1 or item.cells.dtype != torch.int64:
         raise UsageError(
             f"rule '{rule}': cells must be an int64 tensor of shape (n,), got "
@@ -506,24 +513,54 @@ def _finite(t: Tensor) -> bool:
 _FEW = 64  # elements read as Python numbers rather than reduced (_finite)
 
 
-def _mark_nonfinite(bad: Tensor, t: Tensor, code: int) -> None:
-    """``bad |= code`` on the rows of ``t`` holding NaN or ±inf. On the host, where looking costs
-    no device sync, one min/max pass (both NaN when any element is) says whether there are any;
-    the rows are only worked out when there are."""
-    if bad.device.type == "cpu" and t.numel() and not t.is_complex() and _finite(t):
-        return
-    bad |= _rows_any(~torch.isfinite(t)).to(torch.int8) * code
+def _flag(bad: Tensor | None, rows: Tensor, code: int) -> Tensor:
+    """The fault bitmask ``bad`` (None: no fault yet) with ``code`` on ``rows`` ((N,) bool)."""
+    flags = rows.to(torch.int8) * code
+    return flags if bad is None else bad | flags
 
 
-def _mark_outside(bad: Tensor, proposal: Tensor, vocab: int) -> None:
-    """``bad |= BAD_TOKEN`` on the rows holding a token outside [0, vocab) (host: one min/max
-    pass when every token is inside)."""
-    if bad.device.type == "cpu" and proposal.numel():
+def _mark_nonfinite(bad: Tensor | None, t: Tensor, code: int) -> Tensor | None:
+    """``bad`` with ``code`` on the rows of ``t`` holding NaN or ±inf. On the host, where looking
+    costs no device sync, one min/max pass (both NaN when any element is) says whether there are
+    any; the rows are only worked out when there are."""
+    if t.device.type == "cpu" and t.numel() and not t.is_complex() and _finite(t):
+        return bad
+    return _flag(bad, _rows_any(~torch.isfinite(t)), code)
+
+
+def _mark_outside(bad: Tensor | None, proposal: Tensor, vocab: int) -> Tensor | None:
+    """``bad`` with ``BAD_TOKEN`` on the rows holding a token outside [0, vocab) (host: one
+    min/max pass when every token is inside)."""
+    if proposal.device.type == "cpu" and proposal.numel():
         lo, hi = torch.aminmax(proposal)
         if int(lo) >= 0 and int(hi) < vocab:
-            return
-    outside = (proposal < 0) | (proposal >= vocab)
-    bad |= _rows_any(outside).to(torch.int8) * BAD_TOKEN
+            return bad
+    return _flag(bad, _rows_any((proposal < 0) | (proposal >= vocab)), BAD_TOKEN)
+
+
+_CLEAN: dict[tuple[int, torch.device], Tensor] = {}  # (N, device) -> the bitmask of no fault
+
+
+def _clean(n: int, device: torch.device) -> Tensor:
+    """The bitmask of a call of ``n`` rows without a fault: int8 zeros, one tensor per (n,
+    device), made once and never written (execute makes a new one for a fault, and
+    :func:`raise_if_bad` knows this one at sight)."""
+    clean = _CLEAN.get((n, device))
+    if clean is None:
+        clean = _CLEAN[(n, device)] = torch.zeros(n, dtype=torch.int8, device=device)
+    return clean
+
+
+def _host_scores(logp: Tensor, tokens: list[int], columns: int) -> Tensor:
+    """(n, columns) float64: row i's log-prob of ``tokens[i]`` in every column (host ``logp``
+    (n, V) float32), 0 where it is not finite: what gathering the greedy columns from ``logp``,
+    zeroing what is not finite and widening to float64 give, read as numbers (a decode step)."""
+    table = logp.numpy()
+    rows = []
+    for i, t in enumerate(tokens):
+        v = table.item(i, t)
+        rows.append([v if math.isfinite(v) else 0.0] * columns)
+    return torch.from_numpy(np.array(rows, dtype=np.float64))
 
 
 def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResult, Tensor]:
@@ -564,38 +601,44 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         )
 
     n = int(call.cells.shape[0])
+    device = call.cells.device
     chosen: Logits | None = None  # a Logits record: the worker chooses its k tokens
     if isinstance(out, Logits):
         chosen = out
         wrong = _bad_choice(out)
         if wrong:
             raise fail(f"returned a Logits record with {wrong}", R_TYPE)
-        fields: dict[str, Any] | None = {"logits": out.logits}
+        proposal, score, logits = None, None, out.logits
+        aux: dict[str, Any] = {}
+        returned: tuple[tuple[str, Any], ...] = (("logits", logits),)
     else:
-        fields = {"proposal": out} if isinstance(out, Tensor) else _fields(out)
-    if fields is None:
-        return_what = f"a {type(out).__name__}"
-        raise ModelError(
-            MSG_OUTPUT_TYPE.format(rule=call.rule, what=return_what),
-            where=_where(call, backend, worker),
-            code=R_TYPE,
+        fields: dict[str, Any] | None = (
+            {"proposal": out} if isinstance(out, Tensor) else _fields(out)
         )
-    proposal = fields.pop("proposal", None)
-    score = fields.pop("score", None)
-    logits = fields.pop("logits", None)
-    for name, t in [("proposal", proposal), ("score", score), ("logits", logits), *fields.items()]:
-        if t is not None and not isinstance(t, Tensor):
+        if fields is None:
+            raise ModelError(
+                MSG_OUTPUT_TYPE.format(rule=call.rule, what=f"a {type(out).__name__}"),
+                where=_where(call, backend, worker),
+                code=R_TYPE,
+            )
+        proposal = fields.pop("proposal", None)
+        score = fields.pop("score", None)
+        logits = fields.pop("logits", None)
+        aux = fields
+        returned = (("proposal", proposal), ("score", score), ("logits", logits), *aux.items())
+    for name, t in returned:
+        if t is None:
+            continue
+        if not isinstance(t, Tensor):
             raise fail(f"returned a {type(t).__name__} for '{name}'; expected a tensor", R_TYPE)
-        if isinstance(t, Tensor) and (t.dim() == 0 or t.shape[0] != n):
+        if t.dim() == 0 or t.shape[0] != n:
             raise fail(
                 f"returned '{name}' of shape {tuple(t.shape)}; expected leading dim {n} "
                 "(one row per cell of the batched call)",
                 R_RANK if t.dim() == 0 else R_SHAPE,
             )
-    aux: dict[str, Tensor] = fields
-    device = call.cells.device
-    for name, t in [("proposal", proposal), ("score", score), ("logits", logits), *aux.items()]:
-        if isinstance(t, Tensor) and t.device != device:  # host metadata: no device sync
+    for name, t in returned:
+        if t is not None and t.device != device:  # host metadata: no device sync
             raise ModelError(
                 f"the model bound to rule '{call.rule}' "
                 + MSG_DEVICE.format(name=name, got=t.device, want=device),
@@ -603,7 +646,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 code=R_DEVICE,
                 hint=HINT_DEVICE,
             )
-    bad = torch.zeros(n, dtype=torch.int8, device=device)
+    bad: Tensor | None = None  # the per-row fault bits, made at the first fault
     scored = False  # the scores are known finite
 
     if proposal is None and logits is None:
@@ -634,6 +677,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
             )
         keys = call.keys
         finite_max = False  # every row's max logit is known finite
+        fast = None  # the greedy choice of a decode step, worked out on the host
         if chosen is not None:
             if logits.dim() != 2:
                 raise fail(
@@ -659,7 +703,6 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     )
                 return noise[0]
 
-            fast = None  # the greedy choice of a decode step, worked out on the host
             if chosen.pick == "top" and chosen.k == 1:
                 fast = choose.greedy_rows(logits, call.mask)
             if fast is not None:
@@ -682,7 +725,8 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                     alone = first[:, 0]
                 proposal = choose.alone_column(proposal, alone)  # (n, k + 1)
             temp = float(chosen.temperature)
-            wide = logits.float()  # (float32 logits: the same tensor; / 1.0 changes nothing)
+            # (float32 logits as they are; / 1.0 changes nothing)
+            wide = logits if logits.dtype == torch.float32 else logits.float()
             logp = torch.log_softmax(wide / temp if temp != 1.0 else wide, dim=-1)
         else:
             proposal = rng.categorical(
@@ -706,22 +750,26 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 )  # (n,)
                 proposal = choose.alone_column(proposal.unsqueeze(1), alone)  # (n, 2)
             logp = torch.log_softmax(logits.float(), dim=-1)
-        if logits.dim() == 2 and call.mask is not None and call.mask.current is not None:
+        kept = logits.dim() == 2 and call.mask is not None and call.mask.current is not None
+        if kept:
             two = proposal if proposal.dim() == 2 else proposal.unsqueeze(1)
             proposal = choose.keep_column(two, logits, call.mask)  # (n, k + 1)
-        if logits.dim() == 2 and proposal.dim() == 2:  # (n, k) tokens of one distribution
-            score = logp.gather(1, proposal)
-        else:  # (n,) of (n, V), or (n, k) of (n, k, V): one token per distribution
-            score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
+        if fast is not None and not kept:  # the decode step's scores, read as numbers
+            score = _host_scores(logp, fast.tokens, proposal.shape[1])  # (n, 1 | 2) float64
+        else:
+            if logits.dim() == 2 and proposal.dim() == 2:  # (n, k) tokens of one distribution
+                score = logp.gather(1, proposal)
+            else:  # (n,) of (n, V), or (n, k) of (n, k, V): one token per distribution
+                score = logp.gather(-1, proposal.unsqueeze(-1)).squeeze(-1)
+            if not _finite(score):
+                score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
         # a NaN or +inf logit, or every token -inf: the distribution's max is not finite (amax
         # propagates NaN): one reduction instead of three passes over the vocabulary (none
         # where the greedy choice read the maxima already)
         if not finite_max:
             rowmax = logits.amax(dim=-1)  # (n,) | (n, k)
             if not _finite(rowmax):
-                bad |= _rows_any(~torch.isfinite(rowmax)).to(torch.int8) * BAD_LOGITS
-        if not _finite(score):
-            score = torch.where(torch.isfinite(score), score, torch.zeros_like(score))
+                bad = _flag(bad, _rows_any(~torch.isfinite(rowmax)), BAD_LOGITS)
         scored = True  # (finite: no need to look again below)
     else:
         assert proposal is not None
@@ -768,14 +816,14 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
                 else R_SHAPE,
             )
         if proposal.is_floating_point() or proposal.is_complex():
-            _mark_nonfinite(bad, proposal, BAD_PROPOSAL)
+            bad = _mark_nonfinite(bad, proposal, BAD_PROPOSAL)
         if call.vocab is not None:
-            _mark_outside(bad, proposal, call.vocab)
+            bad = _mark_outside(bad, proposal, call.vocab)
     if call.score is not None:
         proposal, score = rule_score(call, proposal, backend, worker)
         scored = False
     if not scored:
-        _mark_nonfinite(bad, score, BAD_SCORE)
+        bad = _mark_nonfinite(bad, score, BAD_SCORE)
     result = GroupResult(
         rule=call.rule,
         cells=call.cells,
@@ -785,7 +833,7 @@ def execute(call: BatchedCall, *, backend: str, worker: str) -> tuple[GroupResul
         item_ids=call.item_ids,
         offsets=call.offsets,
     )
-    return result, bad
+    return result, bad if bad is not None else _clean(n, device)
 
 
 def rule_score(
@@ -829,6 +877,8 @@ def rule_score(
 
 def raise_if_bad(result: GroupResult, bad: Tensor, *, backend: str, worker: str) -> None:
     """Raise ModelError naming the faulty cells when the bitmask ``bad`` (host, (N,)) has a fault."""
+    if _CLEAN.get((bad.shape[0], bad.device)) is bad:
+        return  # (execute's bitmask of no fault)
     if not (bad.numpy().any() if bad.device.type == "cpu" else bool(bad.any())):
         return  # (on the host NumPy looks: a tensor op costs more between two forwards)
     rows = torch.nonzero(bad).flatten()

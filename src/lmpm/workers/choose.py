@@ -172,6 +172,7 @@ class Greedy(NamedTuple):
 
     proposal: Tensor  # (n, 1) int64, or with a mask (n, 2): the choice, then the model alone's
     finite: bool  # every row's highest logit is finite (as ``logits.amax(-1)`` would say)
+    tokens: list[int]  # each row's choice as a number (every column of its row holds it)
 
 
 def greedy_rows(logits: Tensor, mask: VocabMask | None) -> Greedy | None:
@@ -193,20 +194,25 @@ def greedy_rows(logits: Tensor, mask: VocabMask | None) -> Greedy | None:
         and n <= _FEW
     ):
         return None
-    table = logits.detach().numpy()  # (n, V), a view
-    alone = table.argmax(axis=1)  # (n,) the first of each row's maxima
-    best = table[np.arange(n), alone].tolist()
-    if mask is None:
-        top = alone.reshape(n, 1)
-    else:
-        drop = mask.sets.drop_host
-        if not all(
-            b > -math.inf and not drop[i] for b, i in zip(best, alone.tolist(), strict=True)
-        ):
+    table = (logits.detach() if logits.requires_grad else logits).numpy()  # (n, V), a view
+    if n == 1:  # one row (the decode step): its flat argmax, read as numbers
+        t = int(table.argmax())
+        b = table.item(t)
+        if mask is not None and not (b > -math.inf and not mask.sets.drop_host[t]):
             return None
-        top = np.stack((alone, alone), axis=1)  # (n, 2)
+        top = np.array([[t] if mask is None else [t, t]], dtype=np.int64)
+        return Greedy(torch.from_numpy(top), math.isfinite(b), [t])
+    alone = table.argmax(axis=1)  # (n,) the first of each row's maxima
+    tokens = alone.tolist()
+    best = table[np.arange(n), alone].tolist()
+    if mask is not None:
+        drop = mask.sets.drop_host
+        if not all(b > -math.inf and not drop[i] for b, i in zip(best, tokens, strict=True)):
+            return None
+    # (n, 1), or (n, 2) beside the model alone's choice, which is the same token
+    top = np.array([[t, t] if mask is not None else [t] for t in tokens], dtype=np.int64)
     finite = all(math.isfinite(b) for b in best)
-    return Greedy(torch.from_numpy(top.astype(np.int64, copy=False)), finite)
+    return Greedy(torch.from_numpy(top), finite, tokens)
 
 
 _NUMPY_ROWS = (torch.float32, torch.float64)

@@ -49,8 +49,8 @@ def resolve_refs(
     read: set[str] = set()
     out: list[WorkItem] = []
     for item in items:
-        if not any(isinstance(v, Ref) for v in item.inputs.values()):
-            out.append(item)
+        if not any(issubclass(kind, Ref) for kind in set(map(type, item.inputs.values()))):
+            out.append(item)  # (the inputs' few distinct types looked at: no Ref among them)
             continue
         inputs: dict[str, Tensor | Ref] = {}
         for name, v in item.inputs.items():
@@ -100,10 +100,12 @@ class CpuBackend:
         calls = batch_items(items, device=self.device)
         state = _CpuState(n_items=len(items))
         by_group: dict[str | None, list[BatchedCall]] = {}
-        for call in calls:
-            by_group.setdefault(call.group, []).append(call)
-        if self._pool is not None and len(by_group) > 1:
-            state.futures = [self._pool.submit(self._run, group) for group in by_group.values()]
+        pool = self._pool
+        if pool is not None and len(calls) > 1:  # (groups run as tasks of the pool)
+            for call in calls:
+                by_group.setdefault(call.group, []).append(call)
+        if pool is not None and len(by_group) > 1:
+            state.futures = [pool.submit(self._run, group) for group in by_group.values()]
             for key in read:
                 pending = [f for f in self._readers.get(key, []) if not f.done()]
                 self._readers[key] = pending + state.futures

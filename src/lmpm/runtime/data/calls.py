@@ -113,8 +113,8 @@ class ModelCalls:
                 gather.since[rp.id] = gather.read_clocks.since(rp.id)
             inputs = gather.gather(rp, cells, rw.cells)
             kwargs = gather.kwargs(rp, vp, e)
-            if clocked:
-                kwargs = {**kwargs, "generation": gather.read_clocks.generation}
+            if clocked:  # (kwargs: this call's own dict)
+                kwargs["generation"] = gather.read_clocks.generation
                 gather.read_clocks.called(rp.id)
             own = inputs["cells"]
             global_cells = own + vp.offset if vp.offset else own

@@ -61,7 +61,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -719,10 +719,13 @@ class Graph:
     resume, a restore) is checked in full once (:func:`signature`), and a graph for another
     signature is compiled (:meth:`CompiledEpoch.step`)."""
 
-    __slots__ = ("first", "fn", "held", "sig")
+    __slots__ = ("call", "first", "fn", "held", "sig")
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[Tensor], first: int) -> None:
         self.fn = fn
+        # where ``fn`` is a bare graph (_direct), the C++ entry it calls (_entry): the caller
+        # passes it its tuple of inputs, one Python frame and list fewer per call
+        self.call: Callable[[Sequence[Tensor]], Any] | None = _LIST_CALLS.get(fn)
         self.sig = signature(args)
         self.first = first  # args[first:] are the run's (checked by identity)
         self.held: tuple[Tensor, ...] = tuple(args[first:])
@@ -746,16 +749,19 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
     call does: checked once, on copies of the inputs (outputs and inputs written in place equal).
     Otherwise ``fn`` as it is. The graph is the inductor module's ``call`` (a list of inputs in,
     a list of outputs back), which ``CompiledFxGraph.__call__`` runs and which AOT autograd's
-    wrapper carries as ``current_callable``."""
+    wrapper carries as ``current_callable``; with a C++ wrapper, its C++ entry itself
+    (:func:`_entry`)."""
     inner: Any = fn
     while not callable(getattr(inner, "current_callable", None)):
         inner = getattr(inner, "__wrapped__", None)
         if inner is None:
             return fn
     call = inner.current_callable
+    bare = _entry(call)
+    run = call if bare is None else bare
 
     def direct(*ts: Tensor) -> Any:
-        return call(list(ts))
+        return run(list(ts))
 
     a, b = [t.clone() for t in args], [t.clone() for t in args]
     try:
@@ -764,8 +770,37 @@ def _direct(fn: Callable[..., Any], args: Sequence[Tensor]) -> Callable[..., Any
         return fn
     same = len(want) == len(got) and all(torch.equal(x, y) for x, y in zip(want, got))
     if same and all(torch.equal(x, y) for x, y in zip(a, b)):
+        if bare is not None:
+            _LIST_CALLS[direct] = bare
         return direct
     return fn
+
+
+def _entry(call: Callable[[list[Tensor]], Any]) -> Callable[[Sequence[Tensor]], Any] | None:
+    """A C++-wrapped inductor module's ``call`` as its C++ entry between the two conversions of
+    tensors to and from handles (the inputs a sequence of tensors): ``call`` (``_wrap_func``'s
+    ``g`` over the entry ``f``) first turns every input that is not a tensor into one, in a
+    Python loop over the inputs (a step has ~20, all tensors). None for any other ``call`` (a
+    Python wrapper); :func:`_direct` checks the result either way."""
+    code = getattr(call, "__code__", None)
+    cells = getattr(call, "__closure__", None)
+    if code is None or code.co_freevars != ("f",) or not cells:
+        return None
+    entry = cells[0].cell_contents
+    # (typed for a list; pybind11 converts any sequence, the step's tuple of arguments)
+    to_handles = cast(
+        Callable[[Sequence[Tensor]], Any], torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors
+    )
+    from_handles = torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs
+
+    def bare(args: Sequence[Tensor]) -> Any:
+        return from_handles(entry(to_handles(args)))
+
+    return bare
+
+
+# a bare graph (_direct's) -> the inductor call it wraps, taking its inputs as one sequence
+_LIST_CALLS: dict[Callable[..., Any], Callable[[Sequence[Tensor]], Any]] = {}
 
 
 _SIMULATED: dict[tuple[Any, ...], Callable[..., Any]] = {}
@@ -830,6 +865,11 @@ def compile_graph(
             # Scalar loops: a step is gathers and scatters by cell index, which vectorized loops
             # do lane by lane through a stack buffer (7× slower at 32,768 open cells).
             "cpp.simdlen": 1,
+            # A stack of unrolled columns (the candidate tables) as one pointwise loop: inductor's
+            # CPU default writes each column into a slice of the stacked buffer, a tensor view
+            # made and freed per column and call (30 of a one-cell text step's ~75 tensor
+            # handles: 23 -> 18 us a call with warm caches)
+            "force_pointwise_cat": True,
         }
         if guarded:
             # The C++ wrapper checks each input's sizes and strides with a std::stringstream
@@ -871,9 +911,10 @@ def fuse(parts: Sequence[Any], dtype: torch.dtype) -> Fused:
     as one block of candidate columns; where a part's rule did not fire on a cell its columns are
     not valid (zero payload, -inf score)."""
     first = parts[0]
-    layout = tuple((p.rule.id, p.replica, p.proposals.shape[1]) for p in parts)
-    if len(parts) == 1:
+    if len(parts) == 1:  # (one rule replica: its proposals are the columns as they are)
+        layout: Layout = ((first.rule.id, first.replica, first.proposals.shape[1]),)
         return Fused(first.rule, first.cells, layout, first.proposals, first.scores, None, None)
+    layout = tuple((p.rule.id, p.replica, p.proposals.shape[1]) for p in parts)
     if all(p.cells is first.cells or torch.equal(p.cells, first.cells) for p in parts[1:]):
         prop = torch.cat([p.proposals.to(dtype) for p in parts], 1)
         sc = torch.cat([p.scores for p in parts], 1)
@@ -931,6 +972,7 @@ class CompiledEpoch:
             if why is None
         }
         self._tables: dict[str, tuple[list[Tensor], ...]] = {}
+        self._flat: dict[str, tuple[Tensor, ...]] = {}  # value -> its tables, in step order
         # (value, open-cell bucket, column layout, the proposals' dtype) -> compiled step, with
         # the run's tensors it reads (held by identity: a Graph)
         self._fns: dict[tuple[Any, ...], Graph] = {}
@@ -1019,15 +1061,40 @@ class CompiledEpoch:
         candidate) pairs violate a constraint. ``e`` a 0-d device tensor: the step runs inside a
         window's capture (lmpm.runtime.data.kepochs), directly."""
         spec = self.specs[value]
-        x, n, b = self._inputs(spec, e, part, dataplane, meta)
-        vtables, where, index, valid = self.tables(value, dataplane)
-        args = (*x, *vtables, *where, *index, *valid, *(meta.clocks[s] for s in spec.others))
-        key = (value, b, part.layout, x.prop.dtype)  # (the graph reads the proposals' dtype)
+        head, n, b = self._inputs(spec, e, part, meta)
+        st = meta.state
+        tables = self._flat.get(value)
+        if tables is None:
+            tables = self._flat[value] = tuple(
+                t for ts in self.tables(value, dataplane) for t in ts
+            )
+        # the run's tensors (a Graph holds them by identity), in StepInputs order, then the tables
+        args = (
+            *head,
+            dataplane.payload[value],
+            dataplane.committed[value],
+            dataplane.from_input[value],
+            st.committed,
+            st.clock,
+            st.rule,
+            st.epoch,
+            st.score,
+            meta.why,
+            meta.active,
+            self._limit,
+            *tables,
+            *([meta.clocks[s] for s in spec.others] if spec.others else ()),
+        )
+        prop = head[2]
+        key = (value, b, part.layout, prop.dtype)  # (the graph reads the proposals' dtype)
         g = self._fns.get(key)
-        if g is None or not g.holds(args):
+        # (Graph.holds, inlined: the identity test of the run's tensors)
+        if g is None or not all(map(operator.is_, args[g.first :], g.held)):
             g = self._graph(key, spec, part.layout, args, e, g)
-        if self.captured is not None and x.e is self._e:  # on CUDA: replay the captured graph
+        if self.captured is not None and head[0] is self._e:  # on CUDA: replay the captured graph
             out = self.captured.run(key, g.fn, args)
+        elif g.call is not None:
+            out = g.call(args)
         else:
             out = g.fn(*args)
         self.stats.steps += 1
@@ -1058,16 +1125,15 @@ class CompiledEpoch:
         return g
 
     def _inputs(
-        self, spec: StepSpec, e: int | Tensor, part: Fused, dataplane: Any, meta: StepMeta
-    ) -> tuple[StepInputs, int, int]:
-        """The step's :class:`StepInputs`, padded to the bucket (by repeating row 0: identical
-        rows decide and write identically); with ``n`` and the bucket."""
+        self, spec: StepSpec, e: int | Tensor, part: Fused, meta: StepMeta
+    ) -> tuple[tuple[Tensor, ...], int, int]:
+        """The step's inputs made per epoch (:class:`StepInputs` up to ``payload``: e, cells,
+        prop, sc, fired) padded to the bucket (by repeating row 0: identical rows decide and
+        write identically); with ``n`` and the bucket."""
         cells, prop, sc, fired = part.cells, part.proposals, part.scores, part.fired
         n = cells.numel()
-        b = bucket(n)
-        if b == n:
-            cells = cells.contiguous()  # (the graph reads it at the stride it was compiled for)
-        else:
+        b = 1 << (n - 1).bit_length() if n > 1 else 1  # (bucket, inlined)
+        if b != n:
             pad = b - n
             cells = torch.cat((cells, cells[:1].expand(pad)))
             prop = torch.cat((prop, prop[:1].expand(pad, *prop.shape[1:])))
@@ -1089,26 +1155,9 @@ class CompiledEpoch:
             else:
                 self._e.fill_(e)
             e_t = self._e
-        st = meta.state
-        x = StepInputs(
-            e_t,
-            cells,
-            prop.contiguous(),
-            sc.contiguous(),
-            fired,
-            dataplane.payload[spec.value],
-            dataplane.committed[spec.value],
-            dataplane.from_input[spec.value],
-            st.committed,
-            st.clock,
-            st.rule,
-            st.epoch,
-            st.score,
-            meta.why,
-            meta.active,
-            self._limit,
-        )
-        return x, n, b
+        # (the graph reads them at the strides it was compiled for; contiguous() of a
+        # contiguous tensor is the tensor itself)
+        return (e_t, cells.contiguous(), prop.contiguous(), sc.contiguous(), fired), n, b
 
     def _compile(
         self, spec: StepSpec, layout: Layout, args: tuple[Tensor, ...], e: int | Tensor
@@ -1207,7 +1256,7 @@ class ReadGathers:
         g = self._fns.get((rp.id, b))
         if g is None or not g.holds(args):
             g = self._graph(rp, b, args, g)
-        out = g.fn(*args)
+        out = g.fn(*args) if g.call is None else g.call(args)
         if b != n:
             out = [t[:n] for t in out]
         return {j: (out[3 * i], out[3 * i + 1], out[3 * i + 2]) for i, j in enumerate(reads)}

@@ -88,6 +88,9 @@ _NUMPY = frozenset(
 )
 
 
+_NO_CLOCKS: dict[str, Tensor] = {}  # a compiled step that reads no other value's clocks
+
+
 class DataPlane:
     """One worker: resident payload, models, constraint checks, commits. See the module doc.
 
@@ -224,11 +227,14 @@ class DataPlane:
     ) -> tuple[ProposeReply, list[str], dict[str, Fused]]:
         """Run the models; build the eager values' candidates (the compiled values' come in their
         steps, :meth:`step_fused`). Returns the eager reply, the values in commit order and the
-        compiled values' proposals (every rule replica's columns, :func:`fuse`). An epoch that something watches (``--trace cells``, taps) or
-        that corrupts proposals (fault drills) runs eagerly."""
-        assert self.compiled is not None
-        if not self.compiled.specs or req.record or self.taps or self.corrupt_from is not None:
-            self.compiled.stats.eager_epochs += 1
+        compiled values' proposals (every rule replica's columns, :func:`fuse`). An epoch that
+        something watches (``--trace cells``, taps) or that corrupts proposals (fault drills) runs
+        eagerly."""
+        compiled = self.compiled
+        assert compiled is not None
+        specs = compiled.specs  # the values that compile
+        if not specs or req.record or self.taps or self.corrupt_from is not None:
+            compiled.stats.eager_epochs += 1
             reply = self.propose(req)
             return reply, list(reply.values), {}
         per_value, model_seconds = self.run_models(req)
@@ -238,7 +244,7 @@ class DataPlane:
         values = {}
         fused: dict[str, Fused] = {}
         for name, parts in per_value.items():
-            if self.compiled.compiles(name):
+            if name in specs:
                 fused[name] = fuse(parts, self.plan.values[name].dtype)
             else:
                 values[name] = self.staging.build(
@@ -251,21 +257,24 @@ class DataPlane:
     ) -> tuple[ValueEpoch, int, int]:
         """One compiled value's epoch: its step (payload and metadata written together), its
         commits appended to the store; its record, commits and violations."""
-        assert self.compiled is not None
-        active = owner.active_mask(name, self.device)
+        compiled = self.compiled
+        assert compiled is not None
+        spec = compiled.specs[name]
+        others = spec.others  # the values whose clocks its rules read
         if self._host:  # the step writes the owner's metadata itself
             state, why = owner.state[name], owner.why[name]
-            clocks = {s: st.clock for s, st in owner.state.items()}
+            clocks = {s: owner.state[s].clock for s in others} if others else _NO_CLOCKS
         else:  # a captured step: the device's mirror of it (its records come back to the host)
             mirror = self._mirror
             assert mirror is not None
             state, got = mirror.get(name)
             assert got is not None  # (a proposed value has why-codes)
             why = got
-            spec = self.compiled.specs[name]
-            clocks = {s: mirror.get(s)[0].clock for s in spec.others}
-        meta = StepMeta(state, why, active, clocks, owner.quota(name, e))
-        out = self.compiled.step(name, e, part, self, meta)
+            clocks = {s: mirror.get(s)[0].clock for s in others}
+        active = owner.active_mask(name, self.device)
+        quota = owner.quota(name, e) if spec.quota else None  # (a schedule with a quota)
+        meta = StepMeta(state, why, active, clocks, quota)
+        out = compiled.step(name, e, part, self, meta)
         return self.settle_fused(owner, name, e, part, out, checksums)
 
     def settle_fused(
@@ -283,19 +292,19 @@ class DataPlane:
         to the store; its record, commits and violations. ``written``: the open cells' payload
         after the step, on the host (a replayed window's, whose later epochs moved the payload
         on)."""
-        assert self.compiled is not None
+        compiled = self.compiled
+        assert compiled is not None
         rp, cells = part.rule, part.cells
         winner, changed, score, valid, violated, applies, new_clock, was, *quorum, counts = out
         if name in self.read_clocks.values:
             self.read_clocks.stamp(name, self.payload[name], cells[changed])
         n_commits, n_viol = counts.tolist()
-        col_rule = self.compiled.columns(part.layout)
-        host_cells = (
-            part.host_cells if part.host_cells is not None else self.calls.work_cells[rp.id]
-        )
+        col_rule = compiled.columns(part.layout)
+        if not self._host:  # the records name the open cells on the host
+            cells = part.host_cells if part.host_cells is not None else self.calls.work_cells[rp.id]
         ve = ValueEpoch(
             name,
-            cells if self._host else host_cells,
+            cells,
             valid,
             score,
             col_rule,
@@ -308,11 +317,12 @@ class DataPlane:
             applies,
             disagreed=quorum[0] if quorum else None,
         )
-        self.outvoted[name] = (
-            Outvoted(quorum[1], col_rule, *self.compiled.replicas(part.layout)) if quorum else None
-        )
+        if quorum:
+            self.outvoted[name] = Outvoted(quorum[1], col_rule, *compiled.replicas(part.layout))
+        else:
+            self.outvoted[name] = None
         if not self._host:
-            rules = self.compiled.specs[name].rules
+            rules = compiled.specs[name].rules
             owner.settle(name, e, rp.id if len(rules) == 1 else col_rule[winner[changed]], ve)
         if n_commits and (self.store is not None or checksums):
             self._store_fused(name, e, ve, written, checksums)

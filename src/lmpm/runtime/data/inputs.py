@@ -11,7 +11,7 @@ rows without copies, and under ``--compile`` their reads are gathered by compile
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -51,14 +51,42 @@ def host_slots(
 
 
 def _host_arrays(
-    index: Tensor, valid: Tensor, cell: int, payload: Tensor, committed: Tensor
+    index: Tensor,
+    valid: Tensor,
+    cell: int,
+    payload: Tensor,
+    committed: Tensor,
+    host: Callable[[Tensor], np.ndarray] = Tensor.numpy,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`host_slots` as the NumPy arrays the tensors wrap (the opted-in extras of the same
-    row are worked out from them, not from the tensors)."""
-    idx = index.numpy()[cell : cell + 1]  # (1, K)
-    mask = valid.numpy()[cell : cell + 1] & committed.numpy()[idx]
-    data = payload.numpy()[idx]  # (1, K, *cell)
+    row are worked out from them, not from the tensors); ``host``: a tensor's array."""
+    idx = host(index)[cell : cell + 1]  # (1, K)
+    mask = host(valid)[cell : cell + 1] & host(committed)[idx]
+    data = host(payload)[idx]  # (1, K, *cell)
     return data, mask, idx
+
+
+class HostViews:
+    """The NumPy arrays of the host tensors a worker reads every epoch (plan tables, resident
+    payload, flags and clocks), made once per tensor: ``Tensor.numpy`` costs ~10-15 µs right after
+    a forward has flushed the caches, a look-up a fraction. A tensor replaced (a restore), or
+    whose storage moved, gets a new array; in-place writes show through the array (a view)."""
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[Tensor, np.ndarray, int]] = {}
+
+    def __call__(self, t: Tensor) -> np.ndarray:
+        hit = self._views.get(id(t))
+        if hit is not None and hit[0] is t and hit[2] == t.data_ptr():
+            return hit[1]
+        if len(self._views) >= _VIEWS_KEPT:  # (tensors replaced by restores: let them go)
+            self._views.clear()
+        view = t.numpy()
+        self._views[id(t)] = (t, view, t.data_ptr())
+        return view
+
+
+_VIEWS_KEPT = 256  # arrays a worker's HostViews holds before starting afresh
 
 
 class ModelInputs:
@@ -87,6 +115,7 @@ class ModelInputs:
             rp.id: opts for rp in plan.rules if (opts := read_options(rp.model, rp.name))
         }
         self.since: dict[int, int] = {}  # rule id -> write clock of its previous call
+        self.host = HostViews()  # (a decode step's reads on the host)
         self.read_clocks = ReadClocks(
             rd.source
             for rp in plan.rules
@@ -131,7 +160,7 @@ class ModelInputs:
             if j in gathered:
                 data, mask, idx = gathered[j]
             elif one is not None and not rd.uniform and payload.dtype in _NUMPY:
-                host = _host_arrays(rd.index, rd.valid, one, payload, committed)
+                host = _host_arrays(rd.index, rd.valid, one, payload, committed, self.host)
                 data, mask, idx = (torch.from_numpy(a) for a in host)
             elif rd.uniform:
                 # Every cell reads the same cells: one gathered row, broadcast (an expanded view
@@ -189,7 +218,7 @@ class ModelInputs:
             since = self.since.get(rp.id, -1)
             if idx.shape[0] == 1 and idx.device.type == "cpu":  # one row: read in NumPy
                 row_mask, row_idx = (host[1], host[2]) if host else (mask.numpy(), idx.numpy())
-                ahead = np.where(row_mask, clocks.numpy()[row_idx], 0)  # (1, K)
+                ahead = np.where(row_mask, self.host(clocks)[row_idx], 0)  # (1, K)
                 clock = torch.from_numpy(ahead)
                 changed = torch.from_numpy(ahead > since)
             else:
