@@ -19,6 +19,8 @@ from lmpm.runtime.data.checks import CandidateTable, Checks
 from lmpm.runtime.data.resident import Resident
 from lmpm.runtime.protocol import Candidates, checksum
 
+Columns = tuple[Tensor, Tensor, Tensor]  # (C,) each: rule id, replica and slot of every column
+
 
 @dataclass(slots=True)
 class Staged:
@@ -65,7 +67,7 @@ class Staging:
         self.checks = checks
         self.taps = taps
         self.staged: dict[str, Staged] = {}
-        self._columns_cache: dict[tuple[tuple[int, int, int], ...], tuple[Tensor, ...]] = {}
+        self._columns_cache: dict[tuple[tuple[int, int, int], ...], Columns] = {}
         # per table shape (n, C): its constant parts, made once (see _fills)
         self._fill_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
 
@@ -106,24 +108,12 @@ class Staging:
             name, vp, e, cells, table, valid, current, committed, any_committed, all_valid
         )
         violated, applies = self.checks.check(ct, tabs)
-        col_rule, col_rep, col_slot = self._columns_cache.get(key) or self.columns(key)
+        layout = self._columns_cache.get(key) or self.columns(key)  # (rule, replica, slot)
         sums = checksum(table, len(vp.cell_shape)) if tabs.checksums else None
         self.staged[name] = Staged(cells, table, committed)
         for tap in self.taps:
             tap(e, name, cells, table, valid)
-        cand = Candidates(
-            name,
-            cells,
-            valid,
-            score,
-            violated,
-            applies,
-            col_rule,
-            col_rep,
-            col_slot,
-            refreshed,
-            sums,
-        )
+        cand = Candidates(name, cells, valid, score, violated, applies, *layout, refreshed, sums)
         return cand if res.host else cand.to_host()
 
     def _fills(self, n: int, ncol: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -175,7 +165,7 @@ class Staging:
             c += w
         return table, valid, score, False
 
-    def columns(self, key: tuple[tuple[int, int, int], ...]) -> tuple[Tensor, ...]:
+    def columns(self, key: tuple[tuple[int, int, int], ...]) -> Columns:
         """(C,) rule id, replica and slot of each candidate column (-1: keep) of the layout
         ``key`` (per part: rule id, replica, width); made once per layout."""
         hit = self._columns_cache.get(key)
