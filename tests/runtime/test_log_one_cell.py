@@ -241,3 +241,31 @@ def test_new_logs_take_the_page_size_and_older_ones_resume(
         if table.endswith((":meta", ":checkpoints")):  # (the resume's argv; the part's end)
             continue
         assert got[table] == want[table], table
+
+
+def test_a_wide_candidate_table_stays_on_the_tensor_path() -> None:
+    """k = V candidates of one cell are not read as Python numbers (the default trace's cost must
+    not grow with k: benchmarks/trace_k.py); a few candidates are."""
+    import torch
+
+    from lmpm.runtime.records import ONE_CELL_COLUMNS, OneCell, ValueEpoch
+
+    def record(columns: int) -> ValueEpoch:
+        return ValueEpoch(
+            "Txt",
+            torch.tensor([3]),
+            torch.ones(1, columns, dtype=torch.bool),
+            torch.zeros(1, columns),
+            torch.zeros(columns, dtype=torch.int64),
+            torch.zeros(1, columns, 1, dtype=torch.bool),
+            torch.tensor([0]),
+            torch.tensor([1]),
+            torch.tensor([True]),
+            torch.tensor([1]),
+            torch.tensor([False]),
+            torch.ones(1, 1, dtype=torch.bool),
+        )
+
+    one = OneCell.of(record(ONE_CELL_COLUMNS))
+    assert one is not None and one.cell == 3 and len(one.valid) == ONE_CELL_COLUMNS
+    assert OneCell.of(record(ONE_CELL_COLUMNS + 1)) is None

@@ -116,6 +116,9 @@ class ValueEpoch:
     disagreed: Tensor | None = None
 
 
+ONE_CELL_COLUMNS = 64  # candidates a OneCell reads as numbers
+
+
 @dataclass(frozen=True, slots=True)
 class OneCell:
     """A :class:`ValueEpoch` of one open cell (a decode's epoch) as Python numbers, each tensor
@@ -136,8 +139,10 @@ class OneCell:
 
     @staticmethod
     def of(ve: ValueEpoch) -> OneCell | None:
-        """``ve`` read into Python numbers; None unless it has exactly one open cell."""
-        if ve.cells.numel() != 1:
+        """``ve`` read into Python numbers; None unless it has exactly one open cell with at most
+        ``ONE_CELL_COLUMNS`` candidates (k = V's table stays with the tensor paths, whose cost
+        does not grow with k)."""
+        if ve.cells.numel() != 1 or ve.valid.shape[-1] > ONE_CELL_COLUMNS:
             return None
         return OneCell(
             ve.cells.tolist()[0],
