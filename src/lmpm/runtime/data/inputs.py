@@ -50,6 +50,13 @@ def host_slots(
     return torch.from_numpy(data), torch.from_numpy(mask), torch.from_numpy(idx)
 
 
+def host_row(host: Callable[[Tensor], np.ndarray], table: Tensor, cell: int) -> Tensor:
+    """Row ``cell`` of the host plan table ``table`` (1, ...) as a view through its NumPy array
+    (``host``: a :class:`HostViews`): after a forward has flushed the caches, a NumPy slice and
+    ``from_numpy`` cost a fraction of ``Tensor.narrow`` (the coords of a decode step's one cell)."""
+    return torch.from_numpy(host(table)[cell : cell + 1])
+
+
 def _host_arrays(
     index: Tensor,
     valid: Tensor,
@@ -143,7 +150,11 @@ class ModelInputs:
             one = c if res.host else None
         else:
             rows = res.rows
-        coords = rows(vp.coords, cells, key and ("coords", *key))
+        coords = (
+            host_row(self.host, vp.coords, one)
+            if one is not None
+            else rows(vp.coords, cells, key and ("coords", *key))
+        )
         inputs: dict[str, Tensor] = {
             "cells": cells.clone() if copy else cells,
             "coords": coords.clone() if key and copy else coords,
