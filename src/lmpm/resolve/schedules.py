@@ -214,8 +214,9 @@ class Raster(Schedule):
     def __init__(self, k: int) -> None:
         super().__init__()
         self.k = k
-        # per value: (its committed flags, a numpy view of them or None, every cell's id)
-        self._views: dict[str, tuple[Tensor, np.ndarray | None, Tensor]] = {}
+        # per value: (its committed flags, a numpy view of them or None, every cell's id as a
+        # NumPy array)
+        self._views: dict[str, tuple[Tensor, np.ndarray | None, np.ndarray]] = {}
 
     def open_cells(
         self, value: str, committed: Tensor, e: int, skip: int = 0, start: int | None = None
@@ -231,16 +232,18 @@ class Raster(Schedule):
             return (~committed).nonzero().squeeze(1)[skip * self.k : (skip + 1) * self.k]
         if self.k == 1 and not skip:
             first = int(flags.argmin())  # the first unset cell (0 when every cell is committed)
-            # (narrow: a view, cheaper than slicing; none when every cell is committed)
-            return hit[2].narrow(0, first, 0 if flags[first] else 1)
+            # (a NumPy slice of every cell's id: after a forward has flushed the caches, a
+            # fraction of Tensor.narrow's cost; none when every cell is committed)
+            return torch.from_numpy(hit[2][first : first + (not flags[first])])
         unset = np.flatnonzero(~flags)[skip * self.k : (skip + 1) * self.k]
         return torch.from_numpy(unset.astype(np.int64, copy=False))
 
-    def _flags(self, value: str, committed: Tensor) -> tuple[Tensor, np.ndarray | None, Tensor]:
+    def _flags(self, value: str, committed: Tensor) -> tuple[Tensor, np.ndarray | None, np.ndarray]:
         """(``committed``, a numpy view of it or None when the flags are not on the host, every
         cell's id), made once per tensor (the view sees in-place writes)."""
         view = committed.numpy() if committed.device.type == "cpu" else None
-        hit = self._views[value] = (committed, view, self._all(value, committed.shape[0]))
+        ids = self._all(value, committed.shape[0]).numpy()
+        hit = self._views[value] = (committed, view, ids)
         return hit
 
     def stable_after(self, unset: int) -> int:
