@@ -403,44 +403,51 @@ class Engine:
     def _epoch(self, records: bool) -> EpochRecord:
         e = self.epoch
         t0, cpu0 = time.perf_counter(), time.process_time()
-        req = self._request(e, records)
+        quiet = self.quiet
+        # (the request of :meth:`_request`, built in place: one call fewer an epoch)
+        req = EpochRequest(
+            e,
+            quiet // self._cycle,
+            e - quiet,
+            self._active,
+            self.checksums,
+            self.record,
+            records,
+        )
         report = self.dataplane.epoch(req)
         if self.guard:
             check_message(req, "epoch request")
             check_message(report, "epoch report")
-        self.maskplan.add(("open", e, report.opened))
+        opened = report.opened
+        self.maskplan.add(("open", e, opened))
         self._unset = report.unset  # the owner hands over a fresh mapping
         self.epoch = e + 1
         # count the epochs without a commit (before the horizon a guard may still switch a rule on)
         if report.commits:
             self.quiet = 0
         elif e >= self._until:
-            self.quiet += 1
-        rec = self._record(report, time.perf_counter() - t0, time.process_time() - cpu0)
-        for o in self.observers:
-            o.on_epoch(self, rec)
-        return rec
-
-    @staticmethod
-    def _record(report: EpochReport, seconds: float, cpu_s: float) -> EpochRecord:
-        opened = 0
-        for _, n in report.opened:
-            opened += n
-        return EpochRecord(
+            self.quiet = quiet + 1
+        n_open = 0
+        for _, n in opened:
+            n_open += n
+        rec = EpochRecord(
             report.epoch,
             report.values,
-            opened,
+            n_open,
             report.commits,
             report.attempts,
             report.violations,
-            seconds,
+            time.perf_counter() - t0,
             report.model_seconds,
             halo_bytes=report.halo_bytes,
             message_bytes=report.message_bytes,
             control_bytes=report.control_bytes,
-            driver_cpu_s=cpu_s,
+            driver_cpu_s=time.process_time() - cpu0,
             faults=report.faults,
             dissent=report.dissent,
             durable=report.durable,
             log=report.log,
         )
+        for o in self.observers:
+            o.on_epoch(self, rec)
+        return rec
