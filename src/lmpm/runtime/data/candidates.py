@@ -42,9 +42,9 @@ def fold(
 ) -> tuple[Tensor, Tensor]:
     """A proposal equal to the committed payload *is* keep-current, freshly scored: fold it into
     column 0 (its best such score, written into ``score``) so a stale committed score never
-    outranks the rule's current opinion. Returns the candidates still valid and (n,) which cells
-    were refreshed."""
-    same = table == current.unsqueeze(1)
+    outranks the rule's current opinion. ``current``: (n, 1, *cell) the committed payload. Returns
+    the candidates still valid and (n,) which cells were refreshed."""
+    same = table == current
     if vp.cell_shape:
         same = same.flatten(2).all(dim=2)
     same &= committed.unsqueeze(1)
@@ -70,6 +70,8 @@ class Staging:
         self._columns_cache: dict[tuple[tuple[int, int, int], ...], Columns] = {}
         # per table shape (n, C): its constant parts, made once (see _fills)
         self._fill_cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}
+        # per value: (its payload, the payload as a column (N, 1, *cell)), made once per tensor
+        self._column: dict[str, tuple[Tensor, Tensor]] = {}
 
     def build(
         self,
@@ -96,9 +98,18 @@ class Staging:
             ncol = 1 + sum(widths)
         n = cells.shape[0]
         fills = self._fill_cache.get((n, ncol)) or self._fills(n, ncol)
-        current = res.payload[name].index_select(0, cells)  # (n, *cell)
+        payload = res.payload[name]
+        column = self._column.get(name)
+        if column is None or column[0] is not payload:
+            column = self._column[name] = (payload, payload.unsqueeze(1))
+        current = column[1].index_select(0, cells)  # (n, 1, *cell): the table's column 0
         committed = fills[0] if fresh else res.committed[name].index_select(0, cells)
-        table, valid, score, all_valid = self._layout(vp, parts, widths, cells, current, fills, one)
+        if one:  # keep-current, then the part's proposals (every candidate valid)
+            prop = part.proposals
+            table = torch.cat((current, prop if prop.dtype == vp.dtype else prop.to(vp.dtype)), 1)
+            valid, score, all_valid = fills[2], torch.cat((fills[1], part.scores), 1), True
+        else:
+            table, valid, score, all_valid = self._layout(vp, parts, widths, cells, current, fills)
         refreshed: Tensor | None = None
         any_committed = not fresh and bool(committed.any())
         if any_committed and tabs.folds:
@@ -137,22 +148,16 @@ class Staging:
         cells: Tensor,
         current: Tensor,
         fills: tuple[Tensor, Tensor, Tensor],
-        one: bool,
     ) -> tuple[Tensor, Tensor, Tensor, bool]:
-        """The table of ``cells`` (sorted) before folding: (table (n, C, *cell), valid (n, C),
-        score (n, C) float64, every candidate valid). Column 0 keeps ``current``; each part's
-        proposals follow in order, invalid where its rule did not fire. ``fills``: the table's
-        constant parts (:meth:`_fills`); ``one``: one part."""
-        _, keep_score, all_valid = fills
-        n, ncol = all_valid.shape
-        if one:
-            prop, sc = parts[0].proposals, parts[0].scores
-            prop = prop if prop.dtype == vp.dtype else prop.to(vp.dtype)
-            table = torch.cat((current.unsqueeze(1), prop), 1)
-            return table, all_valid, torch.cat((keep_score, sc), 1), True
+        """The table of ``cells`` (sorted) of several parts before folding: (table (n, C, *cell),
+        valid (n, C), score (n, C) float64, every candidate valid: False). Column 0 keeps
+        ``current`` (n, 1, *cell); each part's proposals follow in order, invalid where its rule
+        did not fire. ``fills``: the table's constant parts (:meth:`_fills`); one part's table is
+        :meth:`build`'s."""
+        n, ncol = fills[2].shape
         dev = self.res.device
         table = torch.zeros((n, ncol, *vp.cell_shape), dtype=vp.dtype, device=dev)
-        table[:, 0] = current
+        table[:, :1] = current
         valid = torch.zeros((n, ncol), dtype=torch.bool, device=dev)
         valid[:, 0] = True
         score = torch.full((n, ncol), -torch.inf, dtype=torch.float64, device=dev)

@@ -46,7 +46,7 @@ class CandidateTable(NamedTuple):
     cells: Tensor  # (n,) flat cell ids
     table: Tensor  # (n, C, *cell) candidate payloads
     valid: Tensor  # (n, C) bool: the candidate exists
-    current: Tensor  # (n, *cell) committed payload (undefined where not committed)
+    current: Tensor  # (n, 1, *cell) committed payload, as a column (undefined where not committed)
     committed: Tensor  # (n,) bool before the epoch
     any_committed: bool  # some open cell is committed
     all_valid: bool  # every candidate exists (``valid`` all True)
@@ -173,7 +173,7 @@ class Checks:
             viol = vtable.take(tok.clamp(-1, vtable.shape[0] - 2))
         else:
             if cp.pred == PredKind.CHANGE:
-                differs = table != ct.current.unsqueeze(1)
+                differs = table != ct.current
                 if ct.vp.cell_shape:
                     differs = differs.flatten(2).any(dim=2)
                 holds = differs & committed.unsqueeze(1)
@@ -205,7 +205,7 @@ class Checks:
         ctx = PredicateInput(
             ct.table.clone(),
             valid.clone(),
-            ct.current.clone(),
+            ct.current.squeeze(1).clone(),
             ct.committed.clone(),
             cells.clone(),
             res.rows(vp.coords, cells),
