@@ -35,7 +35,7 @@ from lmpm.runtime.control.crdt import ORSet
 from lmpm.runtime.data.dataplane import DataPlane
 from lmpm.runtime.data.guard import GuardedDataPlane, check_message, guarding
 from lmpm.runtime.port import DataPlanePort
-from lmpm.runtime.protocol import EpochReport, EpochRequest
+from lmpm.runtime.protocol import EpochRequest
 from lmpm.runtime.records import (
     CHECKSUM_POLICIES,
     HELD,

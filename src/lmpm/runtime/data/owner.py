@@ -756,7 +756,9 @@ class Owner:
         (rp,) = self.static[name].rules
         clock = self.clocks.advance_one(self.state, rp, c, own)
         score = float(p.score.take(p.winner))  # the winner's (policy's) score
-        write_cell(self.arrays(name), c, clock, rp.id, e, score)
+        hit = self._arrays.get(name)  # (arrays(), looked up here: no call)
+        views = hit[1] if hit is not None and hit[0] is self.state[name] else self.arrays(name)
+        write_cell(views, c, clock, rp.id, e, score)
         self.version[name] += 1
         return torch.from_numpy(np.array([clock], dtype=np.int64))
 
