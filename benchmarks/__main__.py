@@ -154,6 +154,8 @@ INFO = (  # measured and shown, no goal
      {"case": "outside"}, "ratio_to_bare_loop", lambda x: f"{x:.2f}×"),
     ("epoch_overhead", "text epoch: µs outside the model (p10)", {"case": "text"},
      "outside_us_p10", lambda x: f"{x:.0f} µs"),
+    ("compile", "text --compile: the decision's graph calls alone, share of the epoch",
+     {"case": "text"}, "compiled_step_calls_share", _share),
     ("compile", "text epoch outside the model: eager / --compile", {"case": "text"},
      "outside_ratio", lambda x: f"{x:.2f}×"),
     ("compile", "--compile cold: text + video steps (s)", {"case": "compile_time"},

@@ -6,7 +6,9 @@ timed runs compile nothing), and checks that both commit the same outputs.
 
 - ``text``: examples/text.lmpm with the bundled prompt (one open cell per epoch): per epoch, the
   10th percentile of the time outside the model and of the whole epoch; the outside-model share
-  (goal ≤ 5% compiled).
+  (goal ≤ 5% compiled). Then, in separate compiled runs, the wall time of the compiled decision
+  step's calls per epoch (``CompiledEpoch.step``: one graph call per value with what it hands in
+  and out), p10, and its share of the compiled epoch: the floor under the compiled share.
 - ``video``: examples/video.lmpm with the bundled caption and locked patch (the README demo): the
   median outside-model share over runs (goal ≤ 5% compiled).
 - ``throughput``: the control-plane workload of benchmarks/runtime.py (Vid 16×64×64 with every
@@ -109,12 +111,49 @@ def outside_model(runs: dict[bool, list[tuple[Run, RunResult]]], row: dict[str, 
         row[f"{label}_outside_share"] = round(pct(outside, 0.1) / pct(whole, 0.1), 4)
 
 
+@contextlib.contextmanager
+def _step_calls() -> Iterator[list[list[float]]]:
+    """Per epoch (one list each, opened by the engine's epoch), the wall seconds of every compiled
+    step call in it (:meth:`CompiledEpoch.step`: the decision of one value as one graph call,
+    with its inputs and outputs handled around it)."""
+    from lmpm.runtime.control.engine import Engine
+    from lmpm.runtime.data.compiled import CompiledEpoch
+
+    epochs: list[list[float]] = []
+    step, epoch = CompiledEpoch.step, Engine._epoch
+
+    def timed_step(self: Any, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return step(self, *a, **k)
+        finally:
+            epochs[-1].append(time.perf_counter() - t0)
+
+    def timed_epoch(self: Any, *a: Any, **k: Any) -> Any:
+        epochs.append([])
+        return epoch(self, *a, **k)
+
+    CompiledEpoch.step, Engine._epoch = timed_step, timed_epoch  # type: ignore[method-assign]
+    try:
+        yield epochs
+    finally:
+        CompiledEpoch.step, Engine._epoch = step, epoch  # type: ignore[method-assign]
+
+
 def text(repeats: int) -> dict[str, Any]:
     front = compile_file(EX / "text.lmpm")
     prompt = {"Txt": str(EX / "text" / "prompt.txt")}
     runs = alternate(lambda c: Run(front, inputs=prompt, seed=0, compile=c), None, repeats)
     row: dict[str, Any] = {"benchmark": "compile", "case": "text"}
     outside_model(runs, row)
+    # The floor under the compiled share: the decision's own graph calls, per epoch (separate
+    # runs: the timing wrappers stay out of the runs measured above)
+    with _step_calls() as calls:
+        for _ in range(repeats):
+            Run(front, inputs=prompt, seed=0, compile=True).run(None)
+    per_epoch = [sum(c) * 1e6 for c in calls if c]
+    row["compiled_step_calls_us_p10"] = round(pct(per_epoch, 0.1), 1)
+    row["compiled_step_calls_share"] = round(pct(per_epoch, 0.1) / row["compiled_epoch_us_p10"], 4)
     row["outside_ratio"] = round(row["eager_outside_us_p10"] / row["compiled_outside_us_p10"], 2)
     row["epochs"] = runs[True][0][1].epochs
     row["repeats"] = repeats
