@@ -152,6 +152,8 @@ INFO = (  # measured and shown, no goal
      {"case": "outside"}, "bare_loop_outside_ms_per_token", lambda x: f"{x:.3f}"),
     ("hf", "GPT-2: LMPM's time beside the forward (log included) / the bare loop's",
      {"case": "outside"}, "ratio_to_bare_loop", lambda x: f"{x:.2f}×"),
+    ("examples", "text.lmpm decoded by a bare hand-written loop: time outside the model",
+     {"case": "text_run"}, "bare_loop_outside_share", _share),
     ("epoch_overhead", "text epoch: µs outside the model (p10)", {"case": "text"},
      "outside_us_p10", lambda x: f"{x:.0f} µs"),
     ("compile", "text --compile: the decision's graph calls alone, share of the epoch",
