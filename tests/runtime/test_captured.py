@@ -168,9 +168,9 @@ def _spy(ce: Any) -> list[tuple[Any, Any, tuple[torch.Tensor, ...]]]:
     calls: list[tuple[Any, Any, tuple[torch.Tensor, ...]]] = []
     real = ce._compile
 
-    def spy(spec: Any, layout: Any, args: tuple[torch.Tensor, ...], e: int) -> Any:
+    def spy(spec: Any, layout: Any, args: tuple[torch.Tensor, ...], *rest: Any) -> Any:
         calls.append((spec, layout, args))
-        return real(spec, layout, args, e)
+        return real(spec, layout, args, *rest)
 
     ce._compile = spy
     return calls

@@ -721,12 +721,18 @@ class Graph:
 
     __slots__ = ("call", "first", "fn", "held", "sig")
 
-    def __init__(self, fn: Callable[..., Any], args: Sequence[Tensor], first: int) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Tensor],
+        first: int,
+        sig: tuple[Any, ...] | None = None,
+    ) -> None:
         self.fn = fn
         # where ``fn`` is a bare graph (_direct), the C++ entry it calls (_entry): the caller
         # passes it its tuple of inputs, one Python frame and list fewer per call
         self.call: Callable[[Sequence[Tensor]], Any] | None = _LIST_CALLS.get(fn)
-        self.sig = signature(args)
+        self.sig = signature(args) if sig is None else sig  # (``sig``: the caller's, of args)
         self.first = first  # args[first:] are the run's (checked by identity)
         self.held: tuple[Tensor, ...] = tuple(args[first:])
 
@@ -1120,7 +1126,9 @@ class CompiledEpoch:
         process's caches make a return to an earlier signature cheap)."""
         if g is not None and g.check(args):
             return g
-        g = self._fns[key] = Graph(self._compile(spec, layout, args, e), args, _PER_EPOCH)
+        sig = signature(args)  # (once: the compiled graphs' key and the Graph's check)
+        fn = self._compile(spec, layout, args, e, sig)
+        g = self._fns[key] = Graph(fn, args, _PER_EPOCH, sig)
         self.stats.buckets.setdefault(spec.value, set()).add(key[1])
         return g
 
@@ -1160,8 +1168,15 @@ class CompiledEpoch:
         return (e_t, cells.contiguous(), prop.contiguous(), sc.contiguous(), fired), n, b
 
     def _compile(
-        self, spec: StepSpec, layout: Layout, args: tuple[Tensor, ...], e: int | Tensor
+        self,
+        spec: StepSpec,
+        layout: Layout,
+        args: tuple[Tensor, ...],
+        e: int | Tensor,
+        sig: tuple[Any, ...],
     ) -> Callable[..., Any]:
+        """The graph of ``value``'s step for ``args`` (``sig``: their :func:`signature`): this
+        process's, inductor's cached one, or one built now."""
         value = spec.value
         vtables, where, index, valid = self._tables[value]
         lens = (len(vtables), len(where), len(index), len(valid), len(spec.others))
@@ -1169,7 +1184,7 @@ class CompiledEpoch:
             self.on_compile(value, int(args[1].numel()))
         t0 = time.perf_counter()
         try:
-            key = (spec, layout, signature(args), lens)
+            key = (spec, layout, sig, lens)
             sim = simulated(key, lambda: flat_step(value_step(spec, layout), lens))
             if sim is not None:
                 fn, how = sim
@@ -1269,12 +1284,13 @@ class ReadGathers:
         reads = self._reads[rp.id][0]
         cdims = tuple(args[3 + 4 * i].dim() - 1 for i in range(len(reads)))  # the payloads'
         t0 = time.perf_counter()
-        key = ("gather", cdims, signature(args))
+        sig = signature(args)
+        key = ("gather", cdims, sig)
         sim = simulated(key, lambda: _gather_fn(cdims))
         if sim is not None:
             fn, how = sim
         else:
             fn, _, how = compile_graph(key, lambda: _gather_fn(cdims), args, guarded=True)
         self.stats.record(how, time.perf_counter() - t0)
-        g = self._fns[(rp.id, b)] = Graph(fn, args, 1)
+        g = self._fns[(rp.id, b)] = Graph(fn, args, 1, sig)
         return g
