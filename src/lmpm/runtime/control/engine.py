@@ -404,16 +404,7 @@ class Engine:
         e = self.epoch
         t0, cpu0 = time.perf_counter(), time.process_time()
         quiet = self.quiet
-        # (the request of :meth:`_request`, built in place: one call fewer an epoch)
-        req = EpochRequest(
-            e,
-            quiet // self._cycle,
-            e - quiet,
-            self._active,
-            self.checksums,
-            self.record,
-            records,
-        )
+        req = self._request(e, records)
         report = self.dataplane.epoch(req)
         if self.guard:
             check_message(req, "epoch request")

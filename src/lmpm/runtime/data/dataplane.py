@@ -608,13 +608,7 @@ class DataPlane:
         """Write ``new`` (m, *cell) into ``cells`` of ``name`` and mark them committed. One cell of
         a scalar value on the host (causal generation) is two numpy stores, the tensors' versions
         bumped as a tensor write bumps them (the read caches key on them)."""
-        views = None
-        if cells.shape[0] == 1:  # (the views made by _cell_views, looked up here: no call)
-            hit = self._views.get(name)
-            if hit is not None and hit[0] is self.payload[name] and hit[1] is self.committed[name]:
-                views = hit[2]
-            else:
-                views = self._cell_views(name)
+        views = self._cell_views(name) if cells.shape[0] == 1 else None
         if views is None:
             self.payload[name].index_copy_(0, cells, new)
             self.committed[name].index_fill_(0, cells, True)
